@@ -1,0 +1,418 @@
+//! `tb bench p2p`: pull throughput and 4 KiB round trips between two OS processes on
+//! 127.0.0.1, for tensor-broker and, in the same run, for a bare iroh connection with the same
+//! endpoint settings (the transport's ceiling).
+//!
+//! Process layout: this process orchestrates; a `serve` child holds the tensors (a tensor-broker
+//! node and a raw iroh endpoint); one `recv` child per system measures and reports JSON,
+//! including its own peak RSS.
+
+use std::{
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use clap::{Args, Subcommand, ValueEnum};
+use iroh::{
+    Endpoint,
+    endpoint::Connection,
+    protocol::{AcceptError, ProtocolHandler, Router},
+};
+use serde::{Deserialize, Serialize};
+use tb_node::{Config, Node, PeerAddr, Tensor};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+
+use crate::fmt;
+
+/// ALPN of the raw baseline: request = u64 LE length, response = that many bytes.
+const RAW_ALPN: &[u8] = b"tb-bench/raw/1";
+const SIZES: [u64; 4] = [4 << 10, 1 << 20, 64 << 20, 256 << 20];
+
+/// `tb bench ...`
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Point-to-point pull throughput and 4 KiB latency, tensor-broker vs bare iroh.
+    P2p(P2pArgs),
+    /// (internal) serve the benchmark tensors; prints addresses as JSON on stdout.
+    #[command(hide = true)]
+    P2pServe,
+    /// (internal) measure one system against a serving process; prints JSON on stdout.
+    #[command(hide = true)]
+    P2pRecv(RecvArgs),
+}
+
+/// Options for `tb bench p2p`.
+#[derive(Debug, Args)]
+pub struct P2pArgs {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Measured pulls per size (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// 4 KiB round trips for the latency quantiles.
+    #[arg(long, default_value_t = 1000)]
+    round_trips: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum System {
+    TensorBroker,
+    RawIroh,
+}
+
+impl System {
+    fn label(self) -> &'static str {
+        match self {
+            System::TensorBroker => "tensor-broker",
+            System::RawIroh => "raw-iroh",
+        }
+    }
+}
+
+/// Options of the internal receiver process.
+#[derive(Debug, Args)]
+pub struct RecvArgs {
+    #[arg(long, value_enum)]
+    system: System,
+    #[arg(long)]
+    tb: String,
+    #[arg(long)]
+    raw: String,
+    #[arg(long)]
+    iters: usize,
+    #[arg(long)]
+    round_trips: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ServeInfo {
+    tb: String,
+    raw: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Case {
+    system: String,
+    size_bytes: u64,
+    throughput_mb_s: f64,
+    first_transfer_ms: f64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct Rtt {
+    p50_us: f64,
+    p99_us: f64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct RecvReport {
+    cases: Vec<Case>,
+    rtt_4k: Rtt,
+    peak_rss_bytes: u64,
+}
+
+/// Runs a bench subcommand.
+pub async fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::P2p(args) => p2p(args).await,
+        BenchCommand::P2pServe => serve().await,
+        BenchCommand::P2pRecv(args) => {
+            let report = receive(&args).await?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+    }
+}
+
+fn tensor_name(size: u64) -> String {
+    format!("bench/{size}")
+}
+
+fn payload(size: u64) -> Result<Bytes> {
+    let len = usize::try_from(size)?;
+    Ok(Bytes::from((0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>()))
+}
+
+async fn p2p(args: P2pArgs) -> Result<()> {
+    let exe = std::env::current_exe().context("locating the tb binary")?;
+    let mut server = tokio::process::Command::new(&exe)
+        .args(["bench", "p2p-serve"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the serving process")?;
+    let stdout = server.stdout.take().context("server stdout")?;
+    let mut line = String::new();
+    let mut reader = BufReader::new(stdout);
+    let read = reader.read_line(&mut line);
+    tokio::time::timeout(Duration::from_secs(120), read)
+        .await
+        .context("the serving process did not start within 120 s")??;
+    let info: ServeInfo = serde_json::from_str(line.trim()).context("serving process output")?;
+
+    let mut reports = Vec::new();
+    for system in [System::RawIroh, System::TensorBroker] {
+        if !args.json {
+            eprintln!("measuring {} ...", system.label());
+        }
+        let out = tokio::process::Command::new(&exe)
+            .args(["bench", "p2p-recv", "--system"])
+            .arg(match system {
+                System::TensorBroker => "tensor-broker",
+                System::RawIroh => "raw-iroh",
+            })
+            .args(["--tb", &info.tb, "--raw", &info.raw])
+            .args(["--iters", &args.iters.to_string()])
+            .args(["--round-trips", &args.round_trips.to_string()])
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(900), out)
+            .await
+            .context("a receiver process ran over 15 minutes")??;
+        if !out.status.success() {
+            bail!("the {} receiver failed ({})", system.label(), out.status);
+        }
+        let report: RecvReport = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("{} receiver output", system.label()))?;
+        reports.push((system, report));
+    }
+    drop(server.stdin.take());
+    let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
+    let _ = server.kill().await;
+
+    let find = |s: System| reports.iter().find(|(sys, _)| *sys == s).map(|(_, r)| r);
+    let (Some(tb), Some(raw)) = (find(System::TensorBroker), find(System::RawIroh)) else {
+        bail!("missing a receiver report");
+    };
+    let cases: Vec<Case> = tb.cases.iter().chain(raw.cases.iter()).cloned().collect();
+    let json = serde_json::json!({
+        "bench": "p2p",
+        "cases": cases,
+        "rtt_4k": { "tensor-broker": tb.rtt_4k, "raw-iroh": raw.rtt_4k },
+        "receiver_peak_rss_bytes": tb.peak_rss_bytes,
+    });
+    if args.json {
+        println!("{json}");
+    } else {
+        print_table(tb, raw);
+    }
+    Ok(())
+}
+
+fn print_table(tb: &RecvReport, raw: &RecvReport) {
+    println!(
+        "{:>9} {:>18} {:>14} {:>7} {:>16} {:>14}",
+        "size", "tensor-broker MB/s", "raw-iroh MB/s", "ratio", "tb first ms", "raw first ms"
+    );
+    for (t, r) in tb.cases.iter().zip(&raw.cases) {
+        println!(
+            "{:>9} {:>18.0} {:>14.0} {:>7.2} {:>16.2} {:>14.2}",
+            fmt::bytes(t.size_bytes),
+            t.throughput_mb_s,
+            r.throughput_mb_s,
+            t.throughput_mb_s / r.throughput_mb_s.max(f64::MIN_POSITIVE),
+            t.first_transfer_ms,
+            r.first_transfer_ms
+        );
+    }
+    println!(
+        "4 KiB round trip: tensor-broker p50 {:.0} us p99 {:.0} us; raw-iroh p50 {:.0} us p99 {:.0} us",
+        tb.rtt_4k.p50_us, tb.rtt_4k.p99_us, raw.rtt_4k.p50_us, raw.rtt_4k.p99_us
+    );
+    println!(
+        "tensor-broker receiver peak RSS: {}",
+        fmt::bytes(tb.peak_rss_bytes)
+    );
+}
+
+// ---- serving process ----
+
+#[derive(Debug, Clone)]
+struct RawServer {
+    data: Bytes,
+}
+
+impl ProtocolHandler for RawServer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let data = self.data.clone();
+            tokio::spawn(async move {
+                let mut len = [0u8; 8];
+                if recv.read_exact(&mut len).await.is_err() {
+                    return;
+                }
+                let len = usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX);
+                let Some(body) = data.get(..len).map(|_| data.slice(..len)) else {
+                    return;
+                };
+                let mut offset = 0;
+                while offset < body.len() {
+                    let end = (offset + (1 << 20)).min(body.len());
+                    if send.write_chunk(body.slice(offset..end)).await.is_err() {
+                        return;
+                    }
+                    offset = end;
+                }
+                let _ = send.finish();
+            });
+        }
+        Ok(())
+    }
+}
+
+async fn serve() -> Result<()> {
+    let largest = SIZES[SIZES.len() - 1];
+    let data = payload(largest)?;
+    let node = Node::spawn(Config::default()).await?;
+    for size in SIZES {
+        let tensor = Tensor::from_bytes(data.slice(..usize::try_from(size)?));
+        node.publish_local(&tensor_name(size), tensor)?;
+    }
+    let config = Config::default();
+    let raw_ep = tb_node::bind_endpoint(&config, iroh::SecretKey::generate()).await?;
+    let raw_addr = tb_node::PeerAddr {
+        id: raw_ep.id(),
+        addr: raw_ep.bound_sockets().first().copied().context("raw endpoint socket")?,
+    };
+    let router = Router::builder(raw_ep).accept(RAW_ALPN, RawServer { data }).spawn();
+    let info = ServeInfo {
+        tb: node.addr().to_string(),
+        raw: raw_addr.to_string(),
+    };
+    println!("{}", serde_json::to_string(&info)?);
+    // Serve until the orchestrator closes our stdin (or goes away).
+    let mut sink = Vec::new();
+    let _ = tokio::io::stdin().read_to_end(&mut sink).await;
+    node.shutdown().await;
+    let _ = router.shutdown().await;
+    Ok(())
+}
+
+// ---- receiving process ----
+
+/// One system's client: a fresh endpoint, pulling sizes into a reused buffer.
+enum Client {
+    Tb { node: Node, from: PeerAddr },
+    Raw { ep: Endpoint, to: PeerAddr, conn: Option<Connection> },
+}
+
+impl Client {
+    async fn new(args: &RecvArgs) -> Result<Client> {
+        Ok(match args.system {
+            System::TensorBroker => Client::Tb {
+                node: Node::spawn(Config::default()).await?,
+                from: args.tb.parse()?,
+            },
+            System::RawIroh => Client::Raw {
+                ep: tb_node::bind_endpoint(&Config::default(), iroh::SecretKey::generate()).await?,
+                to: args.raw.parse()?,
+                conn: None,
+            },
+        })
+    }
+
+    async fn fetch(&mut self, size: u64, buf: &mut [u8]) -> Result<()> {
+        match self {
+            Client::Tb { node, from } => {
+                let pulled = node.pull_into(from, &tensor_name(size), None, |_| Ok(&mut *buf)).await?;
+                if pulled.meta.byte_len != size {
+                    bail!("got {} bytes, wanted {size}", pulled.meta.byte_len);
+                }
+            }
+            Client::Raw { ep, to, conn } => {
+                if conn.is_none() {
+                    *conn = Some(ep.connect(to.to_endpoint_addr(), RAW_ALPN).await?);
+                }
+                let conn = conn.as_ref().context("connection")?;
+                let (mut send, mut recv) = conn.open_bi().await?;
+                send.write_all(&size.to_le_bytes()).await?;
+                send.finish()?;
+                recv.read_exact(buf).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn close(self) {
+        match self {
+            Client::Tb { node, .. } => node.shutdown().await,
+            Client::Raw { ep, .. } => ep.close().await,
+        }
+    }
+}
+
+async fn receive(args: &RecvArgs) -> Result<RecvReport> {
+    let mut cases = Vec::new();
+    let mut buf = vec![0u8; usize::try_from(SIZES[SIZES.len() - 1])?];
+    for size in SIZES {
+        let len = usize::try_from(size)?;
+        let dest = &mut buf[..len];
+        // First transfer on a fresh endpoint: includes the connect and handshake.
+        let mut client = Client::new(args).await?;
+        let t = Instant::now();
+        client.fetch(size, dest).await?;
+        let first_transfer_ms = t.elapsed().as_secs_f64() * 1e3;
+        check(dest)?;
+        client.fetch(size, dest).await?; // warm-up
+        let mut rates = Vec::with_capacity(args.iters);
+        for _ in 0..args.iters.max(1) {
+            let t = Instant::now();
+            client.fetch(size, dest).await?;
+            rates.push(fmt::mb_per_s(size, t.elapsed().as_secs_f64()));
+        }
+        check(dest)?;
+        client.close().await;
+        cases.push(Case {
+            system: args.system.label().to_string(),
+            size_bytes: size,
+            throughput_mb_s: fmt::median(&mut rates),
+            first_transfer_ms,
+        });
+    }
+    let rtt_4k = round_trips(args, &mut buf[..4096]).await?;
+    Ok(RecvReport {
+        cases,
+        rtt_4k,
+        peak_rss_bytes: peak_rss_bytes(),
+    })
+}
+
+fn check(buf: &[u8]) -> Result<()> {
+    if let Some(i) = buf.iter().enumerate().position(|(i, b)| *b != (i % 251) as u8) {
+        bail!("byte {i} is wrong");
+    }
+    Ok(())
+}
+
+async fn round_trips(args: &RecvArgs, buf: &mut [u8]) -> Result<Rtt> {
+    let mut client = Client::new(args).await?;
+    for _ in 0..50 {
+        client.fetch(4096, buf).await?;
+    }
+    let mut micros = Vec::with_capacity(args.round_trips);
+    for _ in 0..args.round_trips.max(1) {
+        let t = Instant::now();
+        client.fetch(4096, buf).await?;
+        micros.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    client.close().await;
+    Ok(Rtt {
+        p50_us: fmt::median(&mut micros),
+        p99_us: fmt::percentile(&mut micros, 0.99),
+    })
+}
+
+/// This process's peak resident set (VmHWM), 0 where /proc is not available.
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}

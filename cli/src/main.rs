@@ -1,0 +1,59 @@
+//! `tb`: the tensor-broker command line.
+//!
+//! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
+//! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection.
+
+mod bench;
+mod demo;
+mod fmt;
+
+use clap::{Parser, Subcommand};
+
+/// tensor-broker: move tensors between processes and machines over pooled QUIC links.
+#[derive(Debug, Parser)]
+#[command(name = "tb", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start two nodes in this process, move tensors of several dtypes and sizes (up to
+    /// 256 MiB) by pull and push, verify every byte, and print a summary. Exits 0 on success.
+    Demo(demo::DemoArgs),
+    /// Benchmarks; they print a table, or one JSON object with --json.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Demo(args) => demo::run(args).await,
+            Command::Bench(cmd) => bench::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

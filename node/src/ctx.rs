@@ -1,0 +1,37 @@
+//! [`NodeCtx`]: what the node's actors and transfer tasks share.
+
+use std::sync::Arc;
+
+use iroh::Endpoint;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use crate::{
+    config::Config,
+    inbox::Inbox,
+    pool::{Counter, PoolCounters},
+    store::Store,
+};
+
+/// Byte and transfer counts of this node's data plane.
+#[derive(Debug, Default)]
+pub(crate) struct TransferCounters {
+    pub(crate) bytes_sent: Counter,
+    pub(crate) bytes_received: Counter,
+    pub(crate) served: Counter,
+    pub(crate) failed: Counter,
+}
+
+/// Shared, immutable-after-start context of one node.
+#[derive(Debug)]
+pub(crate) struct NodeCtx {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) config: Config,
+    pub(crate) store: Store,
+    pub(crate) inbox: Inbox,
+    pub(crate) pool: Arc<PoolCounters>,
+    pub(crate) transfers: TransferCounters,
+    /// Cancelled once, at shutdown: every task and in-flight call watches it.
+    pub(crate) cancel: CancellationToken,
+    /// Owns every task the node spawns, so shutdown can wait for them.
+    pub(crate) tracker: TaskTracker,
+}

@@ -1,0 +1,108 @@
+//! The node's error type: one variant per thing a caller can act on.
+
+use std::time::Duration;
+
+use tb_proto::{ErrorCode, MetaError, NameError};
+
+/// Result alias for node operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in a node operation.
+///
+/// Variants are what a caller can act on (retry, pick another peer, fix the input); the
+/// message names the thing that failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The peer does not hold the tensor (or that version of it).
+    #[error("not found: {what}")]
+    NotFound {
+        /// What was looked for, e.g. `tensor "model/w" v7 at 3f2a…`.
+        what: String,
+    },
+    /// An operation did not finish within its time limit.
+    #[error("timed out after {after:?}: {what}")]
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// The limit that expired.
+        after: Duration,
+    },
+    /// The peer could not be reached (dial failed, connection lost before any answer).
+    #[error("peer {peer} unreachable: {reason}")]
+    PeerUnreachable {
+        /// Short form of the peer's node id.
+        peer: String,
+        /// Why, as the transport reported it.
+        reason: String,
+    },
+    /// A node address string could not be parsed.
+    #[error("bad node address {input:?}: {reason} (expected <node-id>@<ip:port>)")]
+    BadAddress {
+        /// What the user gave.
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A tensor name broke the naming rules.
+    #[error("invalid tensor name: {0}")]
+    InvalidName(#[from] NameError),
+    /// The tensor (or a frame) is larger than the configured or the peer's maximum.
+    #[error("too large: {0}")]
+    TooLarge(String),
+    /// Tensor metadata and data disagree (shape, dtype, byte length, rank).
+    #[error("invalid tensor: {0}")]
+    InvalidTensor(String),
+    /// Received bytes do not hash to the hash the sender announced.
+    #[error("corrupt transfer: {0}")]
+    Corrupt(String),
+    /// The peer refused us (reserved for cluster auth).
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
+    /// The pool is at its maximum size and every link is in use.
+    #[error("too many connections: all {max} pooled links are in use")]
+    TooManyConnections {
+        /// The configured maximum number of links.
+        max: usize,
+    },
+    /// The peer answered with an error this node has no more specific variant for.
+    #[error("peer {peer} refused: {code:?}: {message}")]
+    Remote {
+        /// Short form of the peer's node id.
+        peer: String,
+        /// The wire error code.
+        code: ErrorCode,
+        /// The peer's message.
+        message: String,
+    },
+    /// The node is shutting down or has shut down.
+    #[error("node is shut down")]
+    Shutdown,
+    /// A transport or file-system error.
+    #[error("i/o error: {0}")]
+    Io(String),
+}
+
+impl Error {
+    pub(crate) fn io(context: &str, err: impl std::fmt::Display) -> Self {
+        Error::Io(format!("{context}: {err}"))
+    }
+
+    pub(crate) fn timeout(what: impl Into<String>, after: Duration) -> Self {
+        Error::Timeout {
+            what: what.into(),
+            after,
+        }
+    }
+}
+
+impl From<MetaError> for Error {
+    fn from(err: MetaError) -> Self {
+        match err {
+            MetaError::TooLarge { len, max } => {
+                Error::TooLarge(format!("{len} bytes, the limit is {max}"))
+            }
+            other => Error::InvalidTensor(other.to_string()),
+        }
+    }
+}

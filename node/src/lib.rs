@@ -1,0 +1,56 @@
+//! # tb-node: the tensor-broker data plane
+//!
+//! A [`Node`] holds tensors and moves them peer to peer over pooled, encrypted iroh QUIC
+//! connections. One node per process (several in tests).
+//!
+//! ## Main types
+//! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
+//!   `wait_for`, `shutdown`, pool statistics.
+//! - [`Tensor`]: dtype, shape and shared immutable bytes, BLAKE3-hashed when made.
+//! - [`PeerAddr`]: a peer's `<node-id>@<ip:port>`, the string users copy around.
+//! - [`Config`]: every knob; `Config::default()` is the offline single-machine setup.
+//! - [`Error`]: one variant per thing a caller can act on.
+//!
+//! ## Supervision tree
+//! ```text
+//! Node (handle) ── NodeActor            owns the pool: peer id -> PeerActor
+//!                   ├── PeerActor        one per pooled QUIC link (dialed or adopted)
+//!                   └── PeerActor        stops on idle timeout, eviction, or link loss
+//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them
+//! TaskTracker ──── dial / serve tasks   every spawned task, joined at shutdown
+//! ```
+//! Actors decide; tasks move bytes. The `NodeActor` never waits on a child: dials run in
+//! tasks that `cast` back, and a [`LinkGuard`]'s `Drop` only casts.
+//!
+//! ## How a pull flows
+//! `Node::pull` asks the `NodeActor` for a link guard (reusing a pooled link, joining a dial in
+//! flight, or starting one), opens a bi-stream, writes a `Pull` frame, reads the `Header`
+//! frame, lets the caller supply the destination buffer, reads the payload straight into it
+//! while hashing, and checks the BLAKE3 hash before returning. The serving side
+//! (`serve`) answers from the [`Store`] with slices of the shared bytes, no copies.
+
+mod client;
+mod config;
+mod ctx;
+mod endpoint;
+mod error;
+mod inbox;
+mod node;
+mod node_actor;
+mod pool;
+mod serve;
+mod store;
+mod tensor;
+mod wire;
+
+pub use client::Pulled;
+pub use config::{Config, DEFAULT_MAX_TENSOR_BYTES};
+pub use endpoint::{KEY_FILE, PeerAddr, bind_endpoint, load_or_create_key, transport_config};
+pub use error::{Error, Result};
+pub use inbox::Received;
+pub use node::Node;
+pub use pool::{LinkGuard, PoolStats};
+pub use store::{Lookup, Store};
+pub use tensor::Tensor;
+pub use tb_proto as proto;
+pub use tb_proto::{ContentHash, DType, TensorMeta, TensorName};

@@ -1,0 +1,263 @@
+//! [`Node`]: the embeddable handle. Starts the endpoint, the router and the `NodeActor`, and
+//! offers the public async API: push, publish_local, pull, pull_into, recv, wait_for,
+//! shutdown.
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use iroh::{Endpoint, EndpointId, protocol::Router};
+use ractor::{Actor, ActorRef};
+use tb_proto::{DATA_ALPN, TensorMeta, TensorName};
+use tokio::sync::Mutex;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::debug;
+
+use crate::{
+    client::{self, Pulled},
+    config::Config,
+    ctx::{NodeCtx, TransferCounters},
+    endpoint::{self, PeerAddr},
+    error::{Error, Result},
+    inbox::{Inbox, Received},
+    node_actor::{NodeActor, NodeMsg},
+    pool::{LinkGuard, PoolCounters, PoolStats},
+    serve::DataProtocol,
+    store::Store,
+    tensor::Tensor,
+};
+
+/// How long `shutdown` waits for in-flight tasks to finish after cancelling them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// A tensor-broker node: holds tensors and moves them peer to peer over pooled QUIC links.
+///
+/// Cloning is cheap; all clones drive the same node. Call [`Node::shutdown`] when done.
+#[derive(Debug, Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    ctx: Arc<NodeCtx>,
+    actor: ActorRef<NodeMsg>,
+    router: Router,
+    addr: PeerAddr,
+    stopped: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Node {
+    /// Starts a node: binds the offline endpoint, the `tb/data/1` protocol and the pool.
+    pub async fn spawn(config: Config) -> Result<Node> {
+        let key = match &config.data_dir {
+            Some(dir) => endpoint::load_or_create_key(dir)?,
+            None => iroh::SecretKey::generate(),
+        };
+        let endpoint = endpoint::bind_endpoint(&config, key).await?;
+        let addr = endpoint::local_peer_addr(&endpoint)?;
+        let ctx = Arc::new(NodeCtx {
+            endpoint: endpoint.clone(),
+            store: Store::new(config.keep_versions),
+            inbox: Inbox::new(config.inbox_capacity),
+            pool: Arc::new(PoolCounters::default()),
+            transfers: TransferCounters::default(),
+            cancel: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            config,
+        });
+        let (actor, handle) = Actor::spawn(None, NodeActor, ctx.clone())
+            .await
+            .map_err(|e| Error::Io(format!("starting the node actor: {e}")))?;
+        let protocol = DataProtocol {
+            ctx: ctx.clone(),
+            node: actor.clone(),
+        };
+        let router = Router::builder(endpoint).accept(DATA_ALPN, protocol).spawn();
+        debug!(node = %addr, "node started");
+        Ok(Node {
+            inner: Arc::new(Inner {
+                ctx,
+                actor,
+                router,
+                addr,
+                stopped: Mutex::new(Some(handle)),
+            }),
+        })
+    }
+
+    /// This node's id (its iroh public key).
+    pub fn id(&self) -> EndpointId {
+        self.inner.addr.id
+    }
+
+    /// The address peers dial: `<node-id>@<ip:port>`.
+    pub fn addr(&self) -> &PeerAddr {
+        &self.inner.addr
+    }
+
+    /// The underlying iroh endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.ctx.endpoint
+    }
+
+    /// The configuration the node runs with.
+    pub fn config(&self) -> &Config {
+        &self.inner.ctx.config
+    }
+
+    /// Sends `tensor` straight to the peer at `addr`, which gets it from `recv()`/`wait_for()`.
+    /// Returns once the peer has verified and queued it.
+    pub async fn push(&self, addr: &PeerAddr, name: &str, tensor: &Tensor) -> Result<()> {
+        let name = TensorName::new(name)?;
+        tensor.meta().validate(self.config().max_tensor_bytes)?;
+        self.guarded(async {
+            let link = self.link(addr).await?;
+            client::push(&self.inner.ctx, &link, name, tensor).await
+        })
+        .await
+    }
+
+    /// Holds `tensor` as the next version of `name` so peers can pull it; returns the version.
+    pub fn publish_local(&self, name: &str, tensor: Tensor) -> Result<u64> {
+        self.check_running()?;
+        let name = TensorName::new(name)?;
+        tensor.meta().validate(self.config().max_tensor_bytes)?;
+        Ok(self.inner.ctx.store.insert(name, tensor))
+    }
+
+    /// Pulls `name` (the newest version, or `version`) from the peer at `addr`.
+    pub async fn pull(&self, addr: &PeerAddr, name: &str, version: Option<u64>) -> Result<Pulled<Tensor>> {
+        let pulled = self
+            .pull_into(addr, name, version, |meta| {
+                let len = usize::try_from(meta.byte_len)
+                    .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
+                Ok(vec![0u8; len])
+            })
+            .await?;
+        let tensor = Tensor::from_verified(pulled.meta.clone(), Bytes::from(pulled.buffer));
+        Ok(Pulled {
+            name: pulled.name,
+            version: pulled.version,
+            meta: pulled.meta,
+            buffer: tensor,
+        })
+    }
+
+    /// Pulls `name` into a buffer the caller supplies once it knows the metadata (the
+    /// descriptor-then-read pattern): `alloc` gets the verified header and returns a buffer
+    /// of exactly `meta.byte_len` bytes, which the payload is read straight into.
+    pub async fn pull_into<B, F>(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<B>>
+    where
+        B: AsMut<[u8]> + Send,
+        F: FnOnce(&TensorMeta) -> Result<B> + Send,
+    {
+        let name = TensorName::new(name)?;
+        self.guarded(async {
+            let link = self.link(addr).await?;
+            client::pull_into(&self.inner.ctx, &link, name, version, alloc).await
+        })
+        .await
+    }
+
+    /// The next tensor pushed to this node (waits without limit).
+    pub async fn recv(&self) -> Result<Received> {
+        self.recv_timeout(Duration::MAX).await
+    }
+
+    /// The next tensor pushed to this node, or `Timeout` after `timeout`.
+    pub async fn recv_timeout(&self, timeout: Duration) -> Result<Received> {
+        self.guarded(self.inner.ctx.inbox.take(None, timeout)).await
+    }
+
+    /// The next tensor pushed to this node under `name`, or `Timeout` after `timeout`.
+    /// Other pushed tensors stay queued for `recv()`.
+    pub async fn wait_for(&self, name: &str, timeout: Duration) -> Result<Received> {
+        let name = TensorName::new(name)?;
+        self.guarded(self.inner.ctx.inbox.take(Some(&name), timeout)).await
+    }
+
+    /// Number of pooled links.
+    pub fn pool_size(&self) -> usize {
+        self.pool_stats().links()
+    }
+
+    /// Pool counters: links, dials, reuses, evictions, connect failures.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.inner.ctx.pool.snapshot()
+    }
+
+    /// Tensors held for peers to pull: (count over all versions, total bytes).
+    pub fn store_usage(&self) -> (usize, u64) {
+        self.inner.ctx.store.usage()
+    }
+
+    /// Pushed tensors waiting in the inbox.
+    pub fn inbox_len(&self) -> usize {
+        self.inner.ctx.inbox.len()
+    }
+
+    /// Stops the node: in-flight calls end with `Shutdown`, links close, the endpoint closes.
+    /// Idempotent.
+    pub async fn shutdown(&self) {
+        let ctx = &self.inner.ctx;
+        ctx.cancel.cancel();
+        let handle = self.inner.stopped.lock().await.take();
+        let Some(handle) = handle else { return };
+        self.inner.actor.stop(Some("shutdown".into()));
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, handle).await;
+        ctx.tracker.close();
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, ctx.tracker.wait()).await;
+        if let Err(e) = self.inner.router.shutdown().await {
+            debug!(%e, "router shutdown");
+        }
+        ctx.endpoint.close().await;
+    }
+
+    /// Whether `shutdown` has been called.
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.ctx.cancel.is_cancelled()
+    }
+
+    fn check_running(&self) -> Result<()> {
+        if self.is_shut_down() {
+            return Err(Error::Shutdown);
+        }
+        Ok(())
+    }
+
+    /// Runs `fut` unless the node is (or becomes) shut down, which ends it with `Shutdown`.
+    async fn guarded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
+        self.check_running()?;
+        tokio::select! {
+            biased;
+            _ = self.inner.ctx.cancel.cancelled() => Err(Error::Shutdown),
+            result = fut => result,
+        }
+    }
+
+    /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
+    async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
+        let bound = self.config().connect_timeout + Duration::from_secs(1);
+        let asked = self.inner.actor.call(
+            |reply| NodeMsg::Acquire {
+                peer: addr.clone(),
+                reply,
+            },
+            Some(bound),
+        );
+        match asked.await {
+            Ok(ractor::rpc::CallResult::Success(result)) => result,
+            Ok(ractor::rpc::CallResult::Timeout) => Err(Error::timeout(
+                format!("a link to {}", addr.id.fmt_short()),
+                bound,
+            )),
+            Ok(ractor::rpc::CallResult::SenderError) | Err(_) => Err(Error::Shutdown),
+        }
+    }
+}

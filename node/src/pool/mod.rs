@@ -1,0 +1,80 @@
+//! The connection pool: one `PeerActor` per pooled iroh QUIC link, supervised by the
+//! `NodeActor`, with guards that make "in use" a fact of the type system.
+
+pub(crate) mod book;
+pub(crate) mod link;
+pub(crate) mod peer;
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+pub use link::LinkGuard;
+
+/// A monotonically increasing count.
+#[derive(Debug, Default)]
+pub(crate) struct Counter(AtomicU64);
+
+impl Counter {
+    pub(crate) fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Live pool counters, updated by the pool's actors and read without messaging them.
+#[derive(Debug, Default)]
+pub(crate) struct PoolCounters {
+    pub(crate) dials: Counter,
+    pub(crate) reuses: Counter,
+    pub(crate) evictions_idle: Counter,
+    pub(crate) evictions_lru: Counter,
+    pub(crate) connect_failures: Counter,
+    pub(crate) links_active: AtomicUsize,
+    pub(crate) links_idle: AtomicUsize,
+}
+
+impl PoolCounters {
+    pub(crate) fn snapshot(&self) -> PoolStats {
+        PoolStats {
+            links_active: self.links_active.load(Ordering::Relaxed),
+            links_idle: self.links_idle.load(Ordering::Relaxed),
+            dials: self.dials.get(),
+            reuses: self.reuses.get(),
+            evictions_idle: self.evictions_idle.get(),
+            evictions_lru: self.evictions_lru.get(),
+            connect_failures: self.connect_failures.get(),
+        }
+    }
+}
+
+/// A snapshot of the pool's state and lifetime counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Pooled links with at least one stream in use (as of the pool's last change).
+    pub links_active: usize,
+    /// Pooled links with no stream in use.
+    pub links_idle: usize,
+    /// Dials started (concurrent requests for one new peer share one).
+    pub dials: u64,
+    /// Requests served by an already pooled link.
+    pub reuses: u64,
+    /// Links closed after the idle timeout.
+    pub evictions_idle: u64,
+    /// Idle links closed to make room at the maximum pool size.
+    pub evictions_lru: u64,
+    /// Dials that failed or timed out.
+    pub connect_failures: u64,
+}
+
+impl PoolStats {
+    /// Pooled links, active and idle.
+    pub fn links(&self) -> usize {
+        self.links_active + self.links_idle
+    }
+}

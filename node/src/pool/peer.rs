@@ -1,0 +1,146 @@
+//! `PeerActor`: owns one pooled QUIC connection to one peer.
+//!
+//! It watches the connection and stops when it dies, closes it after the idle timeout once no
+//! guard is alive, and closes it when the pool evicts it. Its parent `NodeActor` supervises it
+//! and drops it from the pool when it stops. It never waits on its parent.
+
+use std::{sync::Arc, time::Duration};
+
+use iroh::{
+    EndpointId,
+    endpoint::{Connection, VarInt},
+};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tb_proto::CloseCode;
+use tokio::task::JoinHandle;
+use tracing::debug;
+
+use super::{PoolCounters, link::LinkShared};
+
+/// Messages a `PeerActor` handles.
+#[derive(Debug)]
+pub enum PeerMsg {
+    /// The last guard was dropped: start (or keep) the idle clock.
+    Released,
+    /// Time to check whether the link has been idle long enough to close.
+    CheckIdle,
+    /// The pool evicted the link (or the node shuts down): close it with this code.
+    Close(CloseCode),
+    /// The connection died.
+    Lost(String),
+}
+
+/// Start-up input.
+pub(crate) struct PeerArgs {
+    pub(crate) peer: EndpointId,
+    pub(crate) conn: Connection,
+    pub(crate) link: Arc<LinkShared>,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) counters: Arc<PoolCounters>,
+}
+
+pub(crate) struct PeerState {
+    args: PeerArgs,
+    watcher: JoinHandle<()>,
+    check_scheduled: bool,
+}
+
+/// The actor for one pooled link.
+pub(crate) struct PeerActor;
+
+/// Closes a connection with one of our close codes.
+pub(crate) fn close(conn: &Connection, code: CloseCode) {
+    conn.close(VarInt::from_u32(code.code()), code.reason());
+}
+
+impl Actor for PeerActor {
+    type Msg = PeerMsg;
+    type State = PeerState;
+    type Arguments = PeerArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PeerMsg>,
+        args: PeerArgs,
+    ) -> Result<PeerState, ActorProcessingErr> {
+        let conn = args.conn.clone();
+        let me = myself.clone();
+        let watcher = tokio::spawn(async move {
+            let reason = conn.closed().await;
+            let _ = me.cast(PeerMsg::Lost(reason.to_string()));
+        });
+        let mut state = PeerState {
+            args,
+            watcher,
+            check_scheduled: false,
+        };
+        if state.args.link.idle_since().is_some() {
+            let timeout = state.args.idle_timeout;
+            schedule_check(&myself, &mut state, timeout);
+        }
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<PeerMsg>,
+        msg: PeerMsg,
+        state: &mut PeerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            PeerMsg::Released => {
+                let timeout = state.args.idle_timeout;
+                schedule_check(&myself, state, timeout);
+            }
+            PeerMsg::CheckIdle => check_idle(&myself, state),
+            PeerMsg::Close(code) => {
+                state.args.link.mark_dead();
+                close(&state.args.conn, code);
+                myself.stop(Some(format!("closed: {code:?}")));
+            }
+            PeerMsg::Lost(reason) => {
+                debug!(peer = %state.args.peer.fmt_short(), %reason, "link lost");
+                state.args.link.mark_dead();
+                myself.stop(Some(format!("lost: {reason}")));
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<PeerMsg>,
+        state: &mut PeerState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.watcher.abort();
+        state.args.link.mark_dead();
+        Ok(())
+    }
+}
+
+/// Keeps at most one idle check pending, so a busy link does not pile up timers.
+fn schedule_check(myself: &ActorRef<PeerMsg>, state: &mut PeerState, after: Duration) {
+    if !state.check_scheduled {
+        state.check_scheduled = true;
+        myself.send_after(after, || PeerMsg::CheckIdle);
+    }
+}
+
+fn check_idle(myself: &ActorRef<PeerMsg>, state: &mut PeerState) {
+    state.check_scheduled = false;
+    let Some(since) = state.args.link.idle_since() else {
+        return; // in use: the next `Released` restarts the clock
+    };
+    let idle_for = since.elapsed();
+    let timeout = state.args.idle_timeout;
+    if idle_for < timeout {
+        schedule_check(myself, state, timeout - idle_for);
+        return;
+    }
+    if state.args.link.try_close() {
+        debug!(peer = %state.args.peer.fmt_short(), ?idle_for, "closing idle link");
+        state.args.counters.evictions_idle.inc();
+        close(&state.args.conn, CloseCode::IdleEvicted);
+        myself.stop(Some("idle".into()));
+    }
+}

@@ -1,0 +1,248 @@
+//! The serving side of `tb/data/1`: accept streams on a connection and answer each
+//! `Pull` (header + payload from the store) or `Push` (payload into the inbox) on its own task.
+//!
+//! A malformed or oversize request gets an `Error` frame and ends that stream only; the
+//! connection keeps serving others.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use iroh::{
+    EndpointId,
+    endpoint::{Connection, RecvStream, SendStream, VarInt},
+    protocol::{AcceptError, ProtocolHandler},
+};
+use ractor::ActorRef;
+use tb_proto::{
+    ByteRange, CloseCode, DataRequest, DataResponse, ErrorCode, FrameError, TensorMeta, TensorName,
+};
+use tracing::{Instrument, debug, debug_span};
+
+use crate::{
+    ctx::NodeCtx,
+    error::Error,
+    inbox::Received,
+    node_actor::NodeMsg,
+    store::Lookup,
+    tensor::Tensor,
+    wire::{self, ReadFrameError},
+};
+
+/// The `tb/data/1` protocol handler on the node's iroh `Router`.
+#[derive(Debug, Clone)]
+pub(crate) struct DataProtocol {
+    pub(crate) ctx: Arc<NodeCtx>,
+    pub(crate) node: ActorRef<NodeMsg>,
+}
+
+impl std::fmt::Debug for NodeMsg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NodeMsg::Acquire { .. } => "Acquire",
+            NodeMsg::Dialed { .. } => "Dialed",
+            NodeMsg::Adopt { .. } => "Adopt",
+        })
+    }
+}
+
+impl ProtocolHandler for DataProtocol {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        // Pool the inbound link (if we have none to this peer) so replies to it reuse it.
+        let _ = self.node.cast(NodeMsg::Adopt { conn: conn.clone() });
+        serve_connection(self.ctx.clone(), conn).await;
+        Ok(())
+    }
+}
+
+/// Serves the streams a peer opens on a connection we dialed.
+pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, _node: ActorRef<NodeMsg>, conn: Connection) {
+    ctx.tracker.spawn(serve_connection(ctx.clone(), conn));
+}
+
+async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
+    let peer = conn.remote_id();
+    loop {
+        let accepted = tokio::select! {
+            _ = ctx.cancel.cancelled() => break,
+            accepted = conn.accept_bi() => accepted,
+        };
+        let Ok((send, recv)) = accepted else { break };
+        let span = debug_span!("serve", me = %ctx.endpoint.id().fmt_short(), peer = %peer.fmt_short());
+        let task_ctx = ctx.clone();
+        ctx.tracker.spawn(
+            async move {
+                tokio::select! {
+                    _ = task_ctx.cancel.cancelled() => {}
+                    () = serve_stream(&task_ctx, peer, send, recv) => {}
+                }
+            }
+            .instrument(span),
+        );
+    }
+}
+
+async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut recv: RecvStream) {
+    let request = tokio::time::timeout(
+        ctx.config.request_timeout,
+        wire::read_frame::<DataRequest>(&mut recv),
+    )
+    .await;
+    let request = match request {
+        Ok(Ok(request)) => request,
+        Ok(Err(ReadFrameError::Invalid(err))) => {
+            let code = match err {
+                FrameError::TooLarge { .. } => ErrorCode::TooLarge,
+                _ => ErrorCode::Malformed,
+            };
+            debug!(%err, "refusing a bad request frame");
+            refuse(&mut send, &mut recv, code, err.to_string()).await;
+            return;
+        }
+        Ok(Err(ReadFrameError::Closed(reason))) => {
+            debug!(%reason, "stream closed before a request");
+            return;
+        }
+        Err(_) => {
+            let msg = format!("no request within {:?}", ctx.config.request_timeout);
+            refuse(&mut send, &mut recv, ErrorCode::Malformed, msg).await;
+            return;
+        }
+    };
+    if let Err(err) = request.validate(ctx.config.max_tensor_bytes) {
+        let code = match err {
+            tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,
+            _ => ErrorCode::InvalidTensor,
+        };
+        refuse(&mut send, &mut recv, code, err.to_string()).await;
+        return;
+    }
+    match request {
+        DataRequest::Pull {
+            name,
+            version,
+            range,
+        } => serve_pull(ctx, send, &name, version, range).await,
+        DataRequest::Push { name, meta } => serve_push(ctx, peer, send, recv, name, meta).await,
+    }
+}
+
+/// Answers with an `Error` frame and stops reading the rest of the stream.
+async fn refuse(send: &mut SendStream, recv: &mut RecvStream, code: ErrorCode, message: String) {
+    let _ = recv.stop(VarInt::from_u32(CloseCode::ProtocolError.code()));
+    let _ = wire::write_frame(send, &DataResponse::Error { code, message }).await;
+    let _ = send.finish();
+}
+
+async fn serve_pull(
+    ctx: &NodeCtx,
+    mut send: SendStream,
+    name: &TensorName,
+    version: Option<u64>,
+    range: Option<ByteRange>,
+) {
+    let (version, tensor) = match ctx.store.get(name, version) {
+        Lookup::Found(v, t) => (v, t),
+        Lookup::Missing => {
+            let what = match version {
+                Some(v) => format!("tensor \"{name}\" v{v}"),
+                None => format!("tensor \"{name}\""),
+            };
+            let _ = reply_error(&mut send, ErrorCode::NotFound, what).await;
+            return;
+        }
+        Lookup::Evicted { oldest } => {
+            let what = format!(
+                "tensor \"{name}\" v{} was evicted (oldest held: v{oldest})",
+                version.unwrap_or(0)
+            );
+            let _ = reply_error(&mut send, ErrorCode::NotFound, what).await;
+            return;
+        }
+    };
+    let payload = match slice_range(tensor.data(), range) {
+        Some(p) => p,
+        None => {
+            let msg = format!("range {range:?} is outside the {} bytes", tensor.byte_len());
+            let _ = reply_error(&mut send, ErrorCode::InvalidTensor, msg).await;
+            return;
+        }
+    };
+    let header = DataResponse::Header {
+        meta: tensor.meta().clone(),
+        version,
+    };
+    let sent = async {
+        wire::write_frame(&mut send, &header).await?;
+        wire::send_payload(&mut send, &payload, ctx.config.stall_timeout).await?;
+        send.finish().map_err(|e| Error::io("finishing stream", e))
+    };
+    match sent.await {
+        Ok(()) => {
+            ctx.transfers.served.inc();
+            ctx.transfers.bytes_sent.add(payload.len() as u64);
+        }
+        Err(err) => {
+            ctx.transfers.failed.inc();
+            debug!(%err, %name, "pull not served");
+        }
+    }
+}
+
+fn slice_range(data: &Bytes, range: Option<ByteRange>) -> Option<Bytes> {
+    let Some(ByteRange { offset, len }) = range else {
+        return Some(data.clone());
+    };
+    let end = offset.checked_add(len)?;
+    let (start, end) = (usize::try_from(offset).ok()?, usize::try_from(end).ok()?);
+    (end <= data.len()).then(|| data.slice(start..end))
+}
+
+async fn reply_error(send: &mut SendStream, code: ErrorCode, message: String) -> Result<(), Error> {
+    wire::write_frame(send, &DataResponse::Error { code, message }).await?;
+    send.finish().map_err(|e| Error::io("finishing stream", e))
+}
+
+async fn serve_push(
+    ctx: &NodeCtx,
+    peer: EndpointId,
+    mut send: SendStream,
+    mut recv: RecvStream,
+    name: TensorName,
+    meta: TensorMeta,
+) {
+    let Ok(len) = usize::try_from(meta.byte_len) else {
+        refuse(&mut send, &mut recv, ErrorCode::TooLarge, "does not fit in memory".into()).await;
+        return;
+    };
+    let mut buf = vec![0u8; len];
+    let hash = match wire::recv_payload(&mut recv, &mut buf, ctx.config.stall_timeout).await {
+        Ok(hash) => hash,
+        Err(err) => {
+            ctx.transfers.failed.inc();
+            debug!(%err, %name, "push payload not received");
+            return;
+        }
+    };
+    ctx.transfers.bytes_received.add(meta.byte_len);
+    if hash != meta.hash {
+        ctx.transfers.failed.inc();
+        let msg = format!("push of \"{name}\": expected hash {}, got {hash}", meta.hash);
+        let _ = reply_error(&mut send, ErrorCode::Corrupt, msg).await;
+        return;
+    }
+    let item = Received {
+        from: peer,
+        name,
+        tensor: Tensor::from_verified(meta, Bytes::from(buf)),
+    };
+    let reply = match ctx.inbox.deliver(item, ctx.config.request_timeout).await {
+        Ok(()) => DataResponse::Ack,
+        Err(err) => DataResponse::Error {
+            code: ErrorCode::Busy,
+            message: err.to_string(),
+        },
+    };
+    if wire::write_frame(&mut send, &reply).await.is_ok() {
+        let _ = send.finish();
+    }
+}

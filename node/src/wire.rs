@@ -1,0 +1,119 @@
+//! Moving frames and payload bytes over one QUIC stream. The bytes' layout is defined in
+//! `tb_proto::frame`; this file only reads and writes them, with limits checked before any
+//! allocation and a stall timeout on every read and write.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use iroh::endpoint::{ReadExactError, RecvStream, SendStream};
+use serde::{Serialize, de::DeserializeOwned};
+use tb_proto::{ContentHash, ContentHasher, FrameError, frame};
+
+use crate::error::{Error, Result};
+
+/// Payload bytes handed to QUIC per write (a slice of the shared tensor bytes, not a copy).
+const SEND_CHUNK: usize = 1 << 20;
+/// Received bytes are hashed in batches this large (BLAKE3 is fastest on big inputs).
+const HASH_BATCH: usize = 1 << 20;
+
+/// Why a frame could not be read.
+#[derive(Debug)]
+pub(crate) enum ReadFrameError {
+    /// The stream ended (or was reset) before a whole frame arrived.
+    Closed(String),
+    /// The bytes are not a valid frame (too large, malformed): a protocol violation.
+    Invalid(FrameError),
+}
+
+impl ReadFrameError {
+    pub(crate) fn into_error(self, context: &str) -> Error {
+        match self {
+            ReadFrameError::Closed(reason) => Error::Io(format!("{context}: {reason}")),
+            ReadFrameError::Invalid(FrameError::TooLarge { len, max }) => {
+                Error::TooLarge(format!("{context}: frame of {len} bytes, the limit is {max}"))
+            }
+            ReadFrameError::Invalid(e) => Error::Io(format!("{context}: {e}")),
+        }
+    }
+}
+
+/// Reads one length-prefixed frame. The length is checked against the control-frame cap
+/// before the body is allocated.
+pub(crate) async fn read_frame<T: DeserializeOwned>(
+    recv: &mut RecvStream,
+) -> Result<T, ReadFrameError> {
+    let mut prefix = [0u8; frame::LEN_PREFIX];
+    recv.read_exact(&mut prefix).await.map_err(closed)?;
+    let len = frame::body_len(prefix).map_err(ReadFrameError::Invalid)?;
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body).await.map_err(closed)?;
+    frame::decode_body(&body).map_err(ReadFrameError::Invalid)
+}
+
+fn closed(err: ReadExactError) -> ReadFrameError {
+    ReadFrameError::Closed(match err {
+        ReadExactError::FinishedEarly(n) => format!("stream ended after {n} bytes of a frame"),
+        ReadExactError::ReadError(e) => e.to_string(),
+    })
+}
+
+/// Writes one length-prefixed frame.
+pub(crate) async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result<()> {
+    let bytes = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
+    send.write_all(&bytes)
+        .await
+        .map_err(|e| Error::io("sending a frame", e))
+}
+
+/// Sends payload bytes as slices of the shared buffer (no copies).
+pub(crate) async fn send_payload(send: &mut SendStream, data: &Bytes, stall: Duration) -> Result<()> {
+    let mut offset = 0;
+    while offset < data.len() {
+        let end = (offset + SEND_CHUNK).min(data.len());
+        match tokio::time::timeout(stall, send.write_chunk(data.slice(offset..end))).await {
+            Ok(Ok(())) => offset = end,
+            Ok(Err(e)) => return Err(Error::io("sending tensor bytes", e)),
+            Err(_) => {
+                return Err(Error::timeout(
+                    format!("peer to accept tensor bytes (sent {offset} of {})", data.len()),
+                    stall,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads exactly `dest.len()` payload bytes straight into `dest`, hashing them as they land.
+pub(crate) async fn recv_payload(
+    recv: &mut RecvStream,
+    dest: &mut [u8],
+    stall: Duration,
+) -> Result<ContentHash> {
+    let total = dest.len();
+    let mut hasher = ContentHasher::new();
+    let (mut filled, mut hashed) = (0, 0);
+    while filled < total {
+        let n = match tokio::time::timeout(stall, recv.read(&mut dest[filled..])).await {
+            Ok(Ok(Some(n))) => n,
+            Ok(Ok(None)) => {
+                return Err(Error::Io(format!(
+                    "stream ended after {filled} of {total} tensor bytes"
+                )));
+            }
+            Ok(Err(e)) => return Err(Error::io("receiving tensor bytes", e)),
+            Err(_) => {
+                return Err(Error::timeout(
+                    format!("tensor bytes (received {filled} of {total})"),
+                    stall,
+                ));
+            }
+        };
+        filled += n;
+        if filled - hashed >= HASH_BATCH || filled == total {
+            hasher.update(&dest[hashed..filled]);
+            hashed = filled;
+        }
+    }
+    Ok(hasher.finalize())
+}

@@ -1,0 +1,83 @@
+//! Framing: a little-endian `u32` body length, then the postcard body. Control frames are
+//! capped at [`MAX_CONTROL_FRAME`]; the cap is checked before anyone allocates the body.
+//! Tensor payloads are not framed: their `byte_len` raw bytes follow a `Header`/`Push`.
+
+use serde::{Serialize, de::DeserializeOwned};
+
+/// Largest control-frame body, in bytes.
+pub const MAX_CONTROL_FRAME: u32 = 1 << 20;
+/// Size of the length prefix.
+pub const LEN_PREFIX: usize = 4;
+
+/// Why a frame could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The declared or actual body length is over the cap.
+    #[error("frame of {len} bytes is over the limit of {max}")]
+    TooLarge {
+        /// The length.
+        len: u64,
+        /// The cap.
+        max: u64,
+    },
+    /// The body is not a valid message.
+    #[error("malformed frame: {0}")]
+    Decode(postcard::Error),
+    /// The message could not be serialized.
+    #[error("cannot encode frame: {0}")]
+    Encode(postcard::Error),
+    /// The body has bytes after the message.
+    #[error("malformed frame: {extra} bytes after the message")]
+    TrailingBytes {
+        /// How many.
+        extra: usize,
+    },
+}
+
+/// Serializes `msg` as prefix + body.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    let mut out = postcard::to_extend(msg, vec![0u8; LEN_PREFIX]).map_err(FrameError::Encode)?;
+    let body = out.len() - LEN_PREFIX;
+    if body > MAX_CONTROL_FRAME as usize {
+        return Err(FrameError::TooLarge {
+            len: body as u64,
+            max: u64::from(MAX_CONTROL_FRAME),
+        });
+    }
+    out[..LEN_PREFIX].copy_from_slice(&(body as u32).to_le_bytes());
+    Ok(out)
+}
+
+/// The body length a prefix declares, refused if over the cap (before any allocation).
+pub fn body_len(prefix: [u8; LEN_PREFIX]) -> Result<usize, FrameError> {
+    let len = u32::from_le_bytes(prefix);
+    if len > MAX_CONTROL_FRAME {
+        return Err(FrameError::TooLarge {
+            len: u64::from(len),
+            max: u64::from(MAX_CONTROL_FRAME),
+        });
+    }
+    Ok(len as usize)
+}
+
+/// Decodes a whole body; trailing bytes are an error.
+pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    let (msg, rest) = postcard::take_from_bytes(body).map_err(FrameError::Decode)?;
+    if !rest.is_empty() {
+        return Err(FrameError::TrailingBytes { extra: rest.len() });
+    }
+    Ok(msg)
+}
+
+/// Decodes the first frame of `buf`: `None` while incomplete, else the message and the bytes
+/// it used.
+pub fn decode_frame<T: DeserializeOwned>(buf: &[u8]) -> Result<Option<(T, usize)>, FrameError> {
+    let Some(prefix) = buf.first_chunk::<LEN_PREFIX>() else {
+        return Ok(None);
+    };
+    let len = body_len(*prefix)?;
+    let Some(body) = buf.get(LEN_PREFIX..LEN_PREFIX + len) else {
+        return Ok(None);
+    };
+    Ok(Some((decode_body(body)?, LEN_PREFIX + len)))
+}

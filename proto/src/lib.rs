@@ -1,0 +1,34 @@
+//! # tb-proto: what tensor-broker puts on the wire
+//!
+//! The sans-IO layer: no sockets, no async. Everything here is plain data and pure functions,
+//! unit-, property- and fuzz-tested, and used by every other crate.
+//!
+//! - [`DType`], [`TensorMeta`], [`ContentHash`]: what a tensor is, validated with overflow
+//!   checks (`byte_len == product(shape) * itemsize`, rank <= [`MAX_RANK`]).
+//! - [`TensorName`], [`NamePattern`]: validated names (`model/layer1/w`) and patterns
+//!   (`model/*`).
+//! - [`msg`]: the `tb/data/1` messages ([`DataRequest`], [`DataResponse`], [`ErrorCode`]),
+//!   ALPN constants, and the one enum of QUIC close codes ([`CloseCode`]).
+//! - [`frame`]: length-prefixed postcard framing with the control-frame cap checked before any
+//!   allocation.
+//!
+//! Data flow: a sender builds a message, [`frame::encode`]s it and writes the bytes (then the
+//! raw payload, for tensors); a receiver reads 4 bytes, asks [`frame::body_len`] whether to
+//! read on, reads the body, [`frame::decode_body`]s it and `validate`s what it got before
+//! trusting any length in it.
+
+mod dtype;
+pub mod frame;
+mod hash;
+mod meta;
+pub mod msg;
+mod name;
+
+pub use dtype::{DType, UnknownDType};
+pub use frame::FrameError;
+pub use hash::{ContentHash, ContentHasher};
+pub use meta::{MAX_RANK, MetaError, TensorMeta, byte_len_for};
+pub use msg::{
+    ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
+};
+pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};

@@ -1,0 +1,151 @@
+//! The `tb/data/1` messages, ALPN constants, error codes, and QUIC close codes.
+//!
+//! One bidirectional stream per transfer:
+//! - `Pull { name, version?, range? }` -> `Header { meta, version }` + payload, or `Error`.
+//! - `Push { name, meta }` + payload -> `Ack` or `Error`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{MetaError, TensorMeta, TensorName};
+
+/// ALPN of the node-to-node data protocol.
+pub const DATA_ALPN: &[u8] = b"tb/data/1";
+/// ALPN of the node-to-broker control protocol.
+pub const CTL_ALPN: &[u8] = b"tb/ctl/1";
+
+/// A byte range of a tensor's payload (to resume an interrupted pull).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ByteRange {
+    /// First byte.
+    pub offset: u64,
+    /// Number of bytes.
+    pub len: u64,
+}
+
+/// What a requester sends first on a `tb/data/1` stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataRequest {
+    /// Send me this tensor (newest version unless one is given).
+    Pull {
+        /// The tensor.
+        name: TensorName,
+        /// A specific version, or the newest.
+        version: Option<u64>,
+        /// Only these bytes of the payload (the header still describes the whole tensor).
+        range: Option<ByteRange>,
+    },
+    /// Here is a tensor; its `meta.byte_len` payload bytes follow this frame.
+    Push {
+        /// The name the receiver files it under.
+        name: TensorName,
+        /// What follows.
+        meta: TensorMeta,
+    },
+}
+
+impl DataRequest {
+    /// Checks what can be checked before acting on the request.
+    pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
+        match self {
+            DataRequest::Push { meta, .. } => meta.validate(max_tensor_bytes),
+            DataRequest::Pull {
+                range: Some(r), ..
+            } => r.offset.checked_add(r.len).map(|_| ()).ok_or(MetaError::Overflow),
+            DataRequest::Pull { .. } => Ok(()),
+        }
+    }
+}
+
+/// What the serving side answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataResponse {
+    /// The tensor follows: `meta.byte_len` bytes (or the requested range).
+    Header {
+        /// Describes the whole tensor.
+        meta: TensorMeta,
+        /// The version being sent.
+        version: u64,
+    },
+    /// A pushed tensor was verified and accepted.
+    Ack,
+    /// The request failed.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// A human-readable explanation naming the thing that failed.
+        message: String,
+    },
+}
+
+/// Typed failure reasons on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// No such tensor or version.
+    NotFound,
+    /// Over a size limit.
+    TooLarge,
+    /// Metadata and data disagree.
+    InvalidTensor,
+    /// Bytes do not match their hash.
+    Corrupt,
+    /// The requester is not allowed.
+    Unauthorized,
+    /// The receiver cannot take it now (inbox full).
+    Busy,
+    /// The request could not be decoded.
+    Malformed,
+    /// A bug or unexpected state on the serving side.
+    Internal,
+    /// The serving node is stopping.
+    ShuttingDown,
+}
+
+/// QUIC application close codes: the one list of why tensor-broker closes a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum CloseCode {
+    /// Normal close.
+    Normal = 0,
+    /// The node is shutting down.
+    Shutdown = 1,
+    /// The link was idle past the idle timeout.
+    IdleEvicted = 2,
+    /// The link was evicted to make room in the pool.
+    LruEvicted = 3,
+    /// The peer broke the protocol.
+    ProtocolError = 4,
+    /// The peer failed authentication.
+    Unauthorized = 5,
+}
+
+impl CloseCode {
+    /// The numeric code.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// Parses a numeric code.
+    pub fn from_code(code: u32) -> Option<Self> {
+        Some(match code {
+            0 => CloseCode::Normal,
+            1 => CloseCode::Shutdown,
+            2 => CloseCode::IdleEvicted,
+            3 => CloseCode::LruEvicted,
+            4 => CloseCode::ProtocolError,
+            5 => CloseCode::Unauthorized,
+            _ => return None,
+        })
+    }
+
+    /// The reason phrase sent with the close.
+    pub fn reason(self) -> &'static [u8] {
+        match self {
+            CloseCode::Normal => b"normal",
+            CloseCode::Shutdown => b"shutdown",
+            CloseCode::IdleEvicted => b"idle",
+            CloseCode::LruEvicted => b"evicted",
+            CloseCode::ProtocolError => b"protocol error",
+            CloseCode::Unauthorized => b"unauthorized",
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! [`TensorName`] and [`NamePattern`]: validated names like `model/layer1/w`, and the patterns
+//! subscribers use (`model/*`).
+
+use std::{fmt, str::FromStr};
+
+use serde::{Deserialize, Serialize};
+
+/// Longest name, in bytes.
+pub const MAX_NAME_LEN: usize = 256;
+
+const RULE: &str = "names are 1..=256 bytes of [A-Za-z0-9._:/-], '/' separating non-empty levels";
+
+/// What is wrong with a tensor name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// The name is empty.
+    #[error("empty name ({RULE})")]
+    Empty,
+    /// Over [`MAX_NAME_LEN`] bytes.
+    #[error("name of {len} bytes is too long ({RULE})")]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A character outside the allowed set.
+    #[error("character {ch:?} at byte {pos} is not allowed ({RULE})")]
+    BadChar {
+        /// The character.
+        ch: char,
+        /// Its byte offset.
+        pos: usize,
+    },
+    /// A leading, trailing or doubled `/`.
+    #[error("empty level: leading, trailing or doubled '/' ({RULE})")]
+    EmptyLevel,
+}
+
+/// A validated tensor name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct TensorName(String);
+
+fn allowed(ch: char) -> bool {
+    ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | ':' | '/' | '-')
+}
+
+impl TensorName {
+    /// Validates `name`.
+    pub fn new(name: impl Into<String>) -> Result<Self, NameError> {
+        let name = name.into();
+        if name.is_empty() {
+            return Err(NameError::Empty);
+        }
+        if name.len() > MAX_NAME_LEN {
+            return Err(NameError::TooLong { len: name.len() });
+        }
+        if let Some((pos, ch)) = name.char_indices().find(|(_, c)| !allowed(*c)) {
+            return Err(NameError::BadChar { ch, pos });
+        }
+        if name.split('/').any(str::is_empty) {
+            return Err(NameError::EmptyLevel);
+        }
+        Ok(TensorName(name))
+    }
+
+    /// The name as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for TensorName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for TensorName {
+    type Err = NameError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        TensorName::new(s)
+    }
+}
+
+impl AsRef<str> for TensorName {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for TensorName {
+    type Error = NameError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        TensorName::new(s)
+    }
+}
+
+impl From<TensorName> for String {
+    fn from(n: TensorName) -> String {
+        n.0
+    }
+}
+
+/// A subscription pattern: an exact name, or a prefix ending in `/*` (`*` alone: everything).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum NamePattern {
+    /// Exactly this name.
+    Exact(TensorName),
+    /// Every name under this prefix (stored with its trailing `/`; empty for `*`).
+    Prefix(String),
+}
+
+impl NamePattern {
+    /// Whether `name` matches.
+    pub fn matches(&self, name: &TensorName) -> bool {
+        match self {
+            NamePattern::Exact(n) => n == name,
+            NamePattern::Prefix(p) => name.as_str().starts_with(p.as_str()),
+        }
+    }
+}
+
+impl FromStr for NamePattern {
+    type Err = NameError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "*" {
+            return Ok(NamePattern::Prefix(String::new()));
+        }
+        match s.strip_suffix("/*") {
+            Some(prefix) => {
+                let name = TensorName::new(prefix)?;
+                Ok(NamePattern::Prefix(format!("{name}/")))
+            }
+            None => Ok(NamePattern::Exact(TensorName::new(s)?)),
+        }
+    }
+}
+
+impl fmt::Display for NamePattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NamePattern::Exact(n) => write!(f, "{n}"),
+            NamePattern::Prefix(p) => write!(f, "{p}*"),
+        }
+    }
+}
+
+impl TryFrom<String> for NamePattern {
+    type Error = NameError;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<NamePattern> for String {
+    fn from(p: NamePattern) -> String {
+        p.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_rules() {
+        for ok in ["w", "model/layer1/w", "a.b_c:d-e", &"x".repeat(256)] {
+            assert!(TensorName::new(ok).is_ok(), "{ok}");
+        }
+        assert_eq!(TensorName::new(""), Err(NameError::Empty));
+        assert_eq!(TensorName::new("x".repeat(257)), Err(NameError::TooLong { len: 257 }));
+        assert_eq!(
+            TensorName::new("a b"),
+            Err(NameError::BadChar { ch: ' ', pos: 1 })
+        );
+        assert_eq!(
+            TensorName::new("é"),
+            Err(NameError::BadChar { ch: 'é', pos: 0 })
+        );
+        for bad in ["/a", "a/", "a//b", "/"] {
+            assert_eq!(TensorName::new(bad), Err(NameError::EmptyLevel), "{bad}");
+        }
+    }
+
+    #[test]
+    fn patterns_match_levels() {
+        let n = |s: &str| TensorName::new(s).expect("name");
+        let p: NamePattern = "model/*".parse().expect("pattern");
+        assert!(p.matches(&n("model/a")));
+        assert!(p.matches(&n("model/a/b")));
+        assert!(!p.matches(&n("model")));
+        assert!(!p.matches(&n("modelx/a")));
+        let all: NamePattern = "*".parse().expect("pattern");
+        assert!(all.matches(&n("anything")));
+        let exact: NamePattern = "model".parse().expect("pattern");
+        assert!(exact.matches(&n("model")) && !exact.matches(&n("model/a")));
+        assert!("model/**".parse::<NamePattern>().is_err());
+        assert_eq!(p.to_string(), "model/*");
+    }
+}

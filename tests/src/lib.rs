@@ -1,0 +1,150 @@
+//! Helpers for tensor-broker's integration tests: nodes with test-friendly settings, tensors
+//! with known contents, a UDP proxy that delays every packet (a slow network on loopback),
+//! and bounded polling.
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use tb_node::{Config, DType, Node, Tensor};
+use tokio::{net::UdpSocket, sync::mpsc, task::JoinHandle};
+
+/// A config for tests: loopback, short timeouts so failures are quick.
+pub fn test_config() -> Config {
+    Config {
+        connect_timeout: Duration::from_secs(3),
+        request_timeout: Duration::from_secs(10),
+        stall_timeout: Duration::from_secs(10),
+        ..Config::default()
+    }
+}
+
+/// Starts a node with `config`.
+pub async fn node(config: Config) -> Node {
+    Node::spawn(config).await.expect("node starts")
+}
+
+/// Bytes `0, 1, 2, ...` offset by `seed`, so different tensors differ.
+pub fn pattern(len: usize, seed: u8) -> Bytes {
+    let mut data = Vec::with_capacity(len);
+    data.extend((0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)));
+    Bytes::from(data)
+}
+
+/// An f32 tensor of `n` elements with a seeded pattern.
+pub fn f32_tensor(n: usize, seed: u8) -> Tensor {
+    Tensor::new(DType::F32, vec![n as u64], pattern(n * 4, seed)).expect("valid tensor")
+}
+
+/// Polls `check` every 20 ms until it is true or `limit` passes; returns whether it became true.
+pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check()
+}
+
+/// Awaits `fut`, failing the test if it takes longer than `limit` (a hang is a failure).
+pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: did not finish within {limit:?}"),
+    }
+}
+
+/// A free UDP port on 127.0.0.1 (bound then released).
+pub fn free_udp_port() -> u16 {
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    sock.local_addr().expect("addr").port()
+}
+
+/// A one-client UDP proxy on 127.0.0.1 that forwards both ways, holding every datagram for
+/// `delay`: a slow network path in front of a real node.
+pub struct DelayProxy {
+    /// Where clients should send (dial this instead of the target).
+    pub addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl DelayProxy {
+    /// Starts a proxy to `target`.
+    pub async fn start(target: SocketAddr, delay: Duration) -> DelayProxy {
+        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.expect("bind front"));
+        let back = Arc::new(UdpSocket::bind("127.0.0.1:0").await.expect("bind back"));
+        back.connect(target).await.expect("connect back");
+        let addr = front.local_addr().expect("addr");
+        let client: Arc<std::sync::Mutex<Option<SocketAddr>>> = Arc::default();
+        let seen = Arc::new(AtomicBool::new(false));
+        let (to_target, rx_t) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+        let (to_client, rx_c) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+        let mut tasks = Vec::new();
+        // Client -> proxy: remember the client, queue for the target.
+        tasks.push(tokio::spawn({
+            let (front, client, seen) = (front.clone(), client.clone(), seen.clone());
+            async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                    *client.lock().expect("lock") = Some(from);
+                    seen.store(true, Ordering::Release);
+                    let _ = to_target.send((Instant::now() + delay, buf[..n].to_vec()));
+                }
+            }
+        }));
+        // Target -> proxy: queue for the client.
+        tasks.push(tokio::spawn({
+            let back = back.clone();
+            async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = back.recv(&mut buf).await {
+                    let _ = to_client.send((Instant::now() + delay, buf[..n].to_vec()));
+                }
+            }
+        }));
+        tasks.push(tokio::spawn(forward(rx_t, move |d| {
+            let back = back.clone();
+            async move {
+                let _ = back.send(&d).await;
+            }
+        })));
+        tasks.push(tokio::spawn(forward(rx_c, move |d| {
+            let (front, client) = (front.clone(), client.clone());
+            async move {
+                let to = *client.lock().expect("lock");
+                if let Some(to) = to {
+                    let _ = front.send_to(&d, to).await;
+                }
+            }
+        })));
+        DelayProxy { addr, tasks }
+    }
+}
+
+async fn forward<F, Fut>(mut rx: mpsc::UnboundedReceiver<(Instant, Vec<u8>)>, send: F)
+where
+    F: Fn(Vec<u8>) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    while let Some((due, datagram)) = rx.recv().await {
+        tokio::time::sleep_until(due.into()).await;
+        send(datagram).await;
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}

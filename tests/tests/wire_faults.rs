@@ -1,0 +1,246 @@
+//! A node facing misbehaving peers: raw iroh endpoints that speak `tb/data/1` wrongly on
+//! purpose. The node must refuse bad input with typed errors, never allocate what a frame
+//! merely claims, and keep serving everyone else.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use iroh::{
+    Endpoint, SecretKey,
+    endpoint::{Connection, RecvStream, SendStream},
+    protocol::{AcceptError, ProtocolHandler, Router},
+};
+use tb_node::{
+    Config, ContentHash, Error, Node, PeerAddr,
+    proto::{DATA_ALPN, DataRequest, DataResponse, ErrorCode, TensorName, frame},
+};
+use tb_tests::{f32_tensor, node, pattern, test_config, within};
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+async fn raw_endpoint() -> Endpoint {
+    tb_node::bind_endpoint(&Config::default(), SecretKey::generate())
+        .await
+        .expect("raw endpoint")
+}
+
+async fn raw_connect(ep: &Endpoint, to: &Node) -> Connection {
+    ep.connect(to.addr().to_endpoint_addr(), DATA_ALPN).await.expect("connect")
+}
+
+async fn read_response(recv: &mut RecvStream) -> DataResponse {
+    let mut prefix = [0u8; 4];
+    recv.read_exact(&mut prefix).await.expect("prefix");
+    let len = frame::body_len(prefix).expect("len");
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body).await.expect("body");
+    frame::decode_body(&body).expect("decode")
+}
+
+async fn send_frame(send: &mut SendStream, msg: &DataRequest) {
+    send.write_all(&frame::encode(msg).expect("encode")).await.expect("write");
+}
+
+/// After whatever abuse, the node still serves a normal pull on a fresh stream.
+async fn still_serves(conn: &Connection) {
+    let (mut send, mut recv) = conn.open_bi().await.expect("open");
+    let pull = DataRequest::Pull {
+        name: TensorName::new("ok").expect("name"),
+        version: None,
+        range: None,
+    };
+    send_frame(&mut send, &pull).await;
+    send.finish().expect("finish");
+    match read_response(&mut recv).await {
+        DataResponse::Header { meta, .. } => assert_eq!(meta, *f32_tensor(8, 1).meta()),
+        other => panic!("expected a header, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_frame_is_refused_without_allocating() {
+    let b = node(test_config()).await;
+    b.publish_local("ok", f32_tensor(8, 1)).expect("publish");
+    let ep = raw_endpoint().await;
+    let conn = raw_connect(&ep, &b).await;
+    let (mut send, mut recv) = conn.open_bi().await.expect("open");
+    // Claim a 2 GiB control frame and send nothing more: a node that believed the length
+    // would allocate and wait for the body; ours answers at once.
+    send.write_all(&(2u32 << 30).to_le_bytes()).await.expect("write");
+    match within(LIMIT, "refusal", read_response(&mut recv)).await {
+        DataResponse::Error { code, .. } => assert_eq!(code, ErrorCode::TooLarge),
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    still_serves(&conn).await;
+    ep.close().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_over_the_size_limit_is_refused_before_its_payload() {
+    let b = node(Config {
+        max_tensor_bytes: 1 << 20,
+        ..test_config()
+    })
+    .await;
+    let a = node(test_config()).await;
+    let big = tb_node::Tensor::from_bytes(pattern(2 << 20, 1));
+    match within(LIMIT, "push", a.push(b.addr(), "big", &big)).await {
+        Err(Error::TooLarge(msg)) => assert!(msg.contains("limit"), "{msg}"),
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(b.inbox_len(), 0);
+    // Pulling something bigger than our own limit is refused too.
+    let small_limit = node(Config {
+        max_tensor_bytes: 1000,
+        ..test_config()
+    })
+    .await;
+    b.publish_local("mid", tb_node::Tensor::from_bytes(pattern(4000, 2))).expect("publish");
+    assert!(matches!(
+        small_limit.pull(b.addr(), "mid", None).await,
+        Err(Error::TooLarge(_))
+    ));
+    for n in [a, b, small_limit] {
+        n.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_end_the_stream_not_the_node() {
+    let b = node(test_config()).await;
+    b.publish_local("ok", f32_tensor(8, 1)).expect("publish");
+    let ep = raw_endpoint().await;
+    let conn = raw_connect(&ep, &b).await;
+    for garbage in [
+        vec![3, 0, 0, 0, 0xff, 0xff, 0xff],
+        vec![0, 0, 0, 0],
+        vec![5, 0, 0, 0, 9, 9, 9, 9, 9],
+    ] {
+        let (mut send, mut recv) = conn.open_bi().await.expect("open");
+        send.write_all(&garbage).await.expect("write");
+        send.finish().expect("finish");
+        match within(LIMIT, "refusal", read_response(&mut recv)).await {
+            DataResponse::Error { code, .. } => assert_eq!(code, ErrorCode::Malformed, "{garbage:?}"),
+            other => panic!("expected Malformed, got {other:?}"),
+        }
+    }
+    // Same connection, next stream: still served. And another node is unaffected.
+    still_serves(&conn).await;
+    let c = node(test_config()).await;
+    c.pull(b.addr(), "ok", None).await.expect("others are served");
+    ep.close().await;
+    b.shutdown().await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_push_is_detected_and_not_delivered() {
+    let b = node(test_config()).await;
+    b.publish_local("ok", f32_tensor(8, 1)).expect("publish");
+    let ep = raw_endpoint().await;
+    let conn = raw_connect(&ep, &b).await;
+    let (mut send, mut recv) = conn.open_bi().await.expect("open");
+    let good = f32_tensor(1024, 3);
+    let mut meta = good.meta().clone();
+    meta.hash = ContentHash::of(b"something else");
+    let push = DataRequest::Push {
+        name: TensorName::new("bad").expect("name"),
+        meta,
+    };
+    send_frame(&mut send, &push).await;
+    send.write_all(good.data()).await.expect("payload");
+    send.finish().expect("finish");
+    match within(LIMIT, "answer", read_response(&mut recv)).await {
+        DataResponse::Error { code, .. } => assert_eq!(code, ErrorCode::Corrupt),
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    assert!(matches!(
+        b.recv_timeout(Duration::from_millis(200)).await,
+        Err(Error::Timeout { .. })
+    ), "a corrupt tensor is never delivered");
+    still_serves(&conn).await;
+    ep.close().await;
+    b.shutdown().await;
+}
+
+/// A peer that announces one hash and sends other bytes.
+#[derive(Debug, Clone)]
+struct LyingServer;
+
+impl ProtocolHandler for LyingServer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let mut prefix = [0u8; 4];
+            if recv.read_exact(&mut prefix).await.is_err() {
+                break;
+            }
+            let mut body = vec![0u8; frame::body_len(prefix).unwrap_or(0)];
+            let _ = recv.read_exact(&mut body).await;
+            let truth = f32_tensor(4096, 1);
+            let header = DataResponse::Header {
+                meta: truth.meta().clone(),
+                version: 1,
+            };
+            let mut flipped = truth.data().to_vec();
+            flipped[1000] ^= 0x01;
+            let _ = send.write_all(&frame::encode(&header).expect("encode")).await;
+            let _ = send.write_chunk(Bytes::from(flipped)).await;
+            let _ = send.finish();
+            let _ = send.stopped().await;
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_pull_is_an_error_never_a_tensor() {
+    let ep = raw_endpoint().await;
+    let liar = PeerAddr {
+        id: ep.id(),
+        addr: ep.bound_sockets()[0],
+    };
+    let router = Router::builder(ep).accept(DATA_ALPN, LyingServer).spawn();
+    let a = node(test_config()).await;
+    match within(LIMIT, "pull", a.pull(&liar, "anything", None)).await {
+        Err(Error::Corrupt(msg)) => assert!(msg.contains("anything"), "{msg}"),
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    a.shutdown().await;
+    let _ = router.shutdown().await;
+}
+
+/// A peer that accepts streams and never answers.
+#[derive(Debug, Clone)]
+struct SilentServer;
+
+impl ProtocolHandler for SilentServer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let mut held = Vec::new();
+        while let Ok(streams) = conn.accept_bi().await {
+            held.push(streams);
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_times_out() {
+    let ep = raw_endpoint().await;
+    let silent = PeerAddr {
+        id: ep.id(),
+        addr: ep.bound_sockets()[0],
+    };
+    let router = Router::builder(ep).accept(DATA_ALPN, SilentServer).spawn();
+    let a = node(Config {
+        request_timeout: Duration::from_millis(300),
+        ..test_config()
+    })
+    .await;
+    match within(LIMIT, "pull", a.pull(&silent, "x", None)).await {
+        Err(Error::Timeout { .. }) => {}
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    a.shutdown().await;
+    let _ = router.shutdown().await;
+}
