@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 /// Payload bytes handed to QUIC per write (a slice of the shared tensor bytes, not a copy).
 const SEND_CHUNK: usize = 1 << 20;
 /// Received bytes are hashed in batches this large (BLAKE3 is fastest on big inputs).
-const HASH_BATCH: usize = 1 << 20;
+const HASH_BATCH: usize = 256 << 10;
 
 /// Why a frame could not be read.
 #[derive(Debug)]
@@ -65,21 +65,63 @@ pub(crate) async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) ->
         .map_err(|e| Error::io("sending a frame", e))
 }
 
+/// A stall watchdog: one timer per `stall` period rather than per read or write (those are
+/// hot — thousands per tensor). It re-arms when it fires and sees progress since last time.
+struct Watchdog {
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    stall: Duration,
+    progressed: bool,
+}
+
+impl Watchdog {
+    fn new(stall: Duration) -> Self {
+        Watchdog {
+            timer: Box::pin(tokio::time::sleep(stall)),
+            stall,
+            progressed: false,
+        }
+    }
+
+    fn progress(&mut self) {
+        self.progressed = true;
+    }
+
+    /// Resolves to `true` when a whole period passed without progress (a stall).
+    async fn fired(&mut self) -> bool {
+        (&mut self.timer).await;
+        let stalled = !self.progressed;
+        self.progressed = false;
+        let next = tokio::time::Instant::now() + self.stall;
+        self.timer.as_mut().reset(next);
+        stalled
+    }
+}
+
 /// Sends payload bytes as slices of the shared buffer (no copies).
 pub(crate) async fn send_payload(send: &mut SendStream, data: &Bytes, stall: Duration) -> Result<()> {
+    let mut watchdog = Watchdog::new(stall);
     let mut offset = 0;
     while offset < data.len() {
         let end = (offset + SEND_CHUNK).min(data.len());
-        match tokio::time::timeout(stall, send.write_chunk(data.slice(offset..end))).await {
-            Ok(Ok(())) => offset = end,
-            Ok(Err(e)) => return Err(Error::io("sending tensor bytes", e)),
-            Err(_) => {
-                return Err(Error::timeout(
-                    format!("peer to accept tensor bytes (sent {offset} of {})", data.len()),
-                    stall,
-                ));
+        // `write_chunk` is not cancel-safe: keep the same future alive across watchdog ticks.
+        let mut write = std::pin::pin!(send.write_chunk(data.slice(offset..end)));
+        loop {
+            tokio::select! {
+                biased;
+                written = &mut write => {
+                    written.map_err(|e| Error::io("sending tensor bytes", e))?;
+                    break;
+                }
+                stalled = watchdog.fired() => if stalled {
+                    return Err(Error::timeout(
+                        format!("peer to accept tensor bytes (sent {offset} of {})", data.len()),
+                        stall,
+                    ));
+                }
             }
         }
+        offset = end;
+        watchdog.progress();
     }
     Ok(())
 }
@@ -93,22 +135,30 @@ pub(crate) async fn recv_payload(
     let total = dest.len();
     let mut hasher = ContentHasher::new();
     let (mut filled, mut hashed) = (0, 0);
+    let mut watchdog = Watchdog::new(stall);
     while filled < total {
-        let n = match tokio::time::timeout(stall, recv.read(&mut dest[filled..])).await {
-            Ok(Ok(Some(n))) => n,
-            Ok(Ok(None)) => {
-                return Err(Error::Io(format!(
-                    "stream ended after {filled} of {total} tensor bytes"
-                )));
-            }
-            Ok(Err(e)) => return Err(Error::io("receiving tensor bytes", e)),
-            Err(_) => {
-                return Err(Error::timeout(
-                    format!("tensor bytes (received {filled} of {total})"),
-                    stall,
-                ));
+        let n = tokio::select! {
+            biased;
+            read = recv.read(&mut dest[filled..]) => match read {
+                Ok(Some(n)) => n,
+                Ok(None) => {
+                    return Err(Error::Io(format!(
+                        "stream ended after {filled} of {total} tensor bytes"
+                    )));
+                }
+                Err(e) => return Err(Error::io("receiving tensor bytes", e)),
+            },
+            stalled = watchdog.fired() => {
+                if stalled {
+                    return Err(Error::timeout(
+                        format!("tensor bytes (received {filled} of {total})"),
+                        stall,
+                    ));
+                }
+                continue;
             }
         };
+        watchdog.progress();
         filled += n;
         if filled - hashed >= HASH_BATCH || filled == total {
             hasher.update(&dest[hashed..filled]);
