@@ -51,9 +51,13 @@ pub struct P2pArgs {
     /// Measured pulls per size (after one warm-up); the median is reported.
     #[arg(long, default_value_t = 5)]
     iters: usize,
-    /// 4 KiB round trips for the latency quantiles.
+    /// 4 KiB round trips for the latency quantiles (per round).
     #[arg(long, default_value_t = 1000)]
     round_trips: usize,
+    /// Rounds; each runs the raw-iroh receiver then the tensor-broker one, so machine noise
+    /// hits both systems alike. Figures are over the samples of all rounds.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -107,11 +111,57 @@ struct Rtt {
     p99_us: f64,
 }
 
+/// One receiver process's raw samples.
 #[derive(Debug, Serialize, Deserialize)]
 struct RecvReport {
+    sizes: Vec<SizeSamples>,
+    rtt_us: Vec<f64>,
+    peak_rss_bytes: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SizeSamples {
+    size_bytes: u64,
+    first_transfer_ms: f64,
+    rates_mb_s: Vec<f64>,
+}
+
+/// One system's figures over all rounds.
+struct Summary {
     cases: Vec<Case>,
     rtt_4k: Rtt,
     peak_rss_bytes: u64,
+}
+
+fn summarize(system: System, reports: &[RecvReport]) -> Summary {
+    let cases = SIZES
+        .iter()
+        .map(|&size| {
+            let samples = reports
+                .iter()
+                .flat_map(|r| r.sizes.iter().filter(move |s| s.size_bytes == size));
+            let (mut rates, mut firsts): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+            for s in samples {
+                rates.extend(&s.rates_mb_s);
+                firsts.push(s.first_transfer_ms);
+            }
+            Case {
+                system: system.label().to_string(),
+                size_bytes: size,
+                throughput_mb_s: fmt::median(&mut rates),
+                first_transfer_ms: fmt::median(&mut firsts),
+            }
+        })
+        .collect();
+    let mut rtt: Vec<f64> = reports.iter().flat_map(|r| r.rtt_us.iter().copied()).collect();
+    Summary {
+        cases,
+        rtt_4k: Rtt {
+            p50_us: fmt::median(&mut rtt),
+            p99_us: fmt::percentile(&mut rtt, 0.99),
+        },
+        peak_rss_bytes: reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0),
+    }
 }
 
 /// Runs a bench subcommand.
@@ -154,42 +204,26 @@ async fn p2p(args: P2pArgs) -> Result<()> {
         .context("the serving process did not start within 120 s")??;
     let info: ServeInfo = serde_json::from_str(line.trim()).context("serving process output")?;
 
-    let mut reports = Vec::new();
-    for system in [System::RawIroh, System::TensorBroker] {
-        if !args.json {
-            eprintln!("measuring {} ...", system.label());
+    let (mut raw_reports, mut tb_reports) = (Vec::new(), Vec::new());
+    for round in 1..=args.rounds.max(1) {
+        for system in [System::RawIroh, System::TensorBroker] {
+            if !args.json {
+                eprintln!("round {round}/{}: measuring {} ...", args.rounds, system.label());
+            }
+            let report = run_receiver(&exe, system, &info, &args).await?;
+            match system {
+                System::RawIroh => raw_reports.push(report),
+                System::TensorBroker => tb_reports.push(report),
+            }
         }
-        let out = tokio::process::Command::new(&exe)
-            .args(["bench", "p2p-recv", "--system"])
-            .arg(match system {
-                System::TensorBroker => "tensor-broker",
-                System::RawIroh => "raw-iroh",
-            })
-            .args(["--tb", &info.tb, "--raw", &info.raw])
-            .args(["--iters", &args.iters.to_string()])
-            .args(["--round-trips", &args.round_trips.to_string()])
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .output();
-        let out = tokio::time::timeout(Duration::from_secs(900), out)
-            .await
-            .context("a receiver process ran over 15 minutes")??;
-        if !out.status.success() {
-            bail!("the {} receiver failed ({})", system.label(), out.status);
-        }
-        let report: RecvReport = serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("{} receiver output", system.label()))?;
-        reports.push((system, report));
     }
     drop(server.stdin.take());
     let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
     let _ = server.kill().await;
 
-    let find = |s: System| reports.iter().find(|(sys, _)| *sys == s).map(|(_, r)| r);
-    let (Some(tb), Some(raw)) = (find(System::TensorBroker), find(System::RawIroh)) else {
-        bail!("missing a receiver report");
-    };
-    let cases: Vec<Case> = tb.cases.iter().chain(raw.cases.iter()).cloned().collect();
+    let tb = summarize(System::TensorBroker, &tb_reports);
+    let raw = summarize(System::RawIroh, &raw_reports);
+    let cases: Vec<&Case> = tb.cases.iter().chain(raw.cases.iter()).collect();
     let json = serde_json::json!({
         "bench": "p2p",
         "cases": cases,
@@ -199,12 +233,35 @@ async fn p2p(args: P2pArgs) -> Result<()> {
     if args.json {
         println!("{json}");
     } else {
-        print_table(tb, raw);
+        print_table(&tb, &raw);
     }
     Ok(())
 }
 
-fn print_table(tb: &RecvReport, raw: &RecvReport) {
+async fn run_receiver(
+    exe: &std::path::Path,
+    system: System,
+    info: &ServeInfo,
+    args: &P2pArgs,
+) -> Result<RecvReport> {
+    let out = tokio::process::Command::new(exe)
+        .args(["bench", "p2p-recv", "--system", system.label()])
+        .args(["--tb", &info.tb, "--raw", &info.raw])
+        .args(["--iters", &args.iters.to_string()])
+        .args(["--round-trips", &args.round_trips.to_string()])
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(900), out)
+        .await
+        .context("a receiver process ran over 15 minutes")??;
+    if !out.status.success() {
+        bail!("the {} receiver failed ({})", system.label(), out.status);
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("{} receiver output", system.label()))
+}
+
+fn print_table(tb: &Summary, raw: &Summary) {
     println!(
         "{:>9} {:>18} {:>14} {:>7} {:>16} {:>14}",
         "size", "tensor-broker MB/s", "raw-iroh MB/s", "ratio", "tb first ms", "raw first ms"
@@ -347,7 +404,7 @@ impl Client {
 }
 
 async fn receive(args: &RecvArgs) -> Result<RecvReport> {
-    let mut cases = Vec::new();
+    let mut sizes = Vec::new();
     let mut buf = vec![0u8; usize::try_from(SIZES[SIZES.len() - 1])?];
     for size in SIZES {
         let len = usize::try_from(size)?;
@@ -367,17 +424,16 @@ async fn receive(args: &RecvArgs) -> Result<RecvReport> {
         }
         check(dest)?;
         client.close().await;
-        cases.push(Case {
-            system: args.system.label().to_string(),
+        sizes.push(SizeSamples {
             size_bytes: size,
-            throughput_mb_s: fmt::median(&mut rates),
             first_transfer_ms,
+            rates_mb_s: rates,
         });
     }
-    let rtt_4k = round_trips(args, &mut buf[..4096]).await?;
+    let rtt_us = round_trips(args, &mut buf[..4096]).await?;
     Ok(RecvReport {
-        cases,
-        rtt_4k,
+        sizes,
+        rtt_us,
         peak_rss_bytes: peak_rss_bytes(),
     })
 }
@@ -389,7 +445,7 @@ fn check(buf: &[u8]) -> Result<()> {
     Ok(())
 }
 
-async fn round_trips(args: &RecvArgs, buf: &mut [u8]) -> Result<Rtt> {
+async fn round_trips(args: &RecvArgs, buf: &mut [u8]) -> Result<Vec<f64>> {
     let mut client = Client::new(args).await?;
     for _ in 0..50 {
         client.fetch(4096, buf).await?;
@@ -401,10 +457,7 @@ async fn round_trips(args: &RecvArgs, buf: &mut [u8]) -> Result<Rtt> {
         micros.push(t.elapsed().as_secs_f64() * 1e6);
     }
     client.close().await;
-    Ok(Rtt {
-        p50_us: fmt::median(&mut micros),
-        p99_us: fmt::percentile(&mut micros, 0.99),
-    })
+    Ok(micros)
 }
 
 /// This process's peak resident set (VmHWM), 0 where /proc is not available.

@@ -112,9 +112,9 @@ pub(crate) async fn push(
         name,
         meta: tensor.meta().clone(),
     };
-    wire::write_frame(&mut send, &request).await?;
     // If the peer refuses early (too large, invalid) it stops our stream: its answer says why.
-    let sent = wire::send_payload(&mut send, tensor.data(), ctx.config.stall_timeout).await;
+    let stall = ctx.config.stall_timeout;
+    let sent = wire::write_header_and_payload(&mut send, &request, tensor.data(), stall).await;
     let _ = send.finish();
     let answer = read_response(ctx, &mut recv, &what).await;
     match (answer, sent) {

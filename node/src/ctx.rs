@@ -8,7 +8,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use crate::{
     config::Config,
     inbox::Inbox,
-    pool::{Counter, PoolCounters},
+    pool::{Counter, PoolCounters, ReadyLinks},
     store::Store,
 };
 
@@ -29,6 +29,8 @@ pub(crate) struct NodeCtx {
     pub(crate) store: Store,
     pub(crate) inbox: Inbox,
     pub(crate) pool: Arc<PoolCounters>,
+    /// Ready links, readable without asking the `NodeActor`.
+    pub(crate) ready: ReadyLinks,
     pub(crate) transfers: TransferCounters,
     /// Cancelled once, at shutdown: every task and in-flight call watches it.
     pub(crate) cancel: CancellationToken,

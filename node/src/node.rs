@@ -20,7 +20,7 @@ use crate::{
     error::{Error, Result},
     inbox::{Inbox, Received},
     node_actor::{NodeActor, NodeMsg},
-    pool::{LinkGuard, PoolCounters, PoolStats},
+    pool::{LinkGuard, PoolCounters, PoolStats, ReadyLinks},
     serve::DataProtocol,
     store::Store,
     tensor::Tensor,
@@ -60,6 +60,7 @@ impl Node {
             store: Store::new(config.keep_versions),
             inbox: Inbox::new(config.inbox_capacity),
             pool: Arc::new(PoolCounters::default()),
+            ready: ReadyLinks::default(),
             transfers: TransferCounters::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -243,6 +244,10 @@ impl Node {
 
     /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
     async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
+        if let Some(guard) = self.inner.ctx.ready.try_guard(&addr.id) {
+            self.inner.ctx.pool.reuses.inc();
+            return Ok(guard);
+        }
         let bound = self.config().connect_timeout + Duration::from_secs(1);
         let asked = self.inner.actor.call(
             |reply| NodeMsg::Acquire {

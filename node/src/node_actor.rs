@@ -55,7 +55,7 @@ pub(crate) struct NodeState {
     ctx: Arc<NodeCtx>,
     book: PoolBook<Waiter, LinkHandle>,
     /// Ready links by actor id, to match a stopped child with its pool slot.
-    children: std::collections::HashMap<ractor::ActorId, (EndpointId, u64)>,
+    children: std::collections::HashMap<ractor::ActorId, (EndpointId, u64, Arc<LinkShared>)>,
 }
 
 /// The per-process actor owning the connection pool.
@@ -112,7 +112,8 @@ impl Actor for NodeActor {
             }
             _ => return Ok(()),
         };
-        if let Some((peer, generation)) = state.children.remove(&cell.get_id()) {
+        if let Some((peer, generation, link)) = state.children.remove(&cell.get_id()) {
+            state.ctx.ready.remove(&peer, &link);
             state.book.link_gone(&peer, generation);
             publish_counts(state);
         }
@@ -124,6 +125,7 @@ impl Actor for NodeActor {
         _myself: ActorRef<NodeMsg>,
         state: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
+        state.ctx.ready.clear();
         let (handles, waiters) = state.book.drain();
         for handle in handles {
             let _ = handle.actor.cast(PeerMsg::Close(CloseCode::Shutdown));
@@ -270,8 +272,9 @@ async fn insert_link(
     match state.book.insert_ready(peer, generation, handle.clone(), link.clone()) {
         Insert::Inserted { waiters, evicted } => {
             if let Some(g) = state.book.ready_generation(&peer) {
-                state.children.insert(actor.get_id(), (peer, g));
+                state.children.insert(actor.get_id(), (peer, g, link.clone()));
             }
+            state.ctx.ready.insert(peer, &handle.conn, &link, &actor);
             if let Some((old_peer, old)) = evicted {
                 debug!(peer = %old_peer.fmt_short(), "evicting least recently used idle link");
                 state.ctx.pool.evictions_lru.inc();

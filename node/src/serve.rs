@@ -172,8 +172,8 @@ async fn serve_pull(
         version,
     };
     let sent = async {
-        wire::write_frame(&mut send, &header).await?;
-        wire::send_payload(&mut send, &payload, ctx.config.stall_timeout).await?;
+        wire::write_header_and_payload(&mut send, &header, &payload, ctx.config.stall_timeout)
+            .await?;
         send.finish().map_err(|e| Error::io("finishing stream", e))
     };
     match sent.await {
