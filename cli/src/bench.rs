@@ -153,7 +153,10 @@ fn summarize(system: System, reports: &[RecvReport]) -> Summary {
             }
         })
         .collect();
-    let mut rtt: Vec<f64> = reports.iter().flat_map(|r| r.rtt_us.iter().copied()).collect();
+    let mut rtt: Vec<f64> = reports
+        .iter()
+        .flat_map(|r| r.rtt_us.iter().copied())
+        .collect();
     Summary {
         cases,
         rtt_4k: Rtt {
@@ -183,7 +186,9 @@ fn tensor_name(size: u64) -> String {
 
 fn payload(size: u64) -> Result<Bytes> {
     let len = usize::try_from(size)?;
-    Ok(Bytes::from((0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>()))
+    Ok(Bytes::from(
+        (0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+    ))
 }
 
 async fn p2p(args: P2pArgs) -> Result<()> {
@@ -208,7 +213,11 @@ async fn p2p(args: P2pArgs) -> Result<()> {
     for round in 1..=args.rounds.max(1) {
         for system in [System::RawIroh, System::TensorBroker] {
             if !args.json {
-                eprintln!("round {round}/{}: measuring {} ...", args.rounds, system.label());
+                eprintln!(
+                    "round {round}/{}: measuring {} ...",
+                    args.rounds,
+                    system.label()
+                );
             }
             let report = run_receiver(&exe, system, &info, &args).await?;
             match system {
@@ -258,7 +267,8 @@ async fn run_receiver(
     if !out.status.success() {
         bail!("the {} receiver failed ({})", system.label(), out.status);
     }
-    serde_json::from_slice(&out.stdout).with_context(|| format!("{} receiver output", system.label()))
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("{} receiver output", system.label()))
 }
 
 fn print_table(tb: &Summary, raw: &Summary) {
@@ -334,9 +344,15 @@ async fn serve() -> Result<()> {
     let raw_ep = tb_node::bind_endpoint(&config, iroh::SecretKey::generate()).await?;
     let raw_addr = tb_node::PeerAddr {
         id: raw_ep.id(),
-        addr: raw_ep.bound_sockets().first().copied().context("raw endpoint socket")?,
+        addr: raw_ep
+            .bound_sockets()
+            .first()
+            .copied()
+            .context("raw endpoint socket")?,
     };
-    let router = Router::builder(raw_ep).accept(RAW_ALPN, RawServer { data }).spawn();
+    let router = Router::builder(raw_ep)
+        .accept(RAW_ALPN, RawServer { data })
+        .spawn();
     let info = ServeInfo {
         tb: node.addr().to_string(),
         raw: raw_addr.to_string(),
@@ -354,8 +370,15 @@ async fn serve() -> Result<()> {
 
 /// One system's client: a fresh endpoint, pulling sizes into a reused buffer.
 enum Client {
-    Tb { node: Node, from: PeerAddr },
-    Raw { ep: Endpoint, to: PeerAddr, conn: Option<Connection> },
+    Tb {
+        node: Node,
+        from: PeerAddr,
+    },
+    Raw {
+        ep: Endpoint,
+        to: PeerAddr,
+        conn: Option<Connection>,
+    },
 }
 
 impl Client {
@@ -376,7 +399,9 @@ impl Client {
     async fn fetch(&mut self, size: u64, buf: &mut [u8]) -> Result<()> {
         match self {
             Client::Tb { node, from } => {
-                let pulled = node.pull_into(from, &tensor_name(size), None, |_| Ok(&mut *buf)).await?;
+                let pulled = node
+                    .pull_into(from, &tensor_name(size), None, |_| Ok(&mut *buf))
+                    .await?;
                 if pulled.meta.byte_len != size {
                     bail!("got {} bytes, wanted {size}", pulled.meta.byte_len);
                 }
@@ -439,7 +464,11 @@ async fn receive(args: &RecvArgs) -> Result<RecvReport> {
 }
 
 fn check(buf: &[u8]) -> Result<()> {
-    if let Some(i) = buf.iter().enumerate().position(|(i, b)| *b != (i % 251) as u8) {
+    if let Some(i) = buf
+        .iter()
+        .enumerate()
+        .position(|(i, b)| *b != (i % 251) as u8)
+    {
         bail!("byte {i} is wrong");
     }
     Ok(())

@@ -63,8 +63,12 @@ struct Row {
 /// Runs the demo.
 pub async fn run(args: DemoArgs) -> Result<()> {
     let started = Instant::now();
-    let a = Node::spawn(Config::default()).await.context("starting node A")?;
-    let b = Node::spawn(Config::default()).await.context("starting node B")?;
+    let a = Node::spawn(Config::default())
+        .await
+        .context("starting node A")?;
+    let b = Node::spawn(Config::default())
+        .await
+        .context("starting node B")?;
     println!("node A  {}", a.addr());
     println!("node B  {}", b.addr());
     let result = exchange(&a, &b, &args).await;
@@ -82,7 +86,11 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
 async fn exchange(a: &Node, b: &Node, args: &DemoArgs) -> Result<Vec<Row>> {
     let set = tensor_set(args.max_mib << 20);
-    ensure!(!set.is_empty(), "--max-mib {} leaves no tensor to send", args.max_mib);
+    ensure!(
+        !set.is_empty(),
+        "--max-mib {} leaves no tensor to send",
+        args.max_mib
+    );
     let mut rows = Vec::new();
     for (i, (name, dtype, shape)) in set.into_iter().enumerate() {
         let len = usize::try_from(tb_node::proto::byte_len_for(dtype, &shape)?)?;
@@ -90,16 +98,30 @@ async fn exchange(a: &Node, b: &Node, args: &DemoArgs) -> Result<Vec<Row>> {
         b.publish_local(name, tensor.clone())?;
 
         let t = Instant::now();
-        let pulled = a.pull(b.addr(), name, None).await.with_context(|| format!("pulling {name}"))?;
+        let pulled = a
+            .pull(b.addr(), name, None)
+            .await
+            .with_context(|| format!("pulling {name}"))?;
         let pull = t.elapsed();
-        ensure!(pulled.buffer.data() == tensor.data(), "{name}: pulled bytes differ");
-        ensure!(pulled.meta == *tensor.meta(), "{name}: pulled metadata differs");
+        ensure!(
+            pulled.buffer.data() == tensor.data(),
+            "{name}: pulled bytes differ"
+        );
+        ensure!(
+            pulled.meta == *tensor.meta(),
+            "{name}: pulled metadata differs"
+        );
 
         let t = Instant::now();
-        a.push(b.addr(), name, &pulled.buffer).await.with_context(|| format!("pushing {name}"))?;
+        a.push(b.addr(), name, &pulled.buffer)
+            .await
+            .with_context(|| format!("pushing {name}"))?;
         let push = t.elapsed();
         let got = b.wait_for(name, Duration::from_secs(30)).await?;
-        ensure!(got.tensor.data() == tensor.data(), "{name}: pushed bytes differ");
+        ensure!(
+            got.tensor.data() == tensor.data(),
+            "{name}: pushed bytes differ"
+        );
         ensure!(got.from == a.id(), "{name}: wrong sender");
         rows.push(Row {
             name,
@@ -120,7 +142,10 @@ async fn exchange(a: &Node, b: &Node, args: &DemoArgs) -> Result<Vec<Row>> {
         stats.dials + stats.reuses
     );
     if stats.dials != 1 {
-        bail!("expected one pooled link to be reused, saw {} dials", stats.dials);
+        bail!(
+            "expected one pooled link to be reused, saw {} dials",
+            stats.dials
+        );
     }
     Ok(rows)
 }
@@ -131,7 +156,8 @@ async fn latency(a: &Node, b: &Node, round_trips: usize) -> Result<()> {
     let mut micros = Vec::with_capacity(round_trips);
     for _ in 0..round_trips.max(1) {
         let t = Instant::now();
-        a.pull_into(b.addr(), "demo/ping", None, |_| Ok(&mut buf[..])).await?;
+        a.pull_into(b.addr(), "demo/ping", None, |_| Ok(&mut buf[..]))
+            .await?;
         micros.push(t.elapsed().as_secs_f64() * 1e6);
     }
     println!(

@@ -100,7 +100,8 @@ fn parse_key(path: &Path, text: &str) -> Result<SecretKey> {
 }
 
 fn create_key(dir: &Path, path: &PathBuf) -> Result<SecretKey> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(&format!("creating {}", dir.display()), e))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::io(&format!("creating {}", dir.display()), e))?;
     let key = SecretKey::generate();
     let hex: String = key.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
     let mut options = std::fs::OpenOptions::new();

@@ -51,6 +51,6 @@ pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};
 pub use store::{Lookup, Store};
-pub use tensor::Tensor;
 pub use tb_proto as proto;
 pub use tb_proto::{ContentHash, DType, TensorMeta, TensorName};
+pub use tensor::Tensor;

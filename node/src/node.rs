@@ -73,7 +73,9 @@ impl Node {
             ctx: ctx.clone(),
             node: actor.clone(),
         };
-        let router = Router::builder(endpoint).accept(DATA_ALPN, protocol).spawn();
+        let router = Router::builder(endpoint)
+            .accept(DATA_ALPN, protocol)
+            .spawn();
         debug!(node = %addr, "node started");
         Ok(Node {
             inner: Arc::new(Inner {
@@ -127,7 +129,12 @@ impl Node {
     }
 
     /// Pulls `name` (the newest version, or `version`) from the peer at `addr`.
-    pub async fn pull(&self, addr: &PeerAddr, name: &str, version: Option<u64>) -> Result<Pulled<Tensor>> {
+    pub async fn pull(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        version: Option<u64>,
+    ) -> Result<Pulled<Tensor>> {
         let pulled = self
             .pull_into(addr, name, version, |meta| {
                 let len = usize::try_from(meta.byte_len)
@@ -180,7 +187,8 @@ impl Node {
     /// Other pushed tensors stay queued for `recv()`.
     pub async fn wait_for(&self, name: &str, timeout: Duration) -> Result<Received> {
         let name = TensorName::new(name)?;
-        self.guarded(self.inner.ctx.inbox.take(Some(&name), timeout)).await
+        self.guarded(self.inner.ctx.inbox.take(Some(&name), timeout))
+            .await
     }
 
     /// Number of pooled links.

@@ -37,10 +37,7 @@ pub(crate) struct LinkHandle {
 /// Messages the `NodeActor` handles.
 pub(crate) enum NodeMsg {
     /// A caller wants a link to `peer`.
-    Acquire {
-        peer: PeerAddr,
-        reply: Waiter,
-    },
+    Acquire { peer: PeerAddr, reply: Waiter },
     /// A dial task finished.
     Dialed {
         peer: EndpointId,
@@ -180,16 +177,14 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 Err(_) => Err(unreachable(&peer, format!("no connection within {timeout:?}"))),
             },
         };
-        if let Err(rejected) = myself.cast(NodeMsg::Dialed {
+        let sent = myself.cast(NodeMsg::Dialed {
             peer: peer.id,
             generation,
             result,
-        }) {
-            // The node is gone; close what we opened.
-            if let ractor::MessagingErr::SendErr(NodeMsg::Dialed { result: Ok(c), .. }) = rejected
-            {
-                peer::close(&c, CloseCode::Shutdown);
-            }
+        });
+        // If the node is gone, close what we opened.
+        if let Err(ractor::MessagingErr::SendErr(NodeMsg::Dialed { result: Ok(c), .. })) = sent {
+            peer::close(&c, CloseCode::Shutdown);
         }
     });
 }
@@ -269,10 +264,15 @@ async fn insert_link(
         conn,
         actor: actor.clone(),
     };
-    match state.book.insert_ready(peer, generation, handle.clone(), link.clone()) {
+    match state
+        .book
+        .insert_ready(peer, generation, handle.clone(), link.clone())
+    {
         Insert::Inserted { waiters, evicted } => {
             if let Some(g) = state.book.ready_generation(&peer) {
-                state.children.insert(actor.get_id(), (peer, g, link.clone()));
+                state
+                    .children
+                    .insert(actor.get_id(), (peer, g, link.clone()));
             }
             state.ctx.ready.insert(peer, &handle.conn, &link, &actor);
             if let Some((old_peer, old)) = evicted {

@@ -67,7 +67,8 @@ async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
             accepted = conn.accept_bi() => accepted,
         };
         let Ok((send, recv)) = accepted else { break };
-        let span = debug_span!("serve", me = %ctx.endpoint.id().fmt_short(), peer = %peer.fmt_short());
+        let span =
+            debug_span!("serve", me = %ctx.endpoint.id().fmt_short(), peer = %peer.fmt_short());
         let task_ctx = ctx.clone();
         ctx.tracker.spawn(
             async move {
@@ -211,7 +212,13 @@ async fn serve_push(
     meta: TensorMeta,
 ) {
     let Ok(len) = usize::try_from(meta.byte_len) else {
-        refuse(&mut send, &mut recv, ErrorCode::TooLarge, "does not fit in memory".into()).await;
+        refuse(
+            &mut send,
+            &mut recv,
+            ErrorCode::TooLarge,
+            "does not fit in memory".into(),
+        )
+        .await;
         return;
     };
     let mut buf = vec![0u8; len];
@@ -226,7 +233,10 @@ async fn serve_push(
     ctx.transfers.bytes_received.add(meta.byte_len);
     if hash != meta.hash {
         ctx.transfers.failed.inc();
-        let msg = format!("push of \"{name}\": expected hash {}, got {hash}", meta.hash);
+        let msg = format!(
+            "push of \"{name}\": expected hash {}, got {hash}",
+            meta.hash
+        );
         let _ = reply_error(&mut send, ErrorCode::Corrupt, msg).await;
         return;
     }

@@ -108,14 +108,20 @@ mod tests {
         let store = Store::new(2);
         let n = name("model/w");
         for i in 1..=3u8 {
-            assert_eq!(store.insert(n.clone(), Tensor::from_bytes(vec![i; 4])), u64::from(i));
+            assert_eq!(
+                store.insert(n.clone(), Tensor::from_bytes(vec![i; 4])),
+                u64::from(i)
+            );
         }
         match store.get(&n, None) {
             Lookup::Found(3, t) => assert_eq!(t.data().as_ref(), &[3u8; 4]),
             other => panic!("{other:?}"),
         }
         assert!(matches!(store.get(&n, Some(2)), Lookup::Found(2, _)));
-        assert!(matches!(store.get(&n, Some(1)), Lookup::Evicted { oldest: 2 }));
+        assert!(matches!(
+            store.get(&n, Some(1)),
+            Lookup::Evicted { oldest: 2 }
+        ));
         assert!(matches!(store.get(&n, Some(9)), Lookup::Missing));
         assert!(matches!(store.get(&name("other"), None), Lookup::Missing));
         assert_eq!(store.usage(), (2, 8));

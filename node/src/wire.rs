@@ -31,9 +31,9 @@ impl ReadFrameError {
     pub(crate) fn into_error(self, context: &str) -> Error {
         match self {
             ReadFrameError::Closed(reason) => Error::Io(format!("{context}: {reason}")),
-            ReadFrameError::Invalid(FrameError::TooLarge { len, max }) => {
-                Error::TooLarge(format!("{context}: frame of {len} bytes, the limit is {max}"))
-            }
+            ReadFrameError::Invalid(FrameError::TooLarge { len, max }) => Error::TooLarge(format!(
+                "{context}: frame of {len} bytes, the limit is {max}"
+            )),
             ReadFrameError::Invalid(e) => Error::Io(format!("{context}: {e}")),
         }
     }
@@ -123,7 +123,11 @@ impl Watchdog {
 }
 
 /// Sends payload bytes as slices of the shared buffer (no copies).
-pub(crate) async fn send_payload(send: &mut SendStream, data: &Bytes, stall: Duration) -> Result<()> {
+pub(crate) async fn send_payload(
+    send: &mut SendStream,
+    data: &Bytes,
+    stall: Duration,
+) -> Result<()> {
     let mut watchdog = Watchdog::new(stall);
     let mut offset = 0;
     while offset < data.len() {

@@ -4,7 +4,9 @@
 use std::{collections::HashSet, time::Duration};
 
 use tb_node::{Config, Error, Node, PeerAddr, Tensor};
-use tb_tests::{DelayProxy, eventually, f32_tensor, free_udp_port, node, pattern, test_config, within};
+use tb_tests::{
+    DelayProxy, eventually, f32_tensor, free_udp_port, node, pattern, test_config, within,
+};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -16,8 +18,12 @@ async fn pair() -> (Node, Node) {
 async fn push_arrives_intact() {
     let (a, b) = pair().await;
     let tensor = f32_tensor(1000, 7);
-    within(LIMIT, "push", a.push(b.addr(), "grad/step1", &tensor)).await.expect("push");
-    let got = within(LIMIT, "recv", b.recv_timeout(Duration::from_secs(5))).await.expect("recv");
+    within(LIMIT, "push", a.push(b.addr(), "grad/step1", &tensor))
+        .await
+        .expect("push");
+    let got = within(LIMIT, "recv", b.recv_timeout(Duration::from_secs(5)))
+        .await
+        .expect("recv");
     assert_eq!(got.name.as_str(), "grad/step1");
     assert_eq!(got.from, a.id());
     assert_eq!(got.tensor.data(), tensor.data());
@@ -29,11 +35,20 @@ async fn push_arrives_intact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_by_name_and_version() {
     let (a, b) = pair().await;
-    let v1 = b.publish_local("model/w", f32_tensor(64, 1)).expect("publish");
-    let v2 = b.publish_local("model/w", f32_tensor(64, 2)).expect("publish");
-    let v3 = b.publish_local("model/w", f32_tensor(64, 3)).expect("publish");
+    let v1 = b
+        .publish_local("model/w", f32_tensor(64, 1))
+        .expect("publish");
+    let v2 = b
+        .publish_local("model/w", f32_tensor(64, 2))
+        .expect("publish");
+    let v3 = b
+        .publish_local("model/w", f32_tensor(64, 3))
+        .expect("publish");
     assert_eq!((v1, v2, v3), (1, 2, 3));
-    let newest = a.pull(b.addr(), "model/w", None).await.expect("pull newest");
+    let newest = a
+        .pull(b.addr(), "model/w", None)
+        .await
+        .expect("pull newest");
     assert_eq!(newest.version, 3);
     assert_eq!(newest.buffer.data(), f32_tensor(64, 3).data());
     let older = a.pull(b.addr(), "model/w", Some(2)).await.expect("pull v2");
@@ -51,7 +66,8 @@ async fn pull_by_name_and_version() {
 async fn pull_into_caller_buffer() {
     let (a, b) = pair().await;
     let tensor = f32_tensor(4096, 9);
-    b.publish_local("kv/cache", tensor.clone()).expect("publish");
+    b.publish_local("kv/cache", tensor.clone())
+        .expect("publish");
     let mut reused = vec![0u8; 4096 * 4];
     let pulled = a
         .pull_into(b.addr(), "kv/cache", None, |meta| {
@@ -63,8 +79,10 @@ async fn pull_into_caller_buffer() {
     assert_eq!(pulled.meta, *tensor.meta());
     assert_eq!(&reused[..], tensor.data().as_ref());
     // A wrong-sized destination is refused, not overrun.
-    let mut small = vec![0u8; 10];
-    let err = a.pull_into(b.addr(), "kv/cache", None, |_| Ok(&mut small[..])).await;
+    let mut small = [0u8; 10];
+    let err = a
+        .pull_into(b.addr(), "kv/cache", None, |_| Ok(&mut small[..]))
+        .await;
     assert!(matches!(err, Err(Error::InvalidTensor(_))), "{err:?}");
     a.shutdown().await;
     b.shutdown().await;
@@ -79,13 +97,17 @@ async fn concurrent_sends_from_many_tasks() {
         tasks.push(tokio::spawn(async move {
             for i in 0..8u8 {
                 let tensor = Tensor::from_bytes(pattern(1000 + usize::from(i), t));
-                a.push(&to, &format!("t{t}/i{i}"), &tensor).await.expect("push");
+                a.push(&to, &format!("t{t}/i{i}"), &tensor)
+                    .await
+                    .expect("push");
             }
         }));
     }
     let mut names = HashSet::new();
     for _ in 0..(32 * 8) {
-        let got = within(LIMIT, "recv", b.recv_timeout(Duration::from_secs(20))).await.expect("recv");
+        let got = within(LIMIT, "recv", b.recv_timeout(Duration::from_secs(20)))
+            .await
+            .expect("recv");
         let (t, i) = got.name.as_str().split_once('/').expect("name");
         let t: u8 = t[1..].parse().expect("t");
         let i: usize = i[1..].parse().expect("i");
@@ -110,7 +132,9 @@ async fn rapid_fire_small_sends_keep_order() {
             let mut seen = Vec::new();
             for _ in 0..2000 {
                 let got = b.recv_timeout(Duration::from_secs(20)).await.expect("recv");
-                seen.push(u32::from_le_bytes(got.tensor.data()[..4].try_into().expect("4")));
+                seen.push(u32::from_le_bytes(
+                    got.tensor.data()[..4].try_into().expect("4"),
+                ));
             }
             seen
         })
@@ -130,12 +154,23 @@ async fn large_tensor_256mib() {
     let (a, b) = pair().await;
     let tensor = Tensor::from_bytes(pattern(256 << 20, 3));
     b.publish_local("big", tensor.clone()).expect("publish");
-    let pulled = within(LIMIT, "pull 256 MiB", a.pull(b.addr(), "big", None)).await.expect("pull");
+    let pulled = within(LIMIT, "pull 256 MiB", a.pull(b.addr(), "big", None))
+        .await
+        .expect("pull");
     assert_eq!(pulled.meta.hash, tensor.hash());
     assert!(pulled.buffer.data() == tensor.data(), "bytes differ");
     // And the other way, by push.
-    within(LIMIT, "push 256 MiB", a.push(b.addr(), "big/back", &pulled.buffer)).await.expect("push");
-    let got = b.wait_for("big/back", Duration::from_secs(30)).await.expect("wait_for");
+    within(
+        LIMIT,
+        "push 256 MiB",
+        a.push(b.addr(), "big/back", &pulled.buffer),
+    )
+    .await
+    .expect("push");
+    let got = b
+        .wait_for("big/back", Duration::from_secs(30))
+        .await
+        .expect("wait_for");
     assert!(got.tensor.data() == tensor.data(), "pushed bytes differ");
     a.shutdown().await;
     b.shutdown().await;
@@ -157,10 +192,16 @@ async fn one_sender_several_receivers() {
         })
         .collect();
     for send in sends {
-        within(LIMIT, "push", send).await.expect("join").expect("push");
+        within(LIMIT, "push", send)
+            .await
+            .expect("join")
+            .expect("push");
     }
     for r in &receivers {
-        let got = r.wait_for("weights", Duration::from_secs(10)).await.expect("wait_for");
+        let got = r
+            .wait_for("weights", Duration::from_secs(10))
+            .await
+            .expect("wait_for");
         assert_eq!(got.tensor.data(), tensor.data());
     }
     assert_eq!(a.pool_size(), 4, "one pooled link per receiver");
@@ -180,7 +221,9 @@ async fn sending_before_the_receiver_is_ready() {
         ..test_config()
     };
     // Learn the receiver's id from its key file, without starting it.
-    let id = tb_node::load_or_create_key(dir.path()).expect("key").public();
+    let id = tb_node::load_or_create_key(dir.path())
+        .expect("key")
+        .public();
     let to: PeerAddr = format!("{id}@127.0.0.1:{port}").parse().expect("addr");
     let a = node(Config {
         connect_timeout: Duration::from_millis(500),
@@ -204,7 +247,10 @@ async fn sending_before_the_receiver_is_ready() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(delivered, "a retry after the receiver started succeeds");
-    let got = b.wait_for("early", Duration::from_secs(5)).await.expect("wait_for");
+    let got = b
+        .wait_for("early", Duration::from_secs(5))
+        .await
+        .expect("wait_for");
     assert_eq!(got.tensor.data(), tensor.data());
     a.shutdown().await;
     b.shutdown().await;
@@ -213,7 +259,8 @@ async fn sending_before_the_receiver_is_ready() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn immediate_shutdown_during_transfers() {
     let (a, b) = pair().await;
-    b.publish_local("big", Tensor::from_bytes(pattern(64 << 20, 1))).expect("publish");
+    b.publish_local("big", Tensor::from_bytes(pattern(64 << 20, 1)))
+        .expect("publish");
     let mut tasks = Vec::new();
     for i in 0..8 {
         let (a, from) = (a.clone(), b.addr().clone());
@@ -221,14 +268,17 @@ async fn immediate_shutdown_during_transfers() {
             if i % 2 == 0 {
                 a.pull(&from, "big", None).await.map(|_| ())
             } else {
-                a.push(&from, "up", &Tensor::from_bytes(pattern(8 << 20, 2))).await
+                a.push(&from, "up", &Tensor::from_bytes(pattern(8 << 20, 2)))
+                    .await
             }
         }));
     }
     tokio::time::sleep(Duration::from_millis(30)).await;
     within(Duration::from_secs(20), "shutdown", a.shutdown()).await;
     for task in tasks {
-        let result = within(Duration::from_secs(20), "in-flight call", task).await.expect("no panic");
+        let result = within(Duration::from_secs(20), "in-flight call", task)
+            .await
+            .expect("no panic");
         assert!(
             matches!(result, Ok(()) | Err(Error::Shutdown)),
             "in-flight calls finish or get Shutdown, got {result:?}"
@@ -244,17 +294,23 @@ async fn immediate_shutdown_during_transfers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_shutdown_mid_transfer_is_an_error_not_a_hang() {
     let (a, b) = pair().await;
-    b.publish_local("big", Tensor::from_bytes(pattern(128 << 20, 1))).expect("publish");
+    b.publish_local("big", Tensor::from_bytes(pattern(128 << 20, 1)))
+        .expect("publish");
     let pull = {
         let (a, from) = (a.clone(), b.addr().clone());
         tokio::spawn(async move { a.pull(&from, "big", None).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     b.shutdown().await;
-    let result = within(Duration::from_secs(30), "pull from a stopped peer", pull).await.expect("join");
+    let result = within(Duration::from_secs(30), "pull from a stopped peer", pull)
+        .await
+        .expect("join");
     // Either it finished before the stop, or it failed with a transport error.
     if let Err(e) = result {
-        assert!(matches!(e, Error::Io(_) | Error::PeerUnreachable { .. }), "{e:?}");
+        assert!(
+            matches!(e, Error::Io(_) | Error::PeerUnreachable { .. }),
+            "{e:?}"
+        );
     }
     a.shutdown().await;
 }
@@ -297,7 +353,10 @@ async fn bad_addresses_and_names_are_refused() {
     let (a, b) = pair().await;
     for name in ["", "has space", "/lead", "trail/", "a//b", &"x".repeat(300)] {
         assert!(
-            matches!(a.pull(b.addr(), name, None).await, Err(Error::InvalidName(_))),
+            matches!(
+                a.pull(b.addr(), name, None).await,
+                Err(Error::InvalidName(_))
+            ),
             "{name:?}"
         );
     }
@@ -311,8 +370,14 @@ async fn calls_after_shutdown_are_shutdown() {
     a.shutdown().await;
     a.shutdown().await; // idempotent
     let t = f32_tensor(4, 1);
-    assert!(matches!(a.push(b.addr(), "x", &t).await, Err(Error::Shutdown)));
-    assert!(matches!(a.pull(b.addr(), "x", None).await, Err(Error::Shutdown)));
+    assert!(matches!(
+        a.push(b.addr(), "x", &t).await,
+        Err(Error::Shutdown)
+    ));
+    assert!(matches!(
+        a.pull(b.addr(), "x", None).await,
+        Err(Error::Shutdown)
+    ));
     assert!(matches!(a.publish_local("x", t), Err(Error::Shutdown)));
     assert!(matches!(a.recv().await, Err(Error::Shutdown)));
     assert!(matches!(
@@ -344,7 +409,8 @@ async fn pool_reuses_one_link_per_peer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_requests_to_a_slow_peer_share_one_dial() {
     let (a, b) = pair().await;
-    b.publish_local("small", f32_tensor(1024, 4)).expect("publish");
+    b.publish_local("small", f32_tensor(1024, 4))
+        .expect("publish");
     let proxy = DelayProxy::start(b.addr().addr, Duration::from_millis(150)).await;
     let via_proxy = PeerAddr {
         id: b.id(),
@@ -353,14 +419,22 @@ async fn two_hundred_requests_to_a_slow_peer_share_one_dial() {
     let mut tasks = Vec::new();
     for _ in 0..200 {
         let (a, to) = (a.clone(), via_proxy.clone());
-        tasks.push(tokio::spawn(async move { a.pull(&to, "small", None).await }));
+        tasks.push(tokio::spawn(
+            async move { a.pull(&to, "small", None).await },
+        ));
     }
     for task in tasks {
-        let pulled = within(LIMIT, "pull via slow link", task).await.expect("join").expect("pull");
+        let pulled = within(LIMIT, "pull via slow link", task)
+            .await
+            .expect("join")
+            .expect("pull");
         assert_eq!(pulled.buffer.data(), f32_tensor(1024, 4).data());
     }
     let stats = a.pool_stats();
-    assert_eq!(stats.dials, 1, "exactly one dial for 200 concurrent requests");
+    assert_eq!(
+        stats.dials, 1,
+        "exactly one dial for 200 concurrent requests"
+    );
     assert_eq!(a.pool_size(), 1);
     a.shutdown().await;
     b.shutdown().await;
@@ -374,10 +448,14 @@ async fn idle_links_are_evicted_after_the_timeout() {
     })
     .await;
     let b = node(test_config()).await;
-    a.push(b.addr(), "x", &f32_tensor(4, 1)).await.expect("push");
+    a.push(b.addr(), "x", &f32_tensor(4, 1))
+        .await
+        .expect("push");
     assert!(eventually(Duration::from_secs(10), || a.pool_size() == 0).await);
     assert_eq!(a.pool_stats().evictions_idle, 1);
-    a.push(b.addr(), "y", &f32_tensor(4, 1)).await.expect("push after eviction");
+    a.push(b.addr(), "y", &f32_tensor(4, 1))
+        .await
+        .expect("push after eviction");
     assert_eq!(a.pool_stats().dials, 2, "an evicted link is redialed");
     a.shutdown().await;
     b.shutdown().await;
@@ -390,7 +468,11 @@ async fn lru_link_is_evicted_at_max_links() {
         ..test_config()
     })
     .await;
-    let peers = [node(test_config()).await, node(test_config()).await, node(test_config()).await];
+    let peers = [
+        node(test_config()).await,
+        node(test_config()).await,
+        node(test_config()).await,
+    ];
     let t = f32_tensor(4, 1);
     for p in &peers {
         a.push(p.addr(), "x", &t).await.expect("push");

@@ -25,7 +25,9 @@ async fn raw_endpoint() -> Endpoint {
 }
 
 async fn raw_connect(ep: &Endpoint, to: &Node) -> Connection {
-    ep.connect(to.addr().to_endpoint_addr(), DATA_ALPN).await.expect("connect")
+    ep.connect(to.addr().to_endpoint_addr(), DATA_ALPN)
+        .await
+        .expect("connect")
 }
 
 async fn read_response(recv: &mut RecvStream) -> DataResponse {
@@ -38,7 +40,9 @@ async fn read_response(recv: &mut RecvStream) -> DataResponse {
 }
 
 async fn send_frame(send: &mut SendStream, msg: &DataRequest) {
-    send.write_all(&frame::encode(msg).expect("encode")).await.expect("write");
+    send.write_all(&frame::encode(msg).expect("encode"))
+        .await
+        .expect("write");
 }
 
 /// After whatever abuse, the node still serves a normal pull on a fresh stream.
@@ -66,7 +70,9 @@ async fn oversize_frame_is_refused_without_allocating() {
     let (mut send, mut recv) = conn.open_bi().await.expect("open");
     // Claim a 2 GiB control frame and send nothing more: a node that believed the length
     // would allocate and wait for the body; ours answers at once.
-    send.write_all(&(2u32 << 30).to_le_bytes()).await.expect("write");
+    send.write_all(&(2u32 << 30).to_le_bytes())
+        .await
+        .expect("write");
     match within(LIMIT, "refusal", read_response(&mut recv)).await {
         DataResponse::Error { code, .. } => assert_eq!(code, ErrorCode::TooLarge),
         other => panic!("expected TooLarge, got {other:?}"),
@@ -96,7 +102,8 @@ async fn push_over_the_size_limit_is_refused_before_its_payload() {
         ..test_config()
     })
     .await;
-    b.publish_local("mid", tb_node::Tensor::from_bytes(pattern(4000, 2))).expect("publish");
+    b.publish_local("mid", tb_node::Tensor::from_bytes(pattern(4000, 2)))
+        .expect("publish");
     assert!(matches!(
         small_limit.pull(b.addr(), "mid", None).await,
         Err(Error::TooLarge(_))
@@ -121,14 +128,18 @@ async fn malformed_frames_end_the_stream_not_the_node() {
         send.write_all(&garbage).await.expect("write");
         send.finish().expect("finish");
         match within(LIMIT, "refusal", read_response(&mut recv)).await {
-            DataResponse::Error { code, .. } => assert_eq!(code, ErrorCode::Malformed, "{garbage:?}"),
+            DataResponse::Error { code, .. } => {
+                assert_eq!(code, ErrorCode::Malformed, "{garbage:?}")
+            }
             other => panic!("expected Malformed, got {other:?}"),
         }
     }
     // Same connection, next stream: still served. And another node is unaffected.
     still_serves(&conn).await;
     let c = node(test_config()).await;
-    c.pull(b.addr(), "ok", None).await.expect("others are served");
+    c.pull(b.addr(), "ok", None)
+        .await
+        .expect("others are served");
     ep.close().await;
     b.shutdown().await;
     c.shutdown().await;
@@ -155,10 +166,13 @@ async fn corrupt_push_is_detected_and_not_delivered() {
         DataResponse::Error { code, .. } => assert_eq!(code, ErrorCode::Corrupt),
         other => panic!("expected Corrupt, got {other:?}"),
     }
-    assert!(matches!(
-        b.recv_timeout(Duration::from_millis(200)).await,
-        Err(Error::Timeout { .. })
-    ), "a corrupt tensor is never delivered");
+    assert!(
+        matches!(
+            b.recv_timeout(Duration::from_millis(200)).await,
+            Err(Error::Timeout { .. })
+        ),
+        "a corrupt tensor is never delivered"
+    );
     still_serves(&conn).await;
     ep.close().await;
     b.shutdown().await;
@@ -184,7 +198,9 @@ impl ProtocolHandler for LyingServer {
             };
             let mut flipped = truth.data().to_vec();
             flipped[1000] ^= 0x01;
-            let _ = send.write_all(&frame::encode(&header).expect("encode")).await;
+            let _ = send
+                .write_all(&frame::encode(&header).expect("encode"))
+                .await;
             let _ = send.write_chunk(Bytes::from(flipped)).await;
             let _ = send.finish();
             let _ = send.stopped().await;

@@ -17,15 +17,26 @@ use super::link::LinkShared;
 /// A peer's entry in the pool.
 #[derive(Debug)]
 enum Slot<W, H> {
-    Connecting { generation: u64, waiters: Vec<W> },
-    Ready { generation: u64, handle: H, link: Arc<LinkShared> },
+    Connecting {
+        generation: u64,
+        waiters: Vec<W>,
+    },
+    Ready {
+        generation: u64,
+        handle: H,
+        link: Arc<LinkShared>,
+    },
 }
 
 /// What `acquire` decided.
 #[derive(Debug)]
 pub(crate) enum Acquire<W, H> {
     /// A ready link: reply to the waiter with a guard on it.
-    Reuse { waiter: W, handle: H, link: Arc<LinkShared> },
+    Reuse {
+        waiter: W,
+        handle: H,
+        link: Arc<LinkShared>,
+    },
     /// A dial is already in flight; the waiter was queued on it.
     Queued,
     /// Start a dial with this generation; the waiter was queued on it.
@@ -38,7 +49,10 @@ pub(crate) enum Acquire<W, H> {
 #[derive(Debug)]
 pub(crate) enum Insert<W, H> {
     /// Inserted; reply to these waiters, and close the evicted link if any.
-    Inserted { waiters: Vec<W>, evicted: Option<(EndpointId, H)> },
+    Inserted {
+        waiters: Vec<W>,
+        evicted: Option<(EndpointId, H)>,
+    },
     /// The dial was superseded (or the peer already has a link): keep the connection unpooled.
     Stale,
     /// At the cap with every link busy: fail these waiters and drop the connection.
@@ -118,7 +132,9 @@ impl<W, H: Clone> PoolBook<W, H> {
         // Closing can race with a guard being taken elsewhere; try the next oldest then.
         for _ in 0..self.max_links {
             let Some(peer) = self.lru_idle() else { break };
-            let Some(Slot::Ready { handle, link, .. }) = self.slots.get(&peer) else { break };
+            let Some(Slot::Ready { handle, link, .. }) = self.slots.get(&peer) else {
+                break;
+            };
             let handle = handle.clone();
             if link.try_close() {
                 self.slots.remove(&peer);
@@ -219,7 +235,10 @@ impl<W, H: Clone> PoolBook<W, H> {
                 Slot::Ready { link, .. } => Some(link.idle_since().is_some()),
                 Slot::Connecting { .. } => None,
             })
-            .fold((0, 0), |(a, i), idle| if idle { (a, i + 1) } else { (a + 1, i) })
+            .fold(
+                (0, 0),
+                |(a, i), idle| if idle { (a, i + 1) } else { (a + 1, i) },
+            )
     }
 
     fn ready_count(&self) -> usize {
@@ -290,7 +309,10 @@ mod tests {
         };
         assert_eq!(waiters, (1..=200).collect::<Vec<_>>());
         assert!(evicted.is_none());
-        assert!(matches!(book.acquire(p, 201), Acquire::Reuse { waiter: 201, .. }));
+        assert!(matches!(
+            book.acquire(p, 201),
+            Acquire::Reuse { waiter: 201, .. }
+        ));
     }
 
     #[test]
@@ -333,7 +355,10 @@ mod tests {
         let mut book = Book::new(1);
         let link = ready(&mut book, peer(1), Instant::now());
         assert!(link.try_acquire());
-        assert!(matches!(book.acquire(peer(2), 9), Acquire::Full { waiter: 9 }));
+        assert!(matches!(
+            book.acquire(peer(2), 9),
+            Acquire::Full { waiter: 9 }
+        ));
         assert!(link.release(Instant::now()));
         assert!(matches!(book.acquire(peer(2), 9), Acquire::Dial { .. }));
     }
@@ -383,7 +408,10 @@ mod tests {
             Insert::Inserted { .. }
         ));
         let second = Arc::new(LinkShared::new(Instant::now()));
-        assert!(matches!(book.insert_ready(p, None, "in2", second), Insert::Stale));
+        assert!(matches!(
+            book.insert_ready(p, None, "in2", second),
+            Insert::Stale
+        ));
         assert_eq!(book.link_counts(), (0, 1));
     }
 }
