@@ -110,6 +110,7 @@ impl Node {
 
     /// Sends `tensor` straight to the peer at `addr`, which gets it from `recv()`/`wait_for()`.
     /// Returns once the peer has verified and queued it.
+    #[tracing::instrument(name = "push", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]
     pub async fn push(&self, addr: &PeerAddr, name: &str, tensor: &Tensor) -> Result<()> {
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
@@ -154,6 +155,7 @@ impl Node {
     /// Pulls `name` into a buffer the caller supplies once it knows the metadata (the
     /// descriptor-then-read pattern): `alloc` gets the verified header and returns a buffer
     /// of exactly `meta.byte_len` bytes, which the payload is read straight into.
+    #[tracing::instrument(name = "pull", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]
     pub async fn pull_into<B, F>(
         &self,
         addr: &PeerAddr,

@@ -67,8 +67,12 @@ async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
             accepted = conn.accept_bi() => accepted,
         };
         let Ok((send, recv)) = accepted else { break };
-        let span =
-            debug_span!("serve", me = %ctx.endpoint.id().fmt_short(), peer = %peer.fmt_short());
+        let span = debug_span!(
+            "serve",
+            me = %ctx.endpoint.id().fmt_short(),
+            peer = %peer.fmt_short(),
+            tensor = tracing::field::Empty,
+        );
         let task_ctx = ctx.clone();
         ctx.tracker.spawn(
             async move {
@@ -117,6 +121,7 @@ async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut
         refuse(&mut send, &mut recv, code, err.to_string()).await;
         return;
     }
+    tracing::Span::current().record("tensor", request.name().as_str());
     match request {
         DataRequest::Pull {
             name,

@@ -41,7 +41,9 @@ pub enum DType {
 
 /// A dtype name that is not one of ours.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown dtype {0:?} (expected one of bool, u8, u16, u32, u64, i8, i16, i32, i64, f16, bf16, f32, f64, f8e4m3, f8e5m2)")]
+#[error(
+    "unknown dtype {0:?} (expected one of bool, u8, u16, u32, u64, i8, i16, i32, i64, f16, bf16, f32, f64, f8e4m3, f8e5m2)"
+)]
 pub struct UnknownDType(pub String);
 
 impl DType {
@@ -145,6 +147,29 @@ mod tests {
         assert_eq!("float32".parse::<DType>(), Ok(DType::F32));
         assert_eq!("bfloat16".parse::<DType>(), Ok(DType::BF16));
         assert!("f33".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn numpy_aliases_parse() {
+        let cases = [
+            ("float16", DType::F16),
+            ("float64", DType::F64),
+            ("int8", DType::I8),
+            ("int16", DType::I16),
+            ("int32", DType::I32),
+            ("Int64", DType::I64),
+            ("uint8", DType::U8),
+            ("uint16", DType::U16),
+            ("uint32", DType::U32),
+            ("UINT64", DType::U64),
+            ("float8_e4m3fn", DType::F8E4M3),
+        ];
+        for (s, d) in cases {
+            assert_eq!(s.parse::<DType>(), Ok(d), "{s}");
+        }
+        assert_eq!(DType::F8E4M3.to_string(), "f8e4m3");
+        let err = "complex64".parse::<DType>().expect_err("unknown");
+        assert!(err.to_string().contains("\"complex64\""), "{err}");
     }
 
     #[test]

@@ -81,3 +81,67 @@ pub fn decode_frame<T: DeserializeOwned>(buf: &[u8]) -> Result<Option<(T, usize)
     };
     Ok(Some((decode_body(body)?, LEN_PREFIX + len)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cap_is_checked_on_the_prefix() {
+        assert_eq!(body_len(0u32.to_le_bytes()).ok(), Some(0));
+        assert_eq!(
+            body_len(MAX_CONTROL_FRAME.to_le_bytes()).ok(),
+            Some(MAX_CONTROL_FRAME as usize)
+        );
+        assert!(matches!(
+            body_len((MAX_CONTROL_FRAME + 1).to_le_bytes()),
+            Err(FrameError::TooLarge { len, max }) if len == u64::from(MAX_CONTROL_FRAME) + 1
+                && max == u64::from(MAX_CONTROL_FRAME)
+        ));
+        // An oversized prefix is refused even though the body has not arrived.
+        assert!(matches!(
+            decode_frame::<u8>(&u32::MAX.to_le_bytes()),
+            Err(FrameError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn encode_refuses_oversized_bodies() {
+        let big = vec![0u8; MAX_CONTROL_FRAME as usize];
+        // A byte vector's length prefix pushes the body just over the cap.
+        assert!(matches!(encode(&big), Err(FrameError::TooLarge { .. })));
+        let fits = vec![0u8; MAX_CONTROL_FRAME as usize - 3];
+        let frame = encode(&fits).expect("fits");
+        assert_eq!(frame.len(), LEN_PREFIX + MAX_CONTROL_FRAME as usize);
+    }
+
+    #[test]
+    fn partial_frames_wait_and_whole_frames_decode() {
+        let mut buf = encode(&"hello").expect("encode");
+        let one = buf.len();
+        for cut in 0..one {
+            assert!(
+                decode_frame::<String>(&buf[..cut])
+                    .expect("partial")
+                    .is_none()
+            );
+        }
+        buf.extend(encode(&"world").expect("encode"));
+        let (msg, used) = decode_frame::<String>(&buf).expect("ok").expect("whole");
+        assert_eq!((msg.as_str(), used), ("hello", one));
+        let (msg, _) = decode_frame::<String>(&buf[used..])
+            .expect("ok")
+            .expect("whole");
+        assert_eq!(msg, "world");
+    }
+
+    #[test]
+    fn trailing_bytes_are_refused() {
+        assert!(matches!(
+            decode_body::<u8>(&[7, 0, 0]),
+            Err(FrameError::TrailingBytes { extra: 2 })
+        ));
+        let err = decode_body::<String>(&[9, b'a']).expect_err("truncated");
+        assert!(err.to_string().starts_with("malformed frame: "), "{err}");
+    }
+}

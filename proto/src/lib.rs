@@ -16,6 +16,18 @@
 //! raw payload, for tensors); a receiver reads 4 bytes, asks [`frame::body_len`] whether to
 //! read on, reads the body, [`frame::decode_body`]s it and `validate`s what it got before
 //! trusting any length in it.
+//!
+//! ```
+//! use tb_proto::{DataRequest, TensorName, frame};
+//!
+//! let req = DataRequest::Pull { name: TensorName::new("model/w")?, version: None, range: None };
+//! let bytes = frame::encode(&req)?;
+//! let len = frame::body_len([bytes[0], bytes[1], bytes[2], bytes[3]])?;
+//! let got: DataRequest = frame::decode_body(&bytes[frame::LEN_PREFIX..][..len])?;
+//! got.validate(64 << 30)?;
+//! assert_eq!(got, req);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod dtype;
 pub mod frame;
@@ -25,10 +37,8 @@ pub mod msg;
 mod name;
 
 pub use dtype::{DType, UnknownDType};
-pub use frame::FrameError;
+pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};
 pub use hash::{ContentHash, ContentHasher};
 pub use meta::{MAX_RANK, MetaError, TensorMeta, byte_len_for};
-pub use msg::{
-    ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
-};
+pub use msg::{ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode};
 pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};

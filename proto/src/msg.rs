@@ -44,13 +44,23 @@ pub enum DataRequest {
 }
 
 impl DataRequest {
-    /// Checks what can be checked before acting on the request.
+    /// The tensor the request is about.
+    pub fn name(&self) -> &TensorName {
+        match self {
+            DataRequest::Pull { name, .. } | DataRequest::Push { name, .. } => name,
+        }
+    }
+
+    /// Checks what can be checked before acting on the request: a push's metadata (rank,
+    /// byte length, size limit), and that a pull's range end fits in 64 bits.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
         match self {
             DataRequest::Push { meta, .. } => meta.validate(max_tensor_bytes),
-            DataRequest::Pull {
-                range: Some(r), ..
-            } => r.offset.checked_add(r.len).map(|_| ()).ok_or(MetaError::Overflow),
+            DataRequest::Pull { range: Some(r), .. } => r
+                .offset
+                .checked_add(r.len)
+                .map(|_| ())
+                .ok_or(MetaError::Overflow),
             DataRequest::Pull { .. } => Ok(()),
         }
     }
@@ -100,6 +110,21 @@ pub enum ErrorCode {
     ShuttingDown,
 }
 
+impl ErrorCode {
+    /// Every error code.
+    pub const ALL: [ErrorCode; 9] = [
+        ErrorCode::NotFound,
+        ErrorCode::TooLarge,
+        ErrorCode::InvalidTensor,
+        ErrorCode::Corrupt,
+        ErrorCode::Unauthorized,
+        ErrorCode::Busy,
+        ErrorCode::Malformed,
+        ErrorCode::Internal,
+        ErrorCode::ShuttingDown,
+    ];
+}
+
 /// QUIC application close codes: the one list of why tensor-broker closes a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
@@ -119,13 +144,23 @@ pub enum CloseCode {
 }
 
 impl CloseCode {
+    /// Every close code.
+    pub const ALL: [CloseCode; 6] = [
+        CloseCode::Normal,
+        CloseCode::Shutdown,
+        CloseCode::IdleEvicted,
+        CloseCode::LruEvicted,
+        CloseCode::ProtocolError,
+        CloseCode::Unauthorized,
+    ];
+
     /// The numeric code.
-    pub fn code(self) -> u32 {
+    pub const fn code(self) -> u32 {
         self as u32
     }
 
-    /// Parses a numeric code.
-    pub fn from_code(code: u32) -> Option<Self> {
+    /// Parses a numeric code; `None` for codes this version does not know.
+    pub const fn from_code(code: u32) -> Option<Self> {
         Some(match code {
             0 => CloseCode::Normal,
             1 => CloseCode::Shutdown,
@@ -138,7 +173,7 @@ impl CloseCode {
     }
 
     /// The reason phrase sent with the close.
-    pub fn reason(self) -> &'static [u8] {
+    pub const fn reason(self) -> &'static [u8] {
         match self {
             CloseCode::Normal => b"normal",
             CloseCode::Shutdown => b"shutdown",
@@ -147,5 +182,78 @@ impl CloseCode {
             CloseCode::ProtocolError => b"protocol error",
             CloseCode::Unauthorized => b"unauthorized",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ContentHash, DType};
+
+    fn name(s: &str) -> TensorName {
+        TensorName::new(s).expect("name")
+    }
+
+    #[test]
+    fn close_codes_round_trip() {
+        for (i, c) in CloseCode::ALL.into_iter().enumerate() {
+            assert_eq!(c.code() as usize, i);
+            assert_eq!(CloseCode::from_code(c.code()), Some(c));
+            assert!(!c.reason().is_empty());
+        }
+        assert_eq!(CloseCode::from_code(6), None);
+        assert_eq!(CloseCode::from_code(u32::MAX), None);
+    }
+
+    #[test]
+    fn validate_checks_push_meta_and_pull_range() {
+        let pull = |range| DataRequest::Pull {
+            name: name("a"),
+            version: None,
+            range,
+        };
+        assert_eq!(pull(None).validate(0), Ok(()));
+        let fits = ByteRange {
+            offset: u64::MAX - 1,
+            len: 1,
+        };
+        assert_eq!(pull(Some(fits)).validate(0), Ok(()));
+        let wraps = ByteRange {
+            offset: u64::MAX,
+            len: 1,
+        };
+        assert_eq!(pull(Some(wraps)).validate(0), Err(MetaError::Overflow));
+
+        let meta = TensorMeta::new(DType::F32, vec![4], ContentHash::of(&[0; 16])).expect("meta");
+        let push = DataRequest::Push {
+            name: name("b"),
+            meta: meta.clone(),
+        };
+        assert_eq!(push.validate(16), Ok(()));
+        assert_eq!(
+            push.validate(15),
+            Err(MetaError::TooLarge { len: 16, max: 15 })
+        );
+        assert_eq!(push.name().as_str(), "b");
+        let lie = DataRequest::Push {
+            name: name("b"),
+            meta: TensorMeta {
+                byte_len: 17,
+                ..meta
+            },
+        };
+        assert_eq!(
+            lie.validate(1 << 20),
+            Err(MetaError::ByteLenMismatch {
+                expected: 16,
+                actual: 17
+            })
+        );
+    }
+
+    #[test]
+    fn alpns_are_versioned() {
+        assert!(DATA_ALPN.ends_with(b"/1") && CTL_ALPN.ends_with(b"/1"));
+        assert_ne!(DATA_ALPN, CTL_ALPN);
     }
 }

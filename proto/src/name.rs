@@ -104,6 +104,9 @@ impl From<TensorName> for String {
 }
 
 /// A subscription pattern: an exact name, or a prefix ending in `/*` (`*` alone: everything).
+///
+/// Parse it from a string; a hand-built `Prefix` must be empty or end in `/`, or it would
+/// match across a level boundary (`model` would match `modelx/a`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum NamePattern {
@@ -173,7 +176,10 @@ mod tests {
             assert!(TensorName::new(ok).is_ok(), "{ok}");
         }
         assert_eq!(TensorName::new(""), Err(NameError::Empty));
-        assert_eq!(TensorName::new("x".repeat(257)), Err(NameError::TooLong { len: 257 }));
+        assert_eq!(
+            TensorName::new("x".repeat(257)),
+            Err(NameError::TooLong { len: 257 })
+        );
         assert_eq!(
             TensorName::new("a b"),
             Err(NameError::BadChar { ch: ' ', pos: 1 })
@@ -201,5 +207,39 @@ mod tests {
         assert!(exact.matches(&n("model")) && !exact.matches(&n("model/a")));
         assert!("model/**".parse::<NamePattern>().is_err());
         assert_eq!(p.to_string(), "model/*");
+        assert_eq!(all.to_string(), "*");
+        for bad in ["", "/*", "a*", "*/a", "a/*/b", "model/ *"] {
+            assert!(bad.parse::<NamePattern>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn errors_quote_the_rule() {
+        for e in [
+            NameError::Empty,
+            NameError::TooLong { len: 300 },
+            NameError::BadChar { ch: '*', pos: 3 },
+            NameError::EmptyLevel,
+        ] {
+            assert!(e.to_string().contains(RULE), "{e}");
+        }
+        assert!(
+            NameError::BadChar { ch: '*', pos: 3 }
+                .to_string()
+                .starts_with("character '*' at byte 3")
+        );
+    }
+
+    #[test]
+    fn serde_goes_through_validation() {
+        let n = TensorName::new("model/w").expect("name");
+        let bytes = postcard::to_stdvec(&n).expect("encode");
+        assert_eq!(postcard::from_bytes::<TensorName>(&bytes), Ok(n));
+        let bad = postcard::to_stdvec("a//b").expect("encode");
+        assert!(postcard::from_bytes::<TensorName>(&bad).is_err());
+        let p: NamePattern = "model/*".parse().expect("pattern");
+        let bytes = postcard::to_stdvec(&p).expect("encode");
+        assert_eq!(bytes, postcard::to_stdvec("model/*").expect("encode"));
+        assert_eq!(postcard::from_bytes::<NamePattern>(&bytes), Ok(p));
     }
 }

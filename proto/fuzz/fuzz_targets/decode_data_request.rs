@@ -1,0 +1,25 @@
+//! Arbitrary bytes as a `tb/data/1` request: as a frame (prefix + body) and as a bare body,
+//! then `validate` on whatever decodes. Anything may be refused; nothing may panic.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tb_proto::{DataRequest, frame};
+
+/// The design's default maximum tensor size.
+const MAX_TENSOR: u64 = 64 << 30;
+
+fuzz_target!(|data: &[u8]| {
+    if let Some(prefix) = data.first_chunk::<{ frame::LEN_PREFIX }>() {
+        let _ = frame::body_len(*prefix);
+    }
+    if let Ok(Some((req, used))) = frame::decode_frame::<DataRequest>(data) {
+        assert!(used <= data.len());
+        let _ = req.validate(MAX_TENSOR);
+    }
+    if let Ok(req) = frame::decode_body::<DataRequest>(data) {
+        let _ = req.validate(MAX_TENSOR);
+        let again = frame::encode(&req).expect("a decoded request re-encodes");
+        let back = frame::decode_frame::<DataRequest>(&again);
+        assert!(matches!(back, Ok(Some((ref r, _))) if *r == req));
+    }
+});

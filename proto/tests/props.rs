@@ -1,0 +1,273 @@
+//! Property tests: every message round-trips, and no decoder or validator panics on anything,
+//! random bytes or valid frames with bit flips, truncations and extensions.
+
+use proptest::{collection::vec, prelude::*};
+use tb_proto::{
+    ByteRange, ContentHash, DType, DataRequest, DataResponse, ErrorCode, FrameError, MAX_RANK,
+    NamePattern, TensorMeta, TensorName,
+    frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
+};
+
+/// The limit the validators run with (the design's default maximum tensor size).
+const MAX_TENSOR: u64 = 64 << 30;
+
+fn dtype() -> impl Strategy<Value = DType> {
+    proptest::sample::select(DType::ALL.to_vec())
+}
+
+fn error_code() -> impl Strategy<Value = ErrorCode> {
+    proptest::sample::select(ErrorCode::ALL.to_vec())
+}
+
+fn tensor_name() -> impl Strategy<Value = TensorName> {
+    "[A-Za-z0-9._:-]{1,40}(/[A-Za-z0-9._:-]{1,40}){0,5}"
+        .prop_map(|s| TensorName::new(s).expect("strategy makes valid names"))
+}
+
+fn pattern() -> impl Strategy<Value = NamePattern> {
+    prop_oneof![
+        tensor_name().prop_map(NamePattern::Exact),
+        tensor_name().prop_map(|n| NamePattern::Prefix(format!("{n}/"))),
+        Just(NamePattern::Prefix(String::new())),
+    ]
+}
+
+fn hash() -> impl Strategy<Value = ContentHash> {
+    any::<[u8; 32]>().prop_map(ContentHash)
+}
+
+/// Valid metadata: small dims at any rank up to the limit, or huge dims at low rank.
+fn meta() -> impl Strategy<Value = TensorMeta> {
+    let shape = prop_oneof![
+        vec(0u64..5, 0..=MAX_RANK),
+        vec(any::<u32>().prop_map(u64::from), 0..=2),
+    ];
+    (dtype(), shape, hash())
+        .prop_filter_map("shape overflows", |(d, s, h)| TensorMeta::new(d, s, h).ok())
+}
+
+fn range() -> impl Strategy<Value = ByteRange> {
+    (any::<u64>(), any::<u64>()).prop_map(|(offset, len)| ByteRange { offset, len })
+}
+
+fn request() -> impl Strategy<Value = DataRequest> {
+    prop_oneof![
+        (
+            tensor_name(),
+            any::<Option<u64>>(),
+            proptest::option::of(range())
+        )
+            .prop_map(|(name, version, range)| DataRequest::Pull {
+                name,
+                version,
+                range
+            }),
+        (tensor_name(), meta()).prop_map(|(name, meta)| DataRequest::Push { name, meta }),
+    ]
+}
+
+fn response() -> impl Strategy<Value = DataResponse> {
+    prop_oneof![
+        (meta(), any::<u64>()).prop_map(|(meta, version)| DataResponse::Header { meta, version }),
+        Just(DataResponse::Ack),
+        (error_code(), ".{0,80}").prop_map(|(code, message)| DataResponse::Error { code, message }),
+    ]
+}
+
+/// A change to a valid frame.
+#[derive(Debug, Clone)]
+enum Mutation {
+    FlipBit(usize),
+    Truncate(usize),
+    Extend(Vec<u8>),
+    SetByte(usize, u8),
+}
+
+fn mutations() -> impl Strategy<Value = Vec<Mutation>> {
+    let one = prop_oneof![
+        any::<usize>().prop_map(Mutation::FlipBit),
+        any::<usize>().prop_map(Mutation::Truncate),
+        vec(any::<u8>(), 1..16).prop_map(Mutation::Extend),
+        (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::SetByte(i, b)),
+    ];
+    vec(one, 1..4)
+}
+
+fn mutate(mut bytes: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
+    for m in mutations {
+        match m {
+            Mutation::FlipBit(i) if !bytes.is_empty() => {
+                let bit = i % (bytes.len() * 8);
+                bytes[bit / 8] ^= 1 << (bit % 8);
+            }
+            Mutation::Truncate(n) => bytes.truncate(n % (bytes.len() + 1)),
+            Mutation::Extend(more) => bytes.extend(more),
+            Mutation::SetByte(i, b) if !bytes.is_empty() => {
+                let at = i % bytes.len();
+                bytes[at] = *b;
+            }
+            _ => {}
+        }
+    }
+    bytes
+}
+
+/// Re-encodes what a decoder accepted and decodes it again: the value must survive. (Not the
+/// bytes: postcard accepts overlong varints, so the wire form is not canonical.)
+fn reencodes<T>(msg: &T)
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+{
+    let bytes = frame::encode(msg).expect("re-encode");
+    let again = frame::decode_frame::<T>(&bytes)
+        .expect("decode")
+        .map(|(m, _)| m);
+    assert_eq!(again.as_ref(), Some(msg));
+}
+
+/// Runs every decoder and validator on `bytes`, as a frame and as a bare body; they may
+/// refuse it, but must not panic, and what they accept must survive re-encoding.
+fn decode_everything(bytes: &[u8]) {
+    if let Ok(Some((req, used))) = frame::decode_frame::<DataRequest>(bytes) {
+        assert!(used <= bytes.len());
+        let _ = req.validate(MAX_TENSOR);
+        let _ = req.validate(0);
+        reencodes(&req);
+    }
+    if let Ok(Some((resp, used))) = frame::decode_frame::<DataResponse>(bytes) {
+        assert!(used <= bytes.len());
+        if let DataResponse::Header { meta, .. } = &resp {
+            let _ = meta.validate(MAX_TENSOR);
+            let _ = meta.numel();
+        }
+        reencodes(&resp);
+    }
+    if let Ok(req) = frame::decode_body::<DataRequest>(bytes) {
+        let _ = req.validate(MAX_TENSOR);
+    }
+    if let Ok(meta) = frame::decode_body::<TensorMeta>(bytes) {
+        let _ = meta.validate(MAX_TENSOR);
+    }
+    let _ = frame::decode_body::<DataResponse>(bytes);
+    let _ = frame::decode_body::<NamePattern>(bytes);
+    if let Some(prefix) = bytes.first_chunk::<LEN_PREFIX>() {
+        let _ = frame::body_len(*prefix);
+    }
+}
+
+fn check_round_trip<T>(msg: &T) -> Result<(), TestCaseError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+{
+    let bytes = frame::encode(msg).expect("encode");
+    let (back, used) = frame::decode_frame::<T>(&bytes)
+        .expect("decode")
+        .expect("whole frame");
+    prop_assert_eq!(&back, msg);
+    prop_assert_eq!(used, bytes.len());
+    let body: T = frame::decode_body(&bytes[LEN_PREFIX..]).expect("body");
+    prop_assert_eq!(&body, msg);
+    // Every strict prefix is an incomplete frame, never an error or a message.
+    let cut = bytes.len() / 2;
+    prop_assert!(matches!(frame::decode_frame::<T>(&bytes[..cut]), Ok(None)));
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn requests_round_trip(req in request()) {
+        prop_assert_eq!(req.validate(u64::MAX).is_ok(), match &req {
+            DataRequest::Pull { range: Some(r), .. } => r.offset.checked_add(r.len).is_some(),
+            _ => true,
+        });
+        check_round_trip(&req)?;
+    }
+
+    #[test]
+    fn responses_round_trip(resp in response()) {
+        check_round_trip(&resp)?;
+    }
+
+    #[test]
+    fn metas_round_trip_and_validate(meta in meta()) {
+        prop_assert!(meta.validate(u64::MAX).is_ok());
+        check_round_trip(&meta)?;
+    }
+
+    #[test]
+    fn names_and_patterns_round_trip(name in tensor_name(), pat in pattern()) {
+        prop_assert_eq!(TensorName::new(name.to_string()), Ok(name.clone()));
+        prop_assert_eq!(pat.to_string().parse::<NamePattern>(), Ok(pat.clone()));
+        check_round_trip(&name)?;
+        check_round_trip(&pat)?;
+    }
+
+    #[test]
+    fn dtypes_and_codes_round_trip(d in dtype(), code in error_code()) {
+        prop_assert_eq!(d.name().parse::<DType>(), Ok(d));
+        check_round_trip(&d)?;
+        check_round_trip(&code)?;
+    }
+
+    #[test]
+    fn prefix_patterns_match_exactly_the_names_below(prefix in tensor_name(), name in tensor_name()) {
+        let pat: NamePattern = format!("{prefix}/*").parse().expect("pattern");
+        let below = name.as_str().starts_with(&format!("{prefix}/"));
+        prop_assert_eq!(pat.matches(&name), below);
+        prop_assert!(!pat.matches(&prefix));
+        prop_assert!("*".parse::<NamePattern>().expect("all").matches(&name));
+    }
+
+    #[test]
+    fn random_bytes_never_panic(bytes in vec(any::<u8>(), 0..256)) {
+        decode_everything(&bytes);
+        // The same bytes behind an honest length prefix reach the body decoders.
+        let mut framed = (bytes.len() as u32).to_le_bytes().to_vec();
+        framed.extend(&bytes);
+        decode_everything(&framed);
+    }
+
+    #[test]
+    fn mutated_requests_never_panic(req in request(), muts in mutations()) {
+        let bytes = mutate(frame::encode(&req).expect("encode"), &muts);
+        decode_everything(&bytes);
+        decode_everything(bytes.get(LEN_PREFIX..).unwrap_or_default());
+    }
+
+    #[test]
+    fn mutated_responses_never_panic(resp in response(), muts in mutations()) {
+        let bytes = mutate(frame::encode(&resp).expect("encode"), &muts);
+        decode_everything(&bytes);
+        decode_everything(bytes.get(LEN_PREFIX..).unwrap_or_default());
+    }
+
+    #[test]
+    fn body_len_enforces_the_cap(prefix in any::<[u8; 4]>()) {
+        let declared = u32::from_le_bytes(prefix);
+        match frame::body_len(prefix) {
+            Ok(len) => prop_assert!(declared <= MAX_CONTROL_FRAME && len == declared as usize),
+            Err(FrameError::TooLarge { len, .. }) => {
+                prop_assert!(declared > MAX_CONTROL_FRAME && len == u64::from(declared));
+            }
+            Err(e) => prop_assert!(false, "unexpected {e}"),
+        }
+    }
+
+    #[test]
+    fn string_parsers_never_panic(
+        s in prop_oneof![".{0,300}", "[A-Za-z0-9._:/*é -]{0,300}"]
+    ) {
+        if let Ok(name) = TensorName::new(s.as_str()) {
+            prop_assert!(!name.as_str().is_empty() && name.as_str().len() <= 256);
+            prop_assert!(!name.as_str().split('/').any(str::is_empty));
+        }
+        if let Ok(pat) = s.parse::<NamePattern>() {
+            prop_assert_eq!(pat.to_string(), s.clone());
+        }
+        if let Ok(d) = s.parse::<DType>() {
+            prop_assert_eq!(d.to_string().parse::<DType>(), Ok(d));
+        }
+    }
+}
