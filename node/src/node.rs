@@ -46,6 +46,15 @@ struct Inner {
     stopped: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
+impl Drop for Inner {
+    /// A node dropped without `shutdown()` still stops its actors and tasks (the router aborts
+    /// on its own drop); only the graceful wait is skipped.
+    fn drop(&mut self) {
+        self.ctx.cancel.cancel();
+        self.actor.stop(None);
+    }
+}
+
 impl Node {
     /// Starts a node: binds the offline endpoint, the `tb/data/1` protocol and the pool.
     pub async fn spawn(config: Config) -> Result<Node> {

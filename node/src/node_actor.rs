@@ -214,7 +214,7 @@ async fn on_dialed(
         }
     };
     // Either way the peer may open streams on this connection: serve them.
-    serve::spawn_serve(&state.ctx, myself.clone(), conn.clone());
+    serve::spawn_serve(&state.ctx, conn.clone());
     insert_link(myself, state, peer, Some(generation), conn).await;
 }
 

@@ -55,7 +55,7 @@ impl ProtocolHandler for DataProtocol {
 }
 
 /// Serves the streams a peer opens on a connection we dialed.
-pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, _node: ActorRef<NodeMsg>, conn: Connection) {
+pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, conn: Connection) {
     ctx.tracker.spawn(serve_connection(ctx.clone(), conn));
 }
 
