@@ -11,6 +11,9 @@
 //!   ALPN constants, and the one enum of QUIC close codes ([`CloseCode`]).
 //! - [`frame`]: length-prefixed postcard framing with the control-frame cap checked before any
 //!   allocation.
+//! - [`Registry`]: the replicated registry CRDT (entries per name with LWW heads, add-wins
+//!   holder marks and tombstones; a membership table), its gossip ops ([`RegistryOp`]) and the
+//!   hybrid logical clock ([`Hlc`], [`Stamp`], [`NodeId`]) that orders its writes.
 //!
 //! Data flow: a sender builds a message, [`frame::encode`]s it and writes the bytes (then the
 //! raw payload, for tensors); a receiver reads 4 bytes, asks [`frame::body_len`] whether to
@@ -32,13 +35,20 @@
 mod dtype;
 pub mod frame;
 mod hash;
+mod hlc;
 mod meta;
 pub mod msg;
 mod name;
+mod registry;
 
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};
 pub use hash::{ContentHash, ContentHasher};
+pub use hlc::{ClockError, Hlc, MAX_DRIFT_MS, NodeId, Stamp};
 pub use meta::{MAX_RANK, MetaError, TensorMeta, byte_len_for};
 pub use msg::{ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode};
 pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};
+pub use registry::{
+    Entry, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS, Member, Registry,
+    RegistryError, RegistryOp, Role,
+};
