@@ -5,6 +5,11 @@
 //! Process layout: this process orchestrates; a `serve` child holds the tensors (a tensor-broker
 //! node and a raw iroh endpoint); one `recv` child per system measures and reports JSON,
 //! including its own peak RSS.
+//!
+//! With `--device cuda[:N]` the serving node also holds copies of the tensors on that GPU, and
+//! a third receiver pulls them over the network straight into device memory (pinned staging
+//! on both sides; CUDA IPC is not used), so device throughput is reported next to host
+//! throughput.
 
 use std::{
     process::Stdio,
@@ -20,7 +25,7 @@ use iroh::{
     protocol::{AcceptError, ProtocolHandler, Router},
 };
 use serde::{Deserialize, Serialize};
-use tb_node::{Config, Node, PeerAddr, Tensor};
+use tb_node::{Config, Device, DeviceBuffer, Node, PeerAddr, Tensor};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 
 use crate::fmt;
@@ -36,7 +41,7 @@ pub enum BenchCommand {
     P2p(P2pArgs),
     /// (internal) serve the benchmark tensors; prints addresses as JSON on stdout.
     #[command(hide = true)]
-    P2pServe,
+    P2pServe(ServeArgs),
     /// (internal) measure one system against a serving process; prints JSON on stdout.
     #[command(hide = true)]
     P2pRecv(RecvArgs),
@@ -58,12 +63,24 @@ pub struct P2pArgs {
     /// hits both systems alike. Figures are over the samples of all rounds.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Also measure tensors on this device (`cuda` or `cuda:N`), pulled device to device.
+    #[arg(long, default_value = "host")]
+    device: Device,
+}
+
+/// Options of the internal serving process.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Also hold the tensors on this device.
+    #[arg(long, default_value = "host")]
+    device: Device,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 enum System {
     TensorBroker,
+    TensorBrokerCuda,
     RawIroh,
 }
 
@@ -71,6 +88,7 @@ impl System {
     fn label(self) -> &'static str {
         match self {
             System::TensorBroker => "tensor-broker",
+            System::TensorBrokerCuda => "tensor-broker-cuda",
             System::RawIroh => "raw-iroh",
         }
     }
@@ -89,6 +107,9 @@ pub struct RecvArgs {
     iters: usize,
     #[arg(long)]
     round_trips: usize,
+    /// The GPU of the tensor-broker-cuda receiver.
+    #[arg(long, default_value_t = 0)]
+    ordinal: usize,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -171,7 +192,7 @@ fn summarize(system: System, reports: &[RecvReport]) -> Summary {
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::P2p(args) => p2p(args).await,
-        BenchCommand::P2pServe => serve().await,
+        BenchCommand::P2pServe(args) => serve(args.device).await,
         BenchCommand::P2pRecv(args) => {
             let report = receive(&args).await?;
             println!("{}", serde_json::to_string(&report)?);
@@ -184,6 +205,11 @@ fn tensor_name(size: u64) -> String {
     format!("bench/{size}")
 }
 
+/// The name of the copy held on the GPU.
+fn device_tensor_name(size: u64) -> String {
+    format!("bench-cuda/{size}")
+}
+
 fn payload(size: u64) -> Result<Bytes> {
     let len = usize::try_from(size)?;
     Ok(Bytes::from(
@@ -192,9 +218,22 @@ fn payload(size: u64) -> Result<Bytes> {
 }
 
 async fn p2p(args: P2pArgs) -> Result<()> {
+    let mut systems = vec![System::RawIroh, System::TensorBroker];
+    if let Device::Cuda(ordinal) = args.device {
+        let info =
+            tb_node::device::probe(ordinal).with_context(|| format!("--device {}", args.device))?;
+        if !args.json {
+            eprintln!(
+                "device tensors on cuda:{ordinal}: {} ({})",
+                info.name,
+                fmt::bytes(info.total_bytes)
+            );
+        }
+        systems.push(System::TensorBrokerCuda);
+    }
     let exe = std::env::current_exe().context("locating the tb binary")?;
     let mut server = tokio::process::Command::new(&exe)
-        .args(["bench", "p2p-serve"])
+        .args(["bench", "p2p-serve", "--device", &args.device.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -209,9 +248,9 @@ async fn p2p(args: P2pArgs) -> Result<()> {
         .context("the serving process did not start within 120 s")??;
     let info: ServeInfo = serde_json::from_str(line.trim()).context("serving process output")?;
 
-    let (mut raw_reports, mut tb_reports) = (Vec::new(), Vec::new());
+    let (mut raw_reports, mut tb_reports, mut cuda_reports) = (Vec::new(), Vec::new(), Vec::new());
     for round in 1..=args.rounds.max(1) {
-        for system in [System::RawIroh, System::TensorBroker] {
+        for &system in &systems {
             if !args.json {
                 eprintln!(
                     "round {round}/{}: measuring {} ...",
@@ -223,6 +262,7 @@ async fn p2p(args: P2pArgs) -> Result<()> {
             match system {
                 System::RawIroh => raw_reports.push(report),
                 System::TensorBroker => tb_reports.push(report),
+                System::TensorBrokerCuda => cuda_reports.push(report),
             }
         }
     }
@@ -232,17 +272,28 @@ async fn p2p(args: P2pArgs) -> Result<()> {
 
     let tb = summarize(System::TensorBroker, &tb_reports);
     let raw = summarize(System::RawIroh, &raw_reports);
-    let cases: Vec<&Case> = tb.cases.iter().chain(raw.cases.iter()).collect();
+    let cuda =
+        (!cuda_reports.is_empty()).then(|| summarize(System::TensorBrokerCuda, &cuda_reports));
+    let mut cases: Vec<&Case> = tb.cases.iter().chain(raw.cases.iter()).collect();
+    let mut rtt = serde_json::json!({ "tensor-broker": tb.rtt_4k, "raw-iroh": raw.rtt_4k });
+    if let Some(cuda) = &cuda {
+        cases.extend(cuda.cases.iter());
+        rtt["tensor-broker-cuda"] = serde_json::json!(cuda.rtt_4k);
+    }
     let json = serde_json::json!({
         "bench": "p2p",
+        "device": args.device.to_string(),
         "cases": cases,
-        "rtt_4k": { "tensor-broker": tb.rtt_4k, "raw-iroh": raw.rtt_4k },
+        "rtt_4k": rtt,
         "receiver_peak_rss_bytes": tb.peak_rss_bytes,
     });
     if args.json {
         println!("{json}");
     } else {
         print_table(&tb, &raw);
+        if let Some(cuda) = &cuda {
+            print_device_table(&tb, cuda, args.device);
+        }
     }
     Ok(())
 }
@@ -258,6 +309,10 @@ async fn run_receiver(
         .args(["--tb", &info.tb, "--raw", &info.raw])
         .args(["--iters", &args.iters.to_string()])
         .args(["--round-trips", &args.round_trips.to_string()])
+        .args([
+            "--ordinal",
+            &args.device.cuda_ordinal().unwrap_or(0).to_string(),
+        ])
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
         .output();
@@ -297,6 +352,30 @@ fn print_table(tb: &Summary, raw: &Summary) {
     );
 }
 
+fn print_device_table(host: &Summary, cuda: &Summary, device: Device) {
+    println!();
+    println!(
+        "{:>9} {:>18} {:>18} {:>10}",
+        "size",
+        "host MB/s",
+        format!("{device} MB/s"),
+        "dev/host"
+    );
+    for (h, d) in host.cases.iter().zip(&cuda.cases) {
+        println!(
+            "{:>9} {:>18.0} {:>18.0} {:>10.2}",
+            fmt::bytes(h.size_bytes),
+            h.throughput_mb_s,
+            d.throughput_mb_s,
+            d.throughput_mb_s / h.throughput_mb_s.max(f64::MIN_POSITIVE)
+        );
+    }
+    println!(
+        "4 KiB round trip to {device}: p50 {:.0} us p99 {:.0} us",
+        cuda.rtt_4k.p50_us, cuda.rtt_4k.p99_us
+    );
+}
+
 // ---- serving process ----
 
 #[derive(Debug, Clone)]
@@ -332,12 +411,16 @@ impl ProtocolHandler for RawServer {
     }
 }
 
-async fn serve() -> Result<()> {
+async fn serve(device: Device) -> Result<()> {
     let largest = SIZES[SIZES.len() - 1];
     let data = payload(largest)?;
     let node = Node::spawn(Config::default()).await?;
     for size in SIZES {
         let tensor = Tensor::from_bytes(data.slice(..usize::try_from(size)?));
+        if device != Device::Host {
+            let on_device = tensor.to_device(device)?;
+            node.publish_local(&device_tensor_name(size), on_device)?;
+        }
         node.publish_local(&tensor_name(size), tensor)?;
     }
     let config = Config::default();
@@ -374,6 +457,13 @@ enum Client {
         node: Node,
         from: PeerAddr,
     },
+    /// Pulls the GPU copies into a reused device buffer.
+    TbCuda {
+        node: Node,
+        from: PeerAddr,
+        ordinal: usize,
+        buf: Option<DeviceBuffer>,
+    },
     Raw {
         ep: Endpoint,
         to: PeerAddr,
@@ -388,6 +478,16 @@ impl Client {
                 node: Node::spawn(Config::default()).await?,
                 from: args.tb.parse()?,
             },
+            System::TensorBrokerCuda => {
+                let mut config = Config::default();
+                config.cuda.ipc = false;
+                Client::TbCuda {
+                    node: Node::spawn(config).await?,
+                    from: args.tb.parse()?,
+                    ordinal: args.ordinal,
+                    buf: None,
+                }
+            }
             System::RawIroh => Client::Raw {
                 ep: tb_node::bind_endpoint(&Config::default(), iroh::SecretKey::generate()).await?,
                 to: args.raw.parse()?,
@@ -406,6 +506,22 @@ impl Client {
                     bail!("got {} bytes, wanted {size}", pulled.meta.byte_len);
                 }
             }
+            Client::TbCuda {
+                node,
+                from,
+                ordinal,
+                buf,
+            } => {
+                let len = usize::try_from(size)?;
+                let dest = match buf.take() {
+                    Some(b) if b.len() == len => b,
+                    _ => DeviceBuffer::alloc(*ordinal, len)?,
+                };
+                let pulled = node
+                    .pull_into_device(from, &device_tensor_name(size), None, |_| Ok(dest))
+                    .await?;
+                *buf = Some(pulled.buffer);
+            }
             Client::Raw { ep, to, conn } => {
                 if conn.is_none() {
                     *conn = Some(ep.connect(to.to_endpoint_addr(), RAW_ALPN).await?);
@@ -420,9 +536,17 @@ impl Client {
         Ok(())
     }
 
+    /// Copies what the last fetch received into `dest`, where it is not there already.
+    fn copy_out(&self, dest: &mut [u8]) -> Result<()> {
+        if let Client::TbCuda { buf: Some(buf), .. } = self {
+            dest.copy_from_slice(&buf.to_host()?);
+        }
+        Ok(())
+    }
+
     async fn close(self) {
         match self {
-            Client::Tb { node, .. } => node.shutdown().await,
+            Client::Tb { node, .. } | Client::TbCuda { node, .. } => node.shutdown().await,
             Client::Raw { ep, .. } => ep.close().await,
         }
     }
@@ -439,6 +563,7 @@ async fn receive(args: &RecvArgs) -> Result<RecvReport> {
         let t = Instant::now();
         client.fetch(size, dest).await?;
         let first_transfer_ms = t.elapsed().as_secs_f64() * 1e3;
+        client.copy_out(dest)?;
         check(dest)?;
         client.fetch(size, dest).await?; // warm-up
         let mut rates = Vec::with_capacity(args.iters);
@@ -447,6 +572,7 @@ async fn receive(args: &RecvArgs) -> Result<RecvReport> {
             client.fetch(size, dest).await?;
             rates.push(fmt::mb_per_s(size, t.elapsed().as_secs_f64()));
         }
+        client.copy_out(dest)?;
         check(dest)?;
         client.close().await;
         sizes.push(SizeSamples {

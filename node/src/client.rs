@@ -3,10 +3,11 @@
 //! small one.
 
 use iroh::endpoint::{RecvStream, SendStream};
-use tb_proto::{DataRequest, DataResponse, ErrorCode, TensorMeta, TensorName};
+use tb_proto::{ContentHash, DataRequest, DataResponse, ErrorCode, TensorMeta, TensorName};
 
 use crate::{
     ctx::NodeCtx,
+    device::{self, DeviceBuffer},
     error::{Error, Result},
     pool::LinkGuard,
     tensor::Tensor,
@@ -60,6 +61,56 @@ where
     F: FnOnce(&TensorMeta) -> Result<B>,
 {
     let what = describe(&name, version, link);
+    let (_send, mut recv, meta, version) = start_pull(ctx, link, &name, version, &what).await?;
+    let mut buffer = alloc(&meta)?;
+    let dest = buffer.as_mut();
+    check_len(&what, dest.len(), &meta)?;
+    let hash = wire::recv_payload(&mut recv, dest, ctx.config.stall_timeout).await?;
+    verify(ctx, &what, &meta, hash)?;
+    Ok(Pulled {
+        name,
+        version,
+        meta,
+        buffer,
+    })
+}
+
+/// Pulls `name` from the link's peer into the device buffer `alloc` returns for the
+/// metadata, through pinned staging.
+pub(crate) async fn pull_into_device<F>(
+    ctx: &NodeCtx,
+    link: &LinkGuard,
+    name: TensorName,
+    version: Option<u64>,
+    alloc: F,
+) -> Result<Pulled<DeviceBuffer>>
+where
+    F: FnOnce(&TensorMeta) -> Result<DeviceBuffer>,
+{
+    let what = describe(&name, version, link);
+    let (_send, mut recv, meta, version) = start_pull(ctx, link, &name, version, &what).await?;
+    let mut buffer = alloc(&meta)?;
+    check_len(&what, buffer.len(), &meta)?;
+    let stall = ctx.config.stall_timeout;
+    let hash = device::recv_payload(&mut recv, &mut buffer, stall, &ctx.config.cuda).await?;
+    verify(ctx, &what, &meta, hash)?;
+    Ok(Pulled {
+        name,
+        version,
+        meta,
+        buffer,
+    })
+}
+
+/// Sends a `Pull` and reads the answer up to the payload: the streams, the validated
+/// metadata and the version.
+async fn start_pull(
+    ctx: &NodeCtx,
+    link: &LinkGuard,
+    name: &TensorName,
+    version: Option<u64>,
+    what: &str,
+) -> Result<(SendStream, RecvStream, TensorMeta, u64)> {
     let (mut send, mut recv) = open(ctx, link).await?;
     let request = DataRequest::Pull {
         name: name.clone(),
@@ -68,22 +119,27 @@ where
     };
     wire::write_frame(&mut send, &request).await?;
     let _ = send.finish();
-    let (meta, version) = match read_response(ctx, &mut recv, &what).await? {
+    let (meta, version) = match read_response(ctx, &mut recv, what).await? {
         DataResponse::Header { meta, version } => (meta, version),
         DataResponse::Error { code, message } => return Err(remote_error(link, code, message)),
         DataResponse::Ack => return Err(Error::Io(format!("{what}: peer sent Ack to a Pull"))),
     };
     meta.validate(ctx.config.max_tensor_bytes)?;
-    let mut buffer = alloc(&meta)?;
-    let dest = buffer.as_mut();
-    if dest.len() as u64 != meta.byte_len {
+    Ok((send, recv, meta, version))
+}
+
+fn check_len(what: &str, len: usize, meta: &TensorMeta) -> Result<()> {
+    if len as u64 != meta.byte_len {
         return Err(Error::InvalidTensor(format!(
-            "{what}: destination buffer has {} bytes, the tensor {}",
-            dest.len(),
+            "{what}: destination buffer has {len} bytes, the tensor {}",
             meta.byte_len
         )));
     }
-    let hash = wire::recv_payload(&mut recv, dest, ctx.config.stall_timeout).await?;
+    Ok(())
+}
+
+/// Counts the received bytes and checks they hash to what the sender announced.
+fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Result<()> {
     ctx.transfers.bytes_received.add(meta.byte_len);
     if hash != meta.hash {
         return Err(Error::Corrupt(format!(
@@ -91,12 +147,7 @@ where
             meta.hash
         )));
     }
-    Ok(Pulled {
-        name,
-        version,
-        meta,
-        buffer,
-    })
+    Ok(())
 }
 
 /// Pushes `tensor` to the link's peer as `name` and waits for its `Ack`.
@@ -113,8 +164,8 @@ pub(crate) async fn push(
         meta: tensor.meta().clone(),
     };
     // If the peer refuses early (too large, invalid) it stops our stream: its answer says why.
-    let stall = ctx.config.stall_timeout;
-    let sent = wire::write_header_and_payload(&mut send, &request, tensor.data(), stall).await;
+    let all = 0..tensor.data_len()?;
+    let sent = device::write_header_and_tensor(&mut send, &request, tensor, all, &ctx.config).await;
     let _ = send.finish();
     let answer = read_response(ctx, &mut recv, &what).await;
     match (answer, sent) {

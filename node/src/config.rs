@@ -2,6 +2,8 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
+use crate::device::{CudaConfig, Device};
+
 /// Default maximum tensor size: 64 GiB.
 pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 64 << 30;
 
@@ -31,6 +33,11 @@ pub struct Config {
     pub keep_versions: usize,
     /// Concurrent streams a peer may open on one link.
     pub max_concurrent_streams: u32,
+    /// Where tensors pushed to this node are placed: host memory (the default) or a CUDA
+    /// device, received straight into it through pinned staging.
+    pub push_placement: Device,
+    /// Device transfers: staging chunk size and buffers, copies in flight, CUDA IPC.
+    pub cuda: CudaConfig,
 }
 
 impl Default for Config {
@@ -47,6 +54,8 @@ impl Default for Config {
             inbox_capacity: 1024,
             keep_versions: 2,
             max_concurrent_streams: 1024,
+            push_placement: Device::Host,
+            cuda: CudaConfig::default(),
         }
     }
 }

@@ -75,6 +75,16 @@ pub enum Error {
         /// The peer's message.
         message: String,
     },
+    /// No usable CUDA device: the node was built without the `cuda` feature, the driver
+    /// library is missing, or the device ordinal does not exist.
+    #[error("device unavailable: {0}")]
+    DeviceUnavailable(String),
+    /// A CUDA device (or its pinned host staging memory) ran out of memory.
+    #[error("device out of memory: {0}")]
+    DeviceOutOfMemory(String),
+    /// A CUDA driver call failed for another reason.
+    #[error("device error: {0}")]
+    Device(String),
     /// The node is shutting down or has shut down.
     #[error("node is shut down")]
     Shutdown,

@@ -6,7 +6,8 @@
 //! ## Main types
 //! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
 //!   `wait_for`, `shutdown`, pool statistics.
-//! - [`Tensor`]: dtype, shape and shared immutable bytes, BLAKE3-hashed when made.
+//! - [`Tensor`]: dtype, shape and shared immutable bytes, BLAKE3-hashed when made; the bytes
+//!   live in host memory or on a CUDA device ([`Device`], [`DeviceBuffer`]).
 //! - [`PeerAddr`]: a peer's `<node-id>@<ip:port>`, the string users copy around.
 //! - [`Config`]: every knob; `Config::default()` is the offline single-machine setup.
 //! - [`Error`]: one variant per thing a caller can act on.
@@ -28,10 +29,27 @@
 //! frame, lets the caller supply the destination buffer, reads the payload straight into it
 //! while hashing, and checks the BLAKE3 hash before returning. The serving side
 //! (`serve`) answers from the [`Store`] with slices of the shared bytes, no copies.
+//!
+//! ## GPU tensors (feature `cuda`, on by default)
+//! A tensor may live on a CUDA device ([`Tensor::from_device`], [`Tensor::to_device`]). It is
+//! published, pushed and served like any other; [`Node::pull_to`] and
+//! [`Node::pull_into_device`] receive into device memory. Device bytes cross the network
+//! through pinned host staging buffers, copies overlapping the network; between two nodes on
+//! one host a device-to-device pull uses CUDA IPC instead ([`device::route`] decides). The
+//! driver is loaded at run time: a build with the feature runs everywhere, and a missing
+//! driver or device is [`Error::DeviceUnavailable`]. See [`device`] for the details.
+//!
+//! CUDA IPC runs on its own ALPN (`tb/cuda-ipc/1`) with two messages of its own, because
+//! `tb/data/1` has no message for it. Moving it into `tb-proto` means adding
+//! `DataRequest::OpenIpc { name, version, host, min_bytes }` and
+//! `DataResponse::IpcHandle { meta, version, handle: [u8; 64] }` (plus golden-byte tests and
+//! a fuzz corpus entry), then serving both on the pooled `tb/data/1` link and dropping the
+//! extra ALPN and its unpooled connection.
 
 mod client;
 mod config;
 mod ctx;
+pub mod device;
 mod endpoint;
 mod error;
 mod inbox;
@@ -45,6 +63,9 @@ mod wire;
 
 pub use client::Pulled;
 pub use config::{Config, DEFAULT_MAX_TENSOR_BYTES};
+#[cfg(feature = "cuda")]
+pub use cudarc;
+pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};
 pub use endpoint::{KEY_FILE, PeerAddr, bind_endpoint, load_or_create_key, transport_config};
 pub use error::{Error, Result};
 pub use inbox::Received;

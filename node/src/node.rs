@@ -1,8 +1,15 @@
 //! [`Node`]: the embeddable handle. Starts the endpoint, the router and the `NodeActor`, and
-//! offers the public async API: push, publish_local, pull, pull_into, recv, wait_for,
-//! shutdown.
+//! offers the public async API: push, publish_local, pull, pull_to, pull_into,
+//! pull_into_device, recv, wait_for, shutdown.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use bytes::Bytes;
 use iroh::{Endpoint, EndpointId, protocol::Router};
@@ -16,6 +23,7 @@ use crate::{
     client::{self, Pulled},
     config::Config,
     ctx::{NodeCtx, TransferCounters},
+    device::{self, Device, DeviceBuffer, route},
     endpoint::{self, PeerAddr},
     error::{Error, Result},
     inbox::{Inbox, Received},
@@ -44,6 +52,8 @@ struct Inner {
     router: Router,
     addr: PeerAddr,
     stopped: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Pulls to a device that went by CUDA IPC instead of the network.
+    ipc_pulls: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -82,9 +92,10 @@ impl Node {
             ctx: ctx.clone(),
             node: actor.clone(),
         };
-        let router = Router::builder(endpoint)
-            .accept(DATA_ALPN, protocol)
-            .spawn();
+        let router = Router::builder(endpoint).accept(DATA_ALPN, protocol);
+        #[cfg(feature = "cuda")]
+        let router = router.accept(device::IPC_ALPN, device::IpcProtocol { ctx: ctx.clone() });
+        let router = router.spawn();
         debug!(node = %addr, "node started");
         Ok(Node {
             inner: Arc::new(Inner {
@@ -93,6 +104,7 @@ impl Node {
                 router,
                 addr,
                 stopped: Mutex::new(Some(handle)),
+                ipc_pulls: AtomicU64::new(0),
             }),
         })
     }
@@ -182,6 +194,71 @@ impl Node {
             client::pull_into(&self.inner.ctx, &link, name, version, alloc).await
         })
         .await
+    }
+
+    /// Pulls `name` (the newest version, or `version`) from the peer at `addr` into memory on
+    /// `device`. To a CUDA device, the bytes are received through pinned staging straight
+    /// into device memory — or, when the peer is on this host and holds the tensor on a
+    /// device, copied device to device by CUDA IPC (falling back to the network when IPC is
+    /// not possible). `DeviceUnavailable` before any traffic when there is no such device.
+    pub async fn pull_to(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        version: Option<u64>,
+        device: Device,
+    ) -> Result<Pulled<Tensor>> {
+        let Device::Cuda(ordinal) = device else {
+            return self.pull(addr, name, version).await;
+        };
+        let tensor_name = TensorName::new(name)?;
+        device::ensure(ordinal, &self.config().cuda)?;
+        let local = self.endpoint().bound_sockets();
+        if route::pull_route(device, addr.addr, &local, &self.config().cuda)
+            == route::Route::CudaIpc
+        {
+            let ctx = &self.inner.ctx;
+            let by_ipc = device::ipc_pull(ctx, addr, &tensor_name, version, ordinal);
+            if let Some(pulled) = self.guarded(by_ipc).await? {
+                self.inner.ipc_pulls.fetch_add(1, Ordering::Relaxed);
+                return Ok(into_tensor(pulled));
+            }
+        }
+        let pulled = self
+            .pull_into_device(addr, name, version, |meta| {
+                let len = usize::try_from(meta.byte_len)
+                    .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
+                DeviceBuffer::alloc(ordinal, len)
+            })
+            .await?;
+        Ok(into_tensor(pulled))
+    }
+
+    /// Pulls `name` over the network into a device buffer the caller supplies once it knows
+    /// the metadata (`alloc` returns a buffer of exactly `meta.byte_len` bytes that no clone
+    /// shares). The payload passes through pinned staging, hashed on the way.
+    #[tracing::instrument(name = "pull_device", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]
+    pub async fn pull_into_device<F>(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<DeviceBuffer>>
+    where
+        F: FnOnce(&TensorMeta) -> Result<DeviceBuffer> + Send,
+    {
+        let name = TensorName::new(name)?;
+        self.guarded(async {
+            let link = self.link(addr).await?;
+            client::pull_into_device(&self.inner.ctx, &link, name, version, alloc).await
+        })
+        .await
+    }
+
+    /// How many pulls to a device went by CUDA IPC rather than the network.
+    pub fn cuda_ipc_pulls(&self) -> u64 {
+        self.inner.ipc_pulls.load(Ordering::Relaxed)
     }
 
     /// The next tensor pushed to this node (waits without limit).
@@ -283,5 +360,15 @@ impl Node {
             )),
             Ok(ractor::rpc::CallResult::SenderError) | Err(_) => Err(Error::Shutdown),
         }
+    }
+}
+
+/// A verified device pull as a tensor.
+fn into_tensor(pulled: Pulled<DeviceBuffer>) -> Pulled<Tensor> {
+    Pulled {
+        buffer: Tensor::from_verified_device(pulled.meta.clone(), pulled.buffer),
+        name: pulled.name,
+        version: pulled.version,
+        meta: pulled.meta,
     }
 }

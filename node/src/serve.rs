@@ -4,7 +4,7 @@
 //! A malformed or oversize request gets an `Error` frame and ends that stream only; the
 //! connection keeps serving others.
 
-use std::sync::Arc;
+use std::{ops::Range, sync::Arc};
 
 use bytes::Bytes;
 use iroh::{
@@ -14,12 +14,14 @@ use iroh::{
 };
 use ractor::ActorRef;
 use tb_proto::{
-    ByteRange, CloseCode, DataRequest, DataResponse, ErrorCode, FrameError, TensorMeta, TensorName,
+    ByteRange, CloseCode, ContentHash, DataRequest, DataResponse, ErrorCode, FrameError,
+    TensorMeta, TensorName,
 };
 use tracing::{Instrument, debug, debug_span};
 
 use crate::{
     ctx::NodeCtx,
+    device::{self, Device, DeviceBuffer},
     error::Error,
     inbox::Received,
     node_actor::NodeMsg,
@@ -165,27 +167,24 @@ async fn serve_pull(
             return;
         }
     };
-    let payload = match slice_range(tensor.data(), range) {
-        Some(p) => p,
-        None => {
-            let msg = format!("range {range:?} is outside the {} bytes", tensor.byte_len());
-            let _ = reply_error(&mut send, ErrorCode::InvalidTensor, msg).await;
-            return;
-        }
+    let Some(payload) = byte_range(tensor.byte_len(), range) else {
+        let msg = format!("range {range:?} is outside the {} bytes", tensor.byte_len());
+        let _ = reply_error(&mut send, ErrorCode::InvalidTensor, msg).await;
+        return;
     };
+    let payload_len = payload.len() as u64;
     let header = DataResponse::Header {
         meta: tensor.meta().clone(),
         version,
     };
     let sent = async {
-        wire::write_header_and_payload(&mut send, &header, &payload, ctx.config.stall_timeout)
-            .await?;
+        device::write_header_and_tensor(&mut send, &header, &tensor, payload, &ctx.config).await?;
         send.finish().map_err(|e| Error::io("finishing stream", e))
     };
     match sent.await {
         Ok(()) => {
             ctx.transfers.served.inc();
-            ctx.transfers.bytes_sent.add(payload.len() as u64);
+            ctx.transfers.bytes_sent.add(payload_len);
         }
         Err(err) => {
             ctx.transfers.failed.inc();
@@ -194,13 +193,17 @@ async fn serve_pull(
     }
 }
 
-fn slice_range(data: &Bytes, range: Option<ByteRange>) -> Option<Bytes> {
-    let Some(ByteRange { offset, len }) = range else {
-        return Some(data.clone());
+/// The payload bytes a pull asked for: all of them, or `range` if it lies inside.
+fn byte_range(byte_len: u64, range: Option<ByteRange>) -> Option<Range<usize>> {
+    let (offset, len) = match range {
+        None => (0, byte_len),
+        Some(ByteRange { offset, len }) => (offset, len),
     };
     let end = offset.checked_add(len)?;
-    let (start, end) = (usize::try_from(offset).ok()?, usize::try_from(end).ok()?);
-    (end <= data.len()).then(|| data.slice(start..end))
+    if end > byte_len {
+        return None;
+    }
+    Some(usize::try_from(offset).ok()?..usize::try_from(end).ok()?)
 }
 
 async fn reply_error(send: &mut SendStream, code: ErrorCode, message: String) -> Result<(), Error> {
@@ -226,9 +229,30 @@ async fn serve_push(
         .await;
         return;
     };
-    let mut buf = vec![0u8; len];
-    let hash = match wire::recv_payload(&mut recv, &mut buf, ctx.config.stall_timeout).await {
-        Ok(hash) => hash,
+    let received = match ctx.config.push_placement {
+        Device::Host => recv_push_to_host(ctx, &mut recv, len).await,
+        Device::Cuda(ordinal) => match DeviceBuffer::alloc(ordinal, len) {
+            Ok(buf) => recv_push_to_device(ctx, &mut recv, buf).await,
+            Err(err) => {
+                // Out of device memory (or no device): say so before any payload is read.
+                let code = match err {
+                    Error::DeviceOutOfMemory(_) => ErrorCode::TooLarge,
+                    _ => ErrorCode::Internal,
+                };
+                ctx.transfers.failed.inc();
+                refuse(
+                    &mut send,
+                    &mut recv,
+                    code,
+                    format!("push of \"{name}\": {err}"),
+                )
+                .await;
+                return;
+            }
+        },
+    };
+    let (hash, data) = match received {
+        Ok(got) => got,
         Err(err) => {
             ctx.transfers.failed.inc();
             debug!(%err, %name, "push payload not received");
@@ -245,10 +269,14 @@ async fn serve_push(
         let _ = reply_error(&mut send, ErrorCode::Corrupt, msg).await;
         return;
     }
+    let tensor = match data {
+        Pushed::Host(buf) => Tensor::from_verified(meta, Bytes::from(buf)),
+        Pushed::Cuda(buf) => Tensor::from_verified_device(meta, buf),
+    };
     let item = Received {
         from: peer,
         name,
-        tensor: Tensor::from_verified(meta, Bytes::from(buf)),
+        tensor,
     };
     let reply = match ctx.inbox.deliver(item, ctx.config.request_timeout).await {
         Ok(()) => DataResponse::Ack,
@@ -260,4 +288,30 @@ async fn serve_push(
     if wire::write_frame(&mut send, &reply).await.is_ok() {
         let _ = send.finish();
     }
+}
+
+/// A pushed payload, received but not yet verified.
+enum Pushed {
+    Host(Vec<u8>),
+    Cuda(DeviceBuffer),
+}
+
+async fn recv_push_to_host(
+    ctx: &NodeCtx,
+    recv: &mut RecvStream,
+    len: usize,
+) -> Result<(ContentHash, Pushed), Error> {
+    let mut buf = vec![0u8; len];
+    let hash = wire::recv_payload(recv, &mut buf, ctx.config.stall_timeout).await?;
+    Ok((hash, Pushed::Host(buf)))
+}
+
+async fn recv_push_to_device(
+    ctx: &NodeCtx,
+    recv: &mut RecvStream,
+    mut buf: DeviceBuffer,
+) -> Result<(ContentHash, Pushed), Error> {
+    let stall = ctx.config.stall_timeout;
+    let hash = device::recv_payload(recv, &mut buf, stall, &ctx.config.cuda).await?;
+    Ok((hash, Pushed::Cuda(buf)))
 }

@@ -1,19 +1,47 @@
-//! [`Tensor`]: metadata plus immutable bytes, hashed once when it is made.
+//! [`Tensor`]: metadata plus immutable bytes (in host memory or on a CUDA device), hashed once
+//! when it is made.
 
 use bytes::Bytes;
 use tb_proto::{ContentHash, DType, TensorMeta};
 
-use crate::error::{Error, Result};
+use crate::{
+    device::{Device, DeviceBuffer},
+    error::{Error, Result},
+};
 
-/// A tensor in host memory: dtype, shape and C-contiguous bytes, with their BLAKE3 hash.
+/// What a device tensor answers for [`Tensor::data`]: its bytes are not in host memory.
+static NO_HOST_BYTES: Bytes = Bytes::new();
+
+/// A tensor: dtype, shape and C-contiguous bytes, with their BLAKE3 hash, in host memory or
+/// on a CUDA device ([`Tensor::device`]).
 ///
 /// The bytes are shared and immutable: cloning a `Tensor` or sending it to many peers never
 /// copies them, and a new version never changes bytes a reader already holds.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Tensor {
     meta: TensorMeta,
-    data: Bytes,
+    data: Data,
 }
+
+/// Where the bytes are.
+#[derive(Clone)]
+enum Data {
+    Host(Bytes),
+    Cuda(DeviceBuffer),
+}
+
+impl PartialEq for Tensor {
+    /// Host tensors compare their bytes; a device tensor equals another tensor on the same
+    /// device with the same metadata (the BLAKE3 hash in it stands for the bytes).
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.data, &other.data) {
+            (Data::Host(a), Data::Host(b)) => self.meta == other.meta && a == b,
+            _ => self.meta == other.meta && self.device() == other.device(),
+        }
+    }
+}
+
+impl Eq for Tensor {}
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -22,6 +50,7 @@ impl std::fmt::Debug for Tensor {
             .field("shape", &self.meta.shape)
             .field("byte_len", &self.meta.byte_len)
             .field("hash", &self.meta.hash)
+            .field("device", &self.device())
             .finish()
     }
 }
@@ -38,7 +67,47 @@ impl Tensor {
             )));
         }
         let meta = TensorMeta::new(dtype, shape, ContentHash::of(&data))?;
-        Ok(Tensor { meta, data })
+        Ok(Tensor {
+            meta,
+            data: Data::Host(data),
+        })
+    }
+
+    /// Makes a tensor over bytes on a CUDA device, checking the length, and hashes them by
+    /// streaming them through pinned host staging buffers (blocks while it does).
+    pub fn from_device(dtype: DType, shape: Vec<u64>, buffer: DeviceBuffer) -> Result<Self> {
+        let expected = tb_proto::byte_len_for(dtype, &shape)?;
+        if expected != buffer.len() as u64 {
+            return Err(Error::InvalidTensor(format!(
+                "{dtype} tensor of shape {shape:?} needs {expected} bytes, the cuda:{} buffer has {}",
+                buffer.ordinal(),
+                buffer.len()
+            )));
+        }
+        let hash = buffer.hash()?;
+        let meta = TensorMeta::new(dtype, shape, hash)?;
+        Ok(Tensor {
+            meta,
+            data: Data::Cuda(buffer),
+        })
+    }
+
+    /// This tensor's bytes on `device`: itself when they are already there, else a copy
+    /// (blocks while copying). The hash carries over: the bytes are the same.
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        let data = match (&self.data, device) {
+            (Data::Host(_), Device::Host) => return Ok(self.clone()),
+            (Data::Cuda(buf), Device::Cuda(n)) if buf.ordinal() == n => return Ok(self.clone()),
+            (Data::Host(bytes), Device::Cuda(n)) => Data::Cuda(DeviceBuffer::from_host(n, bytes)?),
+            (Data::Cuda(buf), Device::Host) => Data::Host(Bytes::from(buf.to_host()?)),
+            (Data::Cuda(buf), Device::Cuda(n)) => {
+                Data::Cuda(DeviceBuffer::from_host(n, &buf.to_host()?)?)
+            }
+        };
+        Ok(Tensor {
+            meta: self.meta.clone(),
+            data,
+        })
     }
 
     /// A 1-D `u8` tensor over `data`.
@@ -50,13 +119,28 @@ impl Tensor {
             byte_len: data.len() as u64,
             hash: ContentHash::of(&data),
         };
-        Tensor { meta, data }
+        Tensor {
+            meta,
+            data: Data::Host(data),
+        }
     }
 
     /// Wraps bytes whose hash was already verified against `meta` (the receive path).
     pub(crate) fn from_verified(meta: TensorMeta, data: Bytes) -> Self {
         debug_assert_eq!(meta.byte_len, data.len() as u64);
-        Tensor { meta, data }
+        Tensor {
+            meta,
+            data: Data::Host(data),
+        }
+    }
+
+    /// Wraps device bytes whose hash was already verified against `meta` (the receive path).
+    pub(crate) fn from_verified_device(meta: TensorMeta, buffer: DeviceBuffer) -> Self {
+        debug_assert_eq!(meta.byte_len, buffer.len() as u64);
+        Tensor {
+            meta,
+            data: Data::Cuda(buffer),
+        }
     }
 
     /// The metadata: dtype, shape, byte length, hash.
@@ -74,9 +158,40 @@ impl Tensor {
         &self.meta.shape
     }
 
-    /// The raw bytes.
+    /// The raw bytes in host memory. A tensor on a CUDA device has none here (this is empty):
+    /// see [`Tensor::device`], [`Tensor::device_buffer`], or copy with [`Tensor::to_device`].
     pub fn data(&self) -> &Bytes {
-        &self.data
+        self.host_data().unwrap_or(&NO_HOST_BYTES)
+    }
+
+    /// The bytes, if they are in host memory.
+    pub fn host_data(&self) -> Option<&Bytes> {
+        match &self.data {
+            Data::Host(bytes) => Some(bytes),
+            Data::Cuda(_) => None,
+        }
+    }
+
+    /// The device buffer, if the bytes are on a CUDA device.
+    pub fn device_buffer(&self) -> Option<&DeviceBuffer> {
+        match &self.data {
+            Data::Host(_) => None,
+            Data::Cuda(buf) => Some(buf),
+        }
+    }
+
+    /// Where the bytes live.
+    pub fn device(&self) -> Device {
+        match &self.data {
+            Data::Host(_) => Device::Host,
+            Data::Cuda(buf) => Device::Cuda(buf.ordinal()),
+        }
+    }
+
+    /// Size in bytes as an in-memory length.
+    pub(crate) fn data_len(&self) -> Result<usize> {
+        usize::try_from(self.meta.byte_len)
+            .map_err(|_| Error::TooLarge(format!("{} bytes", self.meta.byte_len)))
     }
 
     /// Size in bytes.

@@ -16,7 +16,7 @@ const SEND_CHUNK: usize = 1 << 20;
 /// Payloads up to this size are sent in one write with their header.
 const COALESCE_MAX: usize = 64 << 10;
 /// Received bytes are hashed in batches this large (BLAKE3 is fastest on big inputs).
-const HASH_BATCH: usize = 256 << 10;
+pub(crate) const HASH_BATCH: usize = 256 << 10;
 
 /// Why a frame could not be read.
 #[derive(Debug)]
@@ -92,14 +92,14 @@ pub(crate) async fn write_header_and_payload<T: Serialize>(
 
 /// A stall watchdog: one timer per `stall` period rather than per read or write (those are
 /// hot — thousands per tensor). It re-arms when it fires and sees progress since last time.
-struct Watchdog {
+pub(crate) struct Watchdog {
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall: Duration,
     progressed: bool,
 }
 
 impl Watchdog {
-    fn new(stall: Duration) -> Self {
+    pub(crate) fn new(stall: Duration) -> Self {
         Watchdog {
             timer: Box::pin(tokio::time::sleep(stall)),
             stall,
@@ -107,7 +107,7 @@ impl Watchdog {
         }
     }
 
-    fn progress(&mut self) {
+    pub(crate) fn progress(&mut self) {
         self.progressed = true;
     }
 
@@ -132,26 +132,40 @@ pub(crate) async fn send_payload(
     let mut offset = 0;
     while offset < data.len() {
         let end = (offset + SEND_CHUNK).min(data.len());
-        // `write_chunk` is not cancel-safe: keep the same future alive across watchdog ticks.
-        let mut write = std::pin::pin!(send.write_chunk(data.slice(offset..end)));
-        loop {
-            tokio::select! {
-                biased;
-                written = &mut write => {
-                    written.map_err(|e| Error::io("sending tensor bytes", e))?;
-                    break;
-                }
-                stalled = watchdog.fired() => if stalled {
-                    return Err(Error::timeout(
-                        format!("peer to accept tensor bytes (sent {offset} of {})", data.len()),
-                        stall,
-                    ));
-                }
+        let chunk = data.slice(offset..end);
+        write_chunk(send, chunk, &mut watchdog, offset, data.len()).await?;
+        offset = end;
+    }
+    Ok(())
+}
+
+/// Hands one chunk of payload (`sent` of `total` bytes already out) to QUIC, failing with
+/// `Timeout` when `watchdog` sees a whole stall period without progress.
+pub(crate) async fn write_chunk(
+    send: &mut SendStream,
+    chunk: Bytes,
+    watchdog: &mut Watchdog,
+    sent: usize,
+    total: usize,
+) -> Result<()> {
+    // `write_chunk` is not cancel-safe: keep the same future alive across watchdog ticks.
+    let mut write = std::pin::pin!(send.write_chunk(chunk));
+    loop {
+        tokio::select! {
+            biased;
+            written = &mut write => {
+                written.map_err(|e| Error::io("sending tensor bytes", e))?;
+                break;
+            }
+            stalled = watchdog.fired() => if stalled {
+                return Err(Error::timeout(
+                    format!("peer to accept tensor bytes (sent {sent} of {total})"),
+                    watchdog.stall,
+                ));
             }
         }
-        offset = end;
-        watchdog.progress();
     }
+    watchdog.progress();
     Ok(())
 }
 
@@ -166,33 +180,45 @@ pub(crate) async fn recv_payload(
     let (mut filled, mut hashed) = (0, 0);
     let mut watchdog = Watchdog::new(stall);
     while filled < total {
-        let n = tokio::select! {
-            biased;
-            read = recv.read(&mut dest[filled..]) => match read {
-                Ok(Some(n)) => n,
-                Ok(None) => {
-                    return Err(Error::Io(format!(
-                        "stream ended after {filled} of {total} tensor bytes"
-                    )));
-                }
-                Err(e) => return Err(Error::io("receiving tensor bytes", e)),
-            },
-            stalled = watchdog.fired() => {
-                if stalled {
-                    return Err(Error::timeout(
-                        format!("tensor bytes (received {filled} of {total})"),
-                        stall,
-                    ));
-                }
-                continue;
-            }
-        };
-        watchdog.progress();
-        filled += n;
+        filled += read_some(recv, &mut dest[filled..], &mut watchdog, filled, total).await?;
         if filled - hashed >= HASH_BATCH || filled == total {
             hasher.update(&dest[hashed..filled]);
             hashed = filled;
         }
     }
     Ok(hasher.finalize())
+}
+
+/// Reads some payload bytes (`filled` of `total` already in) into `dest`, which must not be
+/// empty; returns how many. Fails when the stream ends early or `watchdog` sees a stall.
+pub(crate) async fn read_some(
+    recv: &mut RecvStream,
+    dest: &mut [u8],
+    watchdog: &mut Watchdog,
+    filled: usize,
+    total: usize,
+) -> Result<usize> {
+    loop {
+        tokio::select! {
+            biased;
+            read = recv.read(dest) => {
+                return match read {
+                    Ok(Some(n)) => {
+                        watchdog.progress();
+                        Ok(n)
+                    }
+                    Ok(None) => Err(Error::Io(format!(
+                        "stream ended after {filled} of {total} tensor bytes"
+                    ))),
+                    Err(e) => Err(Error::io("receiving tensor bytes", e)),
+                };
+            }
+            stalled = watchdog.fired() => if stalled {
+                return Err(Error::timeout(
+                    format!("tensor bytes (received {filled} of {total})"),
+                    watchdog.stall,
+                ));
+            }
+        }
+    }
 }

@@ -1,0 +1,315 @@
+//! The same-host path: CUDA IPC. A puller on the same machine asks for a tensor's IPC handle,
+//! maps the sender's device memory, copies it device to device into its own buffer, unmaps
+//! it, and finishes its side of the stream; the server keeps the tensor alive until then.
+//!
+//! It runs on its own ALPN, `tb/cuda-ipc/1`, with its own two messages, because the
+//! `tb/data/1` messages in `tb-proto` have no variant for it yet (see the crate docs for what
+//! moving it there takes). Anything short of a mapped copy — a peer without the feature, a
+//! declined request, a handle that does not open — makes the caller fall back to the network.
+//! The bytes never leave device memory, so no hash is checked on this path: the metadata
+//! (hash included) comes from the server, whose bytes were hashed when it published them.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaContext, DevicePtrMut, result, sys};
+use iroh::{
+    endpoint::{Connection, RecvStream, SendStream},
+    protocol::{AcceptError, ProtocolHandler},
+};
+use serde::{Deserialize, Serialize};
+use tb_proto::{TensorMeta, TensorName};
+use tracing::debug;
+
+use super::{
+    DeviceBuffer, driver_error, gpu,
+    transfer::{drain, transfer_stream},
+};
+use crate::{
+    client::Pulled,
+    ctx::NodeCtx,
+    device::route,
+    endpoint::PeerAddr,
+    error::{Error, Result},
+    store::Lookup,
+    tensor::Tensor,
+    wire,
+};
+
+/// ALPN of the same-host CUDA IPC handle exchange.
+pub const IPC_ALPN: &[u8] = b"tb/cuda-ipc/1";
+
+/// Bytes in a CUDA IPC memory handle.
+const HANDLE_LEN: usize = 64;
+
+/// What a puller sends on a `tb/cuda-ipc/1` stream.
+#[derive(Debug, Serialize, Deserialize)]
+enum IpcRequest {
+    /// Export this tensor's device memory to me.
+    Open {
+        name: TensorName,
+        version: Option<u64>,
+        /// The requester's boot id: the server exports only to its own machine.
+        host: String,
+        /// Below this size the requester prefers the network.
+        min_bytes: u64,
+    },
+}
+
+/// The server's answer.
+#[derive(Debug, Serialize, Deserialize)]
+enum IpcResponse {
+    /// Map this handle; finish your send side when done with it.
+    Handle {
+        meta: TensorMeta,
+        version: u64,
+        handle: Vec<u8>,
+    },
+    /// Use the network instead.
+    Declined { reason: String },
+}
+
+fn my_host() -> Option<&'static str> {
+    static HOST: OnceLock<Option<String>> = OnceLock::new();
+    HOST.get_or_init(route::host_id).as_deref()
+}
+
+/// The `tb/cuda-ipc/1` handler on the node's router.
+#[derive(Debug, Clone)]
+pub(crate) struct IpcProtocol {
+    pub(crate) ctx: Arc<NodeCtx>,
+}
+
+impl ProtocolHandler for IpcProtocol {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        loop {
+            let accepted = tokio::select! {
+                _ = self.ctx.cancel.cancelled() => break,
+                accepted = conn.accept_bi() => accepted,
+            };
+            let Ok((send, recv)) = accepted else { break };
+            let ctx = self.ctx.clone();
+            self.ctx.tracker.spawn(async move {
+                tokio::select! {
+                    _ = ctx.cancel.cancelled() => {}
+                    () = serve(&ctx, send, recv) => {}
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+async fn serve(ctx: &NodeCtx, mut send: SendStream, mut recv: RecvStream) {
+    let timeout = ctx.config.request_timeout;
+    let request = tokio::time::timeout(timeout, wire::read_frame::<IpcRequest>(&mut recv)).await;
+    let Ok(Ok(IpcRequest::Open {
+        name,
+        version,
+        host,
+        min_bytes,
+    })) = request
+    else {
+        return;
+    };
+    let (answer, hold) = match ctx.store.get(&name, version) {
+        Lookup::Found(version, tensor) => match export(ctx, &host, &tensor, min_bytes) {
+            Ok(handle) => {
+                let meta = tensor.meta().clone();
+                (
+                    IpcResponse::Handle {
+                        meta,
+                        version,
+                        handle,
+                    },
+                    Some(tensor),
+                )
+            }
+            Err(reason) => (IpcResponse::Declined { reason }, None),
+        },
+        _ => (
+            IpcResponse::Declined {
+                reason: format!("\"{name}\" is not held here"),
+            },
+            None,
+        ),
+    };
+    if let IpcResponse::Declined { reason } = &answer {
+        debug!(%name, %reason, "CUDA IPC declined");
+    }
+    if wire::write_frame(&mut send, &answer).await.is_err() {
+        return;
+    }
+    let _ = send.finish();
+    if hold.is_some() {
+        // The requester has our memory mapped until it finishes its side: keep the tensor
+        // (and so the allocation) alive until then, or until the time limit.
+        let _ = tokio::time::timeout(timeout, recv.read_to_end(HANDLE_LEN)).await;
+    }
+    drop(hold);
+}
+
+/// The IPC handle of `tensor`'s device memory, or why not.
+fn export(ctx: &NodeCtx, host: &str, tensor: &Tensor, min_bytes: u64) -> Result<Vec<u8>, String> {
+    let cfg = &ctx.config.cuda;
+    let refusal = route::ipc_refusal(
+        cfg,
+        host,
+        my_host(),
+        tensor.device(),
+        tensor.byte_len(),
+        min_bytes,
+    );
+    if let Some(reason) = refusal {
+        return Err(reason);
+    }
+    let buf = tensor
+        .device_buffer()
+        .ok_or_else(|| "the tensor is in host memory".to_string())?;
+    let gpu = gpu(buf.ordinal(), cfg).map_err(|e| e.to_string())?;
+    gpu.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let mut handle = sys::CUipcMemHandle {
+        reserved: [0; HANDLE_LEN],
+    };
+    // SAFETY: `handle` is a valid out-parameter and the pointer is the start of a live
+    // allocation on the bound context (the tensor holds it). The driver refuses, with an
+    // error, memory it cannot export (stream-ordered pool memory).
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, buf.raw_ptr()) }
+        .result()
+        .map_err(|e| format!("cuIpcGetMemHandle: {e:?}"))?;
+    Ok(handle.reserved.iter().map(|&b| b as u8).collect())
+}
+
+/// Tries to pull `name` from `peer` by CUDA IPC into a new buffer on device `ordinal`.
+/// `Ok(None)`: not possible this way (the caller uses the network); `Err`: a failure the
+/// network path would hit too (out of device memory, no device).
+pub(crate) async fn ipc_pull(
+    ctx: &NodeCtx,
+    peer: &PeerAddr,
+    name: &TensorName,
+    version: Option<u64>,
+    ordinal: usize,
+) -> Result<Option<Pulled<DeviceBuffer>>> {
+    let Some(host) = my_host() else {
+        return Ok(None);
+    };
+    let connect = ctx.endpoint.connect(peer.to_endpoint_addr(), IPC_ALPN);
+    let conn = match tokio::time::timeout(ctx.config.connect_timeout, connect).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
+            debug!(%e, "no CUDA IPC with this peer");
+            return Ok(None);
+        }
+        Err(_) => return Ok(None),
+    };
+    let request = IpcRequest::Open {
+        name: name.clone(),
+        version,
+        host: host.to_string(),
+        min_bytes: ctx.config.cuda.ipc_min_bytes,
+    };
+    let pulled = exchange(ctx, &conn, request, ordinal).await;
+    conn.close(iroh::endpoint::VarInt::from_u32(0), b"done");
+    pulled.map(|got| {
+        got.map(|(version, meta, buffer)| Pulled {
+            name: name.clone(),
+            version,
+            meta,
+            buffer,
+        })
+    })
+}
+
+async fn exchange(
+    ctx: &NodeCtx,
+    conn: &Connection,
+    request: IpcRequest,
+    ordinal: usize,
+) -> Result<Option<(u64, TensorMeta, DeviceBuffer)>> {
+    let Ok((mut send, mut recv)) = conn.open_bi().await else {
+        return Ok(None);
+    };
+    if wire::write_frame(&mut send, &request).await.is_err() {
+        return Ok(None);
+    }
+    let timeout = ctx.config.request_timeout;
+    let answer = tokio::time::timeout(timeout, wire::read_frame::<IpcResponse>(&mut recv)).await;
+    let (meta, version, handle) = match answer {
+        Ok(Ok(IpcResponse::Handle {
+            meta,
+            version,
+            handle,
+        })) => (meta, version, handle),
+        Ok(Ok(IpcResponse::Declined { reason })) => {
+            debug!(%reason, "CUDA IPC declined by the peer");
+            return Ok(None);
+        }
+        _ => return Ok(None),
+    };
+    meta.validate(ctx.config.max_tensor_bytes)?;
+    let buffer = import(ctx, ordinal, &handle, &meta).await?;
+    let _ = send.finish();
+    Ok(buffer.map(|b| (version, meta, b)))
+}
+
+/// An opened IPC mapping, closed on drop.
+struct Mapping {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` was returned by `cuIpcOpenMemHandle` on this context and is
+            // closed once, here, after the copies reading it were waited for.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Maps `handle`, copies the tensor into a new buffer on `ordinal`, and unmaps it.
+async fn import(
+    ctx: &NodeCtx,
+    ordinal: usize,
+    handle: &[u8],
+    meta: &TensorMeta,
+) -> Result<Option<DeviceBuffer>> {
+    let Ok(reserved) = <[u8; HANDLE_LEN]>::try_from(handle) else {
+        return Ok(None);
+    };
+    let len = usize::try_from(meta.byte_len)
+        .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
+    let gpu = gpu(ordinal, &ctx.config.cuda)?;
+    gpu.ctx
+        .bind_to_thread()
+        .map_err(|e| driver_error("binding the context", e))?;
+    let handle = sys::CUipcMemHandle {
+        reserved: reserved.map(|b| b as std::ffi::c_char),
+    };
+    let mut src: sys::CUdeviceptr = 0;
+    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    // SAFETY: `src` is a valid out-parameter; the driver validates the handle and fails with
+    // an error (same process, other machine, stale handle) rather than mapping garbage.
+    if let Err(e) = unsafe { sys::cuIpcOpenMemHandle_v2(&mut src, handle, flags) }.result() {
+        debug!(?e, "CUDA IPC handle did not open");
+        return Ok(None);
+    }
+    let mapping = Mapping {
+        ctx: gpu.ctx.clone(),
+        ptr: src,
+    };
+    let mut dest = DeviceBuffer::alloc(ordinal, len)?;
+    let stream = transfer_stream(&gpu)?;
+    {
+        let slice = dest.slice_mut()?;
+        let (dst, _record_write) = slice.device_ptr_mut(&stream);
+        // SAFETY: `dst` is our fresh allocation of `len` bytes and `src` maps the exporter's
+        // allocation holding the tensor's `len` bytes; the mapping stays open until the copy
+        // is drained below.
+        unsafe { result::memcpy_dtod_async(dst, mapping.ptr, len, stream.cu_stream()) }
+            .map_err(|e| driver_error("copying from a CUDA IPC mapping", e))?;
+    }
+    drain(&stream).await?;
+    drop(mapping);
+    Ok(Some(dest))
+}

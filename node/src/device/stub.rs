@@ -1,0 +1,105 @@
+//! The device API of a build without the `cuda` feature: every device call answers
+//! `DeviceUnavailable`, and [`DeviceBuffer`] has no values, so the code paths that carry one
+//! compile to nothing.
+
+use std::{convert::Infallible, ops::Range, time::Duration};
+
+use iroh::endpoint::{RecvStream, SendStream};
+use tb_proto::ContentHash;
+
+use tb_proto::TensorName;
+
+use super::{CudaConfig, DeviceInfo};
+use crate::{
+    client::Pulled,
+    ctx::NodeCtx,
+    endpoint::PeerAddr,
+    error::{Error, Result},
+};
+
+fn unavailable() -> Error {
+    Error::DeviceUnavailable("this build has no CUDA support (enable the `cuda` feature)".into())
+}
+
+/// Bytes on a CUDA device. This build has no CUDA support, so there are none.
+#[derive(Debug, Clone)]
+pub struct DeviceBuffer {
+    never: Infallible,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on device `ordinal`: `DeviceUnavailable` in this build.
+    pub fn alloc(_ordinal: usize, _len: usize) -> Result<Self> {
+        Err(unavailable())
+    }
+
+    /// Copies `bytes` to device `ordinal`: `DeviceUnavailable` in this build.
+    pub fn from_host(_ordinal: usize, _bytes: &[u8]) -> Result<Self> {
+        Err(unavailable())
+    }
+
+    /// Copies the bytes to host memory.
+    pub fn to_host(&self) -> Result<Vec<u8>> {
+        match self.never {}
+    }
+
+    /// BLAKE3 of the bytes.
+    pub fn hash(&self) -> Result<ContentHash> {
+        match self.never {}
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        match self.never {}
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self.never {}
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        match self.never {}
+    }
+}
+
+/// Looks up CUDA device `ordinal`: `DeviceUnavailable` in this build.
+pub fn probe(_ordinal: usize) -> Result<DeviceInfo> {
+    Err(unavailable())
+}
+
+/// Fails: there is no device to open in this build.
+pub(crate) fn ensure(_ordinal: usize, _cfg: &CudaConfig) -> Result<()> {
+    Err(unavailable())
+}
+
+/// CUDA IPC is never possible in this build: the caller uses the network.
+pub(crate) async fn ipc_pull(
+    _ctx: &NodeCtx,
+    _peer: &PeerAddr,
+    _name: &TensorName,
+    _version: Option<u64>,
+    _ordinal: usize,
+) -> Result<Option<Pulled<DeviceBuffer>>> {
+    Ok(None)
+}
+
+pub(crate) async fn send_payload(
+    _send: &mut SendStream,
+    src: &DeviceBuffer,
+    _range: Range<usize>,
+    _stall: Duration,
+    _cfg: &CudaConfig,
+) -> Result<()> {
+    match src.never {}
+}
+
+pub(crate) async fn recv_payload(
+    _recv: &mut RecvStream,
+    dest: &mut DeviceBuffer,
+    _stall: Duration,
+    _cfg: &CudaConfig,
+) -> Result<ContentHash> {
+    match dest.never {}
+}
