@@ -188,11 +188,8 @@ impl DeviceBuffer {
             while next < total && queued.len() < 2 {
                 let end = (next + chunk).min(total);
                 let mut lease = gpu.staging.acquire_blocking()?;
-                let view = slice
-                    .try_slice(next..end)
-                    .ok_or_else(|| Error::Device(format!("bytes {next}..{end} out of range")))?;
-                lease.stage_from_device(&stream, &view)?;
-                queued.push_back((lease, end - next));
+                let len = lease.stage_range(&stream, slice, next..end)?;
+                queued.push_back((lease, len));
                 next = end;
             }
             let Some((lease, len)) = queued.pop_front() else {

@@ -14,7 +14,7 @@ use std::{
 };
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaStream, CudaView, CudaViewMut, PinnedHostSlice, sys,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, PinnedHostSlice, sys,
 };
 use tokio::sync::Notify;
 
@@ -254,6 +254,21 @@ impl Lease {
             },
             None => &mut [],
         }
+    }
+
+    /// Stages bytes `range` of `src` (see `stage_from_device`); returns how many.
+    pub(crate) fn stage_range(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        src: &CudaSlice<u8>,
+        range: std::ops::Range<usize>,
+    ) -> Result<usize> {
+        let (start, end) = (range.start, range.end);
+        let view = src
+            .try_slice(range)
+            .ok_or_else(|| Error::Device(format!("bytes {start}..{end} out of range")))?;
+        self.stage_from_device(stream, &view)?;
+        Ok(end - start)
     }
 
     /// Enqueues a copy of `src` into the buffer on `stream`, after any copy still using it,

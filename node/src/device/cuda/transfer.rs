@@ -68,11 +68,8 @@ pub(crate) async fn send_payload(
                 }
             };
             let end = (next + chunk).min(range.end);
-            let view = slice
-                .try_slice(next..end)
-                .ok_or_else(|| Error::Device(format!("bytes {next}..{end} out of range")))?;
-            lease.stage_from_device(&stream, &view)?;
-            queued.push_back((lease, end - next));
+            let len = lease.stage_range(&stream, slice, next..end)?;
+            queued.push_back((lease, len));
             next = end;
         }
         let Some((lease, len)) = queued.pop_front() else {
