@@ -9,16 +9,24 @@
 //!   (`model/*`).
 //! - [`msg`]: the `tb/data/1` messages ([`DataRequest`], [`DataResponse`], [`ErrorCode`]),
 //!   ALPN constants, and the one enum of QUIC close codes ([`CloseCode`]).
+//! - [`ctl`]: the `tb/ctl/1` messages ([`CtlRequest`], [`CtlResponse`], [`Event`]) between
+//!   nodes and brokers and between brokers, with their limits and [`CtlError`].
+//! - [`ClusterKey`], [`Hello`], [`HelloReply`]: cluster-secret authentication, the first frame
+//!   exchange of every connection, and the gossip topic the secret names.
 //! - [`frame`]: length-prefixed postcard framing with the control-frame cap checked before any
 //!   allocation.
 //! - [`Registry`]: the replicated registry CRDT (entries per name with LWW heads, add-wins
-//!   holder marks and tombstones; a membership table), its gossip ops ([`RegistryOp`]) and the
-//!   hybrid logical clock ([`Hlc`], [`Stamp`], [`NodeId`]) that orders its writes.
+//!   holder marks and tombstones; a membership table), its gossip ops ([`RegistryOp`]), the
+//!   bucketed anti-entropy helpers ([`Registry::bucket_digests`], [`bucket_of`],
+//!   [`chunk_by_size`]) and the hybrid logical clock ([`Hlc`], [`Stamp`], [`NodeId`]) that
+//!   orders its writes.
 //!
-//! Data flow: a sender builds a message, [`frame::encode`]s it and writes the bytes (then the
-//! raw payload, for tensors); a receiver reads 4 bytes, asks [`frame::body_len`] whether to
-//! read on, reads the body, [`frame::decode_body`]s it and `validate`s what it got before
-//! trusting any length in it.
+//! Data flow: a client opens a connection, sends a [`Hello`] carrying its
+//! [`ClusterKey::proof`] and waits for the [`HelloReply`]. Then, on a stream per request, a
+//! sender builds a message, [`frame::encode`]s it and writes the bytes (then the raw payload,
+//! for tensors); a receiver reads 4 bytes, asks [`frame::body_len`] whether to read on, reads
+//! the body, [`frame::decode_body`]s it and `validate`s what it got before trusting any length
+//! in it.
 //!
 //! ```
 //! use tb_proto::{DataRequest, TensorName, frame};
@@ -32,6 +40,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod auth;
+pub mod ctl;
 mod dtype;
 pub mod frame;
 mod hash;
@@ -41,6 +51,13 @@ pub mod msg;
 mod name;
 mod registry;
 
+pub use auth::{
+    AuthError, AuthProof, ClusterKey, Hello, HelloReply, MAX_SECRET_LEN, MIN_SECRET_LEN,
+};
+pub use ctl::{
+    CtlError, CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS,
+    MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_SYNC_MEMBERS,
+};
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};
 pub use hash::{ContentHash, ContentHasher};
@@ -50,5 +67,5 @@ pub use msg::{ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataRespon
 pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};
 pub use registry::{
     Entry, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS, Member, Registry,
-    RegistryError, RegistryOp, Role,
+    RegistryError, RegistryOp, Role, SYNC_BUCKETS, bucket_of, chunk_by_size,
 };

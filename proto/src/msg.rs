@@ -1,6 +1,7 @@
 //! The `tb/data/1` messages, ALPN constants, error codes, and QUIC close codes.
 //!
-//! One bidirectional stream per transfer:
+//! A connection opens with the [`Hello`](crate::Hello) exchange on its first stream, then one
+//! bidirectional stream per transfer:
 //! - `Pull { name, version?, range? }` -> `Header { meta, version }` + payload, or `Error`.
 //! - `Push { name, meta }` + payload -> `Ack` or `Error`.
 

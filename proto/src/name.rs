@@ -63,6 +63,18 @@ impl TensorName {
         Ok(TensorName(name))
     }
 
+    /// Checks a listing prefix: at most [`MAX_NAME_LEN`] bytes of name characters. Unlike a
+    /// name it may be empty (everything) and may end mid-level or in `/`.
+    pub fn validate_prefix(prefix: &str) -> Result<(), NameError> {
+        if prefix.len() > MAX_NAME_LEN {
+            return Err(NameError::TooLong { len: prefix.len() });
+        }
+        match prefix.char_indices().find(|(_, c)| !allowed(*c)) {
+            Some((pos, ch)) => Err(NameError::BadChar { ch, pos }),
+            None => Ok(()),
+        }
+    }
+
     /// The name as a string.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -191,6 +203,21 @@ mod tests {
         for bad in ["/a", "a/", "a//b", "/"] {
             assert_eq!(TensorName::new(bad), Err(NameError::EmptyLevel), "{bad}");
         }
+    }
+
+    #[test]
+    fn prefixes_allow_partial_levels_but_not_other_characters() {
+        for ok in ["", "m", "model/", "model/la", &"x".repeat(MAX_NAME_LEN)] {
+            assert_eq!(TensorName::validate_prefix(ok), Ok(()), "{ok}");
+        }
+        assert_eq!(
+            TensorName::validate_prefix(&"x".repeat(MAX_NAME_LEN + 1)),
+            Err(NameError::TooLong { len: 257 })
+        );
+        assert_eq!(
+            TensorName::validate_prefix("model/*"),
+            Err(NameError::BadChar { ch: '*', pos: 6 })
+        );
     }
 
     #[test]

@@ -1,12 +1,17 @@
-//! Golden bytes: the exact wire form of every `tb/data/1` message variant. If one of these
-//! fails, the wire changed: that needs a new ALPN version, not a new expected string.
+//! Golden bytes: the exact wire form of every `tb/data/1` and `tb/ctl/1` message variant, of
+//! the `Hello` exchange, and of the cluster-key derivations. If one of these fails, the wire
+//! changed: that needs a new ALPN version, not a new expected string.
 //!
 //! Reading the hex: a frame is a little-endian `u32` body length, then postcard, which
 //! writes enum variants and lengths as LEB128 varints, integers as varints, `Option` as
 //! `00` / `01 value`, strings as length + UTF-8, and `[u8; 32]` as 32 raw bytes.
 
+use std::collections::BTreeMap;
+
 use tb_proto::{
-    ByteRange, ContentHash, DType, DataRequest, DataResponse, ErrorCode, NamePattern, TensorMeta,
+    AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse, DType,
+    DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr, HolderMark,
+    ListedEntry, Member, NamePattern, NodeId, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta,
     TensorName, frame,
 };
 
@@ -33,6 +38,20 @@ where
 
 const H_AB: &str = "abababababababababababababababababababababababababababababababab";
 const H_11: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+const H_22: &str = "2222222222222222222222222222222222222222222222222222222222222222";
+const H_33: &str = "3333333333333333333333333333333333333333333333333333333333333333";
+
+fn id(b: u8) -> NodeId {
+    NodeId([b; 32])
+}
+
+fn stamp(wall_ms: u64, logical: u32, node: u8) -> Stamp {
+    Stamp {
+        wall_ms,
+        logical,
+        node: id(node),
+    }
+}
 
 #[test]
 fn pull_newest_whole() {
@@ -129,4 +148,252 @@ fn patterns_are_strings() {
     golden(&p, "08000000 07 6d6f64656c2f2a");
     let all: NamePattern = "*".parse().expect("pattern");
     golden(&all, "02000000 01 2a");
+}
+
+#[test]
+fn hello() {
+    // len 32 | proof (32 raw bytes)
+    golden(
+        &Hello {
+            proof: AuthProof([0xab; 32]),
+        },
+        &format!("20000000 {H_AB}"),
+    );
+    // len 7 | Welcome=0 | 64 GiB = 2^36 as a varint
+    golden(
+        &HelloReply::Welcome {
+            max_tensor_bytes: 64 << 30,
+        },
+        "07000000 00 808080808002",
+    );
+}
+
+#[test]
+fn cluster_key_derivations() {
+    // Pins the key derivation, the proof's encoding and the gossip topic: nodes of two builds
+    // must agree on all three to form one cluster.
+    let key = ClusterKey::from_secret(b"0123456789abcdef").expect("secret");
+    let proof = key.proof(CTL_ALPN, &id(1), &id(2));
+    assert_eq!(
+        hex(&proof.0),
+        "a480ab4bd3dc187016c62baecb899ddafa47b8449f6640b9bd989fff3966989d"
+    );
+    assert_eq!(
+        hex(&key.gossip_topic()),
+        "31b43b20dfe5e7258ee2e8753684fcb16fdf36ccc25594cf6d3301489c7f3f47"
+    );
+    // The same, spelled out for other implementations: each field length-prefixed (u64 LE).
+    let k = blake3::derive_key("tensor-broker cluster key v1", b"0123456789abcdef");
+    let mut input = Vec::new();
+    for field in [
+        &b"tensor-broker hello proof v1"[..],
+        CTL_ALPN,
+        &[1; 32],
+        &[2; 32],
+    ] {
+        input.extend((field.len() as u64).to_le_bytes());
+        input.extend(field);
+    }
+    assert_eq!(blake3::keyed_hash(&k, &input).as_bytes(), &proof.0);
+    let topic = blake3::derive_key("tensor-broker gossip topic v1", &k);
+    assert_eq!(topic, key.gossip_topic());
+    let open = ClusterKey::open().proof(CTL_ALPN, &id(1), &id(2));
+    assert_eq!(
+        hex(&open.0),
+        "6744f28a35150b2c9ba96853951320d82b5e4350721c54d40b67f6c6b348ad2d"
+    );
+}
+
+#[test]
+fn ctl_heartbeat_and_announce() {
+    let msg = CtlRequest::Heartbeat {
+        role: Role::Worker,
+        addrs: vec!["10.0.0.1:4433".into()],
+        epoch: 3,
+    };
+    // len 18 | Heartbeat=0 | Worker=1 | 1 addr "10.0.0.1:4433" | epoch 3
+    golden(&msg, "12000000 00 01 01 0d 31302e302e302e313a34343333 03");
+    let msg = CtlRequest::Announce {
+        ops: vec![RegistryOp::Delete {
+            name: name("a"),
+            stamp: stamp(5, 0, 0x11),
+        }],
+    };
+    // len 39 | Announce=1 | 1 op | Delete=3 | "a" | stamp { wall 5, logical 0, node }
+    golden(&msg, &format!("27000000 01 01 03 0161 05 00 {H_11}"));
+}
+
+#[test]
+fn ctl_versions_and_lookups() {
+    let msg = CtlRequest::NextVersion {
+        name: name("model/w"),
+    };
+    golden(&msg, "09000000 02 07 6d6f64656c2f77");
+    let lookup = |version| CtlRequest::Lookup {
+        name: name("a"),
+        version,
+    };
+    // Lookup=3 | "a" | Some(7) / None
+    golden(&lookup(Some(7)), "05000000 03 0161 01 07");
+    golden(&lookup(None), "04000000 03 0161 00");
+    let msg = CtlRequest::Fetching {
+        name: name("a"),
+        version: 2,
+        active: true,
+    };
+    // Fetching=4 | "a" | version 2 | true
+    golden(&msg, "05000000 04 0161 02 01");
+}
+
+#[test]
+fn ctl_list_subscribe_members() {
+    let msg = CtlRequest::List {
+        prefix: "model/".into(),
+        limit: 1000,
+    };
+    // len 10 | List=5 | "model/" | limit 1000 = e8 07
+    golden(&msg, "0a000000 05 06 6d6f64656c2f e807");
+    let msg = CtlRequest::Subscribe {
+        pattern: "model/*".parse().expect("pattern"),
+    };
+    // Subscribe=6 | the pattern as its string
+    golden(&msg, "09000000 06 07 6d6f64656c2f2a");
+    golden(&CtlRequest::Members, "01000000 07");
+}
+
+#[test]
+fn ctl_sync_requests() {
+    let msg = CtlRequest::SyncBuckets {
+        buckets: vec![[0; 32]; SYNC_BUCKETS],
+        members: vec![(id(0x11), [0xab; 32])],
+    };
+    // len 8260 | SyncBuckets=8 | 256 digests (80 02) | 1 member digest (node, digest)
+    let zeros = "00".repeat(32 * SYNC_BUCKETS);
+    golden(&msg, &format!("44200000 08 8002 {zeros} 01 {H_11} {H_AB}"));
+    let msg = CtlRequest::SyncNames {
+        names: vec![(name("a"), [0xab; 32])],
+        last: true,
+    };
+    // len 37 | SyncNames=9 | 1 pair ("a", digest) | last
+    golden(&msg, &format!("25000000 09 01 0161 {H_AB} 01"));
+}
+
+#[test]
+fn ctl_ok_version_error() {
+    golden(&CtlResponse::Ok, "01000000 00");
+    golden(&CtlResponse::Version { version: 300 }, "03000000 01 ac02");
+    let msg = CtlResponse::Error {
+        code: ErrorCode::NotFound,
+        message: "no".into(),
+    };
+    // Error=8 | NotFound=0 | "no"
+    golden(&msg, "05000000 08 00 02 6e6f");
+}
+
+#[test]
+fn ctl_holders_and_listing() {
+    let msg = CtlResponse::Holders {
+        name: name("w"),
+        version: 1,
+        meta: TensorMeta::new(DType::F32, vec![2, 3], ContentHash([0xab; 32])).expect("meta"),
+        holders: vec![HolderAddr {
+            node: id(0x11),
+            addrs: vec!["h:1".into()],
+            complete: false,
+        }],
+    };
+    // len 80 | Holders=2 | "w" | v1 | meta | 1 holder { node, ["h:1"], incomplete }
+    golden(
+        &msg,
+        &format!("50000000 02 0177 01 0b 02 02 03 18 {H_AB} 01 {H_11} 01 03 683a31 00"),
+    );
+    let msg = CtlResponse::Listing {
+        entries: vec![ListedEntry {
+            name: name("w"),
+            version: 2,
+            meta: TensorMeta::new(DType::BF16, vec![], ContentHash([0x11; 32])).expect("meta"),
+            holders: 3,
+        }],
+        last: true,
+    };
+    // len 42 | Listing=3 | 1 entry { "w", v2, BF16 scalar, 3 holders } | last
+    golden(
+        &msg,
+        &format!("2a000000 03 01 0177 02 0a 00 02 {H_11} 03 01"),
+    );
+}
+
+#[test]
+fn ctl_events() {
+    let msg = CtlResponse::Event(Event::Published {
+        name: name("w"),
+        version: 1,
+        meta: TensorMeta::new(DType::U8, vec![4], ContentHash([0xab; 32])).expect("meta"),
+        publisher: id(0x11),
+    });
+    // len 73 | Event=4 | Published=0 | "w" | v1 | U8 [4], 4 bytes | publisher
+    golden(
+        &msg,
+        &format!("49000000 04 00 0177 01 01 01 04 04 {H_AB} {H_11}"),
+    );
+    let msg = CtlResponse::Event(Event::Deleted { name: name("w") });
+    golden(&msg, "04000000 04 01 0177");
+}
+
+#[test]
+fn ctl_members_and_sync_diff() {
+    let msg = CtlResponse::Members {
+        members: vec![Member {
+            node: id(0x11),
+            role: Role::Broker,
+            addrs: vec![],
+            epoch: 1,
+            alive: true,
+            stamp: stamp(2, 0, 0x11),
+        }],
+        last: true,
+    };
+    // len 73 | Members=5 | 1 row { node, Broker, no addrs, epoch 1, alive, stamp } | last
+    golden(
+        &msg,
+        &format!("49000000 05 01 {H_11} 00 00 01 01 02 00 {H_11} 01"),
+    );
+    let msg = CtlResponse::SyncDiff {
+        members: vec![],
+        buckets: vec![3, 200],
+        last: true,
+    };
+    // SyncDiff=6 | no rows | buckets [3, 200] | last
+    golden(&msg, "06000000 06 00 02 03c8 01");
+}
+
+#[test]
+fn ctl_sync_entries() {
+    let entry = Entry {
+        version: 2,
+        meta: TensorMeta::new(DType::U8, vec![4], ContentHash([0xab; 32])).expect("meta"),
+        publisher: id(0x11),
+        stamp: stamp(1, 0, 0x11),
+        holders: BTreeMap::from([(
+            (id(0x22), 2),
+            HolderMark {
+                stamp: stamp(3, 1, 0x22),
+                present: true,
+            },
+        )]),
+        deleted: Some(stamp(4, 0, 0x33)),
+    };
+    let msg = CtlResponse::SyncEntries {
+        entries: vec![(name("a"), entry)],
+        last: true,
+    };
+    // len 212 | SyncEntries=7 | 1 pair: "a", entry { v2, meta, publisher, stamp,
+    // 1 holder mark { (node, v2): { stamp, present } }, deleted Some(stamp) } | last
+    golden(
+        &msg,
+        &format!(
+            "d4000000 07 01 0161 02 01 01 04 04 {H_AB} {H_11} 01 00 {H_11} \
+             01 {H_22} 02 03 01 {H_22} 01 01 04 00 {H_33} 01"
+        ),
+    );
 }

@@ -1,10 +1,16 @@
-//! Property tests: every message round-trips, and no decoder or validator panics on anything,
-//! random bytes or valid frames with bit flips, truncations and extensions.
+//! Property tests: every message (`tb/data/1`, `Hello`, `tb/ctl/1`) round-trips, and no
+//! decoder or validator panics on anything, random bytes or valid frames with bit flips,
+//! truncations and extensions.
 
-use proptest::{collection::vec, prelude::*};
+use proptest::{
+    collection::{btree_map, btree_set, vec},
+    prelude::*,
+};
 use tb_proto::{
-    ByteRange, ContentHash, DType, DataRequest, DataResponse, ErrorCode, FrameError, MAX_RANK,
-    NamePattern, TensorMeta, TensorName,
+    AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest, DataResponse,
+    Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark, ListedEntry,
+    MAX_LIST_LIMIT, MAX_RANK, Member, NamePattern, NodeId, RegistryOp, Role, SYNC_BUCKETS, Stamp,
+    TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
 
@@ -71,6 +77,218 @@ fn response() -> impl Strategy<Value = DataResponse> {
         (meta(), any::<u64>()).prop_map(|(meta, version)| DataResponse::Header { meta, version }),
         Just(DataResponse::Ack),
         (error_code(), ".{0,80}").prop_map(|(code, message)| DataResponse::Error { code, message }),
+    ]
+}
+
+fn node() -> impl Strategy<Value = NodeId> {
+    any::<[u8; 32]>().prop_map(NodeId)
+}
+
+fn stamp() -> impl Strategy<Value = Stamp> {
+    (any::<u64>(), any::<u32>(), node()).prop_map(|(wall_ms, logical, node)| Stamp {
+        wall_ms,
+        logical,
+        node,
+    })
+}
+
+fn version() -> impl Strategy<Value = u64> {
+    prop_oneof![1u64..10, 1..=u64::MAX]
+}
+
+fn role() -> impl Strategy<Value = Role> {
+    prop_oneof![Just(Role::Broker), Just(Role::Worker)]
+}
+
+fn addrs() -> impl Strategy<Value = Vec<String>> {
+    vec("[a-z0-9.:\\[\\]]{1,64}", 0..=3)
+}
+
+fn digest() -> impl Strategy<Value = [u8; 32]> {
+    any::<[u8; 32]>()
+}
+
+fn member() -> impl Strategy<Value = Member> {
+    (
+        node(),
+        role(),
+        addrs(),
+        any::<u64>(),
+        any::<bool>(),
+        stamp(),
+    )
+        .prop_map(|(node, role, addrs, epoch, alive, stamp)| Member {
+            node,
+            role,
+            addrs,
+            epoch,
+            alive,
+            stamp,
+        })
+}
+
+fn registry_op() -> impl Strategy<Value = RegistryOp> {
+    prop_oneof![
+        (tensor_name(), version(), meta(), node(), stamp()).prop_map(
+            |(name, version, meta, publisher, stamp)| RegistryOp::Publish {
+                name,
+                version,
+                meta,
+                publisher,
+                stamp,
+            }
+        ),
+        (tensor_name(), version(), node(), stamp(), any::<bool>()).prop_map(
+            |(name, version, node, stamp, add)| match add {
+                true => RegistryOp::AddHolder {
+                    name,
+                    version,
+                    node,
+                    stamp,
+                },
+                false => RegistryOp::RemoveHolder {
+                    name,
+                    version,
+                    node,
+                    stamp,
+                },
+            }
+        ),
+        (tensor_name(), stamp()).prop_map(|(name, stamp)| RegistryOp::Delete { name, stamp }),
+        member().prop_map(RegistryOp::Member),
+    ]
+}
+
+fn entry() -> impl Strategy<Value = Entry> {
+    let marks = btree_map(
+        (node(), version()),
+        (stamp(), any::<bool>()).prop_map(|(stamp, present)| HolderMark { stamp, present }),
+        0..3,
+    );
+    (
+        0u64..10,
+        meta(),
+        node(),
+        stamp(),
+        marks,
+        proptest::option::of(stamp()),
+    )
+        .prop_map(
+            |(version, meta, publisher, stamp, holders, deleted)| Entry {
+                version,
+                meta,
+                publisher,
+                stamp,
+                holders,
+                deleted,
+            },
+        )
+}
+
+fn hello() -> impl Strategy<Value = Hello> {
+    any::<[u8; 32]>().prop_map(|p| Hello {
+        proof: AuthProof(p),
+    })
+}
+
+fn hello_reply() -> impl Strategy<Value = HelloReply> {
+    any::<u64>().prop_map(|max_tensor_bytes| HelloReply::Welcome { max_tensor_bytes })
+}
+
+/// Valid requests of every variant.
+fn ctl_request() -> impl Strategy<Value = CtlRequest> {
+    prop_oneof![
+        (role(), addrs(), any::<u64>()).prop_map(|(role, addrs, epoch)| CtlRequest::Heartbeat {
+            role,
+            addrs,
+            epoch
+        }),
+        vec(registry_op(), 0..4).prop_map(|ops| CtlRequest::Announce { ops }),
+        tensor_name().prop_map(|name| CtlRequest::NextVersion { name }),
+        (tensor_name(), proptest::option::of(version()))
+            .prop_map(|(name, version)| CtlRequest::Lookup { name, version }),
+        (tensor_name(), version(), any::<bool>()).prop_map(|(name, version, active)| {
+            CtlRequest::Fetching {
+                name,
+                version,
+                active,
+            }
+        }),
+        ("[A-Za-z0-9._:/-]{0,60}", 0..=MAX_LIST_LIMIT)
+            .prop_map(|(prefix, limit)| CtlRequest::List { prefix, limit }),
+        pattern().prop_map(|pattern| CtlRequest::Subscribe { pattern }),
+        Just(CtlRequest::Members),
+        (vec(digest(), SYNC_BUCKETS), vec((node(), digest()), 0..4))
+            .prop_map(|(buckets, members)| CtlRequest::SyncBuckets { buckets, members }),
+        (vec((tensor_name(), digest()), 0..4), any::<bool>())
+            .prop_map(|(names, last)| CtlRequest::SyncNames { names, last }),
+    ]
+}
+
+fn holder_addr() -> impl Strategy<Value = HolderAddr> {
+    (node(), addrs(), any::<bool>()).prop_map(|(node, addrs, complete)| HolderAddr {
+        node,
+        addrs,
+        complete,
+    })
+}
+
+fn listed_entry() -> impl Strategy<Value = ListedEntry> {
+    (tensor_name(), version(), meta(), any::<u32>()).prop_map(|(name, version, meta, holders)| {
+        ListedEntry {
+            name,
+            version,
+            meta,
+            holders,
+        }
+    })
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        (tensor_name(), version(), meta(), node()).prop_map(|(name, version, meta, publisher)| {
+            Event::Published {
+                name,
+                version,
+                meta,
+                publisher,
+            }
+        }),
+        tensor_name().prop_map(|name| Event::Deleted { name }),
+    ]
+}
+
+/// Valid responses of every variant.
+fn ctl_response() -> impl Strategy<Value = CtlResponse> {
+    prop_oneof![
+        Just(CtlResponse::Ok),
+        version().prop_map(|version| CtlResponse::Version { version }),
+        (tensor_name(), version(), meta(), vec(holder_addr(), 0..4)).prop_map(
+            |(name, version, meta, holders)| CtlResponse::Holders {
+                name,
+                version,
+                meta,
+                holders,
+            }
+        ),
+        (vec(listed_entry(), 0..4), any::<bool>())
+            .prop_map(|(entries, last)| CtlResponse::Listing { entries, last }),
+        event().prop_map(CtlResponse::Event),
+        (vec(member(), 0..4), any::<bool>())
+            .prop_map(|(members, last)| CtlResponse::Members { members, last }),
+        (
+            vec(member(), 0..3),
+            btree_set(any::<u8>(), 0..8),
+            any::<bool>()
+        )
+            .prop_map(|(members, buckets, last)| CtlResponse::SyncDiff {
+                members,
+                buckets: buckets.into_iter().collect(),
+                last,
+            }),
+        (vec((tensor_name(), entry()), 0..3), any::<bool>())
+            .prop_map(|(entries, last)| CtlResponse::SyncEntries { entries, last }),
+        (error_code(), ".{0,80}").prop_map(|(code, message)| CtlResponse::Error { code, message }),
     ]
 }
 
@@ -150,8 +368,42 @@ fn decode_everything(bytes: &[u8]) {
     }
     let _ = frame::decode_body::<DataResponse>(bytes);
     let _ = frame::decode_body::<NamePattern>(bytes);
+    decode_auth_and_ctl(bytes);
     if let Some(prefix) = bytes.first_chunk::<LEN_PREFIX>() {
         let _ = frame::body_len(*prefix);
+    }
+}
+
+/// [`decode_everything`]'s half for the `Hello` exchange and `tb/ctl/1`.
+fn decode_auth_and_ctl(bytes: &[u8]) {
+    if let Ok(Some((hello, _))) = frame::decode_frame::<Hello>(bytes) {
+        reencodes(&hello);
+    }
+    if let Ok(Some((reply, _))) = frame::decode_frame::<HelloReply>(bytes) {
+        reencodes(&reply);
+    }
+    if let Ok(Some((req, used))) = frame::decode_frame::<CtlRequest>(bytes) {
+        assert!(used <= bytes.len());
+        let _ = req.validate(0);
+        if req.validate(MAX_TENSOR).is_ok() {
+            reencodes(&req);
+        }
+    }
+    if let Ok(Some((resp, used))) = frame::decode_frame::<CtlResponse>(bytes) {
+        assert!(used <= bytes.len());
+        let _ = resp.is_final();
+        let _ = resp.validate(0);
+        if resp.validate(MAX_TENSOR).is_ok() {
+            reencodes(&resp);
+        }
+    }
+    let _ = frame::decode_body::<Hello>(bytes);
+    let _ = frame::decode_body::<HelloReply>(bytes);
+    if let Ok(req) = frame::decode_body::<CtlRequest>(bytes) {
+        let _ = req.validate(MAX_TENSOR);
+    }
+    if let Ok(resp) = frame::decode_body::<CtlResponse>(bytes) {
+        let _ = resp.validate(MAX_TENSOR);
     }
 }
 
@@ -238,6 +490,47 @@ proptest! {
 
     #[test]
     fn mutated_responses_never_panic(resp in response(), muts in mutations()) {
+        let bytes = mutate(frame::encode(&resp).expect("encode"), &muts);
+        decode_everything(&bytes);
+        decode_everything(bytes.get(LEN_PREFIX..).unwrap_or_default());
+    }
+
+    #[test]
+    fn hellos_round_trip(h in hello(), r in hello_reply()) {
+        check_round_trip(&h)?;
+        check_round_trip(&r)?;
+    }
+
+    #[test]
+    fn ctl_requests_round_trip_and_validate(req in ctl_request()) {
+        prop_assert_eq!(req.validate(u64::MAX), Ok(()));
+        check_round_trip(&req)?;
+    }
+
+    #[test]
+    fn ctl_responses_round_trip_and_validate(resp in ctl_response()) {
+        prop_assert_eq!(resp.validate(u64::MAX), Ok(()));
+        check_round_trip(&resp)?;
+    }
+
+    #[test]
+    fn mutated_hellos_never_panic(h in hello(), r in hello_reply(), muts in mutations()) {
+        for bytes in [frame::encode(&h), frame::encode(&r)] {
+            let bytes = mutate(bytes.expect("encode"), &muts);
+            decode_everything(&bytes);
+            decode_everything(bytes.get(LEN_PREFIX..).unwrap_or_default());
+        }
+    }
+
+    #[test]
+    fn mutated_ctl_requests_never_panic(req in ctl_request(), muts in mutations()) {
+        let bytes = mutate(frame::encode(&req).expect("encode"), &muts);
+        decode_everything(&bytes);
+        decode_everything(bytes.get(LEN_PREFIX..).unwrap_or_default());
+    }
+
+    #[test]
+    fn mutated_ctl_responses_never_panic(resp in ctl_response(), muts in mutations()) {
         let bytes = mutate(frame::encode(&resp).expect("encode"), &muts);
         decode_everything(&bytes);
         decode_everything(bytes.get(LEN_PREFIX..).unwrap_or_default());

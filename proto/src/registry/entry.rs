@@ -116,13 +116,7 @@ impl Entry {
 
     /// Checks an entry that came from the network (a sync reply) before merging it.
     pub fn validate(&self, name: &TensorName, max_tensor_bytes: u64) -> Result<(), RegistryError> {
-        self.meta
-            .validate(max_tensor_bytes)
-            .map_err(|source| RegistryError::Meta {
-                name: name.clone(),
-                version: self.version,
-                source,
-            })?;
+        super::check_meta(name, self.version, &self.meta, max_tensor_bytes)?;
         match self.holders.keys().find(|(_, v)| *v == 0) {
             Some(_) => Err(RegistryError::ZeroVersion { name: name.clone() }),
             None => Ok(()),

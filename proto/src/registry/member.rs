@@ -41,19 +41,7 @@ pub struct Member {
 impl Member {
     /// Checks the address limits on a row that came from the network.
     pub fn validate(&self) -> Result<(), RegistryError> {
-        if self.addrs.len() > MAX_MEMBER_ADDRS {
-            return Err(RegistryError::TooManyAddrs {
-                node: self.node,
-                count: self.addrs.len(),
-            });
-        }
-        match self.addrs.iter().find(|a| a.len() > MAX_ADDR_LEN) {
-            Some(long) => Err(RegistryError::AddrTooLong {
-                node: self.node,
-                len: long.len(),
-            }),
-            None => Ok(()),
-        }
+        check_addrs(&self.node, &self.addrs)
     }
 
     /// Whether this row replaces `other` (a row for the same node): the greater
@@ -64,6 +52,23 @@ impl Member {
             (m.epoch, m.stamp, m.alive, m.role, &m.addrs)
         }
         key(self) > key(other)
+    }
+}
+
+/// Checks the address limits on the addresses `node` advertises.
+pub(crate) fn check_addrs(node: &NodeId, addrs: &[String]) -> Result<(), RegistryError> {
+    if addrs.len() > MAX_MEMBER_ADDRS {
+        return Err(RegistryError::TooManyAddrs {
+            node: *node,
+            count: addrs.len(),
+        });
+    }
+    match addrs.iter().find(|a| a.len() > MAX_ADDR_LEN) {
+        Some(long) => Err(RegistryError::AddrTooLong {
+            node: *node,
+            len: long.len(),
+        }),
+        None => Ok(()),
     }
 }
 

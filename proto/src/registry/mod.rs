@@ -10,9 +10,11 @@
 //! [`RegistryOp::encoded_len`] against [`MAX_GOSSIP_OP_BYTES`] and broadcasts it. A receiver
 //! [`validate`](RegistryOp::validate)s it, [`observe`](crate::Hlc::observe)s its
 //! [`stamp`](RegistryOp::stamp) (dropping ops stamped too far in the future) and
-//! [`apply`](Registry::apply)s it. Anti-entropy compares [`Registry::digest`]s and ships
-//! [`Registry::entries_for`] the names that differ, which the receiver
-//! [`validate`](Entry::validate)s and [`merge_entry`](Registry::merge_entry)s.
+//! [`apply`](Registry::apply)s it. Anti-entropy compares digests bucket by bucket
+//! ([`Registry::bucket_digests`], then [`Registry::names_in_buckets`]) and ships
+//! [`Registry::entries_to_send`] for the names that differ, which the receiver
+//! [`validate`](Entry::validate)s and [`merge_entry`](Registry::merge_entry)s; see the `sync`
+//! module's doc for the exchange.
 //!
 //! An op can arrive before the publish it refers to (a holder mark, a delete): it lands in a
 //! placeholder entry (version 0) that readers do not see and that the publish later fills, so
@@ -23,14 +25,17 @@
 
 mod entry;
 mod member;
+mod sync;
 
 use std::collections::{BTreeMap, btree_map};
 
 use serde::{Deserialize, Serialize};
 
+pub(crate) use self::member::check_addrs;
 pub use self::{
     entry::{Entry, HolderMark},
     member::{MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, Role},
+    sync::{SYNC_BUCKETS, bucket_of, chunk_by_size},
 };
 use crate::{MetaError, NodeId, Stamp, TensorMeta, TensorName};
 
@@ -137,12 +142,7 @@ impl RegistryOp {
                 ..
             } => {
                 check_version(name, *version)?;
-                meta.validate(max_tensor_bytes)
-                    .map_err(|source| RegistryError::Meta {
-                        name: name.clone(),
-                        version: *version,
-                        source,
-                    })
+                check_meta(name, *version, meta, max_tensor_bytes)
             }
             RegistryOp::AddHolder { name, version, .. }
             | RegistryOp::RemoveHolder { name, version, .. } => check_version(name, *version),
@@ -154,9 +154,7 @@ impl RegistryOp {
     /// Bytes of the op's postcard encoding; compare with [`MAX_GOSSIP_OP_BYTES`] before
     /// broadcasting.
     pub fn encoded_len(&self) -> usize {
-        // Measuring cannot fail for plain data; if it ever did, "too large" is the safe answer.
-        postcard::serialize_with_flavor(self, postcard::ser_flavors::Size::default())
-            .unwrap_or(usize::MAX)
+        encoded_len(self)
     }
 
     /// The stamp the op carries, for [`Hlc::observe`](crate::Hlc::observe).
@@ -171,11 +169,34 @@ impl RegistryOp {
     }
 }
 
-fn check_version(name: &TensorName, version: u64) -> Result<(), RegistryError> {
+/// Refuses version 0, which is reserved (versions start at 1).
+pub(crate) fn check_version(name: &TensorName, version: u64) -> Result<(), RegistryError> {
     match version {
         0 => Err(RegistryError::ZeroVersion { name: name.clone() }),
         _ => Ok(()),
     }
+}
+
+/// Checks `meta` of `version` of `name` against `max_tensor_bytes`.
+pub(crate) fn check_meta(
+    name: &TensorName,
+    version: u64,
+    meta: &TensorMeta,
+    max_tensor_bytes: u64,
+) -> Result<(), RegistryError> {
+    meta.validate(max_tensor_bytes)
+        .map_err(|source| RegistryError::Meta {
+            name: name.clone(),
+            version,
+            source,
+        })
+}
+
+/// Bytes of a value's postcard encoding.
+pub(crate) fn encoded_len<T: Serialize + ?Sized>(value: &T) -> usize {
+    // Measuring cannot fail for plain data; if it ever did, "too large" is the safe answer.
+    postcard::serialize_with_flavor(value, postcard::ser_flavors::Size::default())
+        .unwrap_or(usize::MAX)
 }
 
 /// BLAKE3 of a value's postcard encoding.

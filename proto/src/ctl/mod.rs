@@ -1,0 +1,255 @@
+//! The `tb/ctl/1` messages: nodes to brokers, and brokers to brokers.
+//!
+//! A connection starts with the [`Hello`](crate::Hello) exchange. Then each request goes on a
+//! bidirectional stream of its own: one [`CtlRequest`] frame, answered by one or more
+//! [`CtlResponse`] frames ([`CtlResponse::is_final`] says when the answer is complete):
+//!
+//! | request | answer |
+//! |---|---|
+//! | `Heartbeat`, `Announce`, `Fetching` | `Ok` |
+//! | `NextVersion` | `Version` |
+//! | `Lookup` | `Holders` |
+//! | `List` | `Listing` frames until `last` |
+//! | `Subscribe` | `Event` frames until either side closes the stream |
+//! | `Members` | `Members` frames until `last` |
+//! | `SyncBuckets`, then `SyncNames` frames until `last` | `SyncDiff` frames until `last`, then `SyncEntries` frames until `last` |
+//!
+//! Anti-entropy is the one conversation: on one stream, the asker sends `SyncBuckets`, reads
+//! the `SyncDiff` frames, then always sends its `SyncNames` for the buckets they named (one
+//! empty `last` frame when none differ), and reads the `SyncEntries` frames. The responder
+//! answers step 2 for the buckets it named in step 1 (see the registry's `sync` helpers).
+//!
+//! Any request may instead be answered by one `Error`. Lists that can outgrow one control frame
+//! are split with [`chunk_by_size`](crate::chunk_by_size) under [`MAX_CHUNK_BYTES`]. Every
+//! decoded message is untrusted until its `validate` passes.
+
+mod validate;
+
+use serde::{Deserialize, Serialize};
+
+pub use self::validate::CtlError;
+use crate::{
+    Entry, ErrorCode, MAX_CONTROL_FRAME, Member, NamePattern, NodeId, RegistryOp, Role, TensorMeta,
+    TensorName,
+};
+
+/// Most registry ops one `Announce` carries.
+pub const MAX_ANNOUNCE_OPS: usize = 256;
+/// Most entries one `List` may ask for (and one `Listing` frame may carry).
+pub const MAX_LIST_LIMIT: u32 = 100_000;
+/// Most holders one `Holders` answer names.
+pub const MAX_HOLDERS_REPLY: usize = 64;
+/// Most member rows or member digests one frame carries; clusters beyond this many nodes
+/// cannot sync membership by anti-entropy (gossip still carries it).
+pub const MAX_SYNC_MEMBERS: usize = 4096;
+/// A [`chunk_by_size`](crate::chunk_by_size) budget for the list in a `SyncNames`,
+/// `SyncEntries`, `Listing`, `Members` or `SyncDiff` frame: the control-frame cap less room for
+/// the message around the list.
+pub const MAX_CHUNK_BYTES: usize = MAX_CONTROL_FRAME as usize - 1024;
+
+/// What a node asks a broker (or a broker another broker) on a `tb/ctl/1` stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlRequest {
+    /// The asker is alive and listens at `addrs`; brokers record it in membership.
+    Heartbeat {
+        /// What the asker does.
+        role: Role,
+        /// Where it listens (at most [`MAX_MEMBER_ADDRS`](crate::MAX_MEMBER_ADDRS) of at most
+        /// [`MAX_ADDR_LEN`](crate::MAX_ADDR_LEN) bytes).
+        addrs: Vec<String>,
+        /// Its epoch, bumped on every restart.
+        epoch: u64,
+    },
+    /// The asker reports registry changes it made: published its own tensors, gained or
+    /// dropped holdings, deleted names.
+    Announce {
+        /// The changes, at most [`MAX_ANNOUNCE_OPS`].
+        ops: Vec<RegistryOp>,
+    },
+    /// Assign the next version of `name` for a publish by the asker (answered by `Version`).
+    NextVersion {
+        /// The tensor about to be published.
+        name: TensorName,
+    },
+    /// Where can the asker fetch `name` (answered by `Holders`)?
+    Lookup {
+        /// The tensor.
+        name: TensorName,
+        /// A specific version (at least 1), or the newest.
+        version: Option<u64>,
+    },
+    /// The asker started (or stopped) fetching a version and serves what it has so far
+    /// (cut-through).
+    Fetching {
+        /// The tensor.
+        name: TensorName,
+        /// The version being fetched (at least 1).
+        version: u64,
+        /// True when the fetch starts, false when it ends or fails.
+        active: bool,
+    },
+    /// Live entries whose name starts with `prefix` (answered by `Listing` frames).
+    List {
+        /// Name characters only, at most [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes; empty
+        /// lists everything.
+        prefix: String,
+        /// Most entries to return, at most [`MAX_LIST_LIMIT`].
+        limit: u32,
+    },
+    /// Stream every new version (and delete) of names matching `pattern` (answered by `Event`
+    /// frames until either side closes the stream).
+    Subscribe {
+        /// The names to watch.
+        pattern: NamePattern,
+    },
+    /// The cluster view for `tb status`: members with liveness (answered by `Members`).
+    Members,
+    /// Broker-to-broker anti-entropy, step 1: the asker's bucket and member digests (answered
+    /// by `SyncDiff`).
+    SyncBuckets {
+        /// [`Registry::bucket_digests`](crate::Registry::bucket_digests): exactly
+        /// [`SYNC_BUCKETS`](crate::SYNC_BUCKETS).
+        buckets: Vec<[u8; 32]>,
+        /// [`Registry::member_digest`](crate::Registry::member_digest), at most
+        /// [`MAX_SYNC_MEMBERS`].
+        members: Vec<(NodeId, [u8; 32])>,
+    },
+    /// Anti-entropy step 2: the asker's per-name digests for the buckets `SyncDiff` named
+    /// (several frames, `last` ends them; answered by `SyncEntries`).
+    SyncNames {
+        /// [`Registry::names_in_buckets`](crate::Registry::names_in_buckets), or a piece of it.
+        names: Vec<(TensorName, [u8; 32])>,
+        /// Whether this is the last frame.
+        last: bool,
+    },
+}
+
+/// What the asked side answers on a `tb/ctl/1` stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlResponse {
+    /// The request was carried out.
+    Ok,
+    /// The version assigned to the asker's next publish.
+    Version {
+        /// At least 1.
+        version: u64,
+    },
+    /// Where to fetch a tensor.
+    Holders {
+        /// The tensor.
+        name: TensorName,
+        /// The version the holders have (the newest, unless a version was asked for).
+        version: u64,
+        /// What that version's bytes are.
+        meta: TensorMeta,
+        /// Nodes that hold it or are fetching it, at most [`MAX_HOLDERS_REPLY`].
+        holders: Vec<HolderAddr>,
+    },
+    /// A piece of a listing.
+    Listing {
+        /// Entries in name order, at most [`MAX_LIST_LIMIT`].
+        entries: Vec<ListedEntry>,
+        /// Whether this is the last frame.
+        last: bool,
+    },
+    /// Something happened to a subscribed name.
+    Event(Event),
+    /// A piece of the membership table.
+    Members {
+        /// Rows in node id order, at most [`MAX_SYNC_MEMBERS`].
+        members: Vec<Member>,
+        /// Whether this is the last frame.
+        last: bool,
+    },
+    /// Anti-entropy step 1's answer (the asker gathers every frame's rows and buckets).
+    SyncDiff {
+        /// The responder's member rows the asker lacks or holds otherwise, at most
+        /// [`MAX_SYNC_MEMBERS`].
+        members: Vec<Member>,
+        /// The buckets whose digests differ, strictly increasing.
+        buckets: Vec<u8>,
+        /// Whether this is the last frame.
+        last: bool,
+    },
+    /// Anti-entropy step 2's answer: the responder's entries for names the asker lacks or
+    /// holds otherwise.
+    SyncEntries {
+        /// Raw entries, tombstones and placeholders included.
+        entries: Vec<(TensorName, Entry)>,
+        /// Whether this is the last frame.
+        last: bool,
+    },
+    /// The request failed.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// A human-readable explanation naming the thing that failed.
+        message: String,
+    },
+}
+
+impl CtlResponse {
+    /// Whether this frame completes its answer: false for `Event`s and for pieces of
+    /// multi-frame answers that are not `last`.
+    pub fn is_final(&self) -> bool {
+        match self {
+            CtlResponse::Listing { last, .. }
+            | CtlResponse::Members { last, .. }
+            | CtlResponse::SyncDiff { last, .. }
+            | CtlResponse::SyncEntries { last, .. } => *last,
+            CtlResponse::Event(_) => false,
+            CtlResponse::Ok
+            | CtlResponse::Version { .. }
+            | CtlResponse::Holders { .. }
+            | CtlResponse::Error { .. } => true,
+        }
+    }
+}
+
+/// A node that holds (or is fetching) a tensor, and where to reach it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HolderAddr {
+    /// The holder.
+    pub node: NodeId,
+    /// Its addresses, from membership.
+    pub addrs: Vec<String>,
+    /// False while it is still fetching: it serves what it has so far (cut-through).
+    pub complete: bool,
+}
+
+/// One line of a listing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListedEntry {
+    /// The tensor.
+    pub name: TensorName,
+    /// Its newest version.
+    pub version: u64,
+    /// What that version's bytes are.
+    pub meta: TensorMeta,
+    /// How many nodes hold that version.
+    pub holders: u32,
+}
+
+/// What a subscriber is told about a matching name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Event {
+    /// A new version of a matching name was published.
+    Published {
+        /// The tensor.
+        name: TensorName,
+        /// The new version.
+        version: u64,
+        /// What its bytes are.
+        meta: TensorMeta,
+        /// Who published it (and holds it).
+        publisher: NodeId,
+    },
+    /// A matching name was deleted.
+    Deleted {
+        /// The tensor.
+        name: TensorName,
+    },
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,397 @@
+use super::*;
+use crate::{
+    ContentHash, DType, Entry, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, MAX_NAME_LEN, MetaError, NameError,
+    RegistryError, SYNC_BUCKETS, Stamp, chunk_by_size, frame,
+};
+
+const MAX: u64 = 1 << 20;
+
+fn id(b: u8) -> NodeId {
+    NodeId([b; 32])
+}
+
+fn name(s: &str) -> TensorName {
+    TensorName::new(s).expect("name")
+}
+
+fn meta(len: u64) -> TensorMeta {
+    TensorMeta::new(DType::U8, vec![len], ContentHash([1; 32])).expect("meta")
+}
+
+/// A member row at the address limits: the largest a valid row gets.
+fn fat_member(b: u8) -> Member {
+    Member {
+        node: id(b),
+        role: Role::Worker,
+        addrs: vec!["a".repeat(MAX_ADDR_LEN); MAX_MEMBER_ADDRS],
+        epoch: u64::MAX,
+        alive: true,
+        stamp: Stamp {
+            wall_ms: u64::MAX,
+            logical: u32::MAX,
+            node: id(b),
+        },
+    }
+}
+
+fn too_many(what: &'static str, count: usize, max: usize) -> CtlError {
+    CtlError::TooMany {
+        what,
+        count: count as u64,
+        max: max as u64,
+    }
+}
+
+#[test]
+fn heartbeat_addresses_are_limited() {
+    let hb = |addrs| CtlRequest::Heartbeat {
+        role: Role::Worker,
+        addrs,
+        epoch: 1,
+    };
+    let full = vec!["a".repeat(MAX_ADDR_LEN); MAX_MEMBER_ADDRS];
+    assert_eq!(hb(full.clone()).validate(MAX), Ok(()));
+    let mut more = full;
+    more.push("x".into());
+    assert_eq!(
+        hb(more).validate(MAX),
+        Err(too_many("heartbeat addresses", 9, MAX_MEMBER_ADDRS))
+    );
+    assert_eq!(
+        hb(vec!["a".repeat(MAX_ADDR_LEN + 1)]).validate(MAX),
+        Err(CtlError::AddrTooLong {
+            len: MAX_ADDR_LEN + 1
+        })
+    );
+}
+
+#[test]
+fn announce_counts_and_validates_its_ops() {
+    let op = RegistryOp::Delete {
+        name: name("a"),
+        stamp: Stamp::ZERO,
+    };
+    let announce = |n| CtlRequest::Announce {
+        ops: vec![op.clone(); n],
+    };
+    assert_eq!(announce(MAX_ANNOUNCE_OPS).validate(MAX), Ok(()));
+    assert_eq!(
+        announce(MAX_ANNOUNCE_OPS + 1).validate(MAX),
+        Err(too_many("announced ops", 257, MAX_ANNOUNCE_OPS))
+    );
+    let big = RegistryOp::Publish {
+        name: name("a"),
+        version: 1,
+        meta: meta(MAX + 1),
+        publisher: id(1),
+        stamp: Stamp::ZERO,
+    };
+    let err = CtlRequest::Announce { ops: vec![op, big] }.validate(MAX);
+    assert!(
+        matches!(
+            err,
+            Err(CtlError::Registry(RegistryError::Meta {
+                source: MetaError::TooLarge { .. },
+                ..
+            }))
+        ),
+        "{err:?}"
+    );
+    // A valid frame of the most ops, each at the gossip size limit, fits one control frame.
+    assert!(MAX_ANNOUNCE_OPS * crate::MAX_GOSSIP_OP_BYTES < MAX_CONTROL_FRAME as usize - 16);
+}
+
+#[test]
+fn versions_start_at_one() {
+    let zero = RegistryError::ZeroVersion { name: name("a") };
+    let lookup = |version| CtlRequest::Lookup {
+        name: name("a"),
+        version,
+    };
+    assert_eq!(lookup(None).validate(MAX), Ok(()));
+    assert_eq!(lookup(Some(1)).validate(MAX), Ok(()));
+    assert_eq!(lookup(Some(0)).validate(MAX), Err(zero.clone().into()));
+    let fetching = CtlRequest::Fetching {
+        name: name("a"),
+        version: 0,
+        active: true,
+    };
+    assert_eq!(fetching.validate(MAX), Err(zero.clone().into()));
+    assert_eq!(
+        CtlResponse::Version { version: 0 }.validate(MAX),
+        Err(CtlError::ZeroVersionAssigned)
+    );
+    let event = CtlResponse::Event(Event::Published {
+        name: name("a"),
+        version: 0,
+        meta: meta(1),
+        publisher: id(1),
+    });
+    assert_eq!(event.validate(MAX), Err(zero.into()));
+}
+
+#[test]
+fn list_prefix_and_limit_are_checked() {
+    let list = |prefix: &str, limit| CtlRequest::List {
+        prefix: prefix.into(),
+        limit,
+    };
+    assert_eq!(list("", MAX_LIST_LIMIT).validate(MAX), Ok(()));
+    assert_eq!(list("model/la", 0).validate(MAX), Ok(()));
+    assert_eq!(
+        list("", MAX_LIST_LIMIT + 1).validate(MAX),
+        Err(too_many(
+            "entries asked of a listing",
+            100_001,
+            MAX_LIST_LIMIT as usize
+        ))
+    );
+    assert_eq!(
+        list(&"x".repeat(MAX_NAME_LEN + 1), 1).validate(MAX),
+        Err(CtlError::Prefix(NameError::TooLong { len: 257 }))
+    );
+    assert_eq!(
+        list("a b", 1).validate(MAX),
+        Err(CtlError::Prefix(NameError::BadChar { ch: ' ', pos: 1 }))
+    );
+}
+
+#[test]
+fn sync_buckets_carry_exactly_256_digests() {
+    let sync = |buckets, members| CtlRequest::SyncBuckets {
+        buckets: vec![[0; 32]; buckets],
+        members: vec![(id(1), [0; 32]); members],
+    };
+    assert_eq!(sync(SYNC_BUCKETS, MAX_SYNC_MEMBERS).validate(MAX), Ok(()));
+    for count in [0, 255, 257] {
+        assert_eq!(
+            sync(count, 0).validate(MAX),
+            Err(CtlError::BucketCount { count })
+        );
+    }
+    assert_eq!(
+        sync(SYNC_BUCKETS, MAX_SYNC_MEMBERS + 1).validate(MAX),
+        Err(too_many("member digests", 4097, MAX_SYNC_MEMBERS))
+    );
+    // The largest valid step-1 frame fits.
+    assert!(frame::encode(&sync(SYNC_BUCKETS, MAX_SYNC_MEMBERS)).is_ok());
+}
+
+#[test]
+fn holders_are_limited_and_checked() {
+    let holders = |n, addrs: Vec<String>| CtlResponse::Holders {
+        name: name("a"),
+        version: 1,
+        meta: meta(4),
+        holders: (0..n)
+            .map(|i| HolderAddr {
+                node: id(i as u8),
+                addrs: addrs.clone(),
+                complete: i % 2 == 0,
+            })
+            .collect(),
+    };
+    assert_eq!(
+        holders(MAX_HOLDERS_REPLY, vec!["h:1".into()]).validate(MAX),
+        Ok(())
+    );
+    assert_eq!(
+        holders(MAX_HOLDERS_REPLY + 1, vec![]).validate(MAX),
+        Err(too_many("holders", 65, MAX_HOLDERS_REPLY))
+    );
+    assert_eq!(
+        holders(1, vec!["x".into(); MAX_MEMBER_ADDRS + 1]).validate(MAX),
+        Err(RegistryError::TooManyAddrs {
+            node: id(0),
+            count: 9
+        }
+        .into())
+    );
+    assert_eq!(
+        holders(1, vec!["x".repeat(MAX_ADDR_LEN + 1)]).validate(MAX),
+        Err(RegistryError::AddrTooLong {
+            node: id(0),
+            len: 65
+        }
+        .into())
+    );
+    assert!(matches!(
+        holders(1, vec![]).validate(3),
+        Err(CtlError::Registry(RegistryError::Meta { .. }))
+    ));
+}
+
+#[test]
+fn listings_check_each_entry() {
+    let listing = |version, len| CtlResponse::Listing {
+        entries: vec![ListedEntry {
+            name: name("a"),
+            version,
+            meta: meta(len),
+            holders: 2,
+        }],
+        last: true,
+    };
+    assert_eq!(listing(3, 4).validate(MAX), Ok(()));
+    assert!(matches!(
+        listing(0, 4).validate(MAX),
+        Err(CtlError::Registry(RegistryError::ZeroVersion { .. }))
+    ));
+    assert!(matches!(
+        listing(1, MAX + 1).validate(MAX),
+        Err(CtlError::Registry(RegistryError::Meta { .. }))
+    ));
+    let too_long = CtlResponse::Listing {
+        entries: vec![
+            ListedEntry {
+                name: name("a"),
+                version: 1,
+                meta: meta(0),
+                holders: 0
+            };
+            MAX_LIST_LIMIT as usize + 1
+        ],
+        last: false,
+    };
+    assert_eq!(
+        too_long.validate(MAX),
+        Err(too_many("listed entries", 100_001, MAX_LIST_LIMIT as usize))
+    );
+}
+
+#[test]
+fn member_rows_are_limited_and_checked() {
+    let rows = vec![fat_member(1); MAX_SYNC_MEMBERS + 1];
+    let members = CtlResponse::Members {
+        members: rows.clone(),
+        last: true,
+    };
+    assert_eq!(
+        members.validate(MAX),
+        Err(too_many("member rows", 4097, MAX_SYNC_MEMBERS))
+    );
+    let mut bad = fat_member(2);
+    bad.addrs.push("x".into());
+    let diff = CtlResponse::SyncDiff {
+        members: vec![bad.clone()],
+        buckets: vec![],
+        last: true,
+    };
+    assert_eq!(
+        diff.validate(MAX),
+        Err(RegistryError::TooManyAddrs {
+            node: id(2),
+            count: 9
+        }
+        .into())
+    );
+    // Fat rows, chunked under the budget, always make frames that encode and validate.
+    for chunk in chunk_by_size(rows, MAX_CHUNK_BYTES) {
+        assert!(chunk.len() < MAX_SYNC_MEMBERS);
+        let frames = [
+            CtlResponse::Members {
+                members: chunk.clone(),
+                last: false,
+            },
+            CtlResponse::SyncDiff {
+                members: chunk,
+                buckets: (0..=u8::MAX).collect(),
+                last: false,
+            },
+        ];
+        for f in frames {
+            assert_eq!(f.validate(MAX), Ok(()));
+            assert!(frame::encode(&f).is_ok());
+        }
+    }
+}
+
+#[test]
+fn sync_diff_buckets_strictly_increase() {
+    let diff = |buckets: Vec<u8>| CtlResponse::SyncDiff {
+        members: vec![],
+        buckets,
+        last: true,
+    };
+    assert_eq!(diff(vec![]).validate(MAX), Ok(()));
+    assert_eq!(diff((0..=u8::MAX).collect()).validate(MAX), Ok(()));
+    assert_eq!(
+        diff(vec![1, 5, 5]).validate(MAX),
+        Err(CtlError::BucketOrder { prev: 5, index: 5 })
+    );
+    assert_eq!(
+        diff(vec![9, 3]).validate(MAX),
+        Err(CtlError::BucketOrder { prev: 9, index: 3 })
+    );
+}
+
+#[test]
+fn sync_entries_are_validated() {
+    let mut e = Entry::placeholder();
+    e.meta.byte_len = 1;
+    let entries = CtlResponse::SyncEntries {
+        entries: vec![(name("a"), Entry::placeholder()), (name("b"), e)],
+        last: true,
+    };
+    assert!(matches!(
+        entries.validate(MAX),
+        Err(CtlError::Registry(RegistryError::Meta { .. }))
+    ));
+}
+
+#[test]
+fn chunked_lists_fit_one_frame() {
+    let names: Vec<(TensorName, [u8; 32])> = (0..40_000)
+        .map(|i| (name(&format!("n/{i:0>200}")), [7; 32]))
+        .collect();
+    let chunks = chunk_by_size(names, MAX_CHUNK_BYTES);
+    assert!(chunks.len() > 1);
+    for names in chunks {
+        assert!(frame::encode(&CtlRequest::SyncNames { names, last: true }).is_ok());
+    }
+}
+
+#[test]
+fn only_last_pieces_and_single_answers_are_final() {
+    let finals = [
+        CtlResponse::Ok,
+        CtlResponse::Version { version: 1 },
+        CtlResponse::Listing {
+            entries: vec![],
+            last: true,
+        },
+        CtlResponse::SyncEntries {
+            entries: vec![],
+            last: true,
+        },
+        CtlResponse::Error {
+            code: ErrorCode::Busy,
+            message: String::new(),
+        },
+    ];
+    assert!(finals.iter().all(CtlResponse::is_final));
+    let pieces = [
+        CtlResponse::Event(Event::Deleted { name: name("a") }),
+        CtlResponse::Members {
+            members: vec![],
+            last: false,
+        },
+        CtlResponse::SyncDiff {
+            members: vec![],
+            buckets: vec![],
+            last: false,
+        },
+    ];
+    assert!(!pieces.iter().any(CtlResponse::is_final));
+}
+
+#[test]
+fn errors_name_what_failed() {
+    let e = too_many("announced ops", 300, 256);
+    assert_eq!(
+        e.to_string(),
+        "too many announced ops: 300, the limit is 256"
+    );
+    let e = CtlError::from(RegistryError::ZeroVersion { name: name("m/w") });
+    assert!(e.to_string().contains("\"m/w\""), "{e}");
+}

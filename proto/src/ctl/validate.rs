@@ -1,0 +1,194 @@
+//! [`CtlRequest::validate`] and [`CtlResponse::validate`]: every limit a decoded control
+//! message must respect before anyone acts on it.
+
+use super::{
+    CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MAX_HOLDERS_REPLY,
+    MAX_LIST_LIMIT, MAX_SYNC_MEMBERS,
+};
+use crate::{
+    MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, NameError, RegistryError, SYNC_BUCKETS, TensorName,
+    registry::{check_addrs, check_meta, check_version},
+};
+
+/// What is wrong with a control message that came from the network.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CtlError {
+    /// A list is longer than its limit.
+    #[error("too many {what}: {count}, the limit is {max}")]
+    TooMany {
+        /// What the list holds.
+        what: &'static str,
+        /// How many it holds.
+        count: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A heartbeat address is over [`MAX_ADDR_LEN`] bytes.
+    #[error("heartbeat advertises a {len}-byte address, over the limit of {MAX_ADDR_LEN}")]
+    AddrTooLong {
+        /// The address's length in bytes.
+        len: usize,
+    },
+    /// A `List` prefix is too long or has characters no name can have.
+    #[error("list prefix: {0}")]
+    Prefix(NameError),
+    /// A `SyncBuckets` does not carry exactly [`SYNC_BUCKETS`] digests.
+    #[error("sync carries {count} bucket digests; it must carry exactly {SYNC_BUCKETS}")]
+    BucketCount {
+        /// How many it carries.
+        count: usize,
+    },
+    /// A `SyncDiff`'s bucket indices repeat or go backwards.
+    #[error("sync bucket {index} follows bucket {prev}; indices must strictly increase")]
+    BucketOrder {
+        /// The index before.
+        prev: u8,
+        /// The index that does not exceed it.
+        index: u8,
+    },
+    /// A `Version` answer assigns version 0 (versions start at 1).
+    #[error("broker assigned version 0; versions start at 1")]
+    ZeroVersionAssigned,
+    /// A registry op, entry, member row, version or tensor metadata in the message is invalid.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// Refuses a list of `count` over `max`.
+fn at_most(what: &'static str, count: usize, max: usize) -> Result<(), CtlError> {
+    match count > max {
+        true => Err(CtlError::TooMany {
+            what,
+            count: count as u64,
+            max: max as u64,
+        }),
+        false => Ok(()),
+    }
+}
+
+impl CtlRequest {
+    /// Checks a request that came from the network: list lengths, addresses, versions (at
+    /// least 1), the list prefix, tensor metadata and registry ops (against
+    /// `max_tensor_bytes`). Names and patterns are checked when they are decoded.
+    pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), CtlError> {
+        match self {
+            CtlRequest::Heartbeat { addrs, .. } => {
+                at_most("heartbeat addresses", addrs.len(), MAX_MEMBER_ADDRS)?;
+                match addrs.iter().find(|a| a.len() > MAX_ADDR_LEN) {
+                    Some(long) => Err(CtlError::AddrTooLong { len: long.len() }),
+                    None => Ok(()),
+                }
+            }
+            CtlRequest::Announce { ops } => {
+                at_most("announced ops", ops.len(), MAX_ANNOUNCE_OPS)?;
+                for op in ops {
+                    op.validate(max_tensor_bytes)?;
+                }
+                Ok(())
+            }
+            CtlRequest::Lookup {
+                name,
+                version: Some(version),
+            }
+            | CtlRequest::Fetching { name, version, .. } => Ok(check_version(name, *version)?),
+            CtlRequest::List { prefix, limit } => {
+                TensorName::validate_prefix(prefix).map_err(CtlError::Prefix)?;
+                at_most(
+                    "entries asked of a listing",
+                    *limit as usize,
+                    MAX_LIST_LIMIT as usize,
+                )
+            }
+            CtlRequest::SyncBuckets { buckets, members } => {
+                if buckets.len() != SYNC_BUCKETS {
+                    return Err(CtlError::BucketCount {
+                        count: buckets.len(),
+                    });
+                }
+                at_most("member digests", members.len(), MAX_SYNC_MEMBERS)
+            }
+            CtlRequest::Lookup { version: None, .. }
+            | CtlRequest::NextVersion { .. }
+            | CtlRequest::Subscribe { .. }
+            | CtlRequest::Members
+            | CtlRequest::SyncNames { .. } => Ok(()),
+        }
+    }
+}
+
+impl CtlResponse {
+    /// Checks a response that came from the network: list lengths, addresses, versions (at
+    /// least 1), bucket order, tensor metadata, member rows and entries (against
+    /// `max_tensor_bytes`). Names are checked when they are decoded.
+    pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), CtlError> {
+        match self {
+            CtlResponse::Version { version: 0 } => Err(CtlError::ZeroVersionAssigned),
+            CtlResponse::Holders {
+                name,
+                version,
+                meta,
+                holders,
+            } => {
+                check_version(name, *version)?;
+                check_meta(name, *version, meta, max_tensor_bytes)?;
+                at_most("holders", holders.len(), MAX_HOLDERS_REPLY)?;
+                for HolderAddr { node, addrs, .. } in holders {
+                    check_addrs(node, addrs)?;
+                }
+                Ok(())
+            }
+            CtlResponse::Listing { entries, .. } => {
+                at_most("listed entries", entries.len(), MAX_LIST_LIMIT as usize)?;
+                for ListedEntry {
+                    name,
+                    version,
+                    meta,
+                    ..
+                } in entries
+                {
+                    check_version(name, *version)?;
+                    check_meta(name, *version, meta, max_tensor_bytes)?;
+                }
+                Ok(())
+            }
+            CtlResponse::Event(Event::Published {
+                name,
+                version,
+                meta,
+                ..
+            }) => {
+                check_version(name, *version)?;
+                Ok(check_meta(name, *version, meta, max_tensor_bytes)?)
+            }
+            CtlResponse::Members { members, .. } => check_members(members),
+            CtlResponse::SyncDiff {
+                members, buckets, ..
+            } => {
+                check_members(members)?;
+                match buckets.windows(2).find(|w| w[0] >= w[1]) {
+                    Some(&[prev, index]) => Err(CtlError::BucketOrder { prev, index }),
+                    _ => Ok(()),
+                }
+            }
+            CtlResponse::SyncEntries { entries, .. } => {
+                for (name, entry) in entries {
+                    entry.validate(name, max_tensor_bytes)?;
+                }
+                Ok(())
+            }
+            CtlResponse::Ok
+            | CtlResponse::Version { .. }
+            | CtlResponse::Event(Event::Deleted { .. })
+            | CtlResponse::Error { .. } => Ok(()),
+        }
+    }
+}
+
+/// Refuses more than [`MAX_SYNC_MEMBERS`] rows, or a row over the address limits.
+fn check_members(members: &[Member]) -> Result<(), CtlError> {
+    at_most("member rows", members.len(), MAX_SYNC_MEMBERS)?;
+    members
+        .iter()
+        .try_for_each(Member::validate)
+        .map_err(CtlError::from)
+}
