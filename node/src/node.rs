@@ -329,12 +329,20 @@ impl Node {
     }
 
     /// Runs `fut` unless the node is (or becomes) shut down, which ends it with `Shutdown`.
+    ///
+    /// A transfer can fail *because* of the shutdown inside a single poll (it reads chunk after
+    /// ready chunk while another thread cancels and closes the links, then sees "connection
+    /// lost"), before the select sees the cancellation: an error that ends a call once shutdown
+    /// has begun is reported as `Shutdown`, which is what caused it.
     async fn guarded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
         self.check_running()?;
         tokio::select! {
             biased;
             _ = self.inner.ctx.cancel.cancelled() => Err(Error::Shutdown),
-            result = fut => result,
+            result = fut => match result {
+                Err(_) if self.is_shut_down() => Err(Error::Shutdown),
+                result => result,
+            },
         }
     }
 
