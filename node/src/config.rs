@@ -2,6 +2,8 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
+use tb_proto::ClusterKey;
+
 use crate::device::{CudaConfig, Device};
 
 /// Default maximum tensor size: 64 GiB.
@@ -38,6 +40,9 @@ pub struct Config {
     pub push_placement: Device,
     /// Device transfers: staging chunk size and buffers, copies in flight, CUDA IPC.
     pub cuda: CudaConfig,
+    /// The cluster secret's key: every connection proves it in its first frame, and peers that
+    /// cannot are refused. [`ClusterKey::open`] (the default) admits any open node.
+    pub cluster_key: ClusterKey,
 }
 
 impl Default for Config {
@@ -56,6 +61,7 @@ impl Default for Config {
             max_concurrent_streams: 1024,
             push_placement: Device::Host,
             cuda: CudaConfig::default(),
+            cluster_key: ClusterKey::open(),
         }
     }
 }

@@ -19,6 +19,8 @@ pub(crate) struct TransferCounters {
     pub(crate) bytes_received: Counter,
     pub(crate) served: Counter,
     pub(crate) failed: Counter,
+    /// Peers refused because they could not prove the cluster secret.
+    pub(crate) auth_failures: Counter,
 }
 
 /// Shared, immutable-after-start context of one node.

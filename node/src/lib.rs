@@ -46,6 +46,7 @@
 //! a fuzz corpus entry), then serving both on the pooled `tb/data/1` link and dropping the
 //! extra ALPN and its unpooled connection.
 
+pub mod auth;
 mod client;
 mod config;
 mod ctx;

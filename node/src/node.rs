@@ -12,7 +12,10 @@ use std::{
 };
 
 use bytes::Bytes;
-use iroh::{Endpoint, EndpointId, protocol::Router};
+use iroh::{
+    Endpoint, EndpointId,
+    protocol::{DynProtocolHandler, Router},
+};
 use ractor::{Actor, ActorRef};
 use tb_proto::{DATA_ALPN, TensorMeta, TensorName};
 use tokio::sync::Mutex;
@@ -68,11 +71,28 @@ impl Drop for Inner {
 impl Node {
     /// Starts a node: binds the offline endpoint, the `tb/data/1` protocol and the pool.
     pub async fn spawn(config: Config) -> Result<Node> {
+        let endpoint = Node::bind(&config).await?;
+        Node::spawn_on(config, endpoint, Vec::new()).await
+    }
+
+    /// Binds the offline endpoint a node of `config` runs on, with the identity key from its
+    /// data dir (or a fresh one). For processes that serve more protocols than `tb/data/1`
+    /// (a broker's `tb/ctl/1` and gossip need the endpoint before the node starts).
+    pub async fn bind(config: &Config) -> Result<Endpoint> {
         let key = match &config.data_dir {
             Some(dir) => endpoint::load_or_create_key(dir)?,
             None => iroh::SecretKey::generate(),
         };
-        let endpoint = endpoint::bind_endpoint(&config, key).await?;
+        endpoint::bind_endpoint(config, key).await
+    }
+
+    /// Starts a node on an endpoint from [`Node::bind`], serving `extra` protocols (ALPN,
+    /// handler) on its router next to `tb/data/1`.
+    pub async fn spawn_on(
+        config: Config,
+        endpoint: Endpoint,
+        extra: Vec<(&'static [u8], Box<dyn DynProtocolHandler>)>,
+    ) -> Result<Node> {
         let addr = endpoint::local_peer_addr(&endpoint)?;
         let ctx = Arc::new(NodeCtx {
             endpoint: endpoint.clone(),
@@ -95,7 +115,12 @@ impl Node {
         let router = Router::builder(endpoint).accept(DATA_ALPN, protocol);
         #[cfg(feature = "cuda")]
         let router = router.accept(device::IPC_ALPN, device::IpcProtocol { ctx: ctx.clone() });
-        let router = router.spawn();
+        let router = extra
+            .into_iter()
+            .fold(router, |router, (alpn, handler)| {
+                router.accept(alpn, handler)
+            })
+            .spawn();
         debug!(node = %addr, "node started");
         Ok(Node {
             inner: Arc::new(Inner {
@@ -286,12 +311,17 @@ impl Node {
 
     /// Pool counters: links, dials, reuses, evictions, connect failures.
     pub fn pool_stats(&self) -> PoolStats {
-        self.inner.ctx.pool.snapshot()
+        self.inner.ctx.pool.snapshot(&self.inner.ctx.ready)
     }
 
     /// Tensors held for peers to pull: (count over all versions, total bytes).
     pub fn store_usage(&self) -> (usize, u64) {
         self.inner.ctx.store.usage()
+    }
+
+    /// Peers refused so far because they could not prove the cluster secret.
+    pub fn auth_failures(&self) -> u64 {
+        self.inner.ctx.transfers.auth_failures.get()
     }
 
     /// Pushed tensors waiting in the inbox.

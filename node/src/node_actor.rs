@@ -13,6 +13,7 @@ use tb_proto::{CloseCode, DATA_ALPN};
 use tracing::{debug, warn};
 
 use crate::{
+    auth,
     ctx::NodeCtx,
     endpoint::PeerAddr,
     error::{Error, Result},
@@ -91,7 +92,6 @@ impl Actor for NodeActor {
             } => on_dialed(&myself, state, peer, generation, result).await,
             NodeMsg::Adopt { conn } => on_adopt(&myself, state, conn).await,
         }
-        publish_counts(state);
         Ok(())
     }
 
@@ -112,7 +112,6 @@ impl Actor for NodeActor {
         if let Some((peer, generation, link)) = state.children.remove(&cell.get_id()) {
             state.ctx.ready.remove(&peer, &link);
             state.book.link_gone(&peer, generation);
-            publish_counts(state);
         }
         Ok(())
     }
@@ -130,7 +129,6 @@ impl Actor for NodeActor {
         for waiter in waiters {
             let _ = waiter.send(Err(Error::Shutdown));
         }
-        publish_counts(state);
         Ok(())
     }
 }
@@ -164,16 +162,22 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
     let endpoint = ctx.endpoint.clone();
     let timeout = ctx.config.connect_timeout;
     let cancel = ctx.cancel.clone();
+    let key = ctx.config.cluster_key.clone();
     ctx.tracker.spawn(async move {
-        let dial = tokio::time::timeout(
-            timeout,
-            endpoint.connect(peer.to_endpoint_addr(), DATA_ALPN),
-        );
+        // The connect timeout bounds the dial and the hello together: a peer that accepts but
+        // never answers is as unreachable as one that never accepts.
+        let dial = tokio::time::timeout(timeout, async {
+            let conn = endpoint
+                .connect(peer.to_endpoint_addr(), DATA_ALPN)
+                .await
+                .map_err(|e| unreachable(&peer, e.to_string()))?;
+            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout).await?;
+            Ok(conn)
+        });
         let result = tokio::select! {
             _ = cancel.cancelled() => Err(Error::Shutdown),
             r = dial => match r {
-                Ok(Ok(conn)) => Ok(conn),
-                Ok(Err(e)) => Err(unreachable(&peer, e.to_string())),
+                Ok(result) => result,
                 Err(_) => Err(unreachable(&peer, format!("no connection within {timeout:?}"))),
             },
         };
@@ -301,11 +305,4 @@ fn guard(handle: &LinkHandle, link: &Arc<LinkShared>, peer: EndpointId) -> Resul
         peer: peer.fmt_short().to_string(),
         reason: "link closed while being handed out".into(),
     })
-}
-
-fn publish_counts(state: &NodeState) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let (active, idle) = state.book.link_counts();
-    state.ctx.pool.links_active.store(active, Relaxed);
-    state.ctx.pool.links_idle.store(idle, Relaxed);
 }

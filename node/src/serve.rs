@@ -14,12 +14,13 @@ use iroh::{
 };
 use ractor::ActorRef;
 use tb_proto::{
-    ByteRange, CloseCode, ContentHash, DataRequest, DataResponse, ErrorCode, FrameError,
+    ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode, FrameError,
     TensorMeta, TensorName,
 };
 use tracing::{Instrument, debug, debug_span};
 
 use crate::{
+    auth,
     ctx::NodeCtx,
     device::{self, Device, DeviceBuffer},
     error::Error,
@@ -49,6 +50,20 @@ impl std::fmt::Debug for NodeMsg {
 
 impl ProtocolHandler for DataProtocol {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let ctx = &self.ctx;
+        let hello = auth::server_hello(
+            &conn,
+            ctx.endpoint.id(),
+            &ctx.config.cluster_key,
+            DATA_ALPN,
+            ctx.config.request_timeout,
+            ctx.config.max_tensor_bytes,
+            || ctx.transfers.auth_failures.inc(),
+        );
+        if let Err(err) = hello.await {
+            debug!(%err, "hello failed");
+            return Ok(());
+        }
         // Pool the inbound link (if we have none to this peer) so replies to it reuse it.
         let _ = self.node.cast(NodeMsg::Adopt { conn: conn.clone() });
         serve_connection(self.ctx.clone(), conn).await;

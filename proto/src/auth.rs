@@ -177,6 +177,10 @@ pub enum HelloReply {
     Welcome {
         /// Largest tensor the server accepts or serves, in bytes.
         max_tensor_bytes: u64,
+        /// The server's own proof, [`ClusterKey::proof`]`(alpn, server, client)` (the ids in
+        /// the reverse order), so the client knows the server is of the cluster too before it
+        /// serves the server's requests on this connection.
+        proof: AuthProof,
     },
 }
 

@@ -159,12 +159,13 @@ fn hello() {
         },
         &format!("20000000 {H_AB}"),
     );
-    // len 7 | Welcome=0 | 64 GiB = 2^36 as a varint
+    // len 39 | Welcome=0 | 64 GiB = 2^36 as a varint | proof (32 raw bytes)
     golden(
         &HelloReply::Welcome {
             max_tensor_bytes: 64 << 30,
+            proof: AuthProof([0xab; 32]),
         },
-        "07000000 00 808080808002",
+        &format!("27000000 00 808080808002 {H_AB}"),
     );
 }
 

@@ -192,7 +192,10 @@ fn hello() -> impl Strategy<Value = Hello> {
 }
 
 fn hello_reply() -> impl Strategy<Value = HelloReply> {
-    any::<u64>().prop_map(|max_tensor_bytes| HelloReply::Welcome { max_tensor_bytes })
+    (any::<u64>(), any::<[u8; 32]>()).prop_map(|(max_tensor_bytes, proof)| HelloReply::Welcome {
+        max_tensor_bytes,
+        proof: AuthProof(proof),
+    })
 }
 
 /// Valid requests of every variant.

@@ -13,7 +13,11 @@ use std::{
 };
 
 use bytes::Bytes;
-use tb_node::{Config, DType, Node, Tensor};
+use iroh::{EndpointId, endpoint::Connection};
+use tb_node::{
+    Config, DType, Node, Tensor, auth,
+    proto::{ClusterKey, DATA_ALPN},
+};
 use tokio::{net::UdpSocket, sync::mpsc, task::JoinHandle};
 
 /// A config for tests: loopback, short timeouts so failures are quick.
@@ -147,4 +151,27 @@ impl Drop for DelayProxy {
             task.abort();
         }
     }
+}
+
+/// The client half of the `tb/data/1` hello with the open cluster key, for raw test peers
+/// that misbehave after it, not in it.
+pub async fn raw_client_hello(conn: &Connection, me: EndpointId) {
+    auth::client_hello(
+        conn,
+        me,
+        &ClusterKey::open(),
+        DATA_ALPN,
+        Duration::from_secs(30),
+    )
+    .await
+    .expect("hello");
+}
+
+/// The server half of that hello; false if the client failed it.
+pub async fn raw_server_hello(conn: &Connection, me: EndpointId) -> bool {
+    let key = ClusterKey::open();
+    let timeout = Duration::from_secs(30);
+    auth::server_hello(conn, me, &key, DATA_ALPN, timeout, 1 << 40, || {})
+        .await
+        .is_ok()
 }

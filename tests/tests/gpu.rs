@@ -18,7 +18,7 @@ use tb_node::{
     Config, ContentHash, DType, Device, DeviceBuffer, Error, PeerAddr, Tensor, TensorMeta, device,
     proto::{DATA_ALPN, DataRequest, DataResponse, frame},
 };
-use tb_tests::{node, pattern, test_config, within};
+use tb_tests::{node, pattern, raw_server_hello, test_config, within};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -209,12 +209,16 @@ async fn ipc_path_maps_the_other_process_memory() {
 /// A `tb/data/1` server that answers every pull with `meta` and then `payload`.
 #[derive(Debug, Clone)]
 struct Liar {
+    me: iroh::EndpointId,
     meta: TensorMeta,
     payload: Bytes,
 }
 
 impl ProtocolHandler for Liar {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        if !raw_server_hello(&conn, self.me).await {
+            return Ok(());
+        }
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
             let mut prefix = [0u8; 4];
             if recv.read_exact(&mut prefix).await.is_err() {
@@ -255,8 +259,9 @@ async fn liar(meta: TensorMeta, payload: Bytes) -> (Router, PeerAddr) {
         id: ep.id(),
         addr: *ep.bound_sockets().first().expect("socket"),
     };
+    let me = ep.id();
     let router = Router::builder(ep)
-        .accept(DATA_ALPN, Liar { meta, payload })
+        .accept(DATA_ALPN, Liar { me, meta, payload })
         .spawn();
     (router, addr)
 }

@@ -491,3 +491,51 @@ async fn lru_link_is_evicted_at_max_links() {
         p.shutdown().await;
     }
 }
+
+fn with_secret(secret: &[u8]) -> Config {
+    Config {
+        cluster_key: tb_proto::ClusterKey::from_secret(secret).expect("secret"),
+        ..test_config()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_cluster_secret_is_refused() {
+    let secret = b"correct horse battery staple";
+    let (a, b) = (
+        node(with_secret(secret)).await,
+        node(with_secret(secret)).await,
+    );
+    b.publish_local("model/w", f32_tensor(256, 4))
+        .expect("publish");
+    let pulled = within(LIMIT, "pull", a.pull(b.addr(), "model/w", None))
+        .await
+        .expect("a member pulls");
+    assert_eq!(pulled.buffer.data(), f32_tensor(256, 4).data());
+
+    // A node with another secret, and one with none, are refused before any request is read,
+    // whichever side dials.
+    let wrong = node(with_secret(b"another secret of some length")).await;
+    let open = node(test_config()).await;
+    for outsider in [&wrong, &open] {
+        match within(LIMIT, "pull", outsider.pull(b.addr(), "model/w", None)).await {
+            Err(Error::Unauthorized(msg)) => assert!(msg.contains("refused"), "{msg}"),
+            other => panic!("expected Unauthorized, got {other:?}"),
+        }
+        let tensor = f32_tensor(4, 1);
+        match within(LIMIT, "push", b.push(outsider.addr(), "x", &tensor)).await {
+            Err(Error::Unauthorized(_)) => {}
+            other => panic!("expected Unauthorized, got {other:?}"),
+        }
+        assert_eq!(outsider.inbox_len(), 0, "nothing reached the outsider");
+    }
+    assert_eq!(b.auth_failures(), 2, "b counted both refusals");
+    assert_eq!(wrong.auth_failures() + open.auth_failures(), 2);
+    // The members keep working.
+    within(LIMIT, "pull again", a.pull(b.addr(), "model/w", None))
+        .await
+        .expect("b still serves members");
+    for n in [a, b, wrong, open] {
+        n.shutdown().await;
+    }
+}

@@ -14,7 +14,9 @@ use tb_node::{
     Config, ContentHash, Error, Node, PeerAddr,
     proto::{DATA_ALPN, DataRequest, DataResponse, ErrorCode, TensorName, frame},
 };
-use tb_tests::{f32_tensor, node, pattern, test_config, within};
+use tb_tests::{
+    f32_tensor, node, pattern, raw_client_hello, raw_server_hello, test_config, within,
+};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -24,10 +26,14 @@ async fn raw_endpoint() -> Endpoint {
         .expect("raw endpoint")
 }
 
+/// A raw connection that passes the hello (these peers misbehave after it, not in it).
 async fn raw_connect(ep: &Endpoint, to: &Node) -> Connection {
-    ep.connect(to.addr().to_endpoint_addr(), DATA_ALPN)
+    let conn = ep
+        .connect(to.addr().to_endpoint_addr(), DATA_ALPN)
         .await
-        .expect("connect")
+        .expect("connect");
+    raw_client_hello(&conn, ep.id()).await;
+    conn
 }
 
 async fn read_response(recv: &mut RecvStream) -> DataResponse {
@@ -180,10 +186,13 @@ async fn corrupt_push_is_detected_and_not_delivered() {
 
 /// A peer that announces one hash and sends other bytes.
 #[derive(Debug, Clone)]
-struct LyingServer;
+struct LyingServer(iroh::EndpointId);
 
 impl ProtocolHandler for LyingServer {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        if !raw_server_hello(&conn, self.0).await {
+            return Ok(());
+        }
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
             let mut prefix = [0u8; 4];
             if recv.read_exact(&mut prefix).await.is_err() {
@@ -216,7 +225,10 @@ async fn corrupt_pull_is_an_error_never_a_tensor() {
         id: ep.id(),
         addr: ep.bound_sockets()[0],
     };
-    let router = Router::builder(ep).accept(DATA_ALPN, LyingServer).spawn();
+    let me = ep.id();
+    let router = Router::builder(ep)
+        .accept(DATA_ALPN, LyingServer(me))
+        .spawn();
     let a = node(test_config()).await;
     match within(LIMIT, "pull", a.pull(&liar, "anything", None)).await {
         Err(Error::Corrupt(msg)) => assert!(msg.contains("anything"), "{msg}"),
@@ -228,10 +240,13 @@ async fn corrupt_pull_is_an_error_never_a_tensor() {
 
 /// A peer that accepts streams and never answers.
 #[derive(Debug, Clone)]
-struct SilentServer;
+struct SilentServer(iroh::EndpointId);
 
 impl ProtocolHandler for SilentServer {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        if !raw_server_hello(&conn, self.0).await {
+            return Ok(());
+        }
         let mut held = Vec::new();
         while let Ok(streams) = conn.accept_bi().await {
             held.push(streams);
@@ -247,7 +262,10 @@ async fn a_silent_peer_times_out() {
         id: ep.id(),
         addr: ep.bound_sockets()[0],
     };
-    let router = Router::builder(ep).accept(DATA_ALPN, SilentServer).spawn();
+    let me = ep.id();
+    let router = Router::builder(ep)
+        .accept(DATA_ALPN, SilentServer(me))
+        .spawn();
     let a = node(Config {
         request_timeout: Duration::from_millis(300),
         ..test_config()

@@ -227,20 +227,6 @@ impl<W, H: Clone> PoolBook<W, H> {
         (handles, waiters)
     }
 
-    /// Ready links: (in use, idle).
-    pub(crate) fn link_counts(&self) -> (usize, usize) {
-        self.slots
-            .values()
-            .filter_map(|s| match s {
-                Slot::Ready { link, .. } => Some(link.idle_since().is_some()),
-                Slot::Connecting { .. } => None,
-            })
-            .fold(
-                (0, 0),
-                |(a, i), idle| if idle { (a, i + 1) } else { (a + 1, i) },
-            )
-    }
-
     fn ready_count(&self) -> usize {
         self.slots
             .values()
@@ -412,6 +398,10 @@ mod tests {
             book.insert_ready(p, None, "in2", second),
             Insert::Stale
         ));
-        assert_eq!(book.link_counts(), (0, 1));
+        assert_eq!(
+            book.ready_count(),
+            1,
+            "the second inbound link is not pooled"
+        );
     }
 }

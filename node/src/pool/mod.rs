@@ -9,7 +9,7 @@ use std::{
     collections::HashMap,
     sync::{
         Arc, RwLock,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
 };
 
@@ -67,6 +67,18 @@ impl ReadyLinks {
         self.write().clear();
     }
 
+    /// Usable pooled links as (active, idle), read straight from the links' use counts, so
+    /// it is exact the moment a guard is handed out or dropped.
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        let map = self.0.read().unwrap_or_else(|p| p.into_inner());
+        map.values()
+            .filter(|e| e.link.is_usable())
+            .fold((0, 0), |(active, idle), e| match e.link.idle_since() {
+                Some(_) => (active, idle + 1),
+                None => (active + 1, idle),
+            })
+    }
+
     /// A guard on `peer`'s pooled link, if it has a usable one.
     pub(crate) fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
@@ -101,15 +113,15 @@ pub(crate) struct PoolCounters {
     pub(crate) evictions_idle: Counter,
     pub(crate) evictions_lru: Counter,
     pub(crate) connect_failures: Counter,
-    pub(crate) links_active: AtomicUsize,
-    pub(crate) links_idle: AtomicUsize,
 }
 
 impl PoolCounters {
-    pub(crate) fn snapshot(&self) -> PoolStats {
+    /// The counters plus the link counts of `ready`.
+    pub(crate) fn snapshot(&self, ready: &ReadyLinks) -> PoolStats {
+        let (links_active, links_idle) = ready.counts();
         PoolStats {
-            links_active: self.links_active.load(Ordering::Relaxed),
-            links_idle: self.links_idle.load(Ordering::Relaxed),
+            links_active,
+            links_idle,
             dials: self.dials.get(),
             reuses: self.reuses.get(),
             evictions_idle: self.evictions_idle.get(),
@@ -122,7 +134,7 @@ impl PoolCounters {
 /// A snapshot of the pool's state and lifetime counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolStats {
-    /// Pooled links with at least one stream in use (as of the pool's last change).
+    /// Pooled links with at least one stream in use.
     pub links_active: usize,
     /// Pooled links with no stream in use.
     pub links_idle: usize,
