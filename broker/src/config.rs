@@ -1,0 +1,32 @@
+//! [`BrokerConfig`]: every knob of the broker's decisions, with offline single-machine defaults.
+
+/// How a broker decides: version retention, liveness, fan-out, limits. `Default` is the
+/// offline single-machine setup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// Versions per name whose holder marks the registry keeps (the newest K; 0 counts as 1).
+    /// Every broker of a cluster must use the same value, or their replicas never converge.
+    pub keep_versions: u64,
+    /// A worker this broker hears heartbeats from is marked dead after this long without one.
+    pub liveness_timeout_ms: u64,
+    /// Most fetchers one source (a holder, or a node still receiving) is handed out to at a
+    /// time, so that many fetches of one version form a tree instead of a star.
+    pub fanout: usize,
+    /// Largest tensor the registry accepts metadata for, in bytes.
+    pub max_tensor_bytes: u64,
+    /// A fetch in flight, and the fan-out slot it holds at its source, is forgotten after this
+    /// long without news (a `Fetching` refresh, its completion, or its end).
+    pub fetch_timeout_ms: u64,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig {
+            keep_versions: 2,
+            liveness_timeout_ms: 10_000,
+            fanout: 2,
+            max_tensor_bytes: 64 << 30,
+            fetch_timeout_ms: 120_000,
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! Worker liveness: [`BrokerState::heartbeat`] and [`BrokerState::expire`].
+//!
+//! Who judges whom: a broker judges a worker only while it has heard that worker directly,
+//! at the epoch the membership table holds. Other brokers learn the verdict from gossip. A
+//! worker that heartbeats to several brokers is judged by each; when they disagree (a partial
+//! partition), the one that still hears it writes it alive again with a later stamp, and the
+//! one that marked it dead does not judge it again until it hears from it itself. So a row
+//! flips at most once per broker that lost the worker, never back and forth.
+//!
+//! After a restart a broker has heard no one yet. It gives every worker the registry holds as
+//! alive a grace period, as if heard at start-up: a worker that died while the broker was down
+//! is marked dead one timeout later. A worker that heartbeats only to another broker is marked
+//! dead once too, and that broker writes it alive again at its next heartbeat.
+
+use std::collections::BTreeMap;
+
+use tb_proto::{Member, NodeId, Registry, RegistryOp, Role, Stamp};
+
+use super::{BrokerState, Changes};
+use crate::BrokerError;
+
+/// When this broker last heard each node directly, and at which epoch.
+#[derive(Debug, Default)]
+pub(super) struct LastHeard(BTreeMap<NodeId, Heard>);
+
+#[derive(Debug, Clone, Copy)]
+struct Heard {
+    epoch: u64,
+    at_ms: u64,
+}
+
+impl LastHeard {
+    /// After a restart: every worker `registry` holds as alive counts as heard at `now_ms`.
+    pub(super) fn resumed(registry: &Registry, now_ms: u64) -> Self {
+        let alive = registry
+            .members()
+            .filter(|m| m.alive && m.role == Role::Worker);
+        LastHeard(
+            alive
+                .map(|m| {
+                    let heard = Heard {
+                        epoch: m.epoch,
+                        at_ms: now_ms,
+                    };
+                    (m.node, heard)
+                })
+                .collect(),
+        )
+    }
+}
+
+impl BrokerState {
+    /// Takes a heartbeat from `node` (this broker's own included, to announce itself).
+    ///
+    /// Records when it was heard, and writes an alive membership row (in `gossip`) only when
+    /// the row is new or differs: a new epoch, other addresses or role, or a row marked dead.
+    /// A steady heartbeat changes nothing. A heartbeat from an epoch older than the table's is
+    /// refused ([`BrokerError::StaleEpoch`]) and not counted.
+    pub fn heartbeat(
+        &mut self,
+        node: NodeId,
+        role: Role,
+        addrs: Vec<String>,
+        epoch: u64,
+        now_ms: u64,
+    ) -> Result<Changes, BrokerError> {
+        let row = Member {
+            node,
+            role,
+            addrs,
+            epoch,
+            alive: true,
+            stamp: Stamp::ZERO,
+        };
+        row.validate()?;
+        let known = self.registry.member(&node);
+        if let Some(known) = known.filter(|k| k.epoch > epoch) {
+            return Err(BrokerError::StaleEpoch {
+                node,
+                epoch,
+                known: known.epoch,
+            });
+        }
+        self.heard.0.insert(
+            node,
+            Heard {
+                epoch,
+                at_ms: now_ms,
+            },
+        );
+        let same = known
+            .is_some_and(|k| k.epoch == epoch && k.alive && k.role == role && k.addrs == row.addrs);
+        match same {
+            true => Ok(Changes::default()),
+            false => Ok(self.local_op(RegistryOp::Member(row), now_ms)),
+        }
+    }
+
+    /// Marks dead the workers this broker heard from but not for longer than
+    /// `liveness_timeout_ms`, forgets them until they are heard again, and drops fetches
+    /// in flight that went without news for `fetch_timeout_ms`. Call it periodically.
+    pub fn expire(&mut self, now_ms: u64) -> Changes {
+        let timeout = self.config.liveness_timeout_ms;
+        let silent = |h: &Heard| now_ms.saturating_sub(h.at_ms) > timeout;
+        let dead: Vec<Member> = self
+            .heard
+            .0
+            .iter()
+            .filter(|(_, h)| silent(h))
+            .filter_map(|(node, h)| {
+                let row = self.registry.member(node)?;
+                let judged = row.alive && row.role == Role::Worker && row.epoch == h.epoch;
+                judged.then(|| Member {
+                    alive: false,
+                    ..row.clone()
+                })
+            })
+            .collect();
+        self.heard.0.retain(|_, h| !silent(h));
+        self.fanout.expire(now_ms);
+        let mut changes = Changes::default();
+        for row in dead {
+            tracing::info!(node = %row.node, epoch = row.epoch, "worker silent: marked dead");
+            changes.extend(self.local_op(RegistryOp::Member(row), now_ms));
+        }
+        changes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tb_proto::{MAX_ADDR_LEN, RegistryError};
+
+    use super::*;
+    use crate::BrokerConfig;
+
+    fn id(b: u8) -> NodeId {
+        NodeId([b; 32])
+    }
+
+    fn broker() -> BrokerState {
+        BrokerState::new(id(100), BrokerConfig::default(), Registry::new(), 0)
+    }
+
+    fn addrs(a: &str) -> Vec<String> {
+        vec![a.to_string()]
+    }
+
+    fn member_ops(changes: &Changes) -> Vec<&Member> {
+        changes
+            .gossip
+            .iter()
+            .filter_map(|op| match op {
+                RegistryOp::Member(m) => Some(m),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn heartbeat_writes_a_row_only_when_something_changed() {
+        let mut b = broker();
+        let w = id(1);
+        let first = b.heartbeat(w, Role::Worker, addrs("a:1"), 1, 1_000);
+        let first = first.expect("first");
+        assert_eq!(first.members, [w]);
+        let row = member_ops(&first)[0].clone();
+        assert!(row.alive && row.epoch == 1 && row.stamp.node == id(100));
+
+        let steady = b.heartbeat(w, Role::Worker, addrs("a:1"), 1, 2_000);
+        assert!(steady.expect("steady").is_empty());
+
+        let moved = b.heartbeat(w, Role::Worker, addrs("a:2"), 1, 3_000);
+        assert_eq!(member_ops(&moved.expect("moved"))[0].addrs, addrs("a:2"));
+        let restarted = b.heartbeat(w, Role::Worker, addrs("a:2"), 2, 4_000);
+        assert_eq!(member_ops(&restarted.expect("restart"))[0].epoch, 2);
+        assert_eq!(b.registry.member(&w).map(|m| m.epoch), Some(2));
+
+        // A heartbeat from the previous life is refused and does not count as news.
+        let stale = b.heartbeat(w, Role::Worker, addrs("a:1"), 1, 5_000);
+        assert_eq!(
+            stale,
+            Err(BrokerError::StaleEpoch {
+                node: w,
+                epoch: 1,
+                known: 2
+            })
+        );
+        assert!(b.expire(4_000 + 10_001).members.contains(&w));
+    }
+
+    #[test]
+    fn heartbeat_addresses_are_checked() {
+        let mut b = broker();
+        let long = vec!["a".repeat(MAX_ADDR_LEN + 1)];
+        assert!(matches!(
+            b.heartbeat(id(1), Role::Worker, long, 1, 0),
+            Err(BrokerError::Invalid(RegistryError::AddrTooLong { .. }))
+        ));
+        assert!(b.members().is_empty());
+    }
+
+    #[test]
+    fn silent_workers_expire_once_and_a_heartbeat_revives_them() {
+        let mut b = broker();
+        let w = id(1);
+        b.heartbeat(w, Role::Worker, addrs("a:1"), 1, 1_000)
+            .expect("hb");
+        b.heartbeat(id(2), Role::Broker, addrs("b:1"), 1, 1_000)
+            .expect("hb");
+        assert!(b.expire(11_000).is_empty(), "exactly at the timeout: alive");
+        let expired = b.expire(11_001);
+        let rows = member_ops(&expired);
+        assert_eq!(rows.len(), 1, "brokers are not judged by heartbeats");
+        assert!(rows[0].node == w && !rows[0].alive && rows[0].epoch == 1);
+        assert_eq!(b.registry.member(&w).map(|m| m.alive), Some(false));
+        assert!(b.expire(50_000).is_empty(), "judged once, then forgotten");
+
+        let back = b.heartbeat(w, Role::Worker, addrs("a:1"), 1, 60_000);
+        let rows = back.expect("revived");
+        assert!(member_ops(&rows)[0].alive);
+        assert_eq!(b.registry.member(&w).map(|m| m.alive), Some(true));
+    }
+
+    #[test]
+    fn workers_judged_only_by_brokers_that_heard_them() {
+        // Another broker's gossip tells this one about a worker it never heard.
+        let mut b = broker();
+        let row = Member {
+            node: id(1),
+            role: Role::Worker,
+            addrs: addrs("a:1"),
+            epoch: 1,
+            alive: true,
+            stamp: Stamp {
+                wall_ms: 1_000,
+                logical: 0,
+                node: id(101),
+            },
+        };
+        let applied = b.remote_op(&RegistryOp::Member(row.clone()), 1_000);
+        assert_eq!(applied.expect("applied").members, [id(1)]);
+        assert!(b.expire(1_000_000).is_empty());
+
+        // Heard at epoch 1, restarted at epoch 2 talking to another broker: not ours to judge.
+        b.heartbeat(id(1), Role::Worker, addrs("a:1"), 1, 2_000)
+            .expect("hb");
+        let restarted = Member {
+            epoch: 2,
+            stamp: Stamp {
+                wall_ms: 3_000,
+                ..row.stamp
+            },
+            ..row
+        };
+        b.remote_op(&RegistryOp::Member(restarted), 3_000)
+            .expect("applied");
+        assert!(b.expire(100_000).is_empty());
+    }
+
+    #[test]
+    fn restarted_broker_gives_loaded_workers_a_grace_period() {
+        let mut before = broker();
+        before
+            .heartbeat(id(1), Role::Worker, addrs("a:1"), 1, 1_000)
+            .expect("hb");
+        before
+            .heartbeat(id(2), Role::Worker, addrs("a:2"), 1, 1_000)
+            .expect("hb");
+        let registry = before.registry().clone();
+
+        // Restarted long after: nobody is judged before a full timeout from the restart.
+        let mut after = BrokerState::new(id(100), BrokerConfig::default(), registry, 500_000);
+        assert!(after.expire(510_000).is_empty());
+        after
+            .heartbeat(id(2), Role::Worker, addrs("a:2"), 1, 505_000)
+            .expect("hb");
+        let expired = after.expire(510_001);
+        let rows = member_ops(&expired);
+        assert_eq!(rows.len(), 1);
+        assert!(rows[0].node == id(1) && !rows[0].alive);
+        // The dead row beats the alive one the restarted broker loaded.
+        assert!(rows[0].stamp.wall_ms >= 510_001);
+    }
+}

@@ -1,0 +1,265 @@
+//! Rules of look-ups: who is offered, which errors, and how fetches fan out.
+
+use std::collections::BTreeMap;
+
+use tb_proto::{RegistryOp, Role, Stamp};
+
+use super::*;
+use crate::{
+    BrokerConfig,
+    state::tests::{BROKER, broker_with, id, meta, name, stamp},
+};
+
+fn nodes(h: &Holders) -> Vec<(NodeId, bool)> {
+    h.holders.iter().map(|h| (h.node, h.complete)).collect()
+}
+
+#[test]
+fn lookup_offers_live_reachable_holders_but_never_the_asker() {
+    let mut b = broker_with(&[1, 2, 3], 0);
+    let w = name("m/w");
+    b.publish(w.clone(), meta(1), id(1), 10);
+    for n in [2, 3] {
+        let hold = RegistryOp::AddHolder {
+            name: w.clone(),
+            version: 1,
+            node: id(n),
+            stamp: Stamp::ZERO,
+        };
+        b.announce(id(n), hold, 10).expect("hold");
+    }
+    let found = b.lookup(&w, None, id(2), 20).expect("found");
+    assert_eq!(found.version, 1);
+    assert_eq!(found.meta, meta(1));
+    assert_eq!(nodes(&found), [(id(1), true), (id(3), true)]);
+    assert_eq!(found.holders[0].addrs, ["10.0.0.1:4433"]);
+    let CtlResponse::Holders { holders, .. } = CtlResponse::from(found) else {
+        panic!("not a Holders answer");
+    };
+    assert_eq!(holders.len(), 2);
+
+    // Worker 1 goes silent and is marked dead; worker 3 loses its addresses.
+    for n in [2, 3] {
+        b.heartbeat(
+            id(n),
+            Role::Worker,
+            vec![format!("10.0.0.{n}:1")],
+            1,
+            15_000,
+        )
+        .expect("hb");
+    }
+    b.heartbeat(id(3), Role::Worker, vec![], 1, 15_000)
+        .expect("hb");
+    assert_eq!(b.expire(15_000).members, [id(1)]);
+    let found = b.lookup(&w, None, id(9), 15_001).expect("found");
+    assert_eq!(nodes(&found), [(id(2), true)]);
+    // The only holder asks: nobody else has it.
+    assert_eq!(
+        b.lookup(&w, None, id(2), 15_002),
+        Err(BrokerError::NoHolder {
+            name: w.clone(),
+            version: 1
+        })
+    );
+}
+
+#[test]
+fn lookup_errors_say_what_is_missing() {
+    let mut b = broker_with(&[1], 0);
+    let w = name("m/w");
+    let not_found = |version| BrokerError::NotFound {
+        name: w.clone(),
+        version,
+    };
+    assert_eq!(b.lookup(&w, None, id(9), 1), Err(not_found(None)));
+    for v in 1..=3 {
+        b.publish(w.clone(), meta(v), id(1), 10);
+    }
+    assert_eq!(b.lookup(&w, Some(4), id(9), 11), Err(not_found(Some(4))));
+    assert_eq!(
+        b.lookup(&w, Some(1), id(9), 11),
+        Err(BrokerError::Evicted {
+            name: w.clone(),
+            version: 1,
+            oldest: 2,
+            newest: 3
+        })
+    );
+    // The previous version is still kept, with its own metadata.
+    let older = b.lookup(&w, Some(2), id(9), 11).expect("v2");
+    assert_eq!((older.version, older.meta), (2, meta(2)));
+    // Its holder dropped it: kept, but nobody has it.
+    let drop = RegistryOp::RemoveHolder {
+        name: w.clone(),
+        version: 2,
+        node: id(1),
+        stamp: Stamp::ZERO,
+    };
+    b.announce(id(1), drop, 12).expect("drop");
+    assert_eq!(
+        b.lookup(&w, Some(2), id(8), 13),
+        Err(BrokerError::NoHolder {
+            name: w.clone(),
+            version: 2
+        })
+    );
+    let delete = RegistryOp::Delete {
+        name: w.clone(),
+        stamp: Stamp::ZERO,
+    };
+    b.announce(id(1), delete, 14).expect("delete");
+    assert_eq!(b.lookup(&w, None, id(9), 15), Err(not_found(None)));
+    assert_eq!(b.fetching(&w, 3, id(9), true, 15), Err(not_found(Some(3))));
+}
+
+#[test]
+fn a_restarted_broker_knows_only_the_newest_metadata() {
+    let mut b = broker_with(&[1], 0);
+    let w = name("m/w");
+    b.publish(w.clone(), meta(1), id(1), 10);
+    b.publish(w.clone(), meta(2), id(1), 11);
+    let registry = b.registry().clone();
+    let mut after = BrokerState::new(BROKER, BrokerConfig::default(), registry, 20);
+    assert_eq!(
+        after.lookup(&w, Some(1), id(9), 21),
+        Err(BrokerError::UnknownMeta {
+            name: w.clone(),
+            version: 1
+        })
+    );
+    assert_eq!(
+        after.lookup(&w, None, id(9), 21).map(|h| h.meta),
+        Ok(meta(2))
+    );
+}
+
+/// Six askers of a new version, one publisher, fan-out 2, each asking after the last.
+fn six_askers() -> (BrokerState, Vec<Holders>) {
+    let askers = [11, 12, 13, 14, 15, 16];
+    let mut all = vec![1];
+    all.extend(askers);
+    let mut b = broker_with(&all, 0);
+    let w = name("m/w");
+    b.publish(w.clone(), meta(1), id(1), 10);
+    let answers = askers
+        .iter()
+        .map(|&a| b.lookup(&w, None, id(a), 20).expect("found"))
+        .collect();
+    (b, answers)
+}
+
+/// Who each asker was pointed at first.
+fn first_sources(answers: &[Holders]) -> Vec<NodeId> {
+    answers.iter().map(|h| h.holders[0].node).collect()
+}
+
+#[test]
+fn fetches_of_a_new_version_form_a_tree() {
+    let (b, answers) = six_askers();
+    let firsts = first_sources(&answers);
+    assert_eq!(firsts, [id(1), id(1), id(11), id(12), id(13), id(14)]);
+    // Nobody is pointed at more than `fanout` times, nobody at itself.
+    let mut children: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for (i, source) in firsts.iter().enumerate() {
+        *children.entry(*source).or_default() += 1;
+        assert_ne!(*source, id(11 + i as u8));
+    }
+    assert!(children.values().all(|&c| c <= b.config().fanout));
+    // Later askers learn the earlier ones as sources in flight; the full publisher comes last.
+    let last = &answers[5];
+    assert!(!last.holders[0].complete);
+    assert_eq!(
+        last.holders.last().map(|h| (h.node, h.complete)),
+        Some((id(1), true))
+    );
+    assert_eq!(last.holders.len(), 6);
+}
+
+#[test]
+fn completing_a_fetch_frees_its_slot() {
+    let (mut b, _) = six_askers();
+    let w = name("m/w");
+    // 11 completes: it is a complete holder now, and the publisher has a free slot again.
+    let hold = RegistryOp::AddHolder {
+        name: w.clone(),
+        version: 1,
+        node: id(11),
+        stamp: Stamp::ZERO,
+    };
+    b.announce(id(11), hold, 30).expect("hold");
+    let next = b.lookup(&w, None, id(17), 31);
+    let holders = nodes(&next.expect("found"));
+    assert_eq!(&holders[..2], [(id(1), true), (id(11), true)]);
+
+    // 12 gives up: its slot at the publisher frees too, and it is no longer offered.
+    b.fetching(&w, 1, id(12), false, 32).expect("stopped");
+    let next = b.lookup(&w, None, id(18), 33).expect("found");
+    let holders = nodes(&next);
+    assert!(!holders.iter().any(|(n, _)| *n == id(12)), "{holders:?}");
+    assert_eq!(&holders[..2], [(id(1), true), (id(11), true)]);
+}
+
+#[test]
+fn stale_fetches_time_out() {
+    let (mut b, _) = six_askers();
+    let w = name("m/w");
+    // 13 refreshes its fetch; everyone else goes quiet past the fetch timeout.
+    let timeout = b.config().fetch_timeout_ms;
+    b.fetching(&w, 1, id(13), true, 20 + timeout)
+        .expect("refresh");
+    for n in [1, 13, 19] {
+        let addrs = vec![format!("10.0.0.{n}:4433")];
+        b.heartbeat(id(n), Role::Worker, addrs, 1, 20 + timeout)
+            .expect("hb");
+    }
+    b.expire(21 + timeout);
+    let next = b.lookup(&w, None, id(19), 22 + timeout).expect("found");
+    assert_eq!(nodes(&next), [(id(1), true), (id(13), false)]);
+    // The version's fetches are forgotten once it is no longer kept.
+    b.publish(w.clone(), meta(2), id(1), 23 + timeout);
+    b.publish(w.clone(), meta(3), id(1), 24 + timeout);
+    assert_eq!(b.fanout.len(), 0);
+}
+
+#[test]
+fn a_retry_is_never_pointed_at_its_own_fetchers() {
+    let (mut b, answers) = six_askers();
+    let w = name("m/w");
+    // 11 feeds 13, which feeds 15. 11 retries: neither may be its source.
+    assert_eq!(first_sources(&answers)[2..5], [id(11), id(12), id(13)]);
+    let retry = b.lookup(&w, None, id(11), 40).expect("found");
+    let offered: Vec<NodeId> = retry.holders.iter().map(|h| h.node).collect();
+    assert!(
+        !offered.contains(&id(13)) && !offered.contains(&id(15)),
+        "{offered:?}"
+    );
+    assert!(!offered.contains(&id(11)));
+    assert_eq!(
+        offered[0],
+        id(1),
+        "its old slot at the publisher was freed first"
+    );
+}
+
+#[test]
+fn reported_fetches_are_offered_in_flight() {
+    let mut b = broker_with(&[1, 2, 3], 0);
+    let w = name("m/w");
+    b.publish(w.clone(), meta(1), id(1), 10);
+    b.fetching(&w, 1, id(2), true, 11).expect("fetching");
+    // A holder reporting a fetch is not in flight: it is complete.
+    b.fetching(&w, 1, id(1), true, 11).expect("fetching");
+    let found = b.lookup(&w, None, id(3), 12).expect("found");
+    assert_eq!(nodes(&found), [(id(1), true), (id(2), false)]);
+    // A remote holder mark (gossip from another broker) completes the fetch too.
+    let hold = RegistryOp::AddHolder {
+        name: w.clone(),
+        version: 1,
+        node: id(2),
+        stamp: stamp(13, 7),
+    };
+    b.remote_op(&hold, 13).expect("applied");
+    let found = b.lookup(&w, None, id(3), 14).expect("found");
+    assert_eq!(nodes(&found), [(id(1), true), (id(2), true)]);
+}

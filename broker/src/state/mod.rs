@@ -1,0 +1,491 @@
+//! [`BrokerState`]: everything a broker decides, as plain data fed explicit time.
+//!
+//! It owns the broker's replica of the [`Registry`], the [`Hlc`] that stamps what this broker
+//! writes, and local bookkeeping that is never replicated: when it last heard each worker
+//! (`liveness`), which fetches are in flight and who fetches from whom (`fanout`), and the
+//! metadata of recent versions (for look-ups of a version that is no longer the newest).
+//!
+//! Every method that changes the registry returns [`Changes`]: the ops to gossip, the names
+//! and members to persist, the events for subscribers. The actor carries them out; nothing
+//! here does I/O or reads a clock.
+//!
+//! Where ops come from, and how each is trusted:
+//! - [`announce`](BrokerState::announce): a node reports its own publishes, holdings and
+//!   deletes over `tb/ctl/1`. The broker checks that the op is about the authenticated sender
+//!   (workers cannot speak for others), restamps it with its own clock (a worker's clock is
+//!   not trusted to order registry writes), applies it and gossips it.
+//! - [`local_op`](BrokerState::local_op), [`publish`](BrokerState::publish),
+//!   [`heartbeat`](BrokerState::heartbeat), [`expire`](BrokerState::expire): ops this broker
+//!   originates, stamped with its clock.
+//! - [`remote_op`](BrokerState::remote_op) and [`merge_entries`](BrokerState::merge_entries):
+//!   what other brokers wrote, from gossip and anti-entropy. Validated, their stamps observed
+//!   (refused when too far in the future), merged; never re-gossiped.
+
+mod liveness;
+mod lookup;
+mod meta_cache;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+
+use tb_proto::{
+    Entry, Event, Hlc, ListedEntry, Member, NodeId, Registry, RegistryOp, Stamp, TensorMeta,
+    TensorName,
+};
+
+pub use self::lookup::Holders;
+use self::{liveness::LastHeard, meta_cache::MetaCache};
+use crate::{BrokerConfig, BrokerError, events::event_for, fanout::FanOut};
+
+/// Furthest an announced publish may jump past the next version: a client bug announcing
+/// `u64::MAX` would otherwise use up a name's versions for good.
+pub const MAX_VERSION_SKIP: u64 = 1 << 20;
+
+/// What applying something changed: what the actor gossips, persists and tells subscribers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Ops this broker originated, to broadcast to the other brokers.
+    pub gossip: Vec<RegistryOp>,
+    /// Names whose entries changed, to persist.
+    pub names: Vec<TensorName>,
+    /// Nodes whose membership rows changed, to persist.
+    pub members: Vec<NodeId>,
+    /// Events for subscribers whose patterns match.
+    pub events: Vec<Event>,
+}
+
+impl Changes {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.gossip.is_empty()
+            && self.names.is_empty()
+            && self.members.is_empty()
+            && self.events.is_empty()
+    }
+
+    /// Appends `other`, keeping names and members unique.
+    pub fn extend(&mut self, other: Changes) {
+        self.gossip.extend(other.gossip);
+        other.names.into_iter().for_each(|n| self.note_name(n));
+        other.members.into_iter().for_each(|m| self.note_member(m));
+        self.events.extend(other.events);
+    }
+
+    fn note_name(&mut self, name: TensorName) {
+        if !self.names.contains(&name) {
+            self.names.push(name);
+        }
+    }
+
+    fn note_member(&mut self, node: NodeId) {
+        if !self.members.contains(&node) {
+            self.members.push(node);
+        }
+    }
+}
+
+/// The decisions of one broker: its registry replica, clock and local bookkeeping.
+#[derive(Debug)]
+pub struct BrokerState {
+    config: BrokerConfig,
+    registry: Registry,
+    hlc: Hlc,
+    heard: LastHeard,
+    fanout: FanOut,
+    metas: MetaCache,
+}
+
+impl BrokerState {
+    /// A broker for `node` resuming from `registry` (empty, or loaded from disk) at `now_ms`.
+    ///
+    /// The clock starts past every stamp in the registry, so new writes beat old ones even if
+    /// the wall clock stepped back across the restart. Workers the registry holds as alive get
+    /// a grace period: they count as heard at `now_ms` (see [`expire`](Self::expire)).
+    pub fn new(node: NodeId, config: BrokerConfig, mut registry: Registry, now_ms: u64) -> Self {
+        registry.prune(config.keep_versions);
+        let mut hlc = Hlc::new(node);
+        // A persisted stamp too far ahead was written under a wrong clock; ignoring it only
+        // means this broker's next writes might lose to it, as they would have anyway.
+        let _ = hlc.observe(&newest_stamp(&registry), now_ms);
+        let heard = LastHeard::resumed(&registry, now_ms);
+        let fanout = FanOut::new(config.fanout, config.fetch_timeout_ms);
+        let metas = MetaCache::resumed(&registry);
+        BrokerState {
+            config,
+            registry,
+            hlc,
+            heard,
+            fanout,
+            metas,
+        }
+    }
+
+    /// This broker's node id.
+    pub fn node(&self) -> NodeId {
+        self.hlc.node()
+    }
+
+    /// The configuration it decides by.
+    pub fn config(&self) -> &BrokerConfig {
+        &self.config
+    }
+
+    /// Its replica of the registry (read-only: change it through the methods).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// The version a publish of `name` would get now (answers `NextVersion`): one past the
+    /// newest seen, deleted or not. Two askers before either publishes get the same number;
+    /// the second to announce gets [`BrokerError::StaleVersion`] and asks again.
+    pub fn next_version(&self, name: &TensorName) -> u64 {
+        self.registry.next_version(name)
+    }
+
+    /// Applies an op this broker originates, trusted as is: restamps it with this broker's
+    /// clock and returns it in `gossip` if it changed anything.
+    pub fn local_op(&mut self, op: RegistryOp, now_ms: u64) -> Changes {
+        let op = restamp(op, self.hlc.now(now_ms));
+        let mut changes = Changes::default();
+        if self.apply(&op, &mut changes) {
+            changes.gossip.push(op);
+        }
+        changes
+    }
+
+    /// Publishes a new version of `name` by `publisher` (this broker's own node, say) under the
+    /// next version, with `publisher` as its first holder.
+    pub fn publish(
+        &mut self,
+        name: TensorName,
+        meta: TensorMeta,
+        publisher: NodeId,
+        now_ms: u64,
+    ) -> (u64, Changes) {
+        let version = self.next_version(&name);
+        let changes = self.publish_as(name, version, meta, publisher, now_ms);
+        (version, changes)
+    }
+
+    /// A publish and the publisher's holder mark: the publisher always holds what it made, so
+    /// the broker writes the mark rather than trust every client to announce it.
+    fn publish_as(
+        &mut self,
+        name: TensorName,
+        version: u64,
+        meta: TensorMeta,
+        publisher: NodeId,
+        now_ms: u64,
+    ) -> Changes {
+        let hold = RegistryOp::AddHolder {
+            name: name.clone(),
+            version,
+            node: publisher,
+            stamp: Stamp::ZERO,
+        };
+        let publish = RegistryOp::Publish {
+            name,
+            version,
+            meta,
+            publisher,
+            stamp: Stamp::ZERO,
+        };
+        let mut changes = self.local_op(publish, now_ms);
+        changes.extend(self.local_op(hold, now_ms));
+        changes
+    }
+
+    /// Applies an op that `sender` (an authenticated node) announced about itself.
+    ///
+    /// The op must be valid, must not be a membership row (those come from heartbeats), and
+    /// must name the sender as publisher or holder. A publish must be newer than every version
+    /// known (else [`BrokerError::StaleVersion`]: another publish won the version) and at most
+    /// [`MAX_VERSION_SKIP`] past the next one; it also makes the sender a holder. A delete
+    /// needs a live name. An op that would change nothing (a retry) is accepted and changes
+    /// nothing. The op is restamped with this broker's clock, whatever stamp it came with.
+    pub fn announce(
+        &mut self,
+        sender: NodeId,
+        op: RegistryOp,
+        now_ms: u64,
+    ) -> Result<Changes, BrokerError> {
+        op.validate(self.config.max_tensor_bytes)?;
+        match op {
+            RegistryOp::Member(_) => Err(BrokerError::MemberOp { sender }),
+            RegistryOp::Publish {
+                name,
+                version,
+                meta,
+                publisher,
+                ..
+            } => {
+                owned_by(sender, publisher)?;
+                if self.is_head(&name, version, &meta, publisher) {
+                    let hold = RegistryOp::AddHolder {
+                        name,
+                        version,
+                        node: publisher,
+                        stamp: Stamp::ZERO,
+                    };
+                    return self.announce(sender, hold, now_ms);
+                }
+                let next = self.next_version(&name);
+                if version < next {
+                    let newest = next.saturating_sub(1);
+                    return Err(BrokerError::StaleVersion {
+                        name,
+                        version,
+                        newest,
+                    });
+                }
+                if version - next > MAX_VERSION_SKIP {
+                    return Err(BrokerError::VersionSkip {
+                        name,
+                        version,
+                        next,
+                    });
+                }
+                Ok(self.publish_as(name, version, meta, publisher, now_ms))
+            }
+            RegistryOp::AddHolder {
+                ref name,
+                version,
+                node,
+                ..
+            } => {
+                owned_by(sender, node)?;
+                match self.holds(name, version, node) {
+                    true => Ok(Changes::default()),
+                    false => Ok(self.local_op(op, now_ms)),
+                }
+            }
+            RegistryOp::RemoveHolder {
+                ref name,
+                version,
+                node,
+                ..
+            } => {
+                owned_by(sender, node)?;
+                match self.holds(name, version, node) {
+                    true => Ok(self.local_op(op, now_ms)),
+                    false => Ok(Changes::default()),
+                }
+            }
+            RegistryOp::Delete { ref name, .. } => match self.registry.entry(name) {
+                Some(_) => Ok(self.local_op(op, now_ms)),
+                None => Err(BrokerError::NotFound {
+                    name: name.clone(),
+                    version: None,
+                }),
+            },
+        }
+    }
+
+    /// Applies an op another broker gossiped: validates it, observes its stamp (refusing one
+    /// too far in the future, without applying it) and merges it. Nothing to re-gossip: the
+    /// gossip layer already floods it.
+    pub fn remote_op(&mut self, op: &RegistryOp, now_ms: u64) -> Result<Changes, BrokerError> {
+        op.validate(self.config.max_tensor_bytes)?;
+        self.hlc.observe(op.stamp(), now_ms)?;
+        let mut changes = Changes::default();
+        self.apply(op, &mut changes);
+        Ok(changes)
+    }
+
+    /// Merges what an anti-entropy exchange brought. Each entry and row is checked on its own
+    /// (validity, stamps not too far ahead); one that fails is skipped with a warning, the
+    /// rest are merged.
+    pub fn merge_entries(
+        &mut self,
+        entries: &[(TensorName, Entry)],
+        members: &[Member],
+        now_ms: u64,
+    ) -> Changes {
+        let mut changes = Changes::default();
+        // Each changed name with its live version before the first change to it, so a name
+        // that comes twice still makes one event.
+        let mut merged = BTreeMap::new();
+        for (name, entry) in entries {
+            if let Err(error) = self.check_entry(name, entry, now_ms) {
+                tracing::warn!(%name, %error, "sync: refused an entry");
+                continue;
+            }
+            let before = self.live_version(name);
+            if self.registry.merge_entry(name, entry) {
+                merged.entry(name).or_insert(before);
+            }
+        }
+        for member in members {
+            let checked = member.validate().map_err(BrokerError::from).and_then(|()| {
+                self.hlc
+                    .observe(&member.stamp, now_ms)
+                    .map_err(BrokerError::from)
+            });
+            if let Err(error) = checked {
+                tracing::warn!(node = %member.node, %error, "sync: refused a member row");
+            } else if self.registry.merge_member(member) {
+                changes.note_member(member.node);
+            }
+        }
+        if !merged.is_empty() {
+            self.registry.prune(self.config.keep_versions);
+        }
+        for (name, before) in merged {
+            self.entry_changed(name, before, &mut changes);
+        }
+        changes
+    }
+
+    /// Checks a synced entry and observes its newest stamp; the clock is left as it was when
+    /// the entry is refused.
+    fn check_entry(
+        &mut self,
+        name: &TensorName,
+        entry: &Entry,
+        now_ms: u64,
+    ) -> Result<(), BrokerError> {
+        entry.validate(name, self.config.max_tensor_bytes)?;
+        let newest = entry
+            .holders
+            .values()
+            .map(|mark| mark.stamp)
+            .chain(entry.deleted)
+            .fold(entry.stamp, Stamp::max);
+        Ok(self.hlc.observe(&newest, now_ms)?)
+    }
+
+    /// Live entries whose names start with `prefix` (`""`: all), in name order, at most
+    /// `limit`, each with the number of live, reachable holders of its newest version.
+    pub fn list(&self, prefix: &str, limit: usize) -> Vec<ListedEntry> {
+        self.registry
+            .list(prefix)
+            .take(limit)
+            .map(|(name, e)| ListedEntry {
+                name: name.clone(),
+                version: e.version,
+                meta: e.meta.clone(),
+                holders: e
+                    .holders_of(e.version)
+                    .filter(|n| reachable(&self.registry, n).is_some())
+                    .count()
+                    .try_into()
+                    .unwrap_or(u32::MAX),
+            })
+            .collect()
+    }
+
+    /// Every membership row, in node id order.
+    pub fn members(&self) -> Vec<Member> {
+        self.registry.members().cloned().collect()
+    }
+
+    /// Applies a validated op and notes what it changed; true if it changed anything.
+    fn apply(&mut self, op: &RegistryOp, changes: &mut Changes) -> bool {
+        let name = op_name(op);
+        let before = name.and_then(|n| self.live_version(n));
+        if !self.registry.apply(op) {
+            return false;
+        }
+        // Every replica prunes after every apply, or replicas would not converge.
+        self.registry.prune(self.config.keep_versions);
+        match (op, name) {
+            (RegistryOp::Member(member), _) => changes.note_member(member.node),
+            (_, Some(name)) => self.entry_changed(name, before, changes),
+            (_, None) => {}
+        }
+        true
+    }
+
+    /// Follows up a change to `name`'s entry: persistence, the event, the recent-metadata
+    /// cache, and the fan-out bookkeeping (completed fetches, evicted versions).
+    fn entry_changed(&mut self, name: &TensorName, before: Option<u64>, changes: &mut Changes) {
+        let after = self.registry.entry(name);
+        changes.note_name(name.clone());
+        changes.events.extend(event_for(name, before, after));
+        self.metas.update(name, after, self.config.keep_versions);
+        self.fanout.settle(name, after, self.config.keep_versions);
+    }
+
+    /// The newest version of `name` if it is live.
+    fn live_version(&self, name: &TensorName) -> Option<u64> {
+        self.registry.entry(name).map(|e| e.version)
+    }
+
+    /// Whether `(version, meta, publisher)` is `name`'s live head already.
+    fn is_head(&self, name: &TensorName, version: u64, meta: &TensorMeta, by: NodeId) -> bool {
+        self.registry
+            .entry(name)
+            .is_some_and(|e| e.version == version && e.publisher == by && e.meta == *meta)
+    }
+
+    /// Whether `node`'s mark says it holds `version` of live `name`.
+    fn holds(&self, name: &TensorName, version: u64, node: NodeId) -> bool {
+        self.registry
+            .entry(name)
+            .is_some_and(|e| e.holders_of(version).any(|n| n == node))
+    }
+}
+
+/// The membership row of `node` if it is alive and has addresses to reach it at.
+fn reachable<'a>(registry: &'a Registry, node: &NodeId) -> Option<&'a Member> {
+    registry
+        .member(node)
+        .filter(|m| m.alive && !m.addrs.is_empty())
+}
+
+/// The oldest version whose holders the registry keeps when `newest` is the newest.
+pub(crate) fn oldest_kept(newest: u64, keep_versions: u64) -> u64 {
+    newest.saturating_sub(keep_versions.max(1) - 1).max(1)
+}
+
+/// Refuses an op naming `claimed` as publisher or holder unless the sender is `claimed`.
+fn owned_by(sender: NodeId, claimed: NodeId) -> Result<(), BrokerError> {
+    match sender == claimed {
+        true => Ok(()),
+        false => Err(BrokerError::NotYours { sender, claimed }),
+    }
+}
+
+/// The name an op is about (none for a membership row).
+fn op_name(op: &RegistryOp) -> Option<&TensorName> {
+    match op {
+        RegistryOp::Publish { name, .. }
+        | RegistryOp::AddHolder { name, .. }
+        | RegistryOp::RemoveHolder { name, .. }
+        | RegistryOp::Delete { name, .. } => Some(name),
+        RegistryOp::Member(_) => None,
+    }
+}
+
+/// `op` with its stamp replaced by `new`.
+fn restamp(mut op: RegistryOp, new: Stamp) -> RegistryOp {
+    match &mut op {
+        RegistryOp::Publish { stamp, .. }
+        | RegistryOp::AddHolder { stamp, .. }
+        | RegistryOp::RemoveHolder { stamp, .. }
+        | RegistryOp::Delete { stamp, .. } => *stamp = new,
+        RegistryOp::Member(member) => member.stamp = new,
+    }
+    op
+}
+
+/// The greatest stamp anywhere in `registry` (heads, marks, tombstones, members).
+fn newest_stamp(registry: &Registry) -> Stamp {
+    let names = registry.digest();
+    let entries = registry.entries_for(names.keys());
+    let entry_stamps = entries.iter().flat_map(|(_, e)| {
+        e.holders
+            .values()
+            .map(|mark| mark.stamp)
+            .chain(e.deleted)
+            .chain([e.stamp])
+    });
+    registry
+        .members()
+        .map(|m| m.stamp)
+        .chain(entry_stamps)
+        .max()
+        .unwrap_or(Stamp::ZERO)
+}
