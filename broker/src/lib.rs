@@ -49,15 +49,25 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod actor;
+mod broker;
 mod config;
+mod ctl;
 mod error;
 mod events;
 mod fanout;
+mod gossip;
+mod metrics;
 mod persist;
 mod state;
+mod sync;
 
+pub use broker::{Broker, BrokerOptions, StartError};
 pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use events::{event_for, event_name, matching};
+pub use metrics::{BrokerCounters, Counter};
 pub use persist::{FORMAT_VERSION, LOCK_WAIT, PersistError, RegistryStore};
 pub use state::{BrokerState, Changes, Holders, MAX_VERSION_SKIP};
+pub use sync::SyncStats;
+pub use tb_node::{Ticket, TicketError};

@@ -1,10 +1,16 @@
 //! `tb`: the tensor-broker command line.
 //!
+//! - `tb up`: a local cluster (brokers and workers) on 127.0.0.1 until Ctrl-C.
+//! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
+//!   members.
 //! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
 //! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection.
 
 mod bench;
+mod cluster;
 mod demo;
+#[cfg_attr(not(test), allow(dead_code))] // used by put/get (next commit)
+mod files;
 mod fmt;
 
 use clap::{Parser, Subcommand};
@@ -19,6 +25,29 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a local cluster on 127.0.0.1 (1 broker and 2 workers by default) until Ctrl-C; it
+    /// prints the ticket, and the other commands find it without --join.
+    Up(cluster::UpArgs),
+    /// List the tensors a cluster holds: name, version, dtype, shape, size, holders.
+    Ls {
+        /// Only names starting with this.
+        #[arg(default_value = "")]
+        prefix: String,
+        #[command(flatten)]
+        join: cluster::Join,
+    },
+    /// Print every new version of names matching a pattern (`name` or `prefix/*`).
+    Watch {
+        /// The pattern.
+        pattern: String,
+        #[command(flatten)]
+        join: cluster::Join,
+    },
+    /// The cluster's brokers and workers, and whether they are alive.
+    Status {
+        #[command(flatten)]
+        join: cluster::Join,
+    },
     /// Start two nodes in this process, move tensors of several dtypes and sizes (up to
     /// 256 MiB) by pull and push, verify every byte, and print a summary. Exits 0 on success.
     Demo(demo::DemoArgs),
@@ -48,6 +77,10 @@ fn main() -> std::process::ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Up(args) => cluster::up(args).await,
+            Command::Ls { prefix, join } => cluster::ls(&join, &prefix).await,
+            Command::Watch { pattern, join } => cluster::watch(&join, &pattern).await,
+            Command::Status { join } => cluster::status(&join).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
         }

@@ -27,7 +27,7 @@ pub struct Pulled<B> {
     pub buffer: B,
 }
 
-async fn open(ctx: &NodeCtx, link: &LinkGuard) -> Result<(SendStream, RecvStream)> {
+pub(crate) async fn open(ctx: &NodeCtx, link: &LinkGuard) -> Result<(SendStream, RecvStream)> {
     let timeout = ctx.config.request_timeout;
     match tokio::time::timeout(timeout, link.connection().open_bi()).await {
         Ok(Ok(streams)) => Ok(streams),
@@ -39,7 +39,11 @@ async fn open(ctx: &NodeCtx, link: &LinkGuard) -> Result<(SendStream, RecvStream
     }
 }
 
-async fn read_response(ctx: &NodeCtx, recv: &mut RecvStream, what: &str) -> Result<DataResponse> {
+pub(crate) async fn read_response(
+    ctx: &NodeCtx,
+    recv: &mut RecvStream,
+    what: &str,
+) -> Result<DataResponse> {
     let timeout = ctx.config.request_timeout;
     match tokio::time::timeout(timeout, wire::read_frame(recv)).await {
         Ok(Ok(resp)) => Ok(resp),
@@ -189,8 +193,12 @@ fn describe(name: &TensorName, version: Option<u64>, link: &LinkGuard) -> String
 }
 
 /// Maps a peer's error frame onto the variant a caller can act on.
-fn remote_error(link: &LinkGuard, code: ErrorCode, message: String) -> Error {
-    let peer = link.peer().fmt_short().to_string();
+pub(crate) fn remote_error(link: &LinkGuard, code: ErrorCode, message: String) -> Error {
+    remote_error_from(link.peer().fmt_short().to_string(), code, message)
+}
+
+/// Maps an error frame from `peer` (a short node id) onto the variant a caller can act on.
+pub(crate) fn remote_error_from(peer: String, code: ErrorCode, message: String) -> Error {
     match code {
         ErrorCode::NotFound => Error::NotFound {
             what: format!("{message} at {peer}"),

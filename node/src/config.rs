@@ -2,9 +2,12 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use tb_proto::ClusterKey;
+use tb_proto::{ClusterKey, NamePattern};
 
-use crate::device::{CudaConfig, Device};
+use crate::{
+    device::{CudaConfig, Device},
+    endpoint::PeerAddr,
+};
 
 /// Default maximum tensor size: 64 GiB.
 pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 64 << 30;
@@ -31,8 +34,15 @@ pub struct Config {
     pub max_tensor_bytes: u64,
     /// Pushed tensors held for `recv()` before new pushes wait (back-pressure to senders).
     pub inbox_capacity: usize,
-    /// Versions of each name kept by `publish_local` (older ones are evicted).
+    /// Versions of each name the store keeps (older ones are evicted, and a node in a cluster
+    /// tells its broker it no longer holds them).
     pub keep_versions: usize,
+    /// Per-name overrides of `keep_versions`: the first pattern that matches a name decides.
+    /// Empty by default.
+    pub keep_versions_for: Vec<(NamePattern, usize)>,
+    /// Versions held longer than this are evicted, the newest included. `None` (the default):
+    /// versions leave only when newer ones push them out.
+    pub version_ttl: Option<Duration>,
     /// Concurrent streams a peer may open on one link.
     pub max_concurrent_streams: u32,
     /// Where tensors pushed to this node are placed: host memory (the default) or a CUDA
@@ -43,6 +53,20 @@ pub struct Config {
     /// The cluster secret's key: every connection proves it in its first frame, and peers that
     /// cannot are refused. [`ClusterKey::open`] (the default) admits any open node.
     pub cluster_key: ClusterKey,
+    /// The brokers of the cluster this node joins, tried in order when one is unreachable.
+    /// Empty (the default): a standalone node, whose cluster calls fail with
+    /// [`Error::Standalone`](crate::Error::Standalone).
+    pub brokers: Vec<PeerAddr>,
+    /// How often a node with brokers tells the current broker it is alive (brokers mark a
+    /// worker dead after 10 s of silence).
+    pub heartbeat_interval: Duration,
+    /// Addresses (`ip:port`) this node tells brokers to give its peers. Empty (the default):
+    /// the address it is bound to, with an unspecified IP read as loopback; set it when the
+    /// node binds `0.0.0.0` on a machine that others reach over the network.
+    pub advertise_addrs: Vec<SocketAddr>,
+    /// Whether subscriptions fetch each new version they report (`SubEvent::Version` then
+    /// carries the tensor). True by default.
+    pub auto_fetch: bool,
 }
 
 impl Default for Config {
@@ -58,10 +82,16 @@ impl Default for Config {
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
             inbox_capacity: 1024,
             keep_versions: 2,
+            keep_versions_for: Vec::new(),
+            version_ttl: None,
             max_concurrent_streams: 1024,
             push_placement: Device::Host,
             cuda: CudaConfig::default(),
             cluster_key: ClusterKey::open(),
+            brokers: Vec::new(),
+            heartbeat_interval: Duration::from_secs(2),
+            advertise_addrs: Vec::new(),
+            auto_fetch: true,
         }
     }
 }

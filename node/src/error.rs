@@ -85,6 +85,29 @@ pub enum Error {
     /// A CUDA driver call failed for another reason.
     #[error("device error: {0}")]
     Device(String),
+    /// A cluster call on a node with no brokers configured (`Config::brokers` is empty).
+    #[error("standalone node: no brokers configured (set Config::brokers to join a cluster)")]
+    Standalone,
+    /// No broker could be reached: each of the `tried` brokers failed (dial, hello, timeout,
+    /// connection lost, or it is shutting down). Retry later, or check the broker list.
+    #[error("no broker reachable: tried {tried}, last error: {last}")]
+    NoBroker {
+        /// How many brokers were tried.
+        tried: usize,
+        /// Why the last one failed.
+        last: String,
+    },
+    /// The broker named holders of a tensor, but none of them could serve it (unreachable,
+    /// lost it, or sent corrupt bytes), even after a second look-up. Retry later.
+    #[error("no holder could serve {what}: tried {tried}, last error: {last}")]
+    NoHolder {
+        /// The tensor, e.g. `tensor "model/w" v7`.
+        what: String,
+        /// How many holders were tried.
+        tried: usize,
+        /// Why the last one failed.
+        last: String,
+    },
     /// The node is shutting down or has shut down.
     #[error("node is shut down")]
     Shutdown,

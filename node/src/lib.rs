@@ -5,7 +5,10 @@
 //!
 //! ## Main types
 //! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
-//!   `wait_for`, `shutdown`, pool statistics.
+//!   `wait_for`, `shutdown`, pool statistics; and, with brokers configured, the cluster API:
+//!   `publish`, `get`, `get_version`, `delete`, `list`, `members`, `subscribe`.
+//! - [`Subscription`] and [`SubEvent`]: the versions (and deletes) of names matching a pattern,
+//!   in order per name, fetched when `Config::auto_fetch` is on, gaps reported as `Skipped`.
 //! - [`Tensor`]: dtype, shape and shared immutable bytes, BLAKE3-hashed when made; the bytes
 //!   live in host memory or on a CUDA device ([`Device`], [`DeviceBuffer`]).
 //! - [`PeerAddr`]: a peer's `<node-id>@<ip:port>`, the string users copy around.
@@ -19,6 +22,10 @@
 //!                   └── PeerActor        stops on idle timeout, eviction, or link loss
 //! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them
 //! TaskTracker ──── dial / serve tasks   every spawned task, joined at shutdown
+//!              ├── heartbeats           to the current broker, every `heartbeat_interval`
+//!              ├── eviction announcer   `RemoveHolder` for versions retention dropped
+//!              ├── TTL sweep            with `Config::version_ttl`
+//!              └── per subscription     a reader (broker events) and a deliverer (fetches)
 //! ```
 //! Actors decide; tasks move bytes. The `NodeActor` never waits on a child: dials run in
 //! tasks that `cast` back, and a [`LinkGuard`]'s `Drop` only casts.
@@ -29,6 +36,15 @@
 //! frame, lets the caller supply the destination buffer, reads the payload straight into it
 //! while hashing, and checks the BLAKE3 hash before returning. The serving side
 //! (`serve`) answers from the [`Store`] with slices of the shared bytes, no copies.
+//!
+//! ## How a cluster get flows
+//! `Node::get` asks the current broker (`tb/ctl/1`, one reused connection per broker, failing
+//! over to the next broker in `Config::brokers`) where the newest version is, pulls it from the
+//! holders it names, best first, over the same pooled `tb/data/1` links (a holder that fails
+//! mid-transfer is replaced by the next one, which sends only the missing bytes), verifies the
+//! hash, stores the version and announces that this node holds it. `Node::publish` asks the
+//! broker for the next version, stores the tensor under it and announces it. When retention
+//! evicts a version, a task tells the broker.
 //!
 //! ## GPU tensors (feature `cuda`, on by default)
 //! A tensor may live on a CUDA device ([`Tensor::from_device`], [`Tensor::to_device`]). It is
@@ -48,8 +64,10 @@
 
 pub mod auth;
 mod client;
+mod cluster;
 mod config;
 mod ctx;
+pub mod daemon;
 pub mod device;
 mod endpoint;
 mod error;
@@ -60,9 +78,17 @@ mod pool;
 mod serve;
 mod store;
 mod tensor;
+mod ticket;
 mod wire;
 
+/// Length-prefixed postcard frames on QUIC streams, for protocols served beside `tb/data/1`
+/// (the broker's `tb/ctl/1`).
+pub mod framing {
+    pub use crate::wire::{ReadFrameError, read_frame, write_frame};
+}
+
 pub use client::Pulled;
+pub use cluster::{SubEvent, Subscription};
 pub use config::{Config, DEFAULT_MAX_TENSOR_BYTES};
 #[cfg(feature = "cuda")]
 pub use cudarc;
@@ -72,7 +98,10 @@ pub use error::{Error, Result};
 pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};
-pub use store::{Lookup, Store};
+pub use store::{Inserted, Lookup, Retention, Store};
 pub use tb_proto as proto;
-pub use tb_proto::{ContentHash, DType, TensorMeta, TensorName};
+pub use tb_proto::{
+    ContentHash, DType, ListedEntry, Member, NamePattern, Role, TensorMeta, TensorName,
+};
 pub use tensor::Tensor;
+pub use ticket::{MAX_TICKET_BROKERS, TICKET_PREFIX, Ticket, TicketError};

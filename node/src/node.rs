@@ -1,11 +1,12 @@
 //! [`Node`]: the embeddable handle. Starts the endpoint, the router and the `NodeActor`, and
 //! offers the public async API: push, publish_local, pull, pull_to, pull_into,
-//! pull_into_device, recv, wait_for, shutdown.
+//! pull_into_device, recv, wait_for, shutdown. The cluster API (publish, get, list, subscribe)
+//! lives in `cluster`.
 
 use std::{
     future::Future,
     sync::{
-        Arc,
+        Arc, Weak,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
@@ -24,6 +25,7 @@ use tracing::debug;
 
 use crate::{
     client::{self, Pulled},
+    cluster::{self, Cluster},
     config::Config,
     ctx::{NodeCtx, TransferCounters},
     device::{self, Device, DeviceBuffer, route},
@@ -33,7 +35,6 @@ use crate::{
     node_actor::{NodeActor, NodeMsg},
     pool::{LinkGuard, PoolCounters, PoolStats, ReadyLinks},
     serve::DataProtocol,
-    store::Store,
     tensor::Tensor,
 };
 
@@ -48,9 +49,22 @@ pub struct Node {
     inner: Arc<Inner>,
 }
 
+/// A handle that does not keep the node alive (for tasks the node owns).
+#[derive(Debug, Clone)]
+pub(crate) struct WeakNode(Weak<Inner>);
+
+impl WeakNode {
+    /// The node, unless it is gone.
+    pub(crate) fn upgrade(&self) -> Option<Node> {
+        self.0.upgrade().map(|inner| Node { inner })
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     ctx: Arc<NodeCtx>,
+    /// The broker client; `None` on a standalone node.
+    cluster: Option<Arc<Cluster>>,
     actor: ActorRef<NodeMsg>,
     router: Router,
     addr: PeerAddr,
@@ -94,9 +108,10 @@ impl Node {
         extra: Vec<(&'static [u8], Box<dyn DynProtocolHandler>)>,
     ) -> Result<Node> {
         let addr = endpoint::local_peer_addr(&endpoint)?;
+        let (store, evictions) = cluster::store_for(&config);
         let ctx = Arc::new(NodeCtx {
             endpoint: endpoint.clone(),
-            store: Store::new(config.keep_versions),
+            store,
             inbox: Inbox::new(config.inbox_capacity),
             pool: Arc::new(PoolCounters::default()),
             ready: ReadyLinks::default(),
@@ -121,10 +136,12 @@ impl Node {
                 router.accept(alpn, handler)
             })
             .spawn();
-        debug!(node = %addr, "node started");
+        let cluster = cluster::start(&ctx, &addr, evictions);
+        debug!(node = %addr, brokers = ctx.config.brokers.len(), "node started");
         Ok(Node {
             inner: Arc::new(Inner {
                 ctx,
+                cluster,
                 actor,
                 router,
                 addr,
@@ -340,6 +357,9 @@ impl Node {
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, handle).await;
         ctx.tracker.close();
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, ctx.tracker.wait()).await;
+        if let Some(cluster) = &self.inner.cluster {
+            cluster.ctl.close().await;
+        }
         if let Err(e) = self.inner.router.shutdown().await {
             debug!(%e, "router shutdown");
         }
@@ -349,6 +369,21 @@ impl Node {
     /// Whether `shutdown` has been called.
     pub fn is_shut_down(&self) -> bool {
         self.inner.ctx.cancel.is_cancelled()
+    }
+
+    /// What the node's actors and tasks share.
+    pub(crate) fn ctx(&self) -> &Arc<NodeCtx> {
+        &self.inner.ctx
+    }
+
+    /// The broker client, or `Standalone` on a node without brokers.
+    pub(crate) fn cluster(&self) -> Result<&Arc<Cluster>> {
+        self.inner.cluster.as_ref().ok_or(Error::Standalone)
+    }
+
+    /// A handle that does not keep the node alive.
+    pub(crate) fn downgrade(&self) -> WeakNode {
+        WeakNode(Arc::downgrade(&self.inner))
     }
 
     fn check_running(&self) -> Result<()> {
@@ -364,7 +399,7 @@ impl Node {
     /// ready chunk while another thread cancels and closes the links, then sees "connection
     /// lost"), before the select sees the cancellation: an error that ends a call once shutdown
     /// has begun is reported as `Shutdown`, which is what caused it.
-    async fn guarded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
+    pub(crate) async fn guarded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
         self.check_running()?;
         tokio::select! {
             biased;
@@ -377,7 +412,7 @@ impl Node {
     }
 
     /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
-    async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
+    pub(crate) async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
         if let Some(guard) = self.inner.ctx.ready.try_guard(&addr.id) {
             self.inner.ctx.pool.reuses.inc();
             return Ok(guard);

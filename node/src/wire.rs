@@ -20,7 +20,7 @@ pub(crate) const HASH_BATCH: usize = 256 << 10;
 
 /// Why a frame could not be read.
 #[derive(Debug)]
-pub(crate) enum ReadFrameError {
+pub enum ReadFrameError {
     /// The stream ended (or was reset) before a whole frame arrived.
     Closed(String),
     /// The bytes are not a valid frame (too large, malformed): a protocol violation.
@@ -28,7 +28,8 @@ pub(crate) enum ReadFrameError {
 }
 
 impl ReadFrameError {
-    pub(crate) fn into_error(self, context: &str) -> Error {
+    /// The node error for this failure, with `context` naming what was being read.
+    pub fn into_error(self, context: &str) -> Error {
         match self {
             ReadFrameError::Closed(reason) => Error::Io(format!("{context}: {reason}")),
             ReadFrameError::Invalid(FrameError::TooLarge { len, max }) => Error::TooLarge(format!(
@@ -41,9 +42,7 @@ impl ReadFrameError {
 
 /// Reads one length-prefixed frame. The length is checked against the control-frame cap
 /// before the body is allocated.
-pub(crate) async fn read_frame<T: DeserializeOwned>(
-    recv: &mut RecvStream,
-) -> Result<T, ReadFrameError> {
+pub async fn read_frame<T: DeserializeOwned>(recv: &mut RecvStream) -> Result<T, ReadFrameError> {
     let mut prefix = [0u8; frame::LEN_PREFIX];
     recv.read_exact(&mut prefix).await.map_err(closed)?;
     let len = frame::body_len(prefix).map_err(ReadFrameError::Invalid)?;
@@ -60,7 +59,7 @@ fn closed(err: ReadExactError) -> ReadFrameError {
 }
 
 /// Writes one length-prefixed frame.
-pub(crate) async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result<()> {
+pub async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result<()> {
     let bytes = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
     send.write_all(&bytes)
         .await

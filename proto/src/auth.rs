@@ -33,6 +33,9 @@ const TOPIC_CONTEXT: &str = "tensor-broker gossip topic v1";
 /// Domain separation for the bytes a [`ClusterKey::proof`] hashes.
 const PROOF_DOMAIN: &[u8] = b"tensor-broker hello proof v1";
 
+/// Context of the key that authenticates gossip messages.
+const GOSSIP_MAC_CONTEXT: &str = "tensor-broker gossip mac v1";
+
 /// Why a cluster secret was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
@@ -121,6 +124,18 @@ impl ClusterKey {
     /// The iroh-gossip topic id the cluster's brokers replicate the registry on.
     pub fn gossip_topic(&self) -> [u8; 32] {
         blake3::derive_key(TOPIC_CONTEXT, &self.key)
+    }
+
+    /// A MAC over one gossip message. Gossip connections are iroh-gossip's own protocol (no
+    /// hello), so every message carries this and receivers drop those without a valid one.
+    pub fn gossip_mac(&self, payload: &[u8]) -> [u8; 32] {
+        let key = blake3::derive_key(GOSSIP_MAC_CONTEXT, &self.key);
+        *blake3::keyed_hash(&key, payload).as_bytes()
+    }
+
+    /// Whether `mac` is [`gossip_mac`](Self::gossip_mac)`(payload)`, in constant time.
+    pub fn verify_gossip_mac(&self, payload: &[u8], mac: &[u8; 32]) -> bool {
+        blake3::Hash::from(self.gossip_mac(payload)) == blake3::Hash::from(*mac)
     }
 
     fn proof_hash(&self, alpn: &[u8], client: &NodeId, server: &NodeId) -> blake3::Hash {
@@ -286,5 +301,16 @@ mod tests {
         assert_eq!(k.key, blake3::derive_key(KEY_CONTEXT, SECRET));
         assert_eq!(k.gossip_topic(), key(SECRET).gossip_topic());
         assert_ne!(k.gossip_topic(), key(&[7; 16]).gossip_topic());
+    }
+
+    #[test]
+    fn gossip_macs_bind_the_payload_and_the_secret() {
+        let key = ClusterKey::from_secret(b"0123456789abcdef").expect("secret");
+        let other = ClusterKey::from_secret(b"fedcba9876543210").expect("secret");
+        let mac = key.gossip_mac(b"op");
+        assert!(key.verify_gossip_mac(b"op", &mac));
+        assert!(!key.verify_gossip_mac(b"oq", &mac));
+        assert!(!other.verify_gossip_mac(b"op", &mac));
+        assert!(!ClusterKey::open().verify_gossip_mac(b"op", &mac));
     }
 }

@@ -2,6 +2,8 @@
 //! with known contents, a UDP proxy that delays every packet (a slow network on loopback),
 //! and bounded polling.
 
+pub mod procs;
+
 use std::{
     future::Future,
     net::SocketAddr,
@@ -57,6 +59,23 @@ pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> boo
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     check()
+}
+
+/// Like [`eventually`] for async checks: polls `check` every 50 ms until it is true or `limit`
+/// passes; returns whether it became true.
+pub async fn eventually_async<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    check().await
 }
 
 /// Awaits `fut`, failing the test if it takes longer than `limit` (a hang is a failure).
@@ -174,4 +193,14 @@ pub async fn raw_server_hello(conn: &Connection, me: EndpointId) -> bool {
     auth::server_hello(conn, me, &key, DATA_ALPN, timeout, 1 << 40, || {})
         .await
         .is_ok()
+}
+
+/// Logs to the test's output, filtered by `RUST_LOG` (nothing unless it is set).
+pub fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
 }

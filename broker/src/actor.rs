@@ -1,0 +1,345 @@
+//! `BrokerActor`: the thin shell around [`BrokerState`] that owns the registry replica.
+//!
+//! Requests from `tb/ctl/1` streams, gossip from other brokers, anti-entropy results and
+//! ticks arrive as messages; each handler calls one [`BrokerState`] method and carries out
+//! the [`Changes`] it returns: persist the changed entries and members (sled), hand the ops
+//! to the gossip task, and offer the events to matching subscriptions. No handler waits on
+//! the network: gossip goes out through an unbounded channel, events through `try_send`.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tb_proto::{
+    Event, ListedEntry, Member, NamePattern, NodeId, Registry, RegistryOp, Role, TensorName,
+};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use crate::{BrokerError, BrokerState, Changes, Holders, RegistryStore, matching};
+
+/// Events buffered per subscription before it counts as lagging (its client then sees a
+/// version gap, which it reports as `Skipped`).
+pub const SUBSCRIPTION_BUFFER: usize = 1024;
+
+/// The wall clock in milliseconds, the only time `BrokerState` is fed.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What the broker actor is asked to do.
+pub enum BrokerMsg {
+    /// A node reports it is alive.
+    Heartbeat {
+        /// The authenticated sender.
+        from: NodeId,
+        /// Its role.
+        role: Role,
+        /// Where it listens.
+        addrs: Vec<String>,
+        /// Its restart counter.
+        epoch: u64,
+        /// The answer.
+        reply: RpcReplyPort<Result<(), BrokerError>>,
+    },
+    /// A node reports registry changes it made.
+    Announce {
+        /// The authenticated sender.
+        from: NodeId,
+        /// Its ops.
+        ops: Vec<RegistryOp>,
+        /// The answer (the first refusal, if any).
+        reply: RpcReplyPort<Result<(), BrokerError>>,
+    },
+    /// The next version of a name.
+    NextVersion {
+        /// The name.
+        name: TensorName,
+        /// The answer.
+        reply: RpcReplyPort<u64>,
+    },
+    /// Where to fetch a version from.
+    Lookup {
+        /// The asker.
+        from: NodeId,
+        /// The name.
+        name: TensorName,
+        /// The version, or the newest.
+        version: Option<u64>,
+        /// The answer.
+        reply: RpcReplyPort<Result<Holders, BrokerError>>,
+    },
+    /// A node started or stopped fetching a version.
+    Fetching {
+        /// The fetcher.
+        from: NodeId,
+        /// The name.
+        name: TensorName,
+        /// The version.
+        version: u64,
+        /// Started (true) or stopped (false).
+        active: bool,
+        /// The answer.
+        reply: RpcReplyPort<Result<(), BrokerError>>,
+    },
+    /// Entries under a prefix.
+    List {
+        /// The prefix (empty: all).
+        prefix: String,
+        /// At most this many.
+        limit: usize,
+        /// The answer.
+        reply: RpcReplyPort<Vec<ListedEntry>>,
+    },
+    /// The membership table.
+    Members {
+        /// The answer.
+        reply: RpcReplyPort<Vec<Member>>,
+    },
+    /// Start sending events matching `pattern` into `events`; answers the subscription id.
+    Subscribe {
+        /// The pattern.
+        pattern: NamePattern,
+        /// Where matching events go.
+        events: mpsc::Sender<Event>,
+        /// The subscription's id, for `Unsubscribe`.
+        reply: RpcReplyPort<u64>,
+    },
+    /// Stop a subscription.
+    Unsubscribe {
+        /// The id `Subscribe` answered.
+        id: u64,
+    },
+    /// An op another broker gossiped (already authenticated by its envelope).
+    Gossip(RegistryOp),
+    /// A copy of the registry, for anti-entropy.
+    Snapshot {
+        /// The answer.
+        reply: RpcReplyPort<Arc<Registry>>,
+    },
+    /// What an anti-entropy round brought back.
+    Merge {
+        /// Entries that differed.
+        entries: Vec<(TensorName, tb_proto::Entry)>,
+        /// Member rows that differed.
+        members: Vec<Member>,
+    },
+    /// Periodic: expire silent workers, flush the store.
+    Tick,
+}
+
+/// Start-up input of the broker actor.
+pub struct BrokerArgs {
+    /// The decisions, loaded from the store.
+    pub state: BrokerState,
+    /// Where the replica is persisted.
+    pub store: RegistryStore,
+    /// Ops to broadcast go here (the gossip task drains it).
+    pub gossip_out: mpsc::UnboundedSender<RegistryOp>,
+    /// How often `Tick` comes.
+    pub tick: Duration,
+}
+
+/// The broker actor's state.
+pub struct BrokerActorState {
+    args: BrokerArgs,
+    subscriptions: HashMap<u64, (NamePattern, mpsc::Sender<Event>)>,
+    next_subscription: u64,
+    /// The registry as of the last change, shared with anti-entropy without copying per ask.
+    snapshot: Option<Arc<Registry>>,
+}
+
+/// The actor owning one broker's registry replica.
+pub struct BrokerActor;
+
+impl Actor for BrokerActor {
+    type Msg = BrokerMsg;
+    type State = BrokerActorState;
+    type Arguments = BrokerArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<BrokerMsg>,
+        args: BrokerArgs,
+    ) -> Result<BrokerActorState, ActorProcessingErr> {
+        myself.send_interval(args.tick, || BrokerMsg::Tick);
+        Ok(BrokerActorState {
+            args,
+            subscriptions: HashMap::new(),
+            next_subscription: 0,
+            snapshot: None,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<BrokerMsg>,
+        msg: BrokerMsg,
+        st: &mut BrokerActorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let now = now_ms();
+        let state = &mut st.args.state;
+        match msg {
+            BrokerMsg::Heartbeat {
+                from,
+                role,
+                addrs,
+                epoch,
+                reply,
+            } => {
+                let result = state.heartbeat(from, role, addrs, epoch, now);
+                answer_with_changes(st, reply, result);
+            }
+            BrokerMsg::Announce { from, ops, reply } => {
+                let mut changes = Changes::default();
+                let mut refused = None;
+                for op in ops {
+                    match state.announce(from, op, now) {
+                        Ok(c) => changes.extend(c),
+                        Err(e) => {
+                            refused.get_or_insert(e);
+                        }
+                    }
+                }
+                carry_out(st, changes);
+                let _ = reply.send(refused.map_or(Ok(()), Err));
+            }
+            BrokerMsg::NextVersion { name, reply } => {
+                let _ = reply.send(state.next_version(&name));
+            }
+            BrokerMsg::Lookup {
+                from,
+                name,
+                version,
+                reply,
+            } => {
+                let _ = reply.send(state.lookup(&name, version, from, now));
+            }
+            BrokerMsg::Fetching {
+                from,
+                name,
+                version,
+                active,
+                reply,
+            } => {
+                let _ = reply.send(state.fetching(&name, version, from, active, now));
+            }
+            BrokerMsg::List {
+                prefix,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(state.list(&prefix, limit));
+            }
+            BrokerMsg::Members { reply } => {
+                let _ = reply.send(state.members());
+            }
+            BrokerMsg::Subscribe {
+                pattern,
+                events,
+                reply,
+            } => {
+                let id = st.next_subscription;
+                st.next_subscription += 1;
+                st.subscriptions.insert(id, (pattern, events));
+                let _ = reply.send(id);
+            }
+            BrokerMsg::Unsubscribe { id } => {
+                st.subscriptions.remove(&id);
+            }
+            BrokerMsg::Gossip(op) => match state.remote_op(&op, now) {
+                Ok(changes) => carry_out(st, changes),
+                Err(e) => debug!(%e, "dropping a gossiped op"),
+            },
+            BrokerMsg::Snapshot { reply } => {
+                let snapshot = st
+                    .snapshot
+                    .get_or_insert_with(|| Arc::new(st.args.state.registry().clone()));
+                let _ = reply.send(snapshot.clone());
+            }
+            BrokerMsg::Merge { entries, members } => {
+                let changes = state.merge_entries(&entries, &members, now);
+                carry_out(st, changes);
+            }
+            BrokerMsg::Tick => {
+                let changes = state.expire(now);
+                carry_out(st, changes);
+                if let Err(e) = st.args.store.flush() {
+                    warn!(%e, "flushing the registry store");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<BrokerMsg>,
+        st: &mut BrokerActorState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Err(e) = st.args.store.flush() {
+            warn!(%e, "flushing the registry store at shutdown");
+        }
+        Ok(())
+    }
+}
+
+fn answer_with_changes(
+    st: &mut BrokerActorState,
+    reply: RpcReplyPort<Result<(), BrokerError>>,
+    result: Result<Changes, BrokerError>,
+) {
+    match result {
+        Ok(changes) => {
+            carry_out(st, changes);
+            let _ = reply.send(Ok(()));
+        }
+        Err(e) => {
+            let _ = reply.send(Err(e));
+        }
+    }
+}
+
+/// Persists, gossips and notifies what one decision changed.
+fn carry_out(st: &mut BrokerActorState, changes: Changes) {
+    if changes.is_empty() {
+        return;
+    }
+    st.snapshot = None;
+    let registry = st.args.state.registry();
+    if let Err(e) = st
+        .args
+        .store
+        .save_changed(registry, &changes.names, &changes.members)
+    {
+        warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
+    }
+    for op in changes.gossip {
+        // The gossip task only goes away at shutdown; then there is nobody to tell.
+        let _ = st.args.gossip_out.send(op);
+    }
+    for event in &changes.events {
+        let subs = st.subscriptions.iter().map(|(id, (p, _))| (*id, p));
+        let targets: Vec<u64> = matching(subs, event).collect();
+        for id in targets {
+            let Some((_, tx)) = st.subscriptions.get(&id) else {
+                continue;
+            };
+            match tx.try_send(event.clone()) {
+                Ok(()) => {}
+                // A slow subscriber misses this event; its client sees the version gap.
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    debug!(subscription = id, "subscriber lagging; event dropped")
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    st.subscriptions.remove(&id);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! [`Broker`]: a running broker process — a tb-node [`Node`] plus the [`BrokerActor`], the
+//! `tb/ctl/1` protocol, gossip replication and anti-entropy, all on one iroh endpoint.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use iroh::{EndpointId, address_lookup::MemoryLookup};
+use iroh_gossip::{Gossip, TopicId, api::GossipSender};
+use ractor::{Actor, ActorRef};
+use tb_node::{Node, PeerAddr, Ticket, auth::node_id};
+use tb_proto::{CTL_ALPN, Member, Role};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{debug, info, warn};
+
+use crate::{
+    BrokerConfig, BrokerState, RegistryStore,
+    actor::{BrokerActor, BrokerArgs, BrokerMsg, now_ms},
+    ctl::{CtlProtocol, ask},
+    gossip::GossipLoop,
+    metrics::BrokerCounters,
+    sync::{PeerLinks, pull_from},
+};
+
+/// Everything a broker can be tuned with. `data_dir` is required: the registry lives there.
+#[derive(Debug, Clone)]
+pub struct BrokerOptions {
+    /// The broker's node: bind address, identity key (in `node.data_dir`), cluster key, limits.
+    pub node: tb_node::Config,
+    /// Where the registry (sled) and the identity key are kept.
+    pub data_dir: PathBuf,
+    /// Retention, liveness timeout, fan-out width.
+    pub state: BrokerConfig,
+    /// Other brokers to join (from a ticket); empty for the first broker of a cluster.
+    pub join: Vec<PeerAddr>,
+    /// How often to pull from every peer broker (anti-entropy).
+    pub sync_interval: Duration,
+    /// How often to expire silent workers and flush the store.
+    pub tick: Duration,
+}
+
+impl BrokerOptions {
+    /// Defaults for a broker keeping its state in `data_dir`.
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        BrokerOptions {
+            node: tb_node::Config::default(),
+            data_dir: data_dir.into(),
+            state: BrokerConfig::default(),
+            join: Vec::new(),
+            sync_interval: Duration::from_secs(5),
+            tick: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why a broker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The node (endpoint, identity key) could not start.
+    #[error("starting the broker's node: {0}")]
+    Node(#[from] tb_node::Error),
+    /// The registry store could not be opened or loaded.
+    #[error("opening the registry in {dir}: {source}")]
+    Store {
+        /// The store's folder.
+        dir: PathBuf,
+        /// What failed.
+        source: crate::PersistError,
+    },
+    /// Something else failed while starting (actor, gossip).
+    #[error("starting the broker: {0}")]
+    Start(String),
+}
+
+/// A running broker. Cloning is not offered: keep one and call [`Broker::shutdown`].
+pub struct Broker {
+    node: Node,
+    actor: ActorRef<BrokerMsg>,
+    actor_done: tokio::task::JoinHandle<()>,
+    gossip: Gossip,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+    counters: Arc<BrokerCounters>,
+    join: Vec<PeerAddr>,
+}
+
+impl Broker {
+    /// Starts a broker: loads its registry, joins the cluster's gossip topic and starts
+    /// serving `tb/ctl/1` and `tb/data/1`.
+    pub async fn spawn(mut opts: BrokerOptions) -> Result<Broker, StartError> {
+        opts.node.data_dir = Some(opts.data_dir.clone());
+        let endpoint = Node::bind(&opts.node).await?;
+        let me = endpoint.id();
+        let lookup = MemoryLookup::new();
+        endpoint
+            .address_lookup()
+            .map_err(|e| StartError::Start(format!("address lookup: {e}")))?
+            .add(lookup.clone());
+        for peer in &opts.join {
+            lookup.add_endpoint_info(peer.to_endpoint_addr());
+        }
+
+        let (store, registry, epoch) = open_store(&opts).await?;
+        let state = BrokerState::new(node_id(&me), opts.state.clone(), registry, now_ms());
+        let (gossip_out, outbox) = mpsc::unbounded_channel();
+        let (actor, actor_done) = Actor::spawn(
+            None,
+            BrokerActor,
+            BrokerArgs {
+                state,
+                store,
+                gossip_out,
+                tick: opts.tick,
+            },
+        )
+        .await
+        .map_err(|e| StartError::Start(format!("broker actor: {e}")))?;
+
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let counters = Arc::new(BrokerCounters::default());
+        let gossip = Gossip::builder().spawn(endpoint.clone());
+        let ctl = CtlProtocol {
+            actor: actor.clone(),
+            key: opts.node.cluster_key.clone(),
+            me,
+            request_timeout: opts.node.request_timeout,
+            max_tensor_bytes: opts.node.max_tensor_bytes,
+            cancel: cancel.clone(),
+            tracker: tracker.clone(),
+            counters: counters.clone(),
+        };
+        let extra: Vec<(&'static [u8], Box<dyn iroh::protocol::DynProtocolHandler>)> = vec![
+            (CTL_ALPN, Box::new(ctl)),
+            (iroh_gossip::ALPN, Box::new(gossip.clone())),
+        ];
+        let node = Node::spawn_on(opts.node.clone(), endpoint.clone(), extra).await?;
+
+        let topic = TopicId::from_bytes(opts.node.cluster_key.gossip_topic());
+        let bootstrap: Vec<EndpointId> = opts.join.iter().map(|p| p.id).collect();
+        let (sender, receiver) = gossip
+            .subscribe(topic, bootstrap)
+            .await
+            .map_err(|e| StartError::Start(format!("joining the gossip topic: {e}")))?
+            .split();
+        let sync_now = Arc::new(Notify::new());
+        tracker.spawn(
+            GossipLoop {
+                key: opts.node.cluster_key.clone(),
+                sender: sender.clone(),
+                receiver,
+                outbox,
+                actor: actor.clone(),
+                max_tensor_bytes: opts.node.max_tensor_bytes,
+                sync_now: sync_now.clone(),
+                counters: counters.clone(),
+                cancel: cancel.clone(),
+            }
+            .run(),
+        );
+
+        let broker = Broker {
+            node,
+            actor,
+            actor_done,
+            gossip,
+            cancel,
+            tracker,
+            counters,
+            join: opts.join.clone(),
+        };
+        broker.announce_self(epoch, &opts).await?;
+        let sync = SyncLoop {
+            actor: broker.actor.clone(),
+            links: PeerLinks::new(
+                endpoint,
+                opts.node.cluster_key.clone(),
+                opts.node.connect_timeout,
+            ),
+            lookup,
+            sender,
+            join: opts.join.clone(),
+            me,
+            interval: opts.sync_interval,
+            request_timeout: opts.node.request_timeout,
+            max_tensor_bytes: opts.node.max_tensor_bytes,
+            sync_now,
+            counters: broker.counters.clone(),
+            cancel: broker.cancel.clone(),
+        };
+        broker.tracker.spawn(sync.run());
+        info!(broker = %broker.addr(), epoch, "broker started");
+        Ok(broker)
+    }
+
+    /// Writes this broker's membership row (alive, at its new epoch) and gossips it.
+    async fn announce_self(&self, epoch: u64, opts: &BrokerOptions) -> Result<(), StartError> {
+        let from = node_id(&self.node.id());
+        let addrs = vec![self.node.addr().addr.to_string()];
+        let asked = ask(&self.actor, opts.node.request_timeout, |reply| {
+            BrokerMsg::Heartbeat {
+                from,
+                role: Role::Broker,
+                addrs,
+                epoch,
+                reply,
+            }
+        })
+        .await;
+        match asked {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(StartError::Start(format!("announcing this broker: {e}"))),
+            Err(e) => Err(StartError::Start(format!("announcing this broker: {e:?}"))),
+        }
+    }
+
+    /// The broker's node (its data plane and identity).
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// Where nodes reach this broker: `<node-id>@<ip:port>`.
+    pub fn addr(&self) -> &PeerAddr {
+        self.node.addr()
+    }
+
+    /// A ticket naming this broker, the brokers it joined and every broker it has heard of.
+    pub async fn ticket(&self) -> Ticket {
+        let mut brokers = vec![self.addr().clone()];
+        brokers.extend(self.join.iter().filter(|b| b.id != self.addr().id).cloned());
+        let members = ask(&self.actor, Duration::from_secs(5), |reply| {
+            BrokerMsg::Members { reply }
+        })
+        .await
+        .unwrap_or_default();
+        for peer in members.iter().filter_map(broker_addr) {
+            if !brokers.iter().any(|b| b.id == peer.id) {
+                brokers.push(peer);
+            }
+        }
+        Ticket { brokers }
+    }
+
+    /// The broker's counters.
+    pub fn counters(&self) -> &BrokerCounters {
+        &self.counters
+    }
+
+    /// Stops serving, stops gossip and anti-entropy, flushes the registry, closes the node.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        self.tracker.close();
+        if tokio::time::timeout(Duration::from_secs(5), self.tracker.wait())
+            .await
+            .is_err()
+        {
+            warn!("broker tasks did not stop within 5 s");
+        }
+        if let Err(e) = self.gossip.shutdown().await {
+            debug!(%e, "gossip shutdown");
+        }
+        self.actor.stop(Some("shutdown".into()));
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.actor_done).await;
+        self.node.shutdown().await;
+    }
+}
+
+async fn open_store(
+    opts: &BrokerOptions,
+) -> Result<(RegistryStore, tb_proto::Registry, u64), StartError> {
+    let dir = opts.data_dir.join("registry");
+    let max = opts.node.max_tensor_bytes;
+    let opened = {
+        let dir = dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let store = RegistryStore::open(&dir)?;
+            let epoch = store.bump_epoch()?;
+            let registry = store.load(max)?;
+            Ok::<_, crate::PersistError>((store, registry, epoch))
+        })
+        .await
+        .map_err(|e| StartError::Start(format!("opening the store: {e}")))?
+    };
+    opened.map_err(|source| StartError::Store { dir, source })
+}
+
+/// A broker member's dialable address, if it advertises one.
+fn broker_addr(member: &Member) -> Option<PeerAddr> {
+    if member.role != Role::Broker || !member.alive {
+        return None;
+    }
+    let id = EndpointId::from_bytes(&member.node.0).ok()?;
+    let addr = member.addrs.iter().find_map(|a| a.parse().ok())?;
+    Some(PeerAddr { id, addr })
+}
+
+/// Pulls from every peer broker every `interval`, and at once when gossip says so.
+struct SyncLoop {
+    actor: ActorRef<BrokerMsg>,
+    links: PeerLinks,
+    lookup: MemoryLookup,
+    sender: GossipSender,
+    join: Vec<PeerAddr>,
+    me: EndpointId,
+    interval: Duration,
+    request_timeout: Duration,
+    max_tensor_bytes: u64,
+    sync_now: Arc<Notify>,
+    counters: Arc<BrokerCounters>,
+    cancel: CancellationToken,
+}
+
+impl SyncLoop {
+    async fn run(mut self) {
+        let mut known: Vec<EndpointId> = self.join.iter().map(|p| p.id).collect();
+        // The first round runs at once: a broker that starts late catches up before its
+        // first interval.
+        loop {
+            let peers = self.peers().await;
+            for peer in &peers {
+                if !known.contains(&peer.id) {
+                    known.push(peer.id);
+                    self.lookup.add_endpoint_info(peer.to_endpoint_addr());
+                    let _ = self.sender.join_peers(vec![peer.id]).await;
+                }
+                if self.cancel.is_cancelled() {
+                    break;
+                }
+                self.pull(peer).await;
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => break,
+                _ = tokio::time::sleep(self.interval) => {}
+                _ = self.sync_now.notified() => {}
+            }
+        }
+        self.links.close_all();
+    }
+
+    async fn pull(&mut self, peer: &PeerAddr) {
+        let conn = match self.links.get(peer).await {
+            Ok(conn) => conn,
+            Err(e) => {
+                self.counters.sync_failures.inc();
+                debug!(peer = %peer.id.fmt_short(), %e, "anti-entropy: peer unreachable");
+                return;
+            }
+        };
+        let pulled = tokio::select! {
+            _ = self.cancel.cancelled() => return,
+            r = pull_from(&conn, &self.actor, self.request_timeout, self.max_tensor_bytes) => r,
+        };
+        match pulled {
+            Ok(stats) => {
+                self.counters.sync_rounds.inc();
+                if stats.entries + stats.members > 0 {
+                    debug!(peer = %peer.id.fmt_short(), ?stats, "anti-entropy brought news");
+                }
+            }
+            Err(e) => {
+                self.counters.sync_failures.inc();
+                self.links.drop_link(&peer.id);
+                debug!(peer = %peer.id.fmt_short(), %e, "anti-entropy round failed");
+            }
+        }
+    }
+
+    /// The join list plus every live broker the membership table knows, except this one.
+    async fn peers(&self) -> Vec<PeerAddr> {
+        let mut peers: Vec<PeerAddr> = self.join.clone();
+        let members = ask(&self.actor, self.request_timeout, |reply| {
+            BrokerMsg::Members { reply }
+        })
+        .await
+        .unwrap_or_default();
+        for peer in members.iter().filter_map(broker_addr) {
+            if !peers.iter().any(|p| p.id == peer.id) {
+                peers.push(peer);
+            }
+        }
+        peers.retain(|p| p.id != self.me);
+        peers
+    }
+}

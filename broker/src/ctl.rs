@@ -1,0 +1,314 @@
+//! The serving side of `tb/ctl/1` on a broker: the hello, then one task per request stream
+//! that asks the [`BrokerActor`](crate::actor::BrokerActor) and writes the answer frames.
+//!
+//! Every request is validated before it reaches the actor; multi-frame answers (`Listing`,
+//! `Members`, anti-entropy) are cut with `chunk_by_size` so no frame passes the control-frame
+//! cap. A subscription keeps its stream open and forwards events until either side closes.
+
+use std::{sync::Arc, time::Duration};
+
+use iroh::{
+    endpoint::{Connection, RecvStream, SendStream},
+    protocol::{AcceptError, ProtocolHandler},
+};
+use ractor::{ActorRef, rpc::CallResult};
+use tb_node::{
+    auth,
+    framing::{ReadFrameError, read_frame, write_frame},
+};
+use tb_proto::{
+    CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, MAX_CHUNK_BYTES, chunk_by_size,
+};
+use tokio::sync::mpsc;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{Instrument, debug, debug_span};
+
+use crate::{
+    BrokerError,
+    actor::{BrokerMsg, SUBSCRIPTION_BUFFER},
+    metrics::BrokerCounters,
+    sync,
+};
+
+/// Settings and handles the ctl protocol needs.
+#[derive(Clone)]
+pub(crate) struct CtlProtocol {
+    pub(crate) actor: ActorRef<BrokerMsg>,
+    pub(crate) key: ClusterKey,
+    pub(crate) me: iroh::EndpointId,
+    pub(crate) request_timeout: Duration,
+    pub(crate) max_tensor_bytes: u64,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) counters: Arc<BrokerCounters>,
+}
+
+impl std::fmt::Debug for CtlProtocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CtlProtocol")
+    }
+}
+
+impl ProtocolHandler for CtlProtocol {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let hello = auth::server_hello(
+            &conn,
+            self.me,
+            &self.key,
+            CTL_ALPN,
+            self.request_timeout,
+            self.max_tensor_bytes,
+            || self.counters.auth_failures.inc(),
+        );
+        if let Err(err) = hello.await {
+            debug!(%err, "ctl hello failed");
+            return Ok(());
+        }
+        let peer = auth::node_id(&conn.remote_id());
+        loop {
+            let accepted = tokio::select! {
+                _ = self.cancel.cancelled() => break,
+                accepted = conn.accept_bi() => accepted,
+            };
+            let Ok((send, recv)) = accepted else { break };
+            let this = self.clone();
+            let span = debug_span!("ctl", peer = %conn.remote_id().fmt_short());
+            self.tracker.spawn(
+                async move {
+                    tokio::select! {
+                        _ = this.cancel.cancelled() => {}
+                        () = this.serve_stream(peer, send, recv) => {}
+                    }
+                }
+                .instrument(span),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Asks the actor and waits (bounded) for its answer.
+pub(crate) async fn ask<T: Send + 'static>(
+    actor: &ActorRef<BrokerMsg>,
+    timeout: Duration,
+    msg: impl FnOnce(ractor::RpcReplyPort<T>) -> BrokerMsg,
+) -> Result<T, CtlResponse> {
+    match actor.call(msg, Some(timeout)).await {
+        Ok(CallResult::Success(v)) => Ok(v),
+        Ok(CallResult::Timeout) => Err(error(ErrorCode::Internal, "broker busy: no answer")),
+        Ok(CallResult::SenderError) | Err(_) => {
+            Err(error(ErrorCode::ShuttingDown, "broker shutting down"))
+        }
+    }
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> CtlResponse {
+    CtlResponse::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+fn refused(e: BrokerError) -> CtlResponse {
+    error(e.code(), e.to_string())
+}
+
+impl CtlProtocol {
+    async fn serve_stream(
+        &self,
+        peer: tb_proto::NodeId,
+        mut send: SendStream,
+        mut recv: RecvStream,
+    ) {
+        let request =
+            match tokio::time::timeout(self.request_timeout, read_frame::<CtlRequest>(&mut recv))
+                .await
+            {
+                Ok(Ok(request)) => request,
+                Ok(Err(ReadFrameError::Closed(_))) => return,
+                Ok(Err(ReadFrameError::Invalid(e))) => {
+                    let _ =
+                        write_frame(&mut send, &error(ErrorCode::Malformed, e.to_string())).await;
+                    let _ = send.finish();
+                    return;
+                }
+                Err(_) => return,
+            };
+        if let Err(e) = request.validate(self.max_tensor_bytes) {
+            let _ = write_frame(&mut send, &error(ErrorCode::Malformed, e.to_string())).await;
+            let _ = send.finish();
+            return;
+        }
+        self.counters.requests.inc();
+        let answers = match request {
+            CtlRequest::Subscribe { pattern } => {
+                self.subscribe(pattern, send, recv).await;
+                return;
+            }
+            CtlRequest::SyncBuckets { buckets, members } => {
+                let conversation = sync::Responder {
+                    actor: &self.actor,
+                    timeout: self.request_timeout,
+                    max_tensor_bytes: self.max_tensor_bytes,
+                };
+                if let Err(e) = conversation
+                    .run(buckets, members, &mut send, &mut recv)
+                    .await
+                {
+                    debug!(%e, "anti-entropy conversation ended early");
+                }
+                let _ = send.finish();
+                return;
+            }
+            request => self.answer(peer, request).await,
+        };
+        for frame in answers {
+            if write_frame(&mut send, &frame).await.is_err() {
+                return;
+            }
+        }
+        let _ = send.finish();
+        let _ = tokio::time::timeout(self.request_timeout, send.stopped()).await;
+    }
+
+    /// The answer frames to a one-shot request.
+    async fn answer(&self, from: tb_proto::NodeId, request: CtlRequest) -> Vec<CtlResponse> {
+        let (actor, t) = (&self.actor, self.request_timeout);
+        let result = match request {
+            CtlRequest::Heartbeat { role, addrs, epoch } => {
+                ask(actor, t, |reply| BrokerMsg::Heartbeat {
+                    from,
+                    role,
+                    addrs,
+                    epoch,
+                    reply,
+                })
+                .await
+                .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok))
+            }
+            CtlRequest::Announce { ops } => {
+                ask(actor, t, |reply| BrokerMsg::Announce { from, ops, reply })
+                    .await
+                    .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok))
+            }
+            CtlRequest::NextVersion { name } => {
+                ask(actor, t, |reply| BrokerMsg::NextVersion { name, reply })
+                    .await
+                    .map(|version| CtlResponse::Version { version })
+            }
+            CtlRequest::Lookup { name, version } => ask(actor, t, |reply| BrokerMsg::Lookup {
+                from,
+                name,
+                version,
+                reply,
+            })
+            .await
+            .map(|r| r.map_or_else(refused, CtlResponse::from)),
+            CtlRequest::Fetching {
+                name,
+                version,
+                active,
+            } => ask(actor, t, |reply| BrokerMsg::Fetching {
+                from,
+                name,
+                version,
+                active,
+                reply,
+            })
+            .await
+            .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok)),
+            CtlRequest::List { prefix, limit } => {
+                let limit = limit as usize;
+                let listed = ask(actor, t, |reply| BrokerMsg::List {
+                    prefix,
+                    limit,
+                    reply,
+                })
+                .await;
+                return match listed {
+                    Ok(entries) => pieces(entries, |entries, last| CtlResponse::Listing {
+                        entries,
+                        last,
+                    }),
+                    Err(e) => vec![e],
+                };
+            }
+            CtlRequest::Members => {
+                return match ask(actor, t, |reply| BrokerMsg::Members { reply }).await {
+                    Ok(members) => pieces(members, |members, last| CtlResponse::Members {
+                        members,
+                        last,
+                    }),
+                    Err(e) => vec![e],
+                };
+            }
+            CtlRequest::SyncNames { .. } => Ok(error(
+                ErrorCode::Malformed,
+                "SyncNames outside an anti-entropy conversation",
+            )),
+            CtlRequest::Subscribe { .. } | CtlRequest::SyncBuckets { .. } => Ok(error(
+                ErrorCode::Internal,
+                "streaming request routed as one-shot",
+            )),
+        };
+        vec![result.unwrap_or_else(|e| e)]
+    }
+
+    /// Forwards events matching `pattern` until the client goes away or the broker stops.
+    async fn subscribe(
+        &self,
+        pattern: tb_proto::NamePattern,
+        mut send: SendStream,
+        mut recv: RecvStream,
+    ) {
+        let (tx, mut rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        let asked = ask(&self.actor, self.request_timeout, |reply| {
+            BrokerMsg::Subscribe {
+                pattern,
+                events: tx,
+                reply,
+            }
+        })
+        .await;
+        let id = match asked {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = write_frame(&mut send, &e).await;
+                let _ = send.finish();
+                return;
+            }
+        };
+        // The client never writes again: its stream ending (or resetting) is the unsubscribe.
+        let mut sink = [0u8; 64];
+        loop {
+            tokio::select! {
+                event = rx.recv() => {
+                    let Some(event) = event else { break };
+                    if write_frame(&mut send, &CtlResponse::Event(event)).await.is_err() {
+                        break;
+                    }
+                }
+                read = recv.read(&mut sink) => {
+                    if !matches!(read, Ok(Some(_))) {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = self.actor.cast(BrokerMsg::Unsubscribe { id });
+    }
+}
+
+/// Cuts a long answer into frames under the control-frame cap, the last one marked.
+pub(crate) fn pieces<T: serde::Serialize>(
+    items: Vec<T>,
+    frame: impl Fn(Vec<T>, bool) -> CtlResponse,
+) -> Vec<CtlResponse> {
+    let chunks = chunk_by_size(items, MAX_CHUNK_BYTES);
+    let count = chunks.len();
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| frame(chunk, i + 1 == count))
+        .collect()
+}

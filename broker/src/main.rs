@@ -1,0 +1,82 @@
+//! `tb-broker`: runs one broker of a tensor-broker cluster until SIGINT or SIGTERM.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use tb_broker::{Broker, BrokerOptions, Ticket};
+use tb_node::daemon::{self, LogFormat};
+
+/// Run a tensor-broker broker: it keeps the gossip-replicated registry of tensor names,
+/// versions and holders (persisted in its data dir), answers look-ups from workers, and
+/// streams new versions to subscribers.
+///
+/// The first broker of a cluster starts without --join and prints the cluster ticket; other
+/// brokers and the workers join with that ticket. Every node of a cluster needs the same
+/// cluster secret (--cluster-secret-file or TB_CLUSTER_SECRET); without one the cluster is
+/// open to anyone who can reach it.
+#[derive(Debug, Parser)]
+#[command(name = "tb-broker", version)]
+struct Args {
+    /// Where the registry (sled) and the identity key live.
+    /// [default: ~/.local/share/tensor-broker/broker]
+    #[arg(long, env = "TB_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// UDP address to listen on (QUIC).
+    #[arg(long, env = "TB_LISTEN", default_value = "127.0.0.1:7410")]
+    listen: SocketAddr,
+    /// File holding the cluster secret (at least 16 bytes; a trailing newline is ignored).
+    #[arg(
+        long,
+        env = "TB_CLUSTER_SECRET_FILE",
+        conflicts_with = "cluster_secret"
+    )]
+    cluster_secret_file: Option<PathBuf>,
+    /// The cluster secret itself (prefer the file: command lines are visible to other users).
+    #[arg(long, env = "TB_CLUSTER_SECRET", hide_env_values = true)]
+    cluster_secret: Option<String>,
+    /// A cluster ticket (tbc1:...) naming brokers to join.
+    #[arg(long, env = "TB_JOIN")]
+    join: Option<Ticket>,
+    /// Also write the cluster ticket to this file.
+    #[arg(long, env = "TB_TICKET_FILE")]
+    ticket_file: Option<PathBuf>,
+    /// Mark a worker dead after this many seconds without a heartbeat.
+    #[arg(long, env = "TB_LIVENESS_TIMEOUT", default_value_t = 10)]
+    liveness_timeout: u64,
+    /// Seconds between anti-entropy rounds with every peer broker.
+    #[arg(long, env = "TB_SYNC_INTERVAL", default_value_t = 5)]
+    sync_interval: u64,
+    /// Log format: human-readable text, or JSON lines for machines.
+    #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    daemon::init_logging(args.log_format);
+    let data_dir = daemon::data_dir(args.data_dir, "broker")?;
+    let mut opts = BrokerOptions::new(&data_dir);
+    opts.node.bind_addr = args.listen;
+    opts.node.cluster_key = daemon::cluster_key(
+        args.cluster_secret.as_deref(),
+        args.cluster_secret_file.as_deref(),
+    )?;
+    opts.join = args.join.map(|t| t.brokers).unwrap_or_default();
+    opts.state.liveness_timeout_ms = args.liveness_timeout.saturating_mul(1000);
+    opts.sync_interval = Duration::from_secs(args.sync_interval.max(1));
+    let broker = Broker::spawn(opts)
+        .await
+        .with_context(|| format!("starting the broker (data dir {})", data_dir.display()))?;
+    let ticket = broker.ticket().await.to_string();
+    println!("ticket: {ticket}");
+    if let Some(path) = &args.ticket_file {
+        std::fs::write(path, format!("{ticket}\n"))
+            .with_context(|| format!("writing the ticket to {}", path.display()))?;
+    }
+    daemon::wait_for_signal().await;
+    eprintln!("shutting down");
+    broker.shutdown().await;
+    Ok(())
+}

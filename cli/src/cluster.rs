@@ -1,0 +1,305 @@
+//! The cluster commands: `tb up` runs a local cluster; `tb ls`, `tb get`, `tb put`,
+//! `tb watch` and `tb status` talk to one through a short-lived node of their own.
+//!
+//! Without `--join`, a command uses the cluster `tb up` started on this machine: `tb up`
+//! writes its ticket and cluster secret into its data dir (`~/.local/share/tensor-broker/up`,
+//! the secret with mode 0600), and the other commands read them from there.
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use tb_node::{
+    Config, Node, SubEvent, Ticket,
+    daemon::{self},
+    proto::ClusterKey,
+};
+
+use crate::fmt::bytes;
+
+/// Where a command finds the cluster.
+#[derive(Debug, Clone, Args)]
+pub struct Join {
+    /// The cluster ticket (tbc1:...). Default: the one `tb up` wrote on this machine.
+    #[arg(long, env = "TB_JOIN", global = true)]
+    pub join: Option<Ticket>,
+    /// File holding the cluster secret. Default: the one `tb up` wrote, if any.
+    #[arg(long, env = "TB_CLUSTER_SECRET_FILE", global = true)]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Seconds to wait for the cluster before giving up.
+    #[arg(long, default_value_t = 10, global = true)]
+    pub timeout: u64,
+}
+
+/// The folder where `tb up` keeps its state, ticket and secret.
+pub fn up_dir() -> Result<PathBuf> {
+    Ok(daemon::data_dir(None, "up")?)
+}
+
+impl Join {
+    /// A node of this cluster for one command (a fresh identity, nothing held).
+    pub async fn node(&self) -> Result<Node> {
+        let (ticket, key) = self.resolve()?;
+        let timeout = Duration::from_secs(self.timeout.max(1));
+        let config = Config {
+            brokers: ticket.brokers,
+            cluster_key: key,
+            connect_timeout: timeout,
+            request_timeout: timeout,
+            auto_fetch: false,
+            ..Config::default()
+        };
+        Node::spawn(config).await.context("starting a node")
+    }
+
+    fn resolve(&self) -> Result<(Ticket, ClusterKey)> {
+        let up = up_dir().ok();
+        let ticket = match (&self.join, &up) {
+            (Some(t), _) => t.clone(),
+            (None, Some(dir)) if dir.join("ticket").exists() => read_ticket(&dir.join("ticket"))?,
+            _ => bail!(
+                "no cluster to talk to: pass --join <ticket> (a broker prints it) or start one \
+                 with `tb up`"
+            ),
+        };
+        let secret_file = match (&self.cluster_secret_file, &up) {
+            (Some(f), _) => Some(f.clone()),
+            (None, Some(dir)) if self.join.is_none() && dir.join("secret").exists() => {
+                Some(dir.join("secret"))
+            }
+            _ => None,
+        };
+        let key = daemon::cluster_key(None, secret_file.as_deref())?;
+        Ok((ticket, key))
+    }
+}
+
+fn read_ticket(path: &Path) -> Result<Ticket> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the ticket in {}", path.display()))?;
+    text.trim()
+        .parse()
+        .with_context(|| format!("the ticket in {}", path.display()))
+}
+
+/// `tb ls`: names, versions, dtypes, shapes, sizes and holder counts.
+pub async fn ls(join: &Join, prefix: &str) -> Result<()> {
+    let node = join.node().await?;
+    let listed = node.list(prefix).await;
+    node.shutdown().await;
+    let entries = listed.context("listing")?;
+    if entries.is_empty() {
+        println!("no tensors{}", in_prefix(prefix));
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:>7} {:>8} {:>18} {:>10} {:>7}",
+        "NAME", "VERSION", "DTYPE", "SHAPE", "SIZE", "HOLDERS"
+    );
+    for e in entries {
+        let shape = format!("{:?}", e.meta.shape);
+        println!(
+            "{:<40} {:>7} {:>8} {:>18} {:>10} {:>7}",
+            e.name.as_str(),
+            e.version,
+            e.meta.dtype.name(),
+            shape,
+            bytes(e.meta.byte_len),
+            e.holders
+        );
+    }
+    Ok(())
+}
+
+fn in_prefix(prefix: &str) -> String {
+    match prefix {
+        "" => String::new(),
+        p => format!(" under {p:?}"),
+    }
+}
+
+/// `tb status`: the members of the cluster and whether they are alive.
+pub async fn status(join: &Join) -> Result<()> {
+    let node = join.node().await?;
+    let members = node.members().await;
+    let broker = node.current_broker().cloned();
+    node.shutdown().await;
+    let members = members.context("asking for the members")?;
+    if let Some(b) = broker {
+        println!("asked broker {b}");
+    }
+    println!(
+        "{:<10} {:<8} {:<6} {:<24} {:>6}",
+        "NODE", "ROLE", "STATE", "ADDRESS", "EPOCH"
+    );
+    for m in members {
+        println!(
+            "{:<10} {:<8} {:<6} {:<24} {:>6}",
+            &m.node.to_hex()[..8],
+            format!("{:?}", m.role).to_lowercase(),
+            if m.alive { "alive" } else { "dead" },
+            m.addrs.first().map_or("-", String::as_str),
+            m.epoch
+        );
+    }
+    Ok(())
+}
+
+/// `tb watch`: prints every new version of matching names until Ctrl-C.
+pub async fn watch(join: &Join, pattern: &str) -> Result<()> {
+    let node = join.node().await?;
+    let mut sub = node
+        .subscribe(pattern)
+        .await
+        .with_context(|| format!("subscribing to {pattern:?}"))?;
+    eprintln!("watching {pattern:?} (Ctrl-C to stop)");
+    loop {
+        tokio::select! {
+            () = daemon::wait_for_signal() => break,
+            event = sub.next() => match event {
+                None => {
+                    node.shutdown().await;
+                    bail!("the subscription ended: no broker reachable");
+                }
+                Some(Err(e)) => eprintln!("error: {e}"),
+                Some(Ok(SubEvent::Version { name, version, meta, .. })) => println!(
+                    "{} v{version} {} {:?} {}",
+                    name.as_str(), meta.dtype.name(), meta.shape, bytes(meta.byte_len)
+                ),
+                Some(Ok(SubEvent::Skipped { name, from, to })) => {
+                    println!("{} skipped v{from}..=v{to}", name.as_str())
+                }
+                Some(Ok(SubEvent::Deleted { name })) => println!("{} deleted", name.as_str()),
+            },
+        }
+    }
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Options of `tb up`.
+#[derive(Debug, Clone, Args)]
+pub struct UpArgs {
+    /// Brokers to start.
+    #[arg(long, default_value_t = 1)]
+    pub brokers: usize,
+    /// Workers to start.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Where the cluster keeps its state (registries, keys, ticket, secret).
+    /// [default: ~/.local/share/tensor-broker/up]
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// First UDP port: brokers listen on it and the ports after it, workers from +100.
+    #[arg(long, default_value_t = 7410)]
+    pub base_port: u16,
+}
+
+/// `tb up`: a local cluster on 127.0.0.1 until Ctrl-C.
+pub async fn up(args: UpArgs) -> Result<()> {
+    if args.brokers == 0 || args.brokers > 16 || args.workers > 64 {
+        bail!("tb up runs 1 to 16 brokers and 0 to 64 workers");
+    }
+    let dir = match args.data_dir {
+        Some(d) => daemon::data_dir(Some(d), "up")?,
+        None => up_dir()?,
+    };
+    let secret_file = dir.join("secret");
+    ensure_secret(&secret_file)?;
+    let key = daemon::cluster_key(None, Some(&secret_file))?;
+    let mut brokers: Vec<tb_broker::Broker> = Vec::new();
+    for i in 0..args.brokers {
+        let mut opts = tb_broker::BrokerOptions::new(dir.join(format!("broker-{i}")));
+        opts.node.bind_addr = ([127, 0, 0, 1], port(args.base_port, i)?).into();
+        opts.node.cluster_key = key.clone();
+        opts.join = brokers
+            .first()
+            .map(|b| b.addr().clone())
+            .into_iter()
+            .collect();
+        let broker = tb_broker::Broker::spawn(opts)
+            .await
+            .with_context(|| format!("starting broker {i} (is another `tb up` running?)"))?;
+        brokers.push(broker);
+    }
+    let broker_addrs: Vec<_> = brokers.iter().map(|b| b.addr().clone()).collect();
+    let mut workers = Vec::new();
+    for i in 0..args.workers {
+        let config = Config {
+            bind_addr: ([127, 0, 0, 1], port(args.base_port, 100 + i)?).into(),
+            data_dir: Some(dir.join(format!("worker-{i}"))),
+            brokers: broker_addrs.clone(),
+            cluster_key: key.clone(),
+            ..Config::default()
+        };
+        let worker = Node::spawn(config)
+            .await
+            .with_context(|| format!("starting worker {i}"))?;
+        tokio::spawn(daemon::publish_pushes(worker.clone()));
+        workers.push(worker);
+    }
+    let ticket = match brokers.first() {
+        Some(b) => b.ticket().await,
+        None => bail!("no broker started"),
+    };
+    let ticket_file = dir.join("ticket");
+    std::fs::write(&ticket_file, format!("{ticket}\n"))
+        .with_context(|| format!("writing {}", ticket_file.display()))?;
+    println!(
+        "cluster up: {} broker(s), {} worker(s)",
+        brokers.len(),
+        workers.len()
+    );
+    println!("ticket: {ticket}");
+    println!("secret: {} (mode 0600)", secret_file.display());
+    for w in &workers {
+        println!("worker: {}", w.addr());
+    }
+    println!("try: tb put demo/x some.npy   tb ls   tb get demo/x -o x.npy   (Ctrl-C stops)");
+    daemon::wait_for_signal().await;
+    eprintln!("stopping the cluster");
+    for w in workers {
+        w.shutdown().await;
+    }
+    for b in brokers {
+        b.shutdown().await;
+    }
+    let _ = std::fs::remove_file(&ticket_file);
+    Ok(())
+}
+
+fn port(base: u16, offset: usize) -> Result<u16> {
+    u16::try_from(offset)
+        .ok()
+        .and_then(|o| base.checked_add(o))
+        .with_context(|| format!("--base-port {base} leaves no room for port +{offset}"))
+}
+
+/// Creates a random cluster secret (mode 0600) unless one exists.
+fn ensure_secret(path: &Path) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    use std::io::Write;
+    let secret: String = iroh::SecretKey::generate()
+        .to_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    file.write_all(format!("{secret}\n").as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

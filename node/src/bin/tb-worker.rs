@@ -1,0 +1,115 @@
+//! `tb-worker`: runs one worker of a tensor-broker cluster until SIGINT or SIGTERM.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use tb_node::{
+    Config, Node, SubEvent, Subscription, Ticket,
+    daemon::{self, LogFormat},
+};
+use tracing::{info, warn};
+
+/// Run a tensor-broker worker: it holds tensors and serves them to peers over encrypted QUIC,
+/// registers what it holds with the cluster's brokers, and heartbeats so they know it is
+/// alive.
+///
+/// Tensors pushed to a worker (`tb put` does this) are published under their name: the
+/// worker holds them and the brokers tell everyone else where to fetch them. With
+/// --subscribe, the worker also fetches every new version of matching names as it appears
+/// (e.g. `--subscribe 'model/*'` on inference workers), so it can serve them too.
+#[derive(Debug, Parser)]
+#[command(name = "tb-worker", version)]
+struct Args {
+    /// The cluster ticket (tbc1:...) a broker printed.
+    #[arg(long, env = "TB_JOIN")]
+    join: Ticket,
+    /// Where the identity key lives. [default: ~/.local/share/tensor-broker/worker]
+    #[arg(long, env = "TB_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// UDP address to listen on (QUIC).
+    #[arg(long, env = "TB_LISTEN", default_value = "127.0.0.1:7420")]
+    listen: SocketAddr,
+    /// Address to give peers when it differs from --listen (e.g. listening on 0.0.0.0).
+    #[arg(long, env = "TB_ADVERTISE")]
+    advertise: Option<SocketAddr>,
+    /// File holding the cluster secret (at least 16 bytes; a trailing newline is ignored).
+    #[arg(
+        long,
+        env = "TB_CLUSTER_SECRET_FILE",
+        conflicts_with = "cluster_secret"
+    )]
+    cluster_secret_file: Option<PathBuf>,
+    /// The cluster secret itself (prefer the file: command lines are visible to other users).
+    #[arg(long, env = "TB_CLUSTER_SECRET", hide_env_values = true)]
+    cluster_secret: Option<String>,
+    /// Versions of each name to keep; older ones are evicted and withdrawn.
+    #[arg(long, env = "TB_KEEP_VERSIONS", default_value_t = 2)]
+    keep_versions: usize,
+    /// Fetch and hold every new version of names matching this pattern (`name` or `prefix/*`).
+    /// Repeatable.
+    #[arg(long = "subscribe", value_name = "PATTERN")]
+    subscribe: Vec<String>,
+    /// Log format: text (human-readable) or json.
+    #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    daemon::init_logging(args.log_format);
+    let data_dir = daemon::data_dir(args.data_dir, "worker")?;
+    let config = Config {
+        bind_addr: args.listen,
+        data_dir: Some(data_dir.clone()),
+        cluster_key: daemon::cluster_key(
+            args.cluster_secret.as_deref(),
+            args.cluster_secret_file.as_deref(),
+        )?,
+        brokers: args.join.brokers,
+        keep_versions: args.keep_versions.max(1),
+        advertise_addrs: args.advertise.into_iter().collect(),
+        ..Config::default()
+    };
+    let node = Node::spawn(config)
+        .await
+        .with_context(|| format!("starting the worker (data dir {})", data_dir.display()))?;
+    let mut subs = Vec::new();
+    for pattern in &args.subscribe {
+        let sub = node
+            .subscribe(pattern)
+            .await
+            .with_context(|| format!("subscribing to {pattern:?}"))?;
+        subs.push(sub);
+    }
+    println!("worker: {}", node.addr());
+    info!(worker = %node.addr(), "worker started");
+    for sub in subs {
+        tokio::spawn(follow(sub));
+    }
+    let serving = node.clone();
+    tokio::select! {
+        () = daemon::wait_for_signal() => {}
+        () = daemon::publish_pushes(serving) => {}
+    }
+    eprintln!("shutting down");
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Logs what a subscription brings (fetching is the subscription's own job).
+async fn follow(mut sub: Subscription) {
+    while let Some(event) = sub.next().await {
+        match event {
+            Ok(SubEvent::Version { name, version, .. }) => {
+                info!(tensor = %name, version, "holding a new version")
+            }
+            Ok(SubEvent::Skipped { name, from, to }) => {
+                info!(tensor = %name, from, to, "skipped versions (fell behind)")
+            }
+            Ok(other) => info!(?other, "subscription event"),
+            Err(e) => warn!(%e, "subscription error"),
+        }
+    }
+}

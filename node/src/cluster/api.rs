@@ -1,0 +1,148 @@
+//! The cluster API on [`Node`]: publish, get, get_version, list, members, subscribe. Each
+//! call fails with `Standalone` on a node without brokers and `Shutdown` once the node stops.
+
+use std::time::Duration;
+
+use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
+use tracing::debug;
+
+use super::{Subscription, fetch, subscribe};
+use crate::{
+    client::Pulled,
+    endpoint::PeerAddr,
+    error::{Error, Result},
+    node::Node,
+    store::Inserted,
+    tensor::Tensor,
+};
+
+/// Tries at one publish when other publishers keep winning the version assigned.
+const PUBLISH_TRIES: u32 = 8;
+/// Pause after a lost race, times the number of the try.
+const PUBLISH_BACKOFF: Duration = Duration::from_millis(5);
+
+impl Node {
+    /// Publishes `tensor` as the next version of `name` in the cluster and returns that version.
+    ///
+    /// The broker assigns the version; this node stores the tensor under it (readers never see
+    /// part of a version), then announces that it published and holds it. If another publish
+    /// of `name` won that version meanwhile, it asks again. If the announcement fails
+    /// otherwise, the error is returned and the local copy stays (unannounced; a later publish
+    /// replaces it).
+    pub async fn publish(&self, name: &str, tensor: Tensor) -> Result<u64> {
+        let cluster = self.cluster()?;
+        let name = TensorName::new(name)?;
+        tensor.meta().validate(self.config().max_tensor_bytes)?;
+        self.guarded(async {
+            cluster.ensure_joined().await?;
+            let store = &self.ctx().store;
+            let mut lost = None;
+            for attempt in 0..PUBLISH_TRIES {
+                if attempt > 0 {
+                    tokio::time::sleep(PUBLISH_BACKOFF * attempt).await;
+                }
+                let version = cluster.next_version(&name).await?;
+                if store.insert_at(name.clone(), version, tensor.clone()) == Inserted::TooOld {
+                    return Err(Error::InvalidTensor(format!(
+                        "tensor \"{name}\": the broker assigned v{version}, but this node holds \
+                         newer versions of it (published with publish_local?)"
+                    )));
+                }
+                let ops = cluster.publish_ops(&name, version, tensor.meta());
+                match cluster.announce(ops).await {
+                    Ok(()) => return Ok(version),
+                    Err(
+                        e @ Error::Remote {
+                            code: ErrorCode::Busy,
+                            ..
+                        },
+                    ) => {
+                        // Another publish won this version: drop ours (and any holder mark the
+                        // broker may have kept for it), and ask for the next one.
+                        debug!(%name, version, "lost the race for a version; asking again");
+                        store.remove(&name, version);
+                        let unmark = cluster.holder_op(&name, version, false);
+                        let _ = cluster.announce(vec![unmark]).await;
+                        lost = Some(e);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(lost.unwrap_or_else(|| Error::Io(format!("publishing \"{name}\""))))
+        })
+        .await
+    }
+
+    /// Gets the newest version of `name` from the cluster: asks a broker where it is, pulls it
+    /// from its holders (verified by hash), keeps it (this node becomes a holder) and returns
+    /// it. From the local store when this node holds that version already.
+    pub async fn get(&self, name: &str) -> Result<Pulled<Tensor>> {
+        self.get_inner(name, None).await
+    }
+
+    /// Gets `version` of `name` from the cluster, like [`get`](Self::get). A version no node
+    /// keeps any more is `NotFound`.
+    pub async fn get_version(&self, name: &str, version: u64) -> Result<Pulled<Tensor>> {
+        self.get_inner(name, Some(version)).await
+    }
+
+    async fn get_inner(&self, name: &str, version: Option<u64>) -> Result<Pulled<Tensor>> {
+        let cluster = self.cluster()?;
+        let name = TensorName::new(name)?;
+        if version == Some(0) {
+            return Err(Error::NotFound {
+                what: format!("tensor \"{name}\" v0 (versions start at 1)"),
+            });
+        }
+        self.guarded(fetch::fetch(self, cluster, name, version))
+            .await
+    }
+
+    /// Deletes `name` from the cluster (until a later publish): brokers stop offering it and
+    /// tell subscribers; this node drops its copies. `NotFound` if the name is not live.
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        let cluster = self.cluster()?;
+        let name = TensorName::new(name)?;
+        self.guarded(async {
+            cluster.announce(vec![cluster.delete_op(&name)]).await?;
+            self.ctx().store.remove_name(&name);
+            Ok(())
+        })
+        .await
+    }
+
+    /// The live names in the cluster starting with `prefix` (`""`: all), in name order, with
+    /// their newest version, its metadata and how many nodes hold it.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<ListedEntry>> {
+        let cluster = self.cluster()?;
+        TensorName::validate_prefix(prefix)?;
+        let timeout = self.config().request_timeout;
+        self.guarded(cluster.ctl.list(prefix, MAX_LIST_LIMIT, timeout))
+            .await
+    }
+
+    /// The cluster's membership table: every node with its role, addresses, epoch and
+    /// liveness, in node id order.
+    pub async fn members(&self) -> Result<Vec<Member>> {
+        let cluster = self.cluster()?;
+        let timeout = self.config().request_timeout;
+        self.guarded(cluster.ctl.members(timeout)).await
+    }
+
+    /// Subscribes to the names matching `pattern` (an exact name, `prefix/*`, or `*`): every
+    /// version published after this returns is reported as a [`SubEvent`](crate::SubEvent), in increasing
+    /// order per name, with the tensor when `Config::auto_fetch` is on. Versions not reported
+    /// come as [`SubEvent::Skipped`](crate::SubEvent::Skipped). The subscription moves to another broker if its broker
+    /// goes away; dropping it ends it.
+    pub async fn subscribe(&self, pattern: &str) -> Result<Subscription> {
+        let cluster = self.cluster()?;
+        let pattern: NamePattern = pattern.parse()?;
+        self.guarded(subscribe::start(self, cluster, pattern)).await
+    }
+
+    /// The broker cluster calls go to first (the one that answered last); `None` on a
+    /// standalone node.
+    pub fn current_broker(&self) -> Option<&PeerAddr> {
+        self.cluster().ok()?.ctl.current()
+    }
+}

@@ -1,0 +1,123 @@
+//! Which broker a call tries, in which order, and which failures move it on to the next one.
+//! Pure: the transport lives in `ctl_client`.
+
+use tb_proto::ErrorCode;
+
+use crate::{client::remote_error_from, error::Error};
+
+/// Broker indices in the order one call tries them: the one that worked last, then the others
+/// in list order (wrapping), each once.
+pub(crate) fn order(current: usize, count: usize) -> impl Iterator<Item = usize> {
+    let start = current.checked_rem(count).unwrap_or(0);
+    (0..count).map(move |i| (start + i) % count)
+}
+
+/// Why one attempt at one broker did not succeed.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The broker answered with an error: the call ends with it (another broker holds the same
+    /// replicated registry and would say the same).
+    Answered(Error),
+    /// The broker could not be used (dial, hello, timeout, link lost, shutting down, an answer
+    /// that breaks the protocol): try the next one.
+    Unusable(Error),
+}
+
+/// Classifies an `Error` frame from `broker` (a short node id): a broker that is shutting down
+/// is unusable, any other answer ends the call with the matching [`Error`] variant.
+pub(crate) fn answer_error(broker: String, code: ErrorCode, message: String) -> Failure {
+    match code {
+        ErrorCode::ShuttingDown => Failure::Unusable(Error::Remote {
+            peer: broker,
+            code,
+            message,
+        }),
+        code => Failure::Answered(remote_error_from(broker, code, message)),
+    }
+}
+
+/// What a call ends with when every one of the `tried` brokers was unusable: `Unauthorized`
+/// when each of them refused our cluster secret (a configuration problem, not a network one),
+/// else `NoBroker` with the last reason.
+pub(crate) fn exhausted(tried: usize, errors: Vec<Error>) -> Error {
+    let all_refused =
+        !errors.is_empty() && errors.iter().all(|e| matches!(e, Error::Unauthorized(_)));
+    match errors.into_iter().last() {
+        Some(last) if all_refused => last,
+        Some(last) => Error::NoBroker {
+            tried,
+            last: last.to_string(),
+        },
+        None => Error::NoBroker {
+            tried,
+            last: "no brokers configured".into(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn order_starts_at_the_current_broker_and_tries_each_once() {
+        assert_eq!(order(0, 3).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(order(2, 3).collect::<Vec<_>>(), [2, 0, 1]);
+        assert_eq!(order(7, 3).collect::<Vec<_>>(), [1, 2, 0]);
+        assert_eq!(order(0, 1).collect::<Vec<_>>(), [0]);
+        assert_eq!(order(5, 0).count(), 0);
+    }
+
+    #[test]
+    fn broker_error_frames_map_onto_typed_errors() {
+        let answered = |code| match answer_error("b0".into(), code, "tensor \"m/w\"".into()) {
+            Failure::Answered(e) => e,
+            Failure::Unusable(e) => panic!("{code:?} gave unusable {e}"),
+        };
+        assert!(
+            matches!(answered(ErrorCode::NotFound), Error::NotFound { what } if what.contains("m/w"))
+        );
+        assert!(matches!(answered(ErrorCode::TooLarge), Error::TooLarge(_)));
+        assert!(matches!(
+            answered(ErrorCode::InvalidTensor),
+            Error::InvalidTensor(_)
+        ));
+        assert!(matches!(
+            answered(ErrorCode::Unauthorized),
+            Error::Unauthorized(_)
+        ));
+        assert!(matches!(answered(ErrorCode::Corrupt), Error::Corrupt(_)));
+        assert!(matches!(
+            answered(ErrorCode::Busy),
+            Error::Remote {
+                code: ErrorCode::Busy,
+                ..
+            }
+        ));
+        assert!(matches!(
+            answer_error("b0".into(), ErrorCode::ShuttingDown, String::new()),
+            Failure::Unusable(_)
+        ));
+    }
+
+    #[test]
+    fn exhausted_names_how_many_were_tried() {
+        let unreachable = Error::PeerUnreachable {
+            peer: "b1".into(),
+            reason: "no connection within 5s".into(),
+        };
+        let refused = Error::Unauthorized("b0 refused our cluster secret".into());
+        match exhausted(2, vec![refused.clone(), unreachable]) {
+            Error::NoBroker { tried: 2, last } => assert!(last.contains("b1"), "{last}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            exhausted(2, vec![refused.clone(), refused]),
+            Error::Unauthorized(_)
+        ));
+        assert!(matches!(
+            exhausted(0, vec![]),
+            Error::NoBroker { tried: 0, .. }
+        ));
+    }
+}

@@ -1,0 +1,251 @@
+//! A get through the cluster: ask a broker where a version is, pull it from the holders it
+//! names (best first, resuming where a failed holder left off), keep it, and tell the broker
+//! this node holds it now.
+//!
+//! A holder that fails (unreachable, connection lost, wrong or corrupt bytes) is dropped for
+//! this get and the next one is tried. A holder still receiving the version (`complete:
+//! false`) that does not have it yet is skipped for now, not dropped: this node serves only
+//! complete versions, so neither does it (no cut-through yet). When the list runs out, the
+//! broker is asked once more and the holders not dropped are tried; after that the get fails
+//! with `NoHolder`.
+
+use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use iroh::EndpointId;
+use tb_proto::{HolderAddr, NodeId, TensorMeta, TensorName};
+use tracing::{debug, warn};
+
+use super::{Cluster, calls::Holders, resume};
+use crate::{
+    client::Pulled,
+    endpoint::PeerAddr,
+    error::{Error, Result},
+    node::Node,
+    store::{Inserted, Lookup},
+    tensor::Tensor,
+};
+
+/// Rounds of holders: the broker's first answer, then one more look-up.
+const ROUNDS: usize = 2;
+/// Pause before the second look-up, so holders still receiving the version can finish.
+const RELOOKUP_DELAY: Duration = Duration::from_millis(100);
+
+/// Gets `version` (the newest if `None`) of `name` through the cluster.
+pub(crate) async fn fetch(
+    node: &Node,
+    cluster: &Arc<Cluster>,
+    name: TensorName,
+    version: Option<u64>,
+) -> Result<Pulled<Tensor>> {
+    let store = &node.ctx().store;
+    if let Some(v) = version
+        && let Lookup::Found(v, tensor) = store.get(&name, Some(v))
+    {
+        return Ok(pulled(name, v, tensor));
+    }
+    cluster.ensure_joined().await?;
+    let holders = cluster.lookup(&name, version).await?;
+    let (v, meta) = (holders.version, holders.meta.clone());
+    if let Lookup::Found(_, tensor) = store.get(&name, Some(v))
+        && tensor.hash() == meta.hash
+    {
+        return Ok(pulled(name, v, tensor));
+    }
+    if let Err(e) = cluster.fetching(&name, v, true).await {
+        debug!(%name, v, %e, "broker did not take the fetch start");
+    }
+    let fetched = from_holders(node, cluster, &name, holders).await;
+    fetch_ended(node, cluster, &name, v);
+    let tensor = fetched?;
+    if store.insert_at(name.clone(), v, tensor.clone()) == Inserted::Stored {
+        let op = cluster.holder_op(&name, v, true);
+        if let Err(e) = cluster.announce(vec![op]).await {
+            warn!(%name, v, %e, "fetched, but could not tell the broker this node holds it");
+        }
+    }
+    Ok(Pulled {
+        name,
+        version: v,
+        meta,
+        buffer: tensor,
+    })
+}
+
+fn pulled(name: TensorName, version: u64, tensor: Tensor) -> Pulled<Tensor> {
+    Pulled {
+        name,
+        version,
+        meta: tensor.meta().clone(),
+        buffer: tensor,
+    }
+}
+
+/// Tells the broker, from a task, that this node stopped fetching (frees its fan-out slot).
+fn fetch_ended(node: &Node, cluster: &Arc<Cluster>, name: &TensorName, version: u64) {
+    let (cluster, name) = (cluster.clone(), name.clone());
+    let ctx = node.ctx();
+    let cancel = ctx.cancel.clone();
+    ctx.tracker.spawn(async move {
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            ended = cluster.fetching(&name, version, false) => if let Err(e) = ended {
+                debug!(%name, version, %e, "broker did not take the fetch end");
+            }
+        }
+    });
+}
+
+/// The holders tried so far and how the last one failed.
+#[derive(Debug, Default)]
+struct Tries {
+    dropped: HashSet<NodeId>,
+    count: usize,
+    last: Option<Error>,
+}
+
+impl Tries {
+    /// Notes `holder`'s failure: dropped for this get unless it is a holder still receiving
+    /// the version that does not have it yet.
+    fn failed(&mut self, holder: &HolderAddr, error: Error) {
+        let not_yet = !holder.complete && matches!(error, Error::NotFound { .. });
+        if !not_yet {
+            self.dropped.insert(holder.node);
+        }
+        self.last = Some(error);
+    }
+
+    fn exhausted(self, what: String) -> Error {
+        let last = self.last.map_or_else(
+            || "the broker named no other holder".into(),
+            |e| e.to_string(),
+        );
+        Error::NoHolder {
+            what,
+            tried: self.count,
+            last,
+        }
+    }
+}
+
+/// Pulls the version `first` describes from its holders, best first, then from those of one
+/// more look-up.
+async fn from_holders(
+    node: &Node,
+    cluster: &Cluster,
+    name: &TensorName,
+    first: Holders,
+) -> Result<Tensor> {
+    let Holders {
+        version,
+        meta,
+        mut holders,
+    } = first;
+    let len = usize::try_from(meta.byte_len)
+        .map_err(|_| Error::TooLarge(format!("{} bytes do not fit in memory", meta.byte_len)))?;
+    let mut dest = vec![0u8; len];
+    let mut resume = resume::Resume::default();
+    let mut tries = Tries::default();
+    for round in 0..ROUNDS {
+        if round > 0 {
+            tokio::time::sleep(RELOOKUP_DELAY).await;
+            holders = cluster.lookup(name, Some(version)).await?.holders;
+        }
+        for holder in &holders {
+            if holder.node == cluster.me() || tries.dropped.contains(&holder.node) {
+                continue;
+            }
+            tries.count += 1;
+            let at = resume.filled();
+            let pulled = from_holder(node, holder, name, version, &meta, &mut dest, &mut resume);
+            match pulled.await {
+                Ok(()) => return Ok(Tensor::from_verified(meta, Bytes::from(dest))),
+                Err(Error::Shutdown) => return Err(Error::Shutdown),
+                Err(e) => {
+                    debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");
+                    if matches!(e, Error::Corrupt(_)) {
+                        resume.reset();
+                    }
+                    tries.failed(holder, e);
+                }
+            }
+        }
+    }
+    Err(tries.exhausted(format!("tensor \"{name}\" v{version}")))
+}
+
+/// Pulls the rest of the version from one holder, at the first of its addresses that links.
+async fn from_holder(
+    node: &Node,
+    holder: &HolderAddr,
+    name: &TensorName,
+    version: u64,
+    meta: &TensorMeta,
+    dest: &mut [u8],
+    resume: &mut resume::Resume,
+) -> Result<()> {
+    let unreachable = |reason: String| Error::PeerUnreachable {
+        peer: format!("{:?}", holder.node),
+        reason,
+    };
+    let id = EndpointId::from_bytes(&holder.node.0)
+        .map_err(|e| unreachable(format!("not a valid node id: {e}")))?;
+    let mut last = None;
+    for addr in holder
+        .addrs
+        .iter()
+        .filter_map(|a| a.parse::<SocketAddr>().ok())
+    {
+        match node.link(&PeerAddr { id, addr }).await {
+            Ok(link) => {
+                return resume::pull_rest(node.ctx(), &link, name, version, meta, dest, resume)
+                    .await;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| unreachable("no address to dial".into())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder(n: u8, complete: bool) -> HolderAddr {
+        HolderAddr {
+            node: NodeId([n; 32]),
+            addrs: vec!["127.0.0.1:1".into()],
+            complete,
+        }
+    }
+
+    #[test]
+    fn holders_still_receiving_are_retried_others_are_dropped() {
+        let mut tries = Tries::default();
+        let not_found = || Error::NotFound {
+            what: "m/w v2".into(),
+        };
+        tries.failed(&holder(1, false), not_found());
+        tries.failed(&holder(2, true), not_found());
+        tries.failed(&holder(3, false), Error::Corrupt("bad".into()));
+        tries.count = 3;
+        assert!(!tries.dropped.contains(&NodeId([1; 32])));
+        assert!(tries.dropped.contains(&NodeId([2; 32])));
+        assert!(tries.dropped.contains(&NodeId([3; 32])));
+        match tries.exhausted("tensor \"m/w\" v2".into()) {
+            Error::NoHolder {
+                what,
+                tried: 3,
+                last,
+            } => {
+                assert!(what.contains("m/w"));
+                assert!(last.contains("bad"), "{last}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            Tries::default().exhausted(String::new()),
+            Error::NoHolder { tried: 0, .. }
+        ));
+    }
+}

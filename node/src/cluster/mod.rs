@@ -1,0 +1,234 @@
+//! The node side of the cluster: a client of the brokers' `tb/ctl/1` and the cluster API on
+//! [`Node`](crate::Node) (`publish`, `get`, `get_version`, `delete`, `list`, `members`,
+//! `subscribe`).
+//!
+//! - `ctl_client`: one reused ctl connection per broker, requests with failover (`failover`
+//!   holds the pure order and error rules); `calls`: one typed method per request.
+//! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
+//!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
+//! - `fetch` and `resume`: a get pulls from the holders a broker names, best first, resuming
+//!   at the byte it reached when a holder fails (`Pull { range }`), verified by hash.
+//! - `subscribe`: a [`Subscription`] reads a broker's events, keeps per-name order, reports
+//!   gaps as [`SubEvent::Skipped`], fetches the newest pending version of each name, and moves
+//!   to the next broker when its broker goes away.
+//! - `background`: heartbeats, announcing versions retention evicted, the TTL sweep; tasks
+//!   owned by the node's `TaskTracker`, stopped at shutdown.
+//!
+//! Registry ops carry this node's id as publisher or holder and a stamp of its own clock; the
+//! broker checks the id and restamps them with its clock.
+
+mod api;
+mod background;
+mod calls;
+mod ctl_client;
+mod failover;
+mod fetch;
+mod resume;
+mod subscribe;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use tb_proto::{Hlc, NodeId, RegistryOp, Stamp, TensorMeta, TensorName};
+use tokio::sync::mpsc::{self, UnboundedReceiver};
+use tracing::debug;
+
+pub use self::subscribe::{SubEvent, Subscription};
+use self::{calls::Holders, ctl_client::CtlClient};
+use crate::{
+    auth,
+    config::Config,
+    ctx::NodeCtx,
+    endpoint::PeerAddr,
+    error::{Error, Result},
+    store::{Evicted, Retention, Store},
+};
+
+/// Milliseconds since the Unix epoch by the wall clock (0 if it is before 1970).
+pub(crate) fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The store a node with `config` runs, and the receiver of its eviction reports when the node
+/// has brokers to tell.
+pub(crate) fn store_for(config: &Config) -> (Store, Option<UnboundedReceiver<Evicted>>) {
+    let retention = Retention {
+        keep_versions: config.keep_versions,
+        keep_versions_for: config.keep_versions_for.clone(),
+        ttl: config.version_ttl,
+    };
+    if config.brokers.is_empty() {
+        return (Store::with_retention(retention), None);
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    (Store::with_eviction_sink(retention, tx), Some(rx))
+}
+
+/// Starts the cluster side of a node: the client and the heartbeat and retention tasks when
+/// `config.brokers` is not empty (else `None`), and the TTL sweep when there is a TTL.
+pub(crate) fn start(
+    ctx: &Arc<NodeCtx>,
+    addr: &PeerAddr,
+    evictions: Option<UnboundedReceiver<Evicted>>,
+) -> Option<Arc<Cluster>> {
+    let cluster = match ctx.config.brokers.is_empty() {
+        true => None,
+        false => Some(Arc::new(Cluster::new(ctx, addr))),
+    };
+    background::start(ctx, cluster.as_ref(), evictions);
+    cluster
+}
+
+/// The cluster client of one node.
+#[derive(Debug)]
+pub(crate) struct Cluster {
+    pub(crate) ctl: CtlClient,
+    me: NodeId,
+    /// This process's life: the wall clock in ms at start, so it grows across restarts.
+    epoch: u64,
+    /// `ip:port` strings peers reach this node at.
+    addrs: Vec<String>,
+    hlc: Mutex<Hlc>,
+    /// Whether a heartbeat got through since start.
+    joined: AtomicBool,
+    request_timeout: Duration,
+    heartbeat_timeout: Duration,
+}
+
+impl Cluster {
+    fn new(ctx: &NodeCtx, addr: &PeerAddr) -> Self {
+        let config = &ctx.config;
+        let me = auth::node_id(&addr.id);
+        let addrs = match config.advertise_addrs.is_empty() {
+            true => vec![addr.addr.to_string()],
+            false => config
+                .advertise_addrs
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
+        };
+        // A heartbeat that takes longer than two periods is as good as lost: try another broker
+        // before the broker's liveness timeout runs out.
+        let heartbeat_timeout = config
+            .request_timeout
+            .min(config.heartbeat_interval.max(Duration::from_millis(500)) * 2);
+        Cluster {
+            ctl: CtlClient::new(ctx),
+            me,
+            epoch: wall_ms(),
+            addrs,
+            hlc: Mutex::new(Hlc::new(me)),
+            joined: AtomicBool::new(false),
+            request_timeout: config.request_timeout,
+            heartbeat_timeout,
+        }
+    }
+
+    /// This node's id as the registry spells it.
+    pub(crate) fn me(&self) -> NodeId {
+        self.me
+    }
+
+    /// A fresh stamp of this node's clock.
+    fn stamp(&self) -> Stamp {
+        let mut hlc = self.hlc.lock().unwrap_or_else(|p| p.into_inner());
+        hlc.now(wall_ms())
+    }
+
+    /// The ops announcing that this node published `version` of `name` and holds it.
+    fn publish_ops(&self, name: &TensorName, version: u64, meta: &TensorMeta) -> Vec<RegistryOp> {
+        vec![
+            RegistryOp::Publish {
+                name: name.clone(),
+                version,
+                meta: meta.clone(),
+                publisher: self.me,
+                stamp: self.stamp(),
+            },
+            self.holder_op(name, version, true),
+        ]
+    }
+
+    /// The op announcing that this node holds (`present`) or dropped `version` of `name`.
+    fn holder_op(&self, name: &TensorName, version: u64, present: bool) -> RegistryOp {
+        let (name, node, stamp) = (name.clone(), self.me, self.stamp());
+        match present {
+            true => RegistryOp::AddHolder {
+                name,
+                version,
+                node,
+                stamp,
+            },
+            false => RegistryOp::RemoveHolder {
+                name,
+                version,
+                node,
+                stamp,
+            },
+        }
+    }
+
+    /// The op announcing that this node deletes `name`.
+    fn delete_op(&self, name: &TensorName) -> RegistryOp {
+        RegistryOp::Delete {
+            name: name.clone(),
+            stamp: self.stamp(),
+        }
+    }
+
+    /// Tells the current broker (failing over) that this node is alive and where.
+    async fn heartbeat(&self) -> Result<()> {
+        let addrs = self.addrs.clone();
+        let sent = self
+            .ctl
+            .heartbeat(addrs, self.epoch, self.heartbeat_timeout)
+            .await;
+        if sent.is_ok() {
+            self.joined.store(true, Ordering::Relaxed);
+        }
+        sent
+    }
+
+    /// Sends a heartbeat now unless one got through already, so that a broker knows this
+    /// node's address before it names the node as a holder. Only "no broker" is an error here;
+    /// anything else shows again in the call that follows.
+    async fn ensure_joined(&self) -> Result<()> {
+        if self.joined.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match self.heartbeat().await {
+            Err(e @ Error::NoBroker { .. }) => Err(e),
+            Err(e) => {
+                debug!(%e, "first heartbeat refused");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+
+    async fn announce(&self, ops: Vec<RegistryOp>) -> Result<()> {
+        self.ctl.announce(ops, self.request_timeout).await
+    }
+
+    async fn next_version(&self, name: &TensorName) -> Result<u64> {
+        self.ctl.next_version(name, self.request_timeout).await
+    }
+
+    async fn lookup(&self, name: &TensorName, version: Option<u64>) -> Result<Holders> {
+        self.ctl.lookup(name, version, self.request_timeout).await
+    }
+
+    async fn fetching(&self, name: &TensorName, version: u64, active: bool) -> Result<()> {
+        let timeout = self.request_timeout;
+        self.ctl.fetching(name, version, active, timeout).await
+    }
+}

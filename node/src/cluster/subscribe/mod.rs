@@ -1,0 +1,467 @@
+//! [`Subscription`]: new versions (and deletes) of the names matching a pattern, as a broker
+//! announces them.
+//!
+//! Two tasks per subscription, both owned by the node's `TaskTracker` and stopped when the
+//! `Subscription` is dropped or the node shuts down:
+//! - the reader holds the `Subscribe` stream to a broker and puts each event into the [`Feed`];
+//!   when the stream or its broker goes away it subscribes again (the next broker first, a
+//!   bounded number of tries with backoff), then lists the matching names so that what it
+//!   missed meanwhile becomes news, gaps included;
+//! - the deliverer takes the next item from the feed, fetches the version when auto-fetch is
+//!   on, and hands the subscriber `SubEvent`s through a small channel. The reader never waits
+//!   for it: while it is busy, pending versions of a name coalesce into the newest.
+//!
+//! When `subscribe` returns, the subscription is open and the names live at that moment are
+//! known; what is published after that is reported.
+
+mod feed;
+
+use std::{sync::Arc, time::Duration};
+
+use iroh::{
+    EndpointId,
+    endpoint::{RecvStream, SendStream},
+};
+use tb_proto::{
+    CtlRequest, CtlResponse, Event, ListedEntry, MAX_LIST_LIMIT, NamePattern, TensorMeta,
+    TensorName,
+};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tracing::{debug, warn};
+
+use self::feed::{Feed, Next};
+use super::{
+    Cluster,
+    ctl_client::check_response,
+    failover::{Failure, answer_error},
+};
+use crate::{
+    error::{Error, Result},
+    node::{Node, WeakNode},
+    tensor::Tensor,
+    wire,
+};
+
+/// Events the subscriber has not taken yet, at most (each may carry a fetched tensor).
+const EVENT_BUFFER: usize = 4;
+/// Tries to subscribe again after the stream to a broker is lost.
+const RESUBSCRIBE_TRIES: u32 = 8;
+/// Wait before the first of those tries; it doubles up to `MAX_BACKOFF`.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest wait between two tries.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// What a subscription reports about a matching name.
+#[derive(Debug, Clone)]
+pub enum SubEvent {
+    /// A new version. Per name, versions come in increasing order.
+    Version {
+        /// The tensor's name.
+        name: TensorName,
+        /// The version.
+        version: u64,
+        /// What its bytes are.
+        meta: TensorMeta,
+        /// The tensor itself, fetched and verified, when `Config::auto_fetch` is on.
+        tensor: Option<Tensor>,
+    },
+    /// Versions `from..=to` of `name` were published but are not reported: the subscriber fell
+    /// behind (only the newest pending version is fetched), the broker connection dropped
+    /// meanwhile, or (with auto-fetch) they could not be fetched. Comes before the version
+    /// after them.
+    Skipped {
+        /// The tensor's name.
+        name: TensorName,
+        /// First version skipped.
+        from: u64,
+        /// Last version skipped.
+        to: u64,
+    },
+    /// The name was deleted.
+    Deleted {
+        /// The tensor's name.
+        name: TensorName,
+    },
+}
+
+/// A live subscription: call [`next`](Self::next) for each event. Dropping it ends it.
+#[derive(Debug)]
+pub struct Subscription {
+    pattern: NamePattern,
+    events: mpsc::Receiver<Result<SubEvent>>,
+    _stop: DropGuard,
+}
+
+impl Subscription {
+    /// The pattern it watches.
+    pub fn pattern(&self) -> &NamePattern {
+        &self.pattern
+    }
+
+    /// The next event; `Some(Err(_))` once if the subscription ended with an error (no broker
+    /// could be reached again, the broker refused it, the node shut down), then `None`.
+    pub async fn next(&mut self) -> Option<Result<SubEvent>> {
+        self.events.recv().await
+    }
+
+    /// Like [`next`](Self::next), but `Some(Err(Error::Timeout))` when nothing came within
+    /// `timeout`; the subscription goes on after a timeout.
+    pub async fn next_timeout(&mut self, timeout: Duration) -> Option<Result<SubEvent>> {
+        match tokio::time::timeout(timeout, self.events.recv()).await {
+            Ok(event) => event,
+            Err(_) => Some(Err(Error::timeout(
+                format!("an event for \"{}\"", self.pattern),
+                timeout,
+            ))),
+        }
+    }
+}
+
+/// The feed both tasks share, and the bell the reader rings.
+#[derive(Debug, Default)]
+struct Shared {
+    feed: std::sync::Mutex<Feed>,
+    wake: Notify,
+}
+
+impl Shared {
+    /// Changes the feed with news and rings the bell (the reader's side).
+    fn update<R>(&self, f: impl FnOnce(&mut Feed) -> R) -> R {
+        let result = self.with(f);
+        self.wake.notify_one();
+        result
+    }
+
+    /// Uses the feed without ringing (the deliverer's side: ringing for its own changes would
+    /// wake it at once, forever).
+    fn with<R>(&self, f: impl FnOnce(&mut Feed) -> R) -> R {
+        f(&mut self.feed.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// An open `Subscribe` stream and the broker it goes to.
+struct Stream {
+    _send: SendStream,
+    recv: RecvStream,
+    broker: EndpointId,
+}
+
+/// Opens a subscription to `pattern` for `node`.
+pub(crate) async fn start(
+    node: &Node,
+    cluster: &Arc<Cluster>,
+    pattern: NamePattern,
+) -> Result<Subscription> {
+    let stream = open(cluster, &pattern).await?;
+    let (live, _) = list_matching(cluster, &pattern).await?;
+    let shared = Arc::new(Shared::default());
+    shared.with(|f| f.baseline(live.into_iter().map(|e| (e.name, e.version))));
+    let ctx = node.ctx();
+    let stop = ctx.cancel.child_token();
+    let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+    let reader = Reader {
+        cluster: cluster.clone(),
+        pattern: pattern.clone(),
+        shared: shared.clone(),
+        stop: stop.clone(),
+        max_tensor_bytes: ctx.config.max_tensor_bytes,
+    };
+    ctx.tracker.spawn(reader.run(stream));
+    let auto_fetch = ctx.config.auto_fetch;
+    let deliverer = Deliverer {
+        node: node.downgrade(),
+        shared,
+        tx,
+        stop: stop.clone(),
+        auto_fetch,
+    };
+    ctx.tracker.spawn(deliverer.run());
+    Ok(Subscription {
+        pattern,
+        events: rx,
+        _stop: stop.drop_guard(),
+    })
+}
+
+async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
+    let request = CtlRequest::Subscribe {
+        pattern: pattern.clone(),
+    };
+    let timeout = cluster.request_timeout;
+    let (send, recv, broker) = cluster.ctl.open_stream(&request, timeout).await?;
+    Ok(Stream {
+        _send: send,
+        recv,
+        broker,
+    })
+}
+
+/// The live names matching `pattern`, and whether the listing is complete (under the limit).
+async fn list_matching(
+    cluster: &Cluster,
+    pattern: &NamePattern,
+) -> Result<(Vec<ListedEntry>, bool)> {
+    let prefix = match pattern {
+        NamePattern::Exact(name) => name.as_str(),
+        NamePattern::Prefix(prefix) => prefix.as_str(),
+    };
+    let timeout = cluster.request_timeout;
+    let mut entries = cluster.ctl.list(prefix, MAX_LIST_LIMIT, timeout).await?;
+    let complete = entries.len() < MAX_LIST_LIMIT as usize;
+    entries.retain(|e| pattern.matches(&e.name));
+    Ok((entries, complete))
+}
+
+/// How reading one stream ended.
+enum Ended {
+    /// The subscription was dropped or the node stops.
+    Stopped,
+    /// The broker refused the subscription: it ends with this error.
+    Refused(Error),
+    /// The stream or its broker went away: subscribe again.
+    Lost(Error),
+}
+
+/// The reader task's state.
+struct Reader {
+    cluster: Arc<Cluster>,
+    pattern: NamePattern,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    max_tensor_bytes: u64,
+}
+
+impl Reader {
+    async fn run(self, mut stream: Stream) {
+        loop {
+            let lost = match self.read(&mut stream).await {
+                Ended::Stopped => return,
+                Ended::Refused(e) => return self.shared.update(|f| f.fail(e)),
+                Ended::Lost(e) => e,
+            };
+            debug!(pattern = %self.pattern, %lost, "subscription stream lost; subscribing again");
+            self.cluster.ctl.avoid(&stream.broker);
+            stream = match self.resubscribe().await {
+                Ok(Some(stream)) => stream,
+                Ok(None) => return,
+                Err(e) => return self.shared.update(|f| f.fail(e)),
+            };
+            match list_matching(&self.cluster, &self.pattern).await {
+                Ok((entries, complete)) => {
+                    let listing = entries
+                        .into_iter()
+                        .map(|e| (e.name, e.version, e.meta))
+                        .collect();
+                    self.shared.update(|f| f.caught_up(listing, complete));
+                }
+                // Missed versions still show as skipped when the next one comes.
+                Err(e) => {
+                    warn!(pattern = %self.pattern, %e, "could not catch up after resubscribing")
+                }
+            }
+        }
+    }
+
+    /// Reads events from `stream` into the feed until it ends.
+    async fn read(&self, stream: &mut Stream) -> Ended {
+        let broker = stream.broker.fmt_short().to_string();
+        loop {
+            let frame = tokio::select! {
+                _ = self.stop.cancelled() => return Ended::Stopped,
+                frame = wire::read_frame::<CtlResponse>(&mut stream.recv) => frame,
+            };
+            let frame = frame
+                .map_err(|e| e.into_error(&format!("subscription stream from broker {broker}")))
+                .and_then(|f| check_response(f, &broker, self.max_tensor_bytes));
+            match frame {
+                Err(e) => return Ended::Lost(e),
+                Ok(CtlResponse::Event(Event::Published {
+                    name,
+                    version,
+                    meta,
+                    ..
+                })) if self.pattern.matches(&name) => {
+                    self.shared.update(|f| f.published(&name, version, meta));
+                }
+                Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
+                    self.shared.update(|f| f.deleted(&name));
+                }
+                // A broker may acknowledge the subscription; events for other names are not ours.
+                Ok(CtlResponse::Ok | CtlResponse::Event(_)) => {}
+                Ok(CtlResponse::Error { code, message }) => {
+                    return match answer_error(broker, code, message) {
+                        Failure::Answered(e) => Ended::Refused(e),
+                        Failure::Unusable(e) => Ended::Lost(e),
+                    };
+                }
+                Ok(_) => {
+                    let e = Error::Io(format!(
+                        "broker {broker} sent a non-event on a subscription"
+                    ));
+                    return Ended::Lost(e);
+                }
+            }
+        }
+    }
+
+    /// Subscribes again, with backoff; `None` when stopped meanwhile.
+    async fn resubscribe(&self) -> Result<Option<Stream>> {
+        let mut backoff = FIRST_BACKOFF;
+        let mut last = None;
+        for _ in 0..RESUBSCRIBE_TRIES {
+            tokio::select! {
+                _ = self.stop.cancelled() => return Ok(None),
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            let opened = tokio::select! {
+                _ = self.stop.cancelled() => return Ok(None),
+                opened = open(&self.cluster, &self.pattern) => opened,
+            };
+            match opened {
+                Ok(stream) => return Ok(Some(stream)),
+                Err(e @ Error::Shutdown) => return Err(e),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or(Error::NoBroker {
+            tried: 0,
+            last: "no tries".into(),
+        }))
+    }
+}
+
+/// The delivery task's state.
+struct Deliverer {
+    node: WeakNode,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Result<SubEvent>>,
+    stop: CancellationToken,
+    auto_fetch: bool,
+}
+
+impl Deliverer {
+    /// Takes the feed's next item, fetches it with auto-fetch, and hands it on, until the
+    /// subscription ends.
+    async fn run(self) {
+        while let Some(next) = self.wait_next().await {
+            let events = match next {
+                Next::Failed(e) => {
+                    let _ = self.tx.send(Err(e)).await;
+                    return;
+                }
+                Next::Deleted { name } => {
+                    self.shared.with(|f| f.told_deleted(&name));
+                    vec![SubEvent::Deleted { name }]
+                }
+                Next::Version {
+                    name,
+                    version,
+                    meta,
+                    skipped,
+                } => match self.version(name, version, meta, skipped).await {
+                    Some(events) => events,
+                    None => return,
+                },
+            };
+            for event in events {
+                if self.tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The feed's next item; `None` once the subscription is dropped or the node stops.
+    async fn wait_next(&self) -> Option<Next> {
+        loop {
+            // Popping changes nothing another task waits for: no wake-up (a wake-up here
+            // would stay stored and make `notified()` below ready at once, a busy loop).
+            let popped = self
+                .shared
+                .feed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop();
+            if let Some(next) = popped {
+                return Some(next);
+            }
+            tokio::select! {
+                _ = self.stop.cancelled() => return None,
+                _ = self.tx.closed() => return None,
+                () = self.shared.wake.notified() => {}
+            }
+        }
+    }
+
+    /// The events telling `version` of `name` (fetched with auto-fetch), after the versions
+    /// `skipped` before it; `None` when stopped.
+    async fn version(
+        &self,
+        name: TensorName,
+        version: u64,
+        meta: TensorMeta,
+        skipped: Option<(u64, u64)>,
+    ) -> Option<Vec<SubEvent>> {
+        let tensor = match self.auto_fetch {
+            false => None,
+            true => match fetch(&self.node, &self.stop, &name, version).await {
+                Fetched::Tensor(t) => Some(t),
+                Fetched::Stopped => return None,
+                Fetched::Failed(_) if self.shared.with(|f| f.has_newer(&name, version)) => {
+                    // Reported as skipped before the newer version.
+                    self.shared.with(|f| f.untold(&name, version, skipped));
+                    return Some(Vec::new());
+                }
+                Fetched::Failed(e) => {
+                    warn!(%name, version, %e, "subscription could not fetch a version");
+                    self.shared.with(|f| f.told_version(&name, version));
+                    let from = skipped.map_or(version, |(from, _)| from);
+                    let to = version;
+                    return Some(vec![SubEvent::Skipped { name, from, to }]);
+                }
+            },
+        };
+        self.shared.with(|f| f.told_version(&name, version));
+        let skipped = skipped.map(|(from, to)| SubEvent::Skipped {
+            name: name.clone(),
+            from,
+            to,
+        });
+        let told = SubEvent::Version {
+            name,
+            version,
+            meta,
+            tensor,
+        };
+        Some(skipped.into_iter().chain([told]).collect())
+    }
+}
+
+/// What fetching one version for a subscriber came to.
+enum Fetched {
+    Tensor(Tensor),
+    Failed(Error),
+    Stopped,
+}
+
+async fn fetch(
+    node: &WeakNode,
+    stop: &CancellationToken,
+    name: &TensorName,
+    version: u64,
+) -> Fetched {
+    let Some(node) = node.upgrade() else {
+        return Fetched::Stopped;
+    };
+    let got = tokio::select! {
+        _ = stop.cancelled() => return Fetched::Stopped,
+        got = node.get_version(name.as_str(), version) => got,
+    };
+    match got {
+        Ok(pulled) => Fetched::Tensor(pulled.buffer),
+        Err(Error::Shutdown) => Fetched::Stopped,
+        Err(e) => Fetched::Failed(e),
+    }
+}

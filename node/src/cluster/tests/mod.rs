@@ -1,0 +1,474 @@
+//! The cluster client end to end against fake brokers (`fake_broker`): publish, get, failover,
+//! holder failures, resumed transfers, subscriptions, retention announcements, heartbeats.
+
+mod fake_broker;
+
+use std::{
+    collections::BTreeMap,
+    future::Future,
+    time::{Duration, Instant},
+};
+
+use iroh::{
+    SecretKey,
+    endpoint::Connection,
+    protocol::{AcceptError, ProtocolHandler, Router},
+};
+use tb_proto::{DATA_ALPN, DataRequest, DataResponse, HolderAddr, TensorName};
+
+use self::fake_broker::FakeCluster;
+use crate::{
+    Config, DType, Error, Node, PeerAddr, SubEvent, Subscription, Tensor, auth, bind_endpoint, wire,
+};
+
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn config(brokers: &[PeerAddr]) -> Config {
+    Config {
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+        stall_timeout: Duration::from_secs(5),
+        heartbeat_interval: Duration::from_millis(100),
+        brokers: brokers.to_vec(),
+        ..Config::default()
+    }
+}
+
+async fn worker(config: Config) -> Node {
+    Node::spawn(config).await.expect("worker starts")
+}
+
+fn tensor(n: usize, seed: u8) -> Tensor {
+    let data: Vec<u8> = (0..n * 4)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect();
+    Tensor::new(DType::F32, vec![n as u64], data).expect("tensor")
+}
+
+fn name(s: &str) -> TensorName {
+    TensorName::new(s).expect("name")
+}
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(LIMIT, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: did not finish within {LIMIT:?}"),
+    }
+}
+
+async fn eventually(mut check: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < LIMIT {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check()
+}
+
+/// An address where nothing answers.
+fn dead_broker() -> PeerAddr {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("free port")
+        .port();
+    PeerAddr {
+        id: SecretKey::generate().public(),
+        addr: ([127, 0, 0, 1], port).into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standalone_node_says_so() {
+    let node = worker(Config::default()).await;
+    assert!(matches!(
+        node.publish("m/w", tensor(4, 1)).await,
+        Err(Error::Standalone)
+    ));
+    assert!(matches!(node.get("m/w").await, Err(Error::Standalone)));
+    assert!(matches!(
+        node.subscribe("m/*").await,
+        Err(Error::Standalone)
+    ));
+    assert!(node.current_broker().is_none());
+    node.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_then_get_from_another_worker() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let (a, c) = (
+        worker(config(std::slice::from_ref(&b))).await,
+        worker(config(&[b])).await,
+    );
+    let (t1, t2) = (tensor(1000, 1), tensor(1000, 2));
+    assert_eq!(
+        within("publish", a.publish("m/w", t1.clone()))
+            .await
+            .expect("v1"),
+        1
+    );
+    assert_eq!(
+        within("publish", a.publish("m/w", t2.clone()))
+            .await
+            .expect("v2"),
+        2
+    );
+    let got = within("get", c.get("m/w")).await.expect("get");
+    assert_eq!((got.version, got.buffer.data()), (2, t2.data()));
+    let old = within("get v1", c.get_version("m/w", 1)).await.expect("v1");
+    assert_eq!(old.buffer.data(), t1.data());
+    assert!(matches!(c.get("m/none").await, Err(Error::NotFound { .. })));
+    assert!(matches!(
+        c.get_version("m/w", 0).await,
+        Err(Error::NotFound { .. })
+    ));
+    // The getter holds v2 now, and said so; its fetches started and ended.
+    let (n, me) = (name("m/w"), auth::node_id(&c.id()));
+    assert!(eventually(|| fake.state().fetching.iter().any(|f| f.2 == me && !f.3)).await);
+    {
+        let st = fake.state();
+        let holders: Vec<_> = st.registry.entry(&n).expect("live").holders_of(2).collect();
+        assert!(holders.contains(&me), "{holders:?}");
+        assert!(st.fetching.iter().any(|f| f.2 == me && f.3));
+    }
+    let listed = within("list", c.list("m/")).await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].version, listed[0].holders), (2, 2));
+    let members = within("members", c.members()).await.expect("members");
+    assert_eq!(members.len(), 2);
+    for node in [a, c, broker] {
+        node.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_fail_over_to_the_next_broker_and_stay_there() {
+    let fake = FakeCluster::new();
+    let (broker, live) = fake.broker(config(&[])).await;
+    let mut cfg = config(&[dead_broker(), live.clone()]);
+    cfg.connect_timeout = Duration::from_millis(500);
+    let a = worker(cfg.clone()).await;
+    assert_eq!(
+        within("publish", a.publish("m/w", tensor(8, 1)))
+            .await
+            .expect("publish"),
+        1
+    );
+    assert_eq!(a.current_broker(), Some(&live));
+    let started = Instant::now();
+    within("list", a.list("")).await.expect("list");
+    assert!(
+        started.elapsed() < Duration::from_millis(400),
+        "the dead broker is not retried first"
+    );
+    cfg.brokers = vec![dead_broker(), dead_broker()];
+    let lost = worker(cfg).await;
+    match within("list", lost.list("")).await {
+        Err(Error::NoBroker { tried: 2, .. }) => {}
+        other => panic!("expected NoBroker, got {other:?}"),
+    }
+    for node in [a, lost, broker] {
+        node.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_holder_is_passed_over_for_the_next() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let brokers = [b];
+    let (a, b, c) = (
+        worker(config(&brokers)).await,
+        worker(config(&brokers)).await,
+        worker(config(&brokers)).await,
+    );
+    let t = tensor(50_000, 3);
+    within("publish", a.publish("m/w", t.clone()))
+        .await
+        .expect("publish");
+    within("get", b.get("m/w")).await.expect("b gets");
+    a.shutdown().await;
+    let got = within("get", c.get("m/w")).await.expect("c gets from b");
+    assert_eq!(got.buffer.data(), t.data());
+    for node in [b, c, broker] {
+        node.shutdown().await;
+    }
+}
+
+/// A holder that sends the header and the first half of the payload, then ends the stream.
+#[derive(Debug, Clone)]
+struct HalfServer {
+    me: iroh::EndpointId,
+    tensor: Tensor,
+}
+
+impl ProtocolHandler for HalfServer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let key = tb_proto::ClusterKey::open();
+        let timeout = Duration::from_secs(5);
+        if auth::server_hello(&conn, self.me, &key, DATA_ALPN, timeout, 1 << 40, || {})
+            .await
+            .is_err()
+        {
+            return Ok(());
+        }
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let Ok(DataRequest::Pull { version, .. }) = wire::read_frame(&mut recv).await else {
+                break;
+            };
+            let header = DataResponse::Header {
+                meta: self.tensor.meta().clone(),
+                version: version.unwrap_or(1),
+            };
+            let half = self.tensor.data().slice(..self.tensor.data().len() / 2);
+            let _ = wire::write_frame(&mut send, &header).await;
+            let _ = send.write_all(&half).await;
+            let _ = send.finish();
+            let _ = send.stopped().await;
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_breaks_mid_transfer_is_resumed_at_the_byte_by_the_next() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let (a, c) = (
+        worker(config(std::slice::from_ref(&b))).await,
+        worker(config(&[b])).await,
+    );
+    let t = tensor(1 << 20, 4); // 4 MiB
+    within("publish", a.publish("m/big", t.clone()))
+        .await
+        .expect("publish");
+    let ep = bind_endpoint(&Config::default(), SecretKey::generate())
+        .await
+        .expect("endpoint");
+    let half = HalfServer {
+        me: ep.id(),
+        tensor: t.clone(),
+    };
+    let holder = HolderAddr {
+        node: auth::node_id(&ep.id()),
+        addrs: vec![ep.bound_sockets()[0].to_string()],
+        complete: true,
+    };
+    let router = Router::builder(ep).accept(DATA_ALPN, half).spawn();
+    fake.state().first_holder = Some(holder);
+    let sent_before = a.ctx().transfers.bytes_sent.get();
+    let got = within("get", c.get("m/big")).await.expect("get");
+    assert_eq!(got.buffer.data(), t.data());
+    let from_a = a.ctx().transfers.bytes_sent.get() - sent_before;
+    assert_eq!(
+        from_a,
+        t.byte_len() / 2,
+        "the second holder sent only the missing half"
+    );
+    let _ = router.shutdown().await;
+    for node in [a, c, broker] {
+        node.shutdown().await;
+    }
+}
+
+/// Collects events until `done` says the subscriber has seen enough; returns per name the
+/// versions delivered and skipped.
+async fn collect(
+    sub: &mut Subscription,
+    mut done: impl FnMut(&BTreeMap<String, Vec<u64>>) -> bool,
+) -> (BTreeMap<String, Vec<u64>>, BTreeMap<String, Vec<u64>>) {
+    let (mut delivered, mut skipped) = (BTreeMap::new(), BTreeMap::<String, Vec<u64>>::new());
+    while !done(&delivered) {
+        match within("event", sub.next()).await {
+            Some(Ok(SubEvent::Version {
+                name,
+                version,
+                meta,
+                tensor,
+            })) => {
+                let tensor = tensor.expect("auto-fetched");
+                assert_eq!(tensor.hash(), meta.hash);
+                delivered
+                    .entry(name.to_string())
+                    .or_insert_with(Vec::new)
+                    .push(version);
+            }
+            Some(Ok(SubEvent::Skipped { name, from, to })) => {
+                skipped
+                    .entry(name.to_string())
+                    .or_default()
+                    .extend(from..=to);
+            }
+            Some(Ok(SubEvent::Deleted { name })) => panic!("unexpected delete of {name}"),
+            Some(Err(e)) => panic!("subscription failed: {e}"),
+            None => panic!("subscription ended"),
+        }
+    }
+    (delivered, skipped)
+}
+
+/// Every version `1..=newest` is delivered or skipped, delivered ones in increasing order.
+fn accounted(delivered: &[u64], skipped: &[u64], newest: u64) {
+    assert!(delivered.windows(2).all(|w| w[0] < w[1]), "{delivered:?}");
+    let mut all: Vec<u64> = delivered.iter().chain(skipped).copied().collect();
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (1..=newest).collect::<Vec<_>>(),
+        "{delivered:?} + {skipped:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_delivers_each_name_in_order_and_accounts_for_every_version() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let (a, s) = (
+        worker(config(std::slice::from_ref(&b))).await,
+        worker(config(&[b])).await,
+    );
+    let mut sub = within("subscribe", s.subscribe("m/*"))
+        .await
+        .expect("subscribe");
+    assert!(eventually(|| fake.state().subscribers == 1).await);
+    for v in 1..=6u8 {
+        a.publish("m/a", tensor(10_000, v))
+            .await
+            .expect("publish a");
+        if v <= 2 {
+            a.publish("m/b", tensor(10, v)).await.expect("publish b");
+        }
+    }
+    a.publish("other/x", tensor(4, 0))
+        .await
+        .expect("publish other");
+    let newest = |d: &BTreeMap<String, Vec<u64>>, n: &str, v: u64| {
+        d.get(n).and_then(|v| v.last()).copied() == Some(v)
+    };
+    let (delivered, skipped) =
+        collect(&mut sub, |d| newest(d, "m/a", 6) && newest(d, "m/b", 2)).await;
+    assert_eq!(delivered.len(), 2, "{delivered:?}");
+    for (n, top) in [("m/a", 6), ("m/b", 2)] {
+        let none = Vec::new();
+        accounted(&delivered[n], skipped.get(n).unwrap_or(&none), top);
+    }
+    drop(sub);
+    assert!(
+        eventually(|| fake.state().subscribers == 0).await,
+        "dropping ends it"
+    );
+    for node in [a, s, broker] {
+        node.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_moves_to_the_next_broker_when_its_broker_goes() {
+    let fake = FakeCluster::new();
+    let (first, b1) = fake.broker(config(&[])).await;
+    let (second, b2) = fake.broker(config(&[])).await;
+    let s = worker(config(&[b1.clone(), b2.clone()])).await;
+    let a = worker(config(&[b2])).await;
+    a.publish("m/w", tensor(100, 1)).await.expect("v1 before");
+    let mut sub = within("subscribe", s.subscribe("m/w"))
+        .await
+        .expect("subscribe");
+    assert_eq!(s.current_broker(), Some(&b1));
+    assert!(eventually(|| fake.state().subscribers == 1).await);
+    first.shutdown().await;
+    a.publish("m/w", tensor(100, 2))
+        .await
+        .expect("v2 during the move");
+    a.publish("m/w", tensor(100, 3))
+        .await
+        .expect("v3 during the move");
+    let (delivered, skipped) = collect(&mut sub, |d| {
+        d.get("m/w").and_then(|v| v.last()).copied() == Some(3)
+    })
+    .await;
+    let mut seen: Vec<u64> = delivered["m/w"].clone();
+    seen.extend(skipped.get("m/w").cloned().unwrap_or_default());
+    seen.sort_unstable();
+    assert_eq!(seen, [2, 3], "v1 predates the subscription");
+    assert!(
+        eventually(|| fake.state().subscribers == 1).await,
+        "resubscribed"
+    );
+    a.publish("m/w", tensor(100, 4)).await.expect("v4 after");
+    let (delivered, _) = collect(&mut sub, |d| d.contains_key("m/w")).await;
+    assert_eq!(delivered["m/w"], [4]);
+    for node in [a, s, second] {
+        node.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicted_versions_are_announced_and_heartbeats_stop_at_shutdown() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let a = worker(Config {
+        keep_versions: 1,
+        ..config(&[b])
+    })
+    .await;
+    a.publish("m/w", tensor(4, 1)).await.expect("v1");
+    a.publish("m/w", tensor(4, 2)).await.expect("v2");
+    let (n, me) = (name("m/w"), auth::node_id(&a.id()));
+    let holds = |v| {
+        let st = fake.state();
+        let entry = st.registry.entry(&n).cloned();
+        entry.is_some_and(|e| e.holders_of(v).any(|h| h == me))
+    };
+    assert!(
+        eventually(|| !holds(1)).await,
+        "v1 was announced as dropped"
+    );
+    assert!(holds(2));
+    assert!(eventually(|| fake.state().heartbeats >= 3).await);
+    a.shutdown().await;
+    let after = fake.state().heartbeats;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(fake.state().heartbeats, after);
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_reaches_subscribers_and_hides_the_name() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let (a, s) = (
+        worker(config(std::slice::from_ref(&b))).await,
+        worker(Config {
+            auto_fetch: false,
+            ..config(&[b])
+        })
+        .await,
+    );
+    a.publish("m/w", tensor(4, 1)).await.expect("publish");
+    let mut sub = within("subscribe", s.subscribe("m/w"))
+        .await
+        .expect("subscribe");
+    assert!(eventually(|| fake.state().subscribers == 1).await);
+    within("delete", a.delete("m/w")).await.expect("delete");
+    match within("event", sub.next()).await {
+        Some(Ok(SubEvent::Deleted { name })) => assert_eq!(name.as_str(), "m/w"),
+        other => panic!("expected Deleted, got {other:?}"),
+    }
+    assert!(a.ctx().store.held_versions(&name("m/w")).is_empty());
+    assert!(matches!(s.get("m/w").await, Err(Error::NotFound { .. })));
+    a.publish("m/w", tensor(4, 2)).await.expect("publish again");
+    match within("event", sub.next()).await {
+        Some(Ok(SubEvent::Version {
+            version: 2,
+            tensor: None,
+            ..
+        })) => {}
+        other => panic!("expected v2 without a tensor, got {other:?}"),
+    }
+    for node in [a, s, broker] {
+        node.shutdown().await;
+    }
+}

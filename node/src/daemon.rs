@@ -1,0 +1,183 @@
+//! What the daemons (`tb-broker`, `tb-worker`) and the `tb` CLI share when they start: the
+//! data dir, the cluster secret, logging, and waiting for a stop signal.
+
+use std::{fmt, path::Path, path::PathBuf, str::FromStr};
+
+use tb_proto::{AuthError, ClusterKey};
+
+/// Why a process could not be set up from its flags.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// No `--data-dir` and no home directory to put the default under.
+    #[error("no --data-dir given and $HOME is not set")]
+    NoHome,
+    /// The data dir could not be created.
+    #[error("creating the data dir {path}: {source}")]
+    DataDir {
+        /// The folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The secret file could not be read.
+    #[error("reading the cluster secret from {path}: {source}")]
+    SecretFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The secret is unusable (too short, too long).
+    #[error("cluster secret: {0}")]
+    Secret(#[from] AuthError),
+}
+
+/// `dir` if given, else `~/.local/share/tensor-broker/<role>`; created if missing.
+pub fn data_dir(dir: Option<PathBuf>, role: &str) -> Result<PathBuf, SetupError> {
+    let path = match dir {
+        Some(dir) => dir,
+        None => {
+            let home = std::env::var_os("HOME").ok_or(SetupError::NoHome)?;
+            PathBuf::from(home)
+                .join(".local/share/tensor-broker")
+                .join(role)
+        }
+    };
+    std::fs::create_dir_all(&path).map_err(|source| SetupError::DataDir {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(path)
+}
+
+/// The cluster key from a secret given inline or in a file (one trailing newline ignored);
+/// the open cluster's key when neither is given.
+pub fn cluster_key(secret: Option<&str>, file: Option<&Path>) -> Result<ClusterKey, SetupError> {
+    let bytes = match (secret, file) {
+        (Some(s), _) => s.as_bytes().to_vec(),
+        (None, Some(path)) => std::fs::read(path).map_err(|source| SetupError::SecretFile {
+            path: path.to_owned(),
+            source,
+        })?,
+        (None, None) => return Ok(ClusterKey::open()),
+    };
+    let trimmed = bytes
+        .strip_suffix(b"\n")
+        .map(|b| b.strip_suffix(b"\r").unwrap_or(b))
+        .unwrap_or(&bytes);
+    Ok(ClusterKey::from_secret(trimmed)?)
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+impl FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("unknown log format {other:?} (use text or json)")),
+        }
+    }
+}
+
+impl fmt::Display for LogFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        })
+    }
+}
+
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second init (tests, embedding) keeps the first subscriber.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Waits for SIGINT (Ctrl-C) or SIGTERM.
+pub async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Publishes every tensor pushed to `node` under its name, until the node shuts down: what a
+/// worker does with what `tb put` sends it.
+pub async fn publish_pushes(node: crate::Node) {
+    while let Ok(pushed) = node.recv().await {
+        let name = pushed.name.as_str().to_string();
+        match node.publish(&name, pushed.tensor).await {
+            Ok(version) => tracing::info!(
+                tensor = %name,
+                version,
+                from = %pushed.from.fmt_short(),
+                "published a pushed tensor"
+            ),
+            Err(e) => tracing::warn!(tensor = %name, %e, "could not publish a pushed tensor"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_come_inline_or_from_a_file_and_are_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("secret");
+        std::fs::write(&file, "0123456789abcdef\n").expect("write");
+        let from_file = cluster_key(None, Some(&file)).expect("file");
+        let inline = cluster_key(Some("0123456789abcdef"), None).expect("inline");
+        assert_eq!(from_file.gossip_topic(), inline.gossip_topic());
+        assert!(cluster_key(None, None).expect("open").is_open());
+        assert!(matches!(
+            cluster_key(Some("short"), None),
+            Err(SetupError::Secret(_))
+        ));
+        assert!(matches!(
+            cluster_key(None, Some(&dir.path().join("missing"))),
+            Err(SetupError::SecretFile { .. })
+        ));
+    }
+
+    #[test]
+    fn log_formats_parse() {
+        assert_eq!("json".parse(), Ok(LogFormat::Json));
+        assert!("xml".parse::<LogFormat>().is_err());
+    }
+}

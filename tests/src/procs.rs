@@ -1,0 +1,135 @@
+//! Real processes for cluster tests: the built `tb-broker` and `tb-worker` binaries, started
+//! on loopback with their own data dirs, their stdout lines collected, and killed by PID
+//! when the test drops them (a failing test leaves nothing running).
+
+use std::{
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+/// The path of a workspace binary built in the same profile as the running test, building it
+/// first if it is missing (`cargo test` builds only the binaries of the package under test).
+pub fn bin(name: &str, package: &str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<()>> = OnceLock::new();
+    let _one_build_at_a_time = BUILT
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    // target/<profile>/deps/<test-binary> -> target/<profile>/<name>
+    let exe = std::env::current_exe().expect("test executable path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let path = profile_dir.join(name);
+    if !path.exists() {
+        let release = profile_dir.ends_with("release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "-p", package, "--bin", name]);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("running cargo build");
+        assert!(status.success(), "building {name} failed");
+    }
+    assert!(path.exists(), "{} is missing", path.display());
+    path
+}
+
+/// A child process killed (SIGKILL, by PID) when dropped, with its stdout lines recorded.
+pub struct Proc {
+    /// What it is, for messages.
+    pub label: String,
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    /// Starts `cmd` with stdout captured and stderr appended to `log` (kept for post-mortems).
+    pub fn start(label: &str, mut cmd: Command, log: &Path) -> Proc {
+        let stderr = std::fs::File::create(log).expect("log file");
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {label}: {e}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+            }
+        });
+        Proc {
+            label: label.to_string(),
+            child,
+            lines,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits (up to `limit`) for a stdout line starting with `prefix`; returns the rest.
+    pub fn wait_line(&mut self, prefix: &str, limit: Duration) -> String {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            {
+                let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(line) = lines.iter().find_map(|l| l.strip_prefix(prefix)) {
+                    return line.trim().to_string();
+                }
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "{} exited ({status}) before printing {prefix:?}",
+                    self.label
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{} printed no {prefix:?} line within {limit:?}", self.label);
+    }
+
+    /// SIGKILL: the process dies without any chance to clean up.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, then waits up to `limit` for a graceful exit (SIGKILL after that); returns
+    /// whether it exited by itself with success.
+    pub fn terminate(&mut self, limit: Duration) -> bool {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill9();
+        false
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A free UDP address on 127.0.0.1 (bound then released).
+pub fn free_udp_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], crate::free_udp_port()))
+}

@@ -1,0 +1,288 @@
+//! The cluster in one process: real brokers (gossip, anti-entropy, sled) and worker nodes on
+//! loopback. Publish on one worker and get on the others, subscriptions in version order, a
+//! late and a restarted broker catching up, refusal of a wrong secret, dead workers' holdings
+//! withdrawn. Every wait is bounded.
+
+use std::{path::Path, time::Duration};
+
+use tb_broker::{Broker, BrokerOptions};
+use tb_node::{Config, Error, PeerAddr, SubEvent, proto::ClusterKey};
+use tb_tests::{eventually_async, f32_tensor, node, test_config, within};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const SECRET: &[u8] = b"cluster tests share this secret";
+
+fn key() -> ClusterKey {
+    ClusterKey::from_secret(SECRET).expect("secret")
+}
+
+fn broker_options(dir: &Path, join: &[PeerAddr]) -> BrokerOptions {
+    let mut opts = BrokerOptions::new(dir);
+    opts.node = test_config();
+    opts.node.cluster_key = key();
+    opts.join = join.to_vec();
+    opts.sync_interval = Duration::from_millis(500);
+    opts.tick = Duration::from_millis(200);
+    opts.state.liveness_timeout_ms = 2_000;
+    opts
+}
+
+async fn broker(dir: &Path, join: &[PeerAddr]) -> Broker {
+    within(
+        LIMIT,
+        "broker start",
+        Broker::spawn(broker_options(dir, join)),
+    )
+    .await
+    .expect("broker starts")
+}
+
+fn worker_config(brokers: Vec<PeerAddr>) -> Config {
+    Config {
+        brokers,
+        cluster_key: key(),
+        heartbeat_interval: Duration::from_millis(300),
+        ..test_config()
+    }
+}
+
+/// Three brokers (the 2nd and 3rd join the 1st) in temporary dirs.
+struct Brokers {
+    all: Vec<Broker>,
+    _dirs: Vec<tempfile::TempDir>,
+}
+
+impl Brokers {
+    async fn start(n: usize) -> Brokers {
+        let mut all: Vec<Broker> = Vec::new();
+        let mut dirs = Vec::new();
+        for _ in 0..n {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let join: Vec<PeerAddr> = all.first().map(|b| b.addr().clone()).into_iter().collect();
+            all.push(broker(dir.path(), &join).await);
+            dirs.push(dir);
+        }
+        Brokers { all, _dirs: dirs }
+    }
+
+    /// Broker addresses with the `first`-th broker first (workers spread over brokers).
+    fn addrs_from(&self, first: usize) -> Vec<PeerAddr> {
+        let n = self.all.len();
+        (0..n)
+            .map(|i| self.all[(first + i) % n].addr().clone())
+            .collect()
+    }
+
+    async fn shutdown(self) {
+        for b in self.all {
+            b.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_on_one_worker_get_on_all_others() {
+    let brokers = Brokers::start(3).await;
+    let mut workers = Vec::new();
+    for i in 0..4 {
+        workers.push(node(worker_config(brokers.addrs_from(i % 3))).await);
+    }
+    let tensor = f32_tensor(100_000, 9);
+    let version = within(
+        LIMIT,
+        "publish",
+        workers[0].publish("model/w", tensor.clone()),
+    )
+    .await
+    .expect("publish");
+    assert_eq!(version, 1);
+    for w in &workers[1..] {
+        // Each worker asks its own first broker; gossip brings the name there within ms.
+        let got = within(LIMIT, "get", async {
+            loop {
+                match w.get("model/w").await {
+                    Err(Error::NotFound { .. }) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    other => break other,
+                }
+            }
+        })
+        .await
+        .expect("get");
+        assert_eq!(got.version, 1);
+        assert_eq!(got.buffer.data(), tensor.data(), "bytes equal");
+        assert_eq!(got.meta.hash, tensor.hash());
+    }
+    // Everyone who fetched is now a holder, on every broker's view.
+    for (i, w) in workers.iter().enumerate() {
+        let seen = eventually_async(LIMIT, || async {
+            w.list("model/")
+                .await
+                .map(|l| l.len() == 1 && l[0].holders == 4)
+                .unwrap_or(false)
+        })
+        .await;
+        assert!(seen, "worker {i}'s broker lists model/w with 4 holders");
+    }
+    for w in workers {
+        w.shutdown().await;
+    }
+    brokers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribers_see_every_version_in_order() {
+    tb_tests::init_logs();
+    let brokers = Brokers::start(3).await;
+    let publisher = node(worker_config(brokers.addrs_from(0))).await;
+    let mut subs = Vec::new();
+    let mut subscribers = Vec::new();
+    for i in 0..3 {
+        let w = node(worker_config(brokers.addrs_from(i))).await;
+        subs.push(w.subscribe("model/*").await.expect("subscribe"));
+        subscribers.push(w);
+    }
+    // Give every subscription time to register at its broker.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for v in 1..=5u8 {
+        let version = publisher
+            .publish("model/w", f32_tensor(4096, v))
+            .await
+            .expect("publish");
+        assert_eq!(version, u64::from(v));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (i, sub) in subs.iter_mut().enumerate() {
+        // Versions come in order; a skipped one is reported, never silently missing.
+        let mut covered = 0u64;
+        while covered < 5 {
+            let event = within(LIMIT, "event", sub.next_timeout(Duration::from_secs(20)))
+                .await
+                .unwrap_or_else(|| panic!("subscriber {i} ended at v{covered}"))
+                .expect("event");
+            match event {
+                SubEvent::Version {
+                    name,
+                    version,
+                    tensor,
+                    ..
+                } => {
+                    assert_eq!(name.as_str(), "model/w");
+                    assert_eq!(version, covered + 1, "subscriber {i}: in order, no gap");
+                    let tensor = tensor.expect("auto-fetched");
+                    assert_eq!(tensor.data(), f32_tensor(4096, version as u8).data());
+                    covered = version;
+                }
+                SubEvent::Skipped { from, to, .. } => {
+                    assert_eq!(from, covered + 1, "subscriber {i}: skip starts at the gap");
+                    covered = to;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    drop(subs);
+    publisher.shutdown().await;
+    for w in subscribers {
+        w.shutdown().await;
+    }
+    brokers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_broker_catches_up_and_a_restarted_one_keeps_its_registry() {
+    let first_dir = tempfile::tempdir().expect("tempdir");
+    let first = broker(first_dir.path(), &[]).await;
+    let w = node(worker_config(vec![first.addr().clone()])).await;
+    for i in 0..50 {
+        w.publish(&format!("late/t{i}"), f32_tensor(16, i as u8))
+            .await
+            .expect("publish");
+    }
+    // A broker started now has seen none of that gossip: anti-entropy brings it all.
+    let late_dir = tempfile::tempdir().expect("tempdir");
+    let late = broker(late_dir.path(), &[first.addr().clone()]).await;
+    let reader = node(worker_config(vec![late.addr().clone()])).await;
+    let caught_up = eventually_async(LIMIT, || async {
+        reader.list("late/").await.map(|l| l.len()).unwrap_or(0) == 50
+    })
+    .await;
+    assert!(caught_up, "the late broker lists all 50 names");
+    let got = reader
+        .get("late/t7")
+        .await
+        .expect("get through the late broker");
+    assert_eq!(got.buffer.data(), f32_tensor(16, 7).data());
+
+    // Restart the first broker on the same data dir: its registry comes back from sled.
+    let first_addr = first.addr().clone();
+    first.shutdown().await;
+    late.shutdown().await;
+    let mut opts = broker_options(first_dir.path(), &[]);
+    opts.node.bind_addr = first_addr.addr;
+    let again = within(LIMIT, "restart", Broker::spawn(opts))
+        .await
+        .expect("restart");
+    assert_eq!(
+        again.addr().id,
+        first_addr.id,
+        "same identity after restart"
+    );
+    let fresh = node(worker_config(vec![again.addr().clone()])).await;
+    let names = fresh.list("late/").await.expect("list after restart");
+    assert_eq!(names.len(), 50, "the registry survived the restart");
+    for n in [w, reader, fresh] {
+        n.shutdown().await;
+    }
+    again.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_the_wrong_secret_is_refused_by_brokers() {
+    let brokers = Brokers::start(1).await;
+    let outsider = node(Config {
+        brokers: brokers.addrs_from(0),
+        cluster_key: ClusterKey::from_secret(b"not the cluster secret at all").expect("secret"),
+        ..test_config()
+    })
+    .await;
+    match within(LIMIT, "publish", outsider.publish("x/y", f32_tensor(4, 1))).await {
+        Err(Error::Unauthorized(_)) => {}
+        other => panic!("expected Unauthorized, got {other:?}"),
+    }
+    match within(LIMIT, "list", outsider.list("")).await {
+        Err(Error::Unauthorized(_)) => {}
+        other => panic!("expected Unauthorized, got {other:?}"),
+    }
+    assert!(brokers.all[0].counters().auth_failures.get() >= 1);
+    outsider.shutdown().await;
+    brokers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_workers_tensors_stop_being_offered() {
+    let brokers = Brokers::start(1).await;
+    let holder = node(worker_config(brokers.addrs_from(0))).await;
+    let reader = node(worker_config(brokers.addrs_from(0))).await;
+    holder
+        .publish("gone/w", f32_tensor(64, 3))
+        .await
+        .expect("publish");
+    reader.get("gone/w").await.expect("served while alive");
+    let other = node(worker_config(brokers.addrs_from(0))).await;
+    // The only other holder (reader) stays; kill the publisher: after the liveness timeout
+    // (2 s here) its copy is no longer offered, the reader's still is.
+    holder.shutdown().await;
+    reader.shutdown().await;
+    let withdrawn = eventually_async(LIMIT, || async {
+        matches!(other.get("gone/w").await, Err(Error::NotFound { .. }))
+    })
+    .await;
+    assert!(
+        withdrawn,
+        "no live holder left: a typed NotFound, not a hang"
+    );
+    other.shutdown().await;
+    brokers.shutdown().await;
+}

@@ -1,0 +1,305 @@
+//! The cluster as users run it: `tb-broker` and `tb-worker` processes from the built
+//! binaries, on loopback, with a cluster secret file. Each test starts its own cluster in its
+//! own temporary dirs and kills every process it started (by PID) when it ends.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use tb_node::{Config, Node, Tensor, Ticket, proto::ClusterKey};
+use tb_tests::{
+    eventually_async, f32_tensor, pattern,
+    procs::{Proc, bin, free_udp_addr},
+    test_config, within,
+};
+
+const LIMIT: Duration = Duration::from_secs(90);
+const START: Duration = Duration::from_secs(30);
+const SECRET: &str = "processes-test-cluster-secret";
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    secret_file: PathBuf,
+    brokers: Vec<Proc>,
+    broker_listen: Vec<std::net::SocketAddr>,
+    workers: Vec<Proc>,
+    ticket: Ticket,
+}
+
+impl Cluster {
+    /// `brokers` brokers (the first prints the ticket, the others join it) and workers; the
+    /// workers after the first subscribe to `model/*`.
+    fn start(brokers: usize, workers: usize) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let secret_file = dir.path().join("secret");
+        std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
+        let mut c = Cluster {
+            dir,
+            secret_file,
+            brokers: Vec::new(),
+            broker_listen: Vec::new(),
+            workers: Vec::new(),
+            ticket: Ticket {
+                brokers: Vec::new(),
+            },
+        };
+        for i in 0..brokers {
+            let listen = free_udp_addr();
+            let join = (i > 0).then(|| c.ticket.to_string());
+            let mut p = c.spawn_broker(i, listen, join.as_deref());
+            let printed: Ticket = p.wait_line("ticket:", START).parse().expect("ticket");
+            if i == 0 {
+                c.ticket = printed;
+            } else {
+                c.ticket.brokers.push(printed.brokers[0].clone());
+            }
+            c.brokers.push(p);
+            c.broker_listen.push(listen);
+        }
+        for i in 0..workers {
+            let subscribe: &[&str] = if i == 0 { &[] } else { &["model/*"] };
+            let w = c.spawn_worker(i, subscribe);
+            c.workers.push(w);
+        }
+        c
+    }
+
+    fn data(&self, what: &str) -> PathBuf {
+        self.dir.path().join(what)
+    }
+
+    fn spawn_broker(&self, i: usize, listen: std::net::SocketAddr, join: Option<&str>) -> Proc {
+        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+        cmd.arg("--data-dir")
+            .arg(self.data(&format!("broker-{i}")))
+            .arg("--listen")
+            .arg(listen.to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret_file)
+            .args(["--liveness-timeout", "2", "--sync-interval", "1"]);
+        if let Some(t) = join {
+            cmd.arg("--join").arg(t);
+        }
+        let log = self.data(&format!("broker-{i}.log"));
+        Proc::start(&format!("broker {i}"), cmd, &log)
+    }
+
+    fn spawn_worker(&self, i: usize, subscribe: &[&str]) -> Proc {
+        let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+        cmd.arg("--join")
+            .arg(self.ticket.to_string())
+            .arg("--data-dir")
+            .arg(self.data(&format!("worker-{i}")))
+            .arg("--listen")
+            .arg(free_udp_addr().to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret_file);
+        for p in subscribe {
+            cmd.arg("--subscribe").arg(p);
+        }
+        let log = self.data(&format!("worker-{i}.log"));
+        let mut p = Proc::start(&format!("worker {i}"), cmd, &log);
+        p.wait_line("worker:", START);
+        p
+    }
+
+    fn worker_addr(&mut self, i: usize) -> tb_node::PeerAddr {
+        self.workers[i]
+            .wait_line("worker:", START)
+            .parse()
+            .expect("worker address")
+    }
+
+    /// A node of this cluster in the test process, asking the brokers from `first` on.
+    async fn client(&self, first: usize) -> Node {
+        let mut brokers = self.ticket.brokers.clone();
+        let n = brokers.len();
+        brokers.rotate_left(first % n);
+        Node::spawn(Config {
+            brokers,
+            cluster_key: ClusterKey::from_secret(SECRET.as_bytes()).expect("secret"),
+            auto_fetch: false,
+            ..test_config()
+        })
+        .await
+        .expect("client node")
+    }
+}
+
+fn tb(args: &[&str], ticket: &Ticket, secret: &Path) -> std::process::Output {
+    Command::new(bin("tb", "tb-cli"))
+        .args(args)
+        .arg("--join")
+        .arg(ticket.to_string())
+        .arg("--cluster-secret-file")
+        .arg(secret)
+        .args(["--timeout", "5"])
+        .output()
+        .expect("running tb")
+}
+
+/// Waits until `name`'s newest version has `holders` live holders, as `node`'s broker sees it.
+async fn holders_reach(node: &Node, name: &str, holders: u32) -> bool {
+    eventually_async(LIMIT, || async {
+        node.list(name)
+            .await
+            .map(|l| {
+                l.iter()
+                    .any(|e| e.name.as_str() == name && e.holders >= holders)
+            })
+            .unwrap_or(false)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_on_one_worker_and_every_subscribed_worker_fetches_it() {
+    let mut c = Cluster::start(3, 4);
+    let client = c.client(1).await;
+    let tensor = f32_tensor(250_000, 5);
+    // `tb put` in library form: push to worker 0, which publishes what it is pushed.
+    let w0 = c.worker_addr(0);
+    within(LIMIT, "push", client.push(&w0, "model/w", &tensor))
+        .await
+        .expect("push to worker 0");
+    // Workers 1..3 subscribe to model/* and fetch each new version: 4 holders in all.
+    assert!(
+        holders_reach(&client, "model/w", 4).await,
+        "every subscribed worker fetched model/w"
+    );
+    let got = within(LIMIT, "get", client.get("model/w"))
+        .await
+        .expect("get");
+    assert_eq!(got.buffer.data(), tensor.data(), "bytes equal");
+    // The CLI sees the same, through another broker.
+    let out = tb(&["ls", "model/"], &c.ticket, &c.secret_file);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "tb ls: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("model/w") && stdout.contains("f32"),
+        "{stdout}"
+    );
+    client.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_survives_its_holder_being_killed_mid_transfer() {
+    let mut c = Cluster::start(1, 4);
+    let client = c.client(0).await;
+    let big = Tensor::from_bytes(pattern(256 << 20, 3));
+    let w0 = c.worker_addr(0);
+    within(LIMIT, "push", client.push(&w0, "model/big", &big))
+        .await
+        .expect("push");
+    assert!(holders_reach(&client, "model/big", 4).await, "4 holders");
+    let getter = {
+        let client = client.clone();
+        tokio::spawn(async move { client.get("model/big").await })
+    };
+    // Kill two of the four holders while the 256 MiB pull is under way: whichever it was
+    // reading from, it must finish from a survivor.
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    c.workers[0].kill9();
+    c.workers[1].kill9();
+    let got = within(LIMIT, "get", getter)
+        .await
+        .expect("no panic")
+        .expect("the get completes from a surviving holder");
+    assert_eq!(got.meta.hash, big.hash());
+    assert_eq!(got.buffer.data(), big.data());
+    client.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_restart_and_rejoin_without_losing_the_registry() {
+    let mut c = Cluster::start(3, 1);
+    let client = c.client(0).await;
+    let w0 = c.worker_addr(0);
+    for i in 0..10u8 {
+        let name = format!("ckpt/t{i}");
+        client
+            .push(&w0, &name, &f32_tensor(64, i))
+            .await
+            .expect("push");
+    }
+    let all = eventually_async(LIMIT, || async {
+        client.list("ckpt/").await.map(|l| l.len()).unwrap_or(0) == 10
+    })
+    .await;
+    assert!(all, "10 names published");
+
+    // Broker 2 goes away (its gossip and sync with it); the cluster moves on without it.
+    assert!(
+        c.brokers[2].terminate(Duration::from_secs(20)),
+        "graceful exit on SIGTERM"
+    );
+    for i in 10..15u8 {
+        let name = format!("ckpt/t{i}");
+        client
+            .push(&w0, &name, &f32_tensor(64, i))
+            .await
+            .expect("push");
+    }
+    // It comes back on the same data dir and address: it still has the first 10 (sled) and
+    // catches up on the 5 it missed (anti-entropy).
+    let listen = c.broker_listen[2];
+    let again = c.spawn_broker(2, listen, Some(&c.ticket.to_string()));
+    c.brokers[2] = again;
+    c.brokers[2].wait_line("ticket:", START);
+    let only_broker_2 = Node::spawn(Config {
+        brokers: vec![c.ticket.brokers[2].clone()],
+        cluster_key: ClusterKey::from_secret(SECRET.as_bytes()).expect("secret"),
+        ..test_config()
+    })
+    .await
+    .expect("node");
+    let converged = eventually_async(LIMIT, || async {
+        only_broker_2
+            .list("ckpt/")
+            .await
+            .map(|l| l.len())
+            .unwrap_or(0)
+            == 15
+    })
+    .await;
+    assert!(converged, "the restarted broker converged on all 15 names");
+    only_broker_2.shutdown().await;
+    client.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secrets_are_refused_and_dead_workers_are_withdrawn() {
+    let mut c = Cluster::start(1, 2);
+    let wrong = c.data("wrong-secret");
+    std::fs::write(&wrong, "a different secret of enough length\n").expect("write");
+    let out = tb(&["ls"], &c.ticket, &wrong);
+    assert!(!out.status.success(), "tb ls with the wrong secret fails");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unauthorized"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let client = c.client(0).await;
+    let w0 = c.worker_addr(0);
+    client
+        .push(&w0, "solo/w", &f32_tensor(32, 1))
+        .await
+        .expect("push");
+    assert!(holders_reach(&client, "solo/w", 1).await);
+    // kill -9: no goodbye. After the 2 s liveness timeout its copy is no longer offered.
+    c.workers[0].kill9();
+    let withdrawn = eventually_async(LIMIT, || async {
+        matches!(
+            client.get("solo/w").await,
+            Err(tb_node::Error::NotFound { .. })
+        )
+    })
+    .await;
+    assert!(withdrawn, "a dead worker's tensor is not offered");
+    client.shutdown().await;
+}
