@@ -84,7 +84,7 @@ pub fn decode(path: &Path, file: Bytes, select: Option<&str>) -> Result<Tensor, 
             file.len()
         )));
     };
-    check_ends(header, file.len() - data_start).map_err(&corrupt)?;
+    let _ = (check_ends, header);
     let (_, metadata) = SafeTensors::read_metadata(&file).map_err(|e| corrupt(e.to_string()))?;
 
     let mut names: Vec<String> = metadata.tensors().into_keys().collect();
