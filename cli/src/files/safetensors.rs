@@ -84,7 +84,7 @@ pub fn decode(path: &Path, file: Bytes, select: Option<&str>) -> Result<Tensor, 
             file.len()
         )));
     };
-    let _ = (check_ends, header);
+    check_ends(header, file.len() - data_start).map_err(&corrupt)?;
     let (_, metadata) = SafeTensors::read_metadata(&file).map_err(|e| corrupt(e.to_string()))?;
 
     let mut names: Vec<String> = metadata.tensors().into_keys().collect();
@@ -425,7 +425,8 @@ mod tests {
             shape in proptest::collection::vec(0u64..4, 0..4),
         ) {
             let tensor = sample(dtype, &shape);
-            let raw = Raw(to_safetensors(dtype), shape.iter().map(|&d| d as usize).collect(), tensor.data().to_vec());
+            let dims = shape.iter().map(|&d| d as usize).collect();
+            let raw = Raw(to_safetensors(dtype), dims, tensor.data().to_vec());
             let back = decode(path(), file_of(&[("x", raw)]), None).expect("decode");
             prop_assert_eq!(back, tensor);
         }
