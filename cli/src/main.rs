@@ -1,6 +1,7 @@
 //! `tb`: the tensor-broker command line.
 //!
 //! - `tb up`: a local cluster (brokers and workers) on 127.0.0.1 until Ctrl-C.
+//! - `tb put`, `tb get`: send a tensor file to a worker to publish; fetch one into a file.
 //! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
 //!   members.
 //! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
@@ -9,7 +10,6 @@
 mod bench;
 mod cluster;
 mod demo;
-#[cfg_attr(not(test), allow(dead_code))] // used by put/get (next commit)
 mod files;
 mod fmt;
 
@@ -28,6 +28,20 @@ enum Command {
     /// Run a local cluster on 127.0.0.1 (1 broker and 2 workers by default) until Ctrl-C; it
     /// prints the ticket, and the other commands find it without --join.
     Up(cluster::UpArgs),
+    /// Send a tensor file (.npy, .safetensors, raw) to a worker, which publishes and holds it.
+    Put {
+        #[command(flatten)]
+        args: cluster::PutArgs,
+        #[command(flatten)]
+        join: cluster::Join,
+    },
+    /// Fetch a tensor from the cluster (newest version by default) and write it to a file.
+    Get {
+        #[command(flatten)]
+        args: cluster::GetArgs,
+        #[command(flatten)]
+        join: cluster::Join,
+    },
     /// List the tensors a cluster holds: name, version, dtype, shape, size, holders.
     Ls {
         /// Only names starting with this.
@@ -78,6 +92,8 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Up(args) => cluster::up(args).await,
+            Command::Put { args, join } => cluster::put(&join, args).await,
+            Command::Get { args, join } => cluster::get(&join, args).await,
             Command::Ls { prefix, join } => cluster::ls(&join, &prefix).await,
             Command::Watch { pattern, join } => cluster::watch(&join, &pattern).await,
             Command::Status { join } => cluster::status(&join).await,

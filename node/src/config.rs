@@ -60,6 +60,10 @@ pub struct Config {
     /// How often a node with brokers tells the current broker it is alive (brokers mark a
     /// worker dead after 10 s of silence).
     pub heartbeat_interval: Duration,
+    /// Whether this node heartbeats (is a member brokers list and offer as a holder). True by
+    /// default; false for short-lived clients such as the `tb` CLI, which read and write
+    /// through the cluster but should not show up as workers.
+    pub heartbeats: bool,
     /// Addresses (`ip:port`) this node tells brokers to give its peers. Empty (the default):
     /// the address it is bound to, with an unspecified IP read as loopback; set it when the
     /// node binds `0.0.0.0` on a machine that others reach over the network.
@@ -90,6 +94,7 @@ impl Default for Config {
             cluster_key: ClusterKey::open(),
             brokers: Vec::new(),
             heartbeat_interval: Duration::from_secs(2),
+            heartbeats: true,
             advertise_addrs: Vec::new(),
             auto_fetch: true,
         }

@@ -303,3 +303,58 @@ async fn wrong_secrets_are_refused_and_dead_workers_are_withdrawn() {
     assert!(withdrawn, "a dead worker's tensor is not offered");
     client.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tb_put_and_tb_get_round_trip_a_file() {
+    let mut c = Cluster::start(1, 1);
+    let w0 = c.worker_addr(0).to_string();
+    let input = c.data("weights.bin");
+    let bytes = pattern(4000, 8);
+    std::fs::write(&input, &bytes).expect("write");
+    let input_s = input.to_string_lossy().to_string();
+    let put = [
+        "put", "t/w", &input_s, "--dtype", "f32", "--shape", "10,100", "--worker", &w0,
+    ];
+    let out = tb(&put, &c.ticket, &c.secret_file);
+    assert!(
+        out.status.success(),
+        "tb put: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("t/w v1"));
+    let raw = c.data("back.bin").to_string_lossy().to_string();
+    let out = tb(&["get", "t/w", "-o", &raw], &c.ticket, &c.secret_file);
+    assert!(
+        out.status.success(),
+        "tb get: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read(&raw).expect("read back"),
+        bytes.to_vec(),
+        "bytes equal"
+    );
+    // Bad input: a one-line error and a non-zero exit, never a panic.
+    for args in [
+        vec!["put", "t/x", "/nonexistent/file.npy"],
+        vec![
+            "put",
+            "bad//name",
+            &input_s,
+            "--dtype",
+            "f32",
+            "--shape",
+            "1000",
+        ],
+        vec!["put", "t/x", &input_s, "--dtype", "f32", "--shape", "7"],
+        vec!["get", "no/such/tensor", "-o", &raw],
+    ] {
+        let out = tb(&args, &c.ticket, &c.secret_file);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(
+            stderr.contains("error:") && !stderr.contains("panicked"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

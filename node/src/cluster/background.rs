@@ -33,8 +33,10 @@ pub(crate) fn start(
     let cancel = ctx.cancel.clone();
     if let Some(cluster) = cluster {
         let period = ctx.config.heartbeat_interval.max(MIN_PERIOD);
-        ctx.tracker
-            .spawn(heartbeats(cluster.clone(), period, cancel.clone()));
+        if ctx.config.heartbeats {
+            ctx.tracker
+                .spawn(heartbeats(cluster.clone(), period, cancel.clone()));
+        }
         if let Some(evictions) = evictions {
             ctx.tracker.spawn(announce_evictions(
                 cluster.clone(),

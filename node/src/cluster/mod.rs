@@ -127,7 +127,8 @@ impl Cluster {
             epoch: wall_ms(),
             addrs,
             hlc: Mutex::new(Hlc::new(me)),
-            joined: AtomicBool::new(false),
+            // A node that does not heartbeat never joins: nothing to wait for.
+            joined: AtomicBool::new(!config.heartbeats),
             request_timeout: config.request_timeout,
             heartbeat_timeout,
         }
