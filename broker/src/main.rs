@@ -25,16 +25,8 @@ struct Args {
     /// UDP address to listen on (QUIC).
     #[arg(long, env = "TB_LISTEN", default_value = "127.0.0.1:7410")]
     listen: SocketAddr,
-    /// File holding the cluster secret (at least 16 bytes; a trailing newline is ignored).
-    #[arg(
-        long,
-        env = "TB_CLUSTER_SECRET_FILE",
-        conflicts_with = "cluster_secret"
-    )]
-    cluster_secret_file: Option<PathBuf>,
-    /// The cluster secret itself (prefer the file: command lines are visible to other users).
-    #[arg(long, env = "TB_CLUSTER_SECRET", hide_env_values = true)]
-    cluster_secret: Option<String>,
+    #[command(flatten)]
+    secret: daemon::SecretArgs,
     /// A cluster ticket (tbc1:...) naming brokers to join.
     #[arg(long, env = "TB_JOIN")]
     join: Option<Ticket>,
@@ -59,10 +51,7 @@ async fn main() -> Result<()> {
     let data_dir = daemon::data_dir(args.data_dir, "broker")?;
     let mut opts = BrokerOptions::new(&data_dir);
     opts.node.bind_addr = args.listen;
-    opts.node.cluster_key = daemon::cluster_key(
-        args.cluster_secret.as_deref(),
-        args.cluster_secret_file.as_deref(),
-    )?;
+    opts.node.cluster_key = args.secret.key()?;
     opts.join = args.join.map(|t| t.brokers).unwrap_or_default();
     opts.state.liveness_timeout_ms = args.liveness_timeout.saturating_mul(1000);
     opts.sync_interval = Duration::from_secs(args.sync_interval.max(1));

@@ -68,6 +68,31 @@ pub fn cluster_key(secret: Option<&str>, file: Option<&Path>) -> Result<ClusterK
     Ok(ClusterKey::from_secret(trimmed)?)
 }
 
+/// The cluster-secret flags every daemon takes (with env fallbacks).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SecretArgs {
+    /// File holding the cluster secret (at least 16 bytes; a trailing newline is ignored).
+    #[arg(
+        long,
+        env = "TB_CLUSTER_SECRET_FILE",
+        conflicts_with = "cluster_secret"
+    )]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// The cluster secret itself (prefer the file: command lines are visible to other users).
+    #[arg(long, env = "TB_CLUSTER_SECRET", hide_env_values = true)]
+    pub cluster_secret: Option<String>,
+}
+
+impl SecretArgs {
+    /// The cluster key these flags give (the open cluster's without either).
+    pub fn key(&self) -> Result<ClusterKey, SetupError> {
+        cluster_key(
+            self.cluster_secret.as_deref(),
+            self.cluster_secret_file.as_deref(),
+        )
+    }
+}
+
 /// How logs are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {

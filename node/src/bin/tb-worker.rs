@@ -33,16 +33,8 @@ struct Args {
     /// Address to give peers when it differs from --listen (e.g. listening on 0.0.0.0).
     #[arg(long, env = "TB_ADVERTISE")]
     advertise: Option<SocketAddr>,
-    /// File holding the cluster secret (at least 16 bytes; a trailing newline is ignored).
-    #[arg(
-        long,
-        env = "TB_CLUSTER_SECRET_FILE",
-        conflicts_with = "cluster_secret"
-    )]
-    cluster_secret_file: Option<PathBuf>,
-    /// The cluster secret itself (prefer the file: command lines are visible to other users).
-    #[arg(long, env = "TB_CLUSTER_SECRET", hide_env_values = true)]
-    cluster_secret: Option<String>,
+    #[command(flatten)]
+    secret: daemon::SecretArgs,
     /// Versions of each name to keep; older ones are evicted and withdrawn.
     #[arg(long, env = "TB_KEEP_VERSIONS", default_value_t = 2)]
     keep_versions: usize,
@@ -63,10 +55,7 @@ async fn main() -> Result<()> {
     let config = Config {
         bind_addr: args.listen,
         data_dir: Some(data_dir.clone()),
-        cluster_key: daemon::cluster_key(
-            args.cluster_secret.as_deref(),
-            args.cluster_secret_file.as_deref(),
-        )?,
+        cluster_key: args.secret.key()?,
         brokers: args.join.brokers,
         keep_versions: args.keep_versions.max(1),
         advertise_addrs: args.advertise.into_iter().collect(),
