@@ -81,6 +81,21 @@ pub(crate) struct IpcProtocol {
 
 impl ProtocolHandler for IpcProtocol {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        // The same cluster-secret hello as tb/data/1: device memory is exported to members only.
+        let ctx = &self.ctx;
+        let hello = crate::auth::server_hello(
+            &conn,
+            ctx.endpoint.id(),
+            &ctx.config.cluster_key,
+            IPC_ALPN,
+            ctx.config.request_timeout,
+            ctx.config.max_tensor_bytes,
+            || ctx.transfers.auth_failures.inc(),
+        );
+        if let Err(e) = hello.await {
+            debug!(%e, "CUDA IPC hello failed");
+            return Ok(());
+        }
         loop {
             let accepted = tokio::select! {
                 _ = self.ctx.cancel.cancelled() => break,
@@ -201,6 +216,19 @@ pub(crate) async fn ipc_pull(
         }
         Err(_) => return Ok(None),
     };
+    let key = &ctx.config.cluster_key;
+    let hello = crate::auth::client_hello(
+        &conn,
+        ctx.endpoint.id(),
+        key,
+        IPC_ALPN,
+        ctx.config.connect_timeout,
+    );
+    if let Err(e) = hello.await {
+        // The network path will report a refusal as `Unauthorized`.
+        debug!(%e, "no CUDA IPC with this peer");
+        return Ok(None);
+    }
     let request = IpcRequest::Open {
         name: name.clone(),
         version,
