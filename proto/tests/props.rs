@@ -139,20 +139,7 @@ fn registry_op() -> impl Strategy<Value = RegistryOp> {
             }
         ),
         (tensor_name(), version(), node(), stamp(), any::<bool>()).prop_map(
-            |(name, version, node, stamp, add)| match add {
-                true => RegistryOp::AddHolder {
-                    name,
-                    version,
-                    node,
-                    stamp,
-                },
-                false => RegistryOp::RemoveHolder {
-                    name,
-                    version,
-                    node,
-                    stamp,
-                },
-            }
+            |(name, version, node, stamp, add)| RegistryOp::holder(name, version, node, stamp, add)
         ),
         (tensor_name(), stamp()).prop_map(|(name, stamp)| RegistryOp::Delete { name, stamp }),
         member().prop_map(RegistryOp::Member),

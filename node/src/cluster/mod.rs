@@ -161,21 +161,7 @@ impl Cluster {
 
     /// The op announcing that this node holds (`present`) or dropped `version` of `name`.
     fn holder_op(&self, name: &TensorName, version: u64, present: bool) -> RegistryOp {
-        let (name, node, stamp) = (name.clone(), self.me, self.stamp());
-        match present {
-            true => RegistryOp::AddHolder {
-                name,
-                version,
-                node,
-                stamp,
-            },
-            false => RegistryOp::RemoveHolder {
-                name,
-                version,
-                node,
-                stamp,
-            },
-        }
+        RegistryOp::holder(name.clone(), version, self.me, self.stamp(), present)
     }
 
     /// The op announcing that this node deletes `name`.

@@ -151,6 +151,30 @@ impl RegistryOp {
         }
     }
 
+    /// `AddHolder` (`present`) or `RemoveHolder`: `node` gained or dropped `version` of `name`.
+    pub fn holder(
+        name: TensorName,
+        version: u64,
+        node: NodeId,
+        stamp: Stamp,
+        present: bool,
+    ) -> Self {
+        match present {
+            true => RegistryOp::AddHolder {
+                name,
+                version,
+                node,
+                stamp,
+            },
+            false => RegistryOp::RemoveHolder {
+                name,
+                version,
+                node,
+                stamp,
+            },
+        }
+    }
+
     /// Bytes of the op's postcard encoding; compare with [`MAX_GOSSIP_OP_BYTES`] before
     /// broadcasting.
     pub fn encoded_len(&self) -> usize {

@@ -32,21 +32,7 @@ fn publish(n: &str, version: u64, hash: u8, stamp: Stamp) -> RegistryOp {
 }
 
 fn holder(n: &str, version: u64, node: u8, stamp: Stamp, present: bool) -> RegistryOp {
-    let (name, node) = (name(n), id(node));
-    match present {
-        true => RegistryOp::AddHolder {
-            name,
-            version,
-            node,
-            stamp,
-        },
-        false => RegistryOp::RemoveHolder {
-            name,
-            version,
-            node,
-            stamp,
-        },
-    }
+    RegistryOp::holder(name(n), version, id(node), stamp, present)
 }
 
 fn delete(n: &str, stamp: Stamp) -> RegistryOp {
