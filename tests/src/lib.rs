@@ -2,6 +2,7 @@
 //! with known contents, a UDP proxy that delays every packet (a slow network on loopback),
 //! and bounded polling.
 
+pub mod http;
 pub mod procs;
 
 use std::{
