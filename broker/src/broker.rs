@@ -76,7 +76,6 @@ pub struct Broker {
     node: Node,
     actor: ActorRef<BrokerMsg>,
     actor_done: tokio::task::JoinHandle<()>,
-    gossip: Gossip,
     cancel: CancellationToken,
     tracker: TaskTracker,
     counters: Arc<BrokerCounters>,
@@ -95,11 +94,19 @@ impl Broker {
             .address_lookup()
             .map_err(|e| StartError::Start(format!("address lookup: {e}")))?
             .add(lookup.clone());
-        for peer in &opts.join {
+        let (store, registry, epoch) = open_store(&opts).await?;
+        // After a restart, the brokers this one knew are as good a way back into the cluster as
+        // the join list: without them a first broker (started with no --join) would come back
+        // alone and never catch up.
+        let mut peers = opts.join.clone();
+        for known in registry.members().filter_map(|m| broker_addr(m, false)) {
+            if known.id != me && !peers.iter().any(|p| p.id == known.id) {
+                peers.push(known);
+            }
+        }
+        for peer in &peers {
             lookup.add_endpoint_info(peer.to_endpoint_addr());
         }
-
-        let (store, registry, epoch) = open_store(&opts).await?;
         let state = BrokerState::new(node_id(&me), opts.state.clone(), registry, now_ms());
         let (gossip_out, outbox) = mpsc::unbounded_channel();
         let (actor, actor_done) = Actor::spawn(
@@ -136,7 +143,7 @@ impl Broker {
         let node = Node::spawn_on(opts.node.clone(), endpoint.clone(), extra).await?;
 
         let topic = TopicId::from_bytes(opts.node.cluster_key.gossip_topic());
-        let bootstrap: Vec<EndpointId> = opts.join.iter().map(|p| p.id).collect();
+        let bootstrap: Vec<EndpointId> = peers.iter().map(|p| p.id).collect();
         let (sender, receiver) = gossip
             .subscribe(topic, bootstrap)
             .await
@@ -145,6 +152,7 @@ impl Broker {
         let sync_now = Arc::new(Notify::new());
         tracker.spawn(
             GossipLoop {
+                me: node_id(&me),
                 key: opts.node.cluster_key.clone(),
                 sender: sender.clone(),
                 receiver,
@@ -162,7 +170,6 @@ impl Broker {
             node,
             actor,
             actor_done,
-            gossip,
             cancel,
             tracker,
             counters,
@@ -178,7 +185,7 @@ impl Broker {
             ),
             lookup,
             sender,
-            join: opts.join.clone(),
+            join: peers,
             me,
             interval: opts.sync_interval,
             request_timeout: opts.node.request_timeout,
@@ -232,7 +239,7 @@ impl Broker {
         })
         .await
         .unwrap_or_default();
-        for peer in members.iter().filter_map(broker_addr) {
+        for peer in members.iter().filter_map(|m| broker_addr(m, true)) {
             if !brokers.iter().any(|b| b.id == peer.id) {
                 brokers.push(peer);
             }
@@ -255,9 +262,8 @@ impl Broker {
         {
             warn!("broker tasks did not stop within 5 s");
         }
-        if let Err(e) = self.gossip.shutdown().await {
-            debug!(%e, "gossip shutdown");
-        }
+        // Gossip itself stops with the node's router (which shuts every protocol down); stopping
+        // it here as well makes the router's attempt fail noisily.
         self.actor.stop(Some("shutdown".into()));
         let _ = tokio::time::timeout(Duration::from_secs(5), self.actor_done).await;
         self.node.shutdown().await;
@@ -283,9 +289,9 @@ async fn open_store(
     opened.map_err(|source| StartError::Store { dir, source })
 }
 
-/// A broker member's dialable address, if it advertises one.
-fn broker_addr(member: &Member) -> Option<PeerAddr> {
-    if member.role != Role::Broker || !member.alive {
+/// A broker member's dialable address, if it advertises one (and is alive, if `live_only`).
+fn broker_addr(member: &Member, live_only: bool) -> Option<PeerAddr> {
+    if member.role != Role::Broker || (live_only && !member.alive) {
         return None;
     }
     let id = EndpointId::from_bytes(&member.node.0).ok()?;
@@ -372,7 +378,7 @@ impl SyncLoop {
         })
         .await
         .unwrap_or_default();
-        for peer in members.iter().filter_map(broker_addr) {
+        for peer in members.iter().filter_map(|m| broker_addr(m, true)) {
             if !peers.iter().any(|p| p.id == peer.id) {
                 peers.push(peer);
             }

@@ -11,15 +11,17 @@ use bytes::Bytes;
 use iroh_gossip::api::{Event as GossipEvent, GossipReceiver, GossipSender};
 use n0_future::StreamExt;
 use ractor::ActorRef;
-use tb_proto::{ClusterKey, MAX_GOSSIP_OP_BYTES, RegistryOp};
+use tb_proto::{ClusterKey, MAX_GOSSIP_OP_BYTES, NodeId, RegistryOp};
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::{actor::BrokerMsg, metrics::BrokerCounters};
+use crate::{actor::BrokerMsg, ctl::ask, metrics::BrokerCounters};
 
 /// Longest a broadcast may take before the op is left to anti-entropy.
 const BROADCAST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long to wait for the actor's membership table when re-announcing this broker.
+const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Bytes of the MAC in front of every message.
 const MAC_LEN: usize = 32;
@@ -53,6 +55,8 @@ pub(crate) fn open(key: &ClusterKey, msg: &[u8], max_tensor_bytes: u64) -> Optio
 
 /// What the gossip loop needs.
 pub(crate) struct GossipLoop {
+    /// This broker (its membership row is re-announced to every new neighbour).
+    pub(crate) me: NodeId,
     pub(crate) key: ClusterKey,
     pub(crate) sender: GossipSender,
     pub(crate) receiver: GossipReceiver,
@@ -75,7 +79,11 @@ impl GossipLoop {
                     self.broadcast(&op).await;
                 }
                 event = self.receiver.next() => match event {
-                    Some(Ok(event)) => self.on_event(event),
+                    Some(Ok(event)) => {
+                        if self.on_event(event) {
+                            self.announce_self().await;
+                        }
+                    }
                     Some(Err(e)) => {
                         warn!(%e, "gossip receiver failed; relying on anti-entropy");
                         break;
@@ -101,7 +109,22 @@ impl GossipLoop {
         }
     }
 
-    fn on_event(&self, event: GossipEvent) {
+    /// Broadcasts this broker's own membership row again. Sent when a neighbour comes up: the
+    /// row was gossiped once at start-up, maybe before any neighbour was there to hear it, and a
+    /// peer that does not know this broker never pulls from it (anti-entropy is pull-only).
+    async fn announce_self(&self) {
+        let members = ask(&self.actor, ANNOUNCE_TIMEOUT, |reply| BrokerMsg::Members {
+            reply,
+        })
+        .await;
+        let Ok(members) = members else { return };
+        if let Some(row) = members.into_iter().find(|m| m.node == self.me) {
+            self.broadcast(&RegistryOp::Member(row)).await;
+        }
+    }
+
+    /// Handles one gossip event; says whether a neighbour came up.
+    fn on_event(&self, event: GossipEvent) -> bool {
         match event {
             GossipEvent::Received(msg) => {
                 match open(&self.key, &msg.content, self.max_tensor_bytes) {
@@ -118,6 +141,7 @@ impl GossipLoop {
             GossipEvent::NeighborUp(peer) => {
                 debug!(peer = %peer.fmt_short(), "gossip neighbour up");
                 self.sync_now.notify_one();
+                return true;
             }
             GossipEvent::NeighborDown(peer) => {
                 debug!(peer = %peer.fmt_short(), "gossip neighbour down");
@@ -127,6 +151,7 @@ impl GossipLoop {
                 self.sync_now.notify_one();
             }
         }
+        false
     }
 }
 

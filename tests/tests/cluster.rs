@@ -238,6 +238,76 @@ async fn a_late_broker_catches_up_and_a_restarted_one_keeps_its_registry() {
     again.shutdown().await;
 }
 
+/// The first broker of a cluster runs with no join list. Stopped and restarted, it must find
+/// its way back from the brokers its registry remembers, catch up on what was published while it
+/// was down, and workers must fail over to the other broker meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_first_broker_catches_up_from_the_brokers_it_knew() {
+    let first_dir = tempfile::tempdir().expect("tempdir");
+    let second_dir = tempfile::tempdir().expect("tempdir");
+    let first = broker(first_dir.path(), &[]).await;
+    let second = broker(second_dir.path(), &[first.addr().clone()]).await;
+    let w = node(worker_config(vec![
+        first.addr().clone(),
+        second.addr().clone(),
+    ]))
+    .await;
+    w.publish("restart/x", f32_tensor(64, 1))
+        .await
+        .expect("publish v1");
+    // The first broker learns of the second (whose start-up announcement may have gone out
+    // before gossip connected) before it goes down.
+    let second_id = tb_proto::NodeId(*second.addr().id.as_bytes());
+    let knows = eventually_async(LIMIT, || async {
+        let asker = node(Config {
+            heartbeats: false,
+            ..worker_config(vec![first.addr().clone()])
+        })
+        .await;
+        let members = asker.members().await.unwrap_or_default();
+        asker.shutdown().await;
+        members.iter().any(|m| m.node == second_id)
+    })
+    .await;
+    assert!(knows, "the first broker knows the second");
+    let first_addr = first.addr().clone();
+    first.shutdown().await;
+
+    // Published while the first broker is down: the worker fails over to the second.
+    let v2 = within(
+        LIMIT,
+        "publish v2",
+        w.publish("restart/x", f32_tensor(64, 2)),
+    )
+    .await
+    .expect("publish v2 through the second broker");
+    assert_eq!(v2, 2);
+
+    let mut opts = broker_options(first_dir.path(), &[]);
+    opts.node.bind_addr = first_addr.addr;
+    let again = within(LIMIT, "restart", Broker::spawn(opts))
+        .await
+        .expect("restart");
+    let asker = node(Config {
+        heartbeats: false,
+        ..worker_config(vec![again.addr().clone()])
+    })
+    .await;
+    let caught_up = eventually_async(LIMIT, || async {
+        asker
+            .list("restart/")
+            .await
+            .is_ok_and(|l| l.iter().any(|e| e.version == 2))
+    })
+    .await;
+    assert!(caught_up, "the restarted broker lists v2");
+    for n in [w, asker] {
+        n.shutdown().await;
+    }
+    again.shutdown().await;
+    second.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_the_wrong_secret_is_refused_by_brokers() {
     let brokers = Brokers::start(1).await;

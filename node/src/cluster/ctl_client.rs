@@ -98,6 +98,23 @@ impl CtlClient {
         }
     }
 
+    /// The brokers in the order a call tries them: see [`failover::order_avoiding`]. A broker
+    /// counts as lost when its cached link is closed (a link being dialed counts as live).
+    fn order(&self) -> Vec<usize> {
+        let lost: Vec<bool> = self
+            .brokers
+            .iter()
+            .map(|b| {
+                b.conn.try_lock().is_ok_and(|slot| {
+                    slot.as_ref()
+                        .is_some_and(|c: &Connection| c.close_reason().is_some())
+                })
+            })
+            .collect();
+        let start = self.current.load(Ordering::Relaxed);
+        failover::order_avoiding(start, self.brokers.len(), &lost)
+    }
+
     /// Sends `request` and returns every frame of the answer (the last one final, none an
     /// `Error`), failing over across brokers; each read waits at most `timeout`.
     pub(crate) async fn call(
@@ -106,8 +123,7 @@ impl CtlClient {
         timeout: Duration,
     ) -> Result<Vec<CtlResponse>> {
         let mut errors = Vec::new();
-        let start = self.current.load(Ordering::Relaxed);
-        for i in failover::order(start, self.brokers.len()) {
+        for i in self.order() {
             match self.attempt(i, request, timeout).await {
                 Ok(frames) => {
                     self.current.store(i, Ordering::Relaxed);
@@ -134,8 +150,7 @@ impl CtlClient {
         timeout: Duration,
     ) -> Result<(SendStream, RecvStream, EndpointId)> {
         let mut errors = Vec::new();
-        let start = self.current.load(Ordering::Relaxed);
-        for i in failover::order(start, self.brokers.len()) {
+        for i in self.order() {
             let (conn, _) = match self.connection(i).await {
                 Ok(conn) => conn,
                 Err(e) => {

@@ -12,6 +12,17 @@ pub(crate) fn order(current: usize, count: usize) -> impl Iterator<Item = usize>
     (0..count).map(move |i| (start + i) % count)
 }
 
+/// [`order`], with the brokers in `lost` (their link closed since it last worked) moved to the
+/// end, in the same relative order: a broker that went away is likely still away, and dialing
+/// it first would cost a whole connect timeout before the call reaches a live one.
+pub(crate) fn order_avoiding(current: usize, count: usize, lost: &[bool]) -> Vec<usize> {
+    let is_lost = |i: usize| lost.get(i).copied().unwrap_or(false);
+    let (mut live, gone): (Vec<usize>, Vec<usize>) =
+        order(current, count).partition(|&i| !is_lost(i));
+    live.extend(gone);
+    live
+}
+
 /// Why one attempt at one broker did not succeed.
 #[derive(Debug)]
 pub(crate) enum Failure {
@@ -58,6 +69,16 @@ pub(crate) fn exhausted(tried: usize, errors: Vec<Error>) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn brokers_whose_link_was_lost_go_last() {
+        assert_eq!(order_avoiding(0, 3, &[false; 3]), vec![0, 1, 2]);
+        assert_eq!(order_avoiding(1, 3, &[false; 3]), vec![1, 2, 0]);
+        assert_eq!(order_avoiding(0, 3, &[true, false, false]), vec![1, 2, 0]);
+        assert_eq!(order_avoiding(2, 3, &[false, false, true]), vec![0, 1, 2]);
+        assert_eq!(order_avoiding(0, 2, &[true, true]), vec![0, 1]);
+        assert!(order_avoiding(0, 0, &[]).is_empty());
+    }
 
     #[test]
     fn order_starts_at_the_current_broker_and_tries_each_once() {

@@ -1,5 +1,8 @@
-//! `tb demo`: two nodes in this process exchange a set of tensors by pull and push, every byte
-//! verified, and a summary table is printed.
+//! `tb demo`: first two nodes in this process exchange a set of tensors by pull and push, every
+//! byte verified, and a summary table is printed; then the cluster story runs (brokers,
+//! subscribers, a broker restart: see [`cluster`]).
+
+mod cluster;
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +22,9 @@ pub struct DemoArgs {
     /// Round trips for the 4 KiB latency figure.
     #[arg(long, default_value_t = 200)]
     round_trips: usize,
+    /// Size of each model version in the cluster story, in MiB (0 skips the story).
+    #[arg(long, default_value_t = 32)]
+    cluster_mib: u64,
 }
 
 /// The demo's tensor set: (name, dtype, shape).
@@ -38,7 +44,7 @@ fn tensor_set(max_bytes: u64) -> Vec<(&'static str, DType, Vec<u64>)> {
 }
 
 /// Deterministic, non-repeating-looking bytes (xorshift), so any misplaced byte shows.
-fn fill(len: usize, seed: u64) -> Bytes {
+pub(crate) fn fill(len: usize, seed: u64) -> Bytes {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut data = Vec::with_capacity(len);
     while data.len() < len {
@@ -79,6 +85,25 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     println!(
         "\nall {} tensors verified byte for byte in {:.1} s",
         rows.len() * 2,
+        started.elapsed().as_secs_f64()
+    );
+    if args.cluster_mib == 0 {
+        return Ok(());
+    }
+    let story = cluster::run(args.cluster_mib << 20).await?;
+    let slowest = story
+        .deliveries
+        .iter()
+        .map(|(_, d)| d.as_secs_f64())
+        .fold(0.0, f64::max);
+    println!(
+        "\ncluster story: {} versions of {} delivered in order to every subscriber (slowest {:.0} ms), \
+         a broker stopped and restarted (caught up to v{}), {} holders at the end; {:.1} s in all",
+        story.deliveries.len(),
+        fmt::bytes(story.version_bytes),
+        slowest * 1e3,
+        story.caught_up_version,
+        story.holders,
         started.elapsed().as_secs_f64()
     );
     Ok(())
