@@ -31,7 +31,9 @@ mod window;
 pub use metrics::{
     Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind, TransferTimer, VERSION,
 };
-pub use server::{AppState, ClusterFuture, Source, bind, router, serve};
+/// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
+pub use prometheus::{IntCounter, IntGauge};
+pub use server::{AppState, ClusterFuture, RefreshFuture, Source, bind, router, serve};
 pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
 
 /// Default `--metrics-addr` of `tb-broker`.

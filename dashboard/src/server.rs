@@ -21,6 +21,9 @@ use crate::{
 /// The future [`Source::cluster`] returns.
 pub type ClusterFuture<'a> = Pin<Box<dyn Future<Output = Option<ClusterData>> + Send + 'a>>;
 
+/// The future [`Source::refresh`] returns.
+pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
 /// What only the process knows (the dashboard crate depends on neither node nor broker).
 pub trait Source: Send + Sync + 'static {
     /// The node id in hex.
@@ -29,9 +32,9 @@ pub trait Source: Send + Sync + 'static {
     fn addrs(&self) -> Vec<String>;
     /// Whether it has joined (see `/readyz`).
     fn ready(&self) -> bool;
-    /// Sets the gauges that mirror state (pool links, store, registry, cluster nodes); called
-    /// before every scrape and status answer.
-    fn refresh(&self, metrics: &Metrics);
+    /// Sets the gauges that mirror state (pool links, store, registry, cluster nodes); awaited
+    /// before every scrape and status answer (a broker asks its actor, so it is async).
+    fn refresh<'a>(&'a self, metrics: &'a Metrics) -> RefreshFuture<'a>;
     /// Members and registry entries: brokers only. `None` (the default) answers 404.
     fn cluster(&self) -> ClusterFuture<'_> {
         Box::pin(async { None })
@@ -57,8 +60,8 @@ impl std::fmt::Debug for AppState {
 
 impl AppState {
     /// The `/api/v1/status` object, gauges refreshed.
-    pub fn status(&self) -> crate::api::Status {
-        self.source.refresh(&self.metrics);
+    pub async fn status(&self) -> crate::api::Status {
+        self.source.refresh(&self.metrics).await;
         self.metrics.status(
             self.source.node_id(),
             self.source.addrs(),
@@ -129,7 +132,7 @@ async fn asset(body: &'static str, content_type: &'static str) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    state.source.refresh(&state.metrics);
+    state.source.refresh(&state.metrics).await;
     let body = state.metrics.encode();
     ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], body).into_response()
 }
@@ -142,11 +145,11 @@ async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 async fn status(State(state): State<AppState>) -> Response {
-    Json(state.status()).into_response()
+    Json(state.status().await).into_response()
 }
 
 async fn cluster(State(state): State<AppState>) -> Response {
-    let broker = state.status();
+    let broker = state.status().await;
     match state.source.cluster().await {
         Some(ClusterData { members, entries }) => Json(Cluster {
             broker,
