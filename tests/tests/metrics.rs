@@ -203,25 +203,31 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
         metric(&w0_url, BYTES_IN) >= w0_in + len,
         "worker 0 counted the push"
     );
-    assert!(metric(&w0_url, "tb_transfers_total{kind=\"serve\",result=\"ok\"}") >= 1.0);
+    let served = |url: &str| metric(url, "tb_transfers_total{kind=\"serve\",result=\"ok\"}");
+    assert!(
+        poll(SETTLE, || served(&w0_url) >= 1.0),
+        "worker 0 counted the push it accepted"
+    );
     assert!(
         poll(SETTLE, || metric(&w1_url, BYTES_IN) >= w1_in + len),
         "worker 1 counted its pull"
     );
-    assert!(metric(&w1_url, "tb_transfers_total{kind=\"pull\",result=\"ok\"}") >= 1.0);
+    let pulled = || metric(&w1_url, "tb_transfers_total{kind=\"pull\",result=\"ok\"}");
+    assert!(poll(SETTLE, || pulled() >= 1.0), "worker 1 counted a pull");
     assert!(metric(&w1_url, "tb_transfer_duration_seconds_count{kind=\"pull\"}") >= 1.0);
-    let w1_status = get_json(&format!("{w1_url}/api/v1/status"));
-    assert!(
-        w1_status["throughput"]["in_bytes_total"]
-            .as_f64()
-            .unwrap_or(0.0)
-            >= len
-    );
+    let mut w1_status = Value::Null;
+    let held = poll(SETTLE, || {
+        w1_status = get_json(&format!("{w1_url}/api/v1/status"));
+        w1_status["store"]["tensors"] == 1
+    });
+    assert!(held, "worker 1 holds the tensor: {w1_status:#}");
+    let in_total = w1_status["throughput"]["in_bytes_total"].as_f64();
+    assert!(in_total.unwrap_or(0.0) >= len, "{w1_status:#}");
     assert!(w1_status["transfers"]["ok"].as_u64().unwrap_or(0) >= 1);
     assert!(w1_status["transfers"]["latency_s"]["p50"].is_number());
-    assert_eq!(w1_status["store"]["tensors"], 1);
 
     // A get through the cluster, served by a holder.
+    let served_before = served(&w0_url) + served(&w1_url);
     let back = c.dir.path().join("back.bin");
     let back_s = back.to_string_lossy().to_string();
     let out = c.tb(&["get", "model/w", "-o", &back_s]);
@@ -231,9 +237,8 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(std::fs::read(&back).expect("read back"), bytes);
-    let served = |url: &str| metric(url, "tb_transfers_total{kind=\"serve\",result=\"ok\"}");
     assert!(
-        served(&w0_url) + served(&w1_url) >= 2.0,
+        poll(SETTLE, || served(&w0_url) + served(&w1_url) > served_before),
         "a worker served the get"
     );
 
