@@ -84,7 +84,9 @@ async fn closing_reason(conn: &Connection) -> Option<ConnectionError> {
     if let Some(reason) = conn.close_reason() {
         return Some(reason);
     }
-    tokio::time::timeout(CLOSE_REASON_WAIT, conn.closed()).await.ok()
+    tokio::time::timeout(CLOSE_REASON_WAIT, conn.closed())
+        .await
+        .ok()
 }
 
 /// Server side: reads the client's [`Hello`] from the first stream it opens and checks it.
