@@ -71,6 +71,10 @@ pub struct Config {
     /// Whether subscriptions fetch each new version they report (`SubEvent::Version` then
     /// carries the tensor). True by default.
     pub auto_fetch: bool,
+    /// Most payload bytes per second this node sends to pullers, all streams together (a
+    /// token bucket; see [`crate::rate`]). 0 (the default): unlimited. Useful to leave room
+    /// for other traffic in production, and to measure broadcast trees on one machine.
+    pub max_upload_rate: u64,
 }
 
 impl Default for Config {
@@ -97,6 +101,7 @@ impl Default for Config {
             heartbeats: true,
             advertise_addrs: Vec::new(),
             auto_fetch: true,
+            max_upload_rate: 0,
         }
     }
 }

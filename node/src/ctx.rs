@@ -8,7 +8,9 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use crate::{
     config::Config,
     inbox::Inbox,
+    inflight::Inflight,
     pool::{Counter, PoolCounters, ReadyLinks},
+    rate::RateLimiter,
     store::Store,
 };
 
@@ -21,6 +23,8 @@ pub(crate) struct TransferCounters {
     pub(crate) failed: Counter,
     /// Peers refused because they could not prove the cluster secret.
     pub(crate) auth_failures: Counter,
+    /// Payload bytes sent of versions this node was still receiving (cut-through).
+    pub(crate) inflight_bytes_sent: Counter,
 }
 
 /// Shared, immutable-after-start context of one node.
@@ -29,6 +33,10 @@ pub(crate) struct NodeCtx {
     pub(crate) endpoint: Endpoint,
     pub(crate) config: Config,
     pub(crate) store: Store,
+    /// Versions being received now, served to peers as they arrive (cut-through).
+    pub(crate) inflight: Inflight,
+    /// The upload limit every serving stream draws from; `None`: unlimited.
+    pub(crate) upload: Option<RateLimiter>,
     pub(crate) inbox: Inbox,
     pub(crate) pool: Arc<PoolCounters>,
     /// Ready links, readable without asking the `NodeActor`.
