@@ -218,8 +218,15 @@ async fn broadcast_phases(publisher: &Node, receivers: &[Node], len: usize) -> R
     drop(got);
 
     let v = publish(2).await?;
+    let t0 = Instant::now();
     let (_, bcast) = timed("broadcast", all(receivers, move |node| async move {
         let got = node.get_version(NAME, v).await?;
+        tracing::info!(
+            receiver = %node.id().fmt_short(),
+            after_s = t0.elapsed().as_secs_f64(),
+            served_while_receiving = node.inflight_bytes_served(),
+            "broadcast receiver done"
+        );
         Ok(got.meta.hash == got.buffer.hash())
     }))
     .await?;
