@@ -178,7 +178,10 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{:<28} {:>10} {:>10} {:>10}", "", "seconds", "x single", "MB/s each");
+        println!(
+            "{:<28} {:>10} {:>10} {:>10}",
+            "", "seconds", "x single", "MB/s each"
+        );
         for (label, secs) in [
             ("single transfer (1 rcv)", single),
             ("broadcast (fan-out tree)", bcast),
@@ -195,7 +198,11 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
 }
 
 /// The three measurements, each on a version of its own.
-async fn broadcast_phases(publisher: &Node, receivers: &[Node], len: usize) -> Result<(f64, f64, f64)> {
+async fn broadcast_phases(
+    publisher: &Node,
+    receivers: &[Node],
+    len: usize,
+) -> Result<(f64, f64, f64)> {
     const NAME: &str = "bench/broadcast";
     let publish = |seed: u8| {
         let tensor = Tensor::from_bytes(pattern(len, seed));
@@ -219,27 +226,33 @@ async fn broadcast_phases(publisher: &Node, receivers: &[Node], len: usize) -> R
 
     let v = publish(2).await?;
     let t0 = Instant::now();
-    let (_, bcast) = timed("broadcast", all(receivers, move |node| async move {
-        let got = node.get_version(NAME, v).await?;
-        tracing::info!(
-            receiver = %node.id().fmt_short(),
-            after_s = t0.elapsed().as_secs_f64(),
-            served_while_receiving = node.inflight_bytes_served(),
-            "broadcast receiver done"
-        );
-        Ok(got.meta.hash == got.buffer.hash())
-    }))
+    let (_, bcast) = timed(
+        "broadcast",
+        all(receivers, move |node| async move {
+            let got = node.get_version(NAME, v).await?;
+            tracing::info!(
+                receiver = %node.id().fmt_short(),
+                after_s = t0.elapsed().as_secs_f64(),
+                served_while_receiving = node.inflight_bytes_served(),
+                "broadcast receiver done"
+            );
+            Ok(got.meta.hash == got.buffer.hash())
+        }),
+    )
     .await?;
 
     let v = publish(3).await?;
     let from = publisher.addr().clone();
-    let (_, naive) = timed("naive", all(receivers, move |node| {
-        let from = from.clone();
-        async move {
-            let got = node.pull(&from, NAME, Some(v)).await?;
-            Ok(got.meta.hash == got.buffer.hash())
-        }
-    }))
+    let (_, naive) = timed(
+        "naive",
+        all(receivers, move |node| {
+            let from = from.clone();
+            async move {
+                let got = node.pull(&from, NAME, Some(v)).await?;
+                Ok(got.meta.hash == got.buffer.hash())
+            }
+        }),
+    )
     .await?;
     Ok((single, bcast, naive))
 }
@@ -281,7 +294,11 @@ pub async fn registry(args: RegistryArgs) -> Result<()> {
     }
     let mut brokers: Vec<TempBroker> = Vec::new();
     for _ in 0..args.brokers {
-        let join: Vec<PeerAddr> = brokers.first().map(|b| b.broker.addr().clone()).into_iter().collect();
+        let join: Vec<PeerAddr> = brokers
+            .first()
+            .map(|b| b.broker.addr().clone())
+            .into_iter()
+            .collect();
         brokers.push(start_broker(&join, 2).await?);
     }
     let result = registry_phases(&args, &brokers).await;
@@ -301,7 +318,11 @@ pub async fn registry(args: RegistryArgs) -> Result<()> {
     } else {
         println!(
             "{} names on {} brokers: visible everywhere p50 {:.3} ms, p99 {:.3} ms; a new broker caught up in {:.3} s",
-            report.names, args.brokers, report.visible_p50_ms, report.visible_p99_ms, report.catch_up_s
+            report.names,
+            args.brokers,
+            report.visible_p50_ms,
+            report.visible_p99_ms,
+            report.catch_up_s
         );
     }
     Ok(())
@@ -358,8 +379,12 @@ async fn registry_phases(args: &RegistryArgs, brokers: &[TempBroker]) -> Result<
                     done.context("a publish task")??;
                 }
             }
-            let (publisher, tensor, name, started) =
-                (publisher.clone(), tensor.clone(), name.clone(), started.clone());
+            let (publisher, tensor, name, started) = (
+                publisher.clone(),
+                tensor.clone(),
+                name.clone(),
+                started.clone(),
+            );
             set.spawn(async move {
                 started
                     .lock()
@@ -407,7 +432,11 @@ async fn registry_phases(args: &RegistryArgs, brokers: &[TempBroker]) -> Result<
     let lister = client(vec![late.broker.addr().clone()]).await?;
     let caught_up = timed("the new broker catching up", async {
         loop {
-            let listed = lister.list("bench/registry/").await.map(|l| l.len()).unwrap_or(0);
+            let listed = lister
+                .list("bench/registry/")
+                .await
+                .map(|l| l.len())
+                .unwrap_or(0);
             if listed >= n {
                 break anyhow::Ok(());
             }

@@ -47,7 +47,9 @@ pub(crate) struct Inflight {
 }
 
 impl Inflight {
-    fn lock(map: &Mutex<HashMap<Key, Arc<Incoming>>>) -> MutexGuard<'_, HashMap<Key, Arc<Incoming>>> {
+    fn lock(
+        map: &Mutex<HashMap<Key, Arc<Incoming>>>,
+    ) -> MutexGuard<'_, HashMap<Key, Arc<Incoming>>> {
         // Plain map updates (insert/remove) cannot leave it inconsistent.
         map.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -283,7 +285,12 @@ mod tests {
     }
 
     fn joined(progress: &Progress, from: u64, to: u64) -> Vec<u8> {
-        progress.slices(from, to).iter().flatten().copied().collect()
+        progress
+            .slices(from, to)
+            .iter()
+            .flatten()
+            .copied()
+            .collect()
     }
 
     #[test]
@@ -308,7 +315,10 @@ mod tests {
         assert_eq!(joined(&p, 0, src.len() as u64), src);
         assert_eq!(joined(&p, 5, 7), src[5..7]);
         let mid = PUBLISH_BYTES as u64 * 2 + 3;
-        assert_eq!(joined(&p, mid - 10, mid + 10), src[mid as usize - 10..mid as usize + 10]);
+        assert_eq!(
+            joined(&p, mid - 10, mid + 10),
+            src[mid as usize - 10..mid as usize + 10]
+        );
         assert!(p.slices(src.len() as u64, u64::MAX).is_empty());
     }
 

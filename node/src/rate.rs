@@ -305,7 +305,11 @@ mod tests {
         // Each further MiB waits 10 ms more than the one before.
         for i in 1..=10u32 {
             let at = limiter.reserve(1 << 20, t0);
-            assert_eq!(at - t0, Duration::from_millis(10) * i, "MiB {i} past the burst");
+            assert_eq!(
+                at - t0,
+                Duration::from_millis(10) * i,
+                "MiB {i} past the burst"
+            );
         }
         // 100 MiB in total reserved at t0 is paid off at t0 + 1 s - burst.
         let at = limiter.reserve(85 << 20, t0);
@@ -316,11 +320,17 @@ mod tests {
     fn an_idle_bucket_refills_but_never_beyond_the_burst() {
         let limiter = RateLimiter::new(1_000_000).expect("limited"); // 1 MB/s, burst 1 MiB
         let t0 = Instant::now();
-        assert_eq!(limiter.reserve(2_000_000, t0) - t0, time_for(2_000_000 - (1 << 20), 1_000_000));
+        assert_eq!(
+            limiter.reserve(2_000_000, t0) - t0,
+            time_for(2_000_000 - (1 << 20), 1_000_000)
+        );
         // An hour later the bucket is full again: exactly one burst passes at once.
         let later = t0 + Duration::from_secs(3600);
         assert_eq!(limiter.reserve(1 << 20, later), later);
-        assert_eq!(limiter.reserve(1_000_000, later) - later, Duration::from_secs(1));
+        assert_eq!(
+            limiter.reserve(1_000_000, later) - later,
+            Duration::from_secs(1)
+        );
     }
 
     /// With tokio's paused clock, `acquire` really waits the reserved time (virtual time, so

@@ -167,8 +167,9 @@ async fn serve_pull(
 ) {
     let (version, tensor) = match ctx.store.get(name, version) {
         Lookup::Found(v, t) => (v, t),
-        Lookup::Missing if let Some(v) = version
-            && let Some(incoming) = ctx.inflight.get(name, v) =>
+        Lookup::Missing
+            if let Some(v) = version
+                && let Some(incoming) = ctx.inflight.get(name, v) =>
         {
             serve_pull_inflight(ctx, send, name, v, range, incoming).await;
             return;

@@ -192,8 +192,5 @@ async fn changed(rx: &mut watch::Receiver<Progress>, limit: Duration) -> Result<
 }
 
 fn not_found(what: &str, reason: &str) -> InflightError {
-    InflightError::Refused(
-        tb_proto::ErrorCode::NotFound,
-        format!("{what}: {reason}"),
-    )
+    InflightError::Refused(tb_proto::ErrorCode::NotFound, format!("{what}: {reason}"))
 }

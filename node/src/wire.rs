@@ -192,7 +192,9 @@ pub(crate) async fn recv_payload(
 /// serving node lost the version it was still receiving) is [`Error::SourceAborted`].
 fn read_error(err: ReadError, filled: usize, total: usize) -> Error {
     match err {
-        ReadError::Reset(code) if code.into_inner() == u64::from(CloseCode::SourceAborted.code()) => {
+        ReadError::Reset(code)
+            if code.into_inner() == u64::from(CloseCode::SourceAborted.code()) =>
+        {
             Error::SourceAborted(format!(
                 "the serving node lost its own receive (after {filled} of {total} tensor bytes)"
             ))

@@ -86,7 +86,11 @@ async fn a_receiver_is_served_by_a_holder_still_receiving() {
         "the first receiver served nothing while receiving"
     );
     assert!(cut_through <= SIZE as u64);
-    assert_eq!(origin.inflight_bytes_served(), 0, "the origin holds it whole");
+    assert_eq!(
+        origin.inflight_bytes_served(),
+        0,
+        "the origin holds it whole"
+    );
     // Both are complete holders now, and the in-flight table is empty again.
     assert_eq!(middle.versions_receiving(), 0);
     assert_eq!(last.versions_receiving(), 0);
@@ -127,7 +131,7 @@ async fn an_in_flight_holder_whose_upstream_dies_still_feeds_its_child_correct_b
 
     // Two fetchers take one slot each at the two holders; the one with the smaller id takes
     // `doomed`'s (it asks first) and is the one a third fetcher is pointed at.
-    let mut fetchers = vec![
+    let mut fetchers = [
         node(config(broker.addr(), 0)).await,
         node(config(broker.addr(), 0)).await,
     ];
