@@ -113,7 +113,6 @@ async fn start_broker(join: &[PeerAddr], fanout: usize) -> Result<TempBroker> {
     let mut opts = BrokerOptions::new(dir.path());
     opts.join = join.to_vec();
     opts.state.fanout = fanout.max(1);
-    opts.sync_interval = Duration::from_secs(1);
     let broker = Broker::spawn(opts).await.context("starting a broker")?;
     Ok(TempBroker { broker, _dir: dir })
 }
