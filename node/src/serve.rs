@@ -165,15 +165,16 @@ async fn serve_pull(
     version: Option<u64>,
     range: Option<ByteRange>,
 ) {
-    let (version, tensor) = match ctx.store.get(name, version) {
+    let found = ctx.store.get(name, version);
+    // A version not held (yet) may be arriving: served as it does (cut-through).
+    if let (Lookup::Missing, Some(v)) = (&found, version)
+        && let Some(incoming) = ctx.inflight.get(name, v)
+    {
+        serve_pull_inflight(ctx, send, name, v, range, incoming).await;
+        return;
+    }
+    let (version, tensor) = match found {
         Lookup::Found(v, t) => (v, t),
-        Lookup::Missing
-            if let Some(v) = version
-                && let Some(incoming) = ctx.inflight.get(name, v) =>
-        {
-            serve_pull_inflight(ctx, send, name, v, range, incoming).await;
-            return;
-        }
         Lookup::Missing => {
             let what = match version {
                 Some(v) => format!("tensor \"{name}\" v{v}"),
