@@ -39,6 +39,12 @@ const SIZES: [u64; 4] = [4 << 10, 1 << 20, 64 << 20, 256 << 20];
 pub enum BenchCommand {
     /// Point-to-point pull throughput and 4 KiB latency, tensor-broker vs bare iroh.
     P2p(P2pArgs),
+    /// One new version to many receivers under an upload limit: single receiver vs the
+    /// broker's fan-out tree (cut-through) vs everyone pulling from the publisher.
+    Broadcast(crate::bench_cluster::BroadcastArgs),
+    /// Registry replication: publish-to-visible latency on every broker, and a new broker's
+    /// catch-up time.
+    Registry(crate::bench_cluster::RegistryArgs),
     /// (internal) serve the benchmark tensors; prints addresses as JSON on stdout.
     #[command(hide = true)]
     P2pServe(ServeArgs),
@@ -192,6 +198,8 @@ fn summarize(system: System, reports: &[RecvReport]) -> Summary {
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::P2p(args) => p2p(args).await,
+        BenchCommand::Broadcast(args) => crate::bench_cluster::broadcast(args).await,
+        BenchCommand::Registry(args) => crate::bench_cluster::registry(args).await,
         BenchCommand::P2pServe(args) => serve(args.device).await,
         BenchCommand::P2pRecv(args) => {
             let report = receive(&args).await?;

@@ -5,9 +5,12 @@
 //! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
 //!   members.
 //! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
-//! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection.
+//! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection;
+//!   `tb bench broadcast`: one version to many receivers (fan-out tree, cut-through, upload
+//!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up.
 
 mod bench;
+mod bench_cluster;
 mod cluster;
 mod demo;
 mod files;

@@ -439,6 +439,13 @@ impl TransferTimer<'_> {
         self.finish(false);
     }
 
+    /// It was no transfer after all (refused before any byte moved): counted nowhere.
+    pub fn discard(mut self) {
+        if !std::mem::replace(&mut self.done, true) {
+            self.metrics.transfers_in_flight.dec();
+        }
+    }
+
     /// Finishes with `ok`'s result.
     pub fn result(self, ok: bool) {
         if ok { self.ok() } else { self.error() }

@@ -78,6 +78,10 @@ pub struct Config {
     /// Where this node's metrics server listens (`http://ip:port`), told to brokers in
     /// heartbeats so the dashboard can link to it. `None` by default.
     pub metrics_url: Option<String>,
+    /// Most payload bytes per second this node sends to pullers, all streams together (a
+    /// token bucket; see [`crate::rate`]). 0 (the default): unlimited. Useful to leave room
+    /// for other traffic in production, and to measure broadcast trees on one machine.
+    pub max_upload_rate: u64,
 }
 
 impl Default for Config {
@@ -106,6 +110,7 @@ impl Default for Config {
             auto_fetch: true,
             metrics: None,
             metrics_url: None,
+            max_upload_rate: 0,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! [`NodeCtx`]: what the node's actors and transfer tasks share.
 
-use std::sync::Arc;
+use std::sync::{Arc, atomic::AtomicU64};
 
 use std::future::Future;
 
@@ -8,7 +8,10 @@ use iroh::Endpoint;
 use tb_dashboard::{Metrics, TransferKind};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use crate::{config::Config, error::Result, inbox::Inbox, pool::ReadyLinks, store::Store};
+use crate::{
+    config::Config, error::Result, inbox::Inbox, inflight::Inflight, pool::ReadyLinks,
+    rate::RateLimiter, store::Store,
+};
 
 /// Shared, immutable-after-start context of one node.
 #[derive(Debug)]
@@ -16,12 +19,18 @@ pub(crate) struct NodeCtx {
     pub(crate) endpoint: Endpoint,
     pub(crate) config: Config,
     pub(crate) store: Store,
+    /// Versions being received now, served to peers as they arrive (cut-through).
+    pub(crate) inflight: Inflight,
+    /// The upload limit every serving stream draws from; `None`: unlimited.
+    pub(crate) upload: Option<RateLimiter>,
     pub(crate) inbox: Inbox,
     /// The process's metrics: pool, transfer and auth counters are its counters (the one
     /// source of truth; `Node::pool_stats` reads them).
     pub(crate) metrics: Arc<Metrics>,
     /// Ready links, readable without asking the `NodeActor`.
     pub(crate) ready: ReadyLinks,
+    /// Payload bytes sent of versions this node was still receiving (cut-through).
+    pub(crate) inflight_bytes_sent: AtomicU64,
     /// Cancelled once, at shutdown: every task and in-flight call watches it.
     pub(crate) cancel: CancellationToken,
     /// Owns every task the node spawns, so shutdown can wait for them.

@@ -108,6 +108,10 @@ pub enum Error {
         /// Why the last one failed.
         last: String,
     },
+    /// The node serving a version it was still receiving (cut-through) lost that receive, or
+    /// had to start it over: the bytes stop. Pull the rest from another holder.
+    #[error("source aborted: {0}")]
+    SourceAborted(String),
     /// The node is shutting down or has shut down.
     #[error("node is shut down")]
     Shutdown,

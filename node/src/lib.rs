@@ -72,14 +72,17 @@ pub mod device;
 mod endpoint;
 mod error;
 mod inbox;
+mod inflight;
 mod node;
 mod node_actor;
 mod observe;
 mod pool;
+pub mod rate;
 mod serve;
 mod store;
 mod tensor;
 mod ticket;
+mod upload;
 mod wire;
 
 /// Length-prefixed postcard frames on QUIC streams, for protocols served beside `tb/data/1`

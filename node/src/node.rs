@@ -33,8 +33,10 @@ use crate::{
     endpoint::{self, PeerAddr},
     error::{Error, Result},
     inbox::{Inbox, Received},
+    inflight::Inflight,
     node_actor::{NodeActor, NodeMsg},
     pool::{self, LinkGuard, PoolStats, ReadyLinks},
+    rate::RateLimiter,
     serve::DataProtocol,
     tensor::Tensor,
 };
@@ -118,9 +120,12 @@ impl Node {
         let ctx = Arc::new(NodeCtx {
             endpoint: endpoint.clone(),
             store,
+            inflight: Inflight::default(),
+            upload: RateLimiter::new(config.max_upload_rate),
             inbox: Inbox::new(config.inbox_capacity),
             metrics,
             ready: ReadyLinks::default(),
+            inflight_bytes_sent: Default::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             config,
@@ -363,6 +368,21 @@ impl Node {
     /// Peers refused so far because they could not prove the cluster secret.
     pub fn auth_failures(&self) -> u64 {
         self.inner.ctx.metrics.auth_failures.get()
+    }
+
+    /// Versions this node is receiving from the cluster right now (their holders known), which
+    /// it serves to peers as they arrive.
+    pub fn versions_receiving(&self) -> usize {
+        self.inner.ctx.inflight.started()
+    }
+
+    /// Payload bytes this node has sent to peers of versions it was itself still receiving
+    /// (cut-through serving, counted while they were still arriving), since start.
+    pub fn inflight_bytes_served(&self) -> u64 {
+        self.inner
+            .ctx
+            .inflight_bytes_sent
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Pushed tensors waiting in the inbox.

@@ -26,10 +26,12 @@ use crate::{
     device::{self, Device, DeviceBuffer},
     error::Error,
     inbox::Received,
+    inflight::Incoming,
     node_actor::NodeMsg,
     store::Lookup,
     tensor::Tensor,
-    wire::{self, ReadFrameError},
+    upload::{self, InflightError},
+    wire::{self, ReadFrameError, Watchdog},
 };
 
 /// The `tb/data/1` protocol handler on the node's iroh `Router`.
@@ -164,7 +166,15 @@ async fn serve_pull(
     version: Option<u64>,
     range: Option<ByteRange>,
 ) {
-    let (version, tensor) = match ctx.store.get(name, version) {
+    let found = ctx.store.get(name, version);
+    // A version not held (yet) may be arriving: served as it does (cut-through).
+    if let (Lookup::Missing, Some(v)) = (&found, version)
+        && let Some(incoming) = ctx.inflight.get(name, v)
+    {
+        serve_pull_inflight(ctx, send, name, v, range, incoming).await;
+        return;
+    }
+    let (version, tensor) = match found {
         Lookup::Found(v, t) => (v, t),
         Lookup::Missing => {
             let what = match version {
@@ -195,7 +205,22 @@ async fn serve_pull(
         version,
     };
     let sent = async {
-        device::write_header_and_tensor(&mut send, &header, &tensor, payload, &ctx.config).await?;
+        match (&ctx.upload, tensor.device_buffer()) {
+            // Under an upload limit, host bytes go out chunk by chunk as the bucket allows.
+            (Some(_), None) => {
+                wire::write_frame(&mut send, &header).await?;
+                let data = tensor.data().slice(payload);
+                let mut watchdog = Watchdog::new(ctx.config.stall_timeout);
+                let total = data.len();
+                upload::send_limited(ctx, &mut send, &data, &mut watchdog, 0, total).await?;
+            }
+            // Device tensors are not paced (their staging pipeline sends as fast as it can).
+            _ => {
+                let config = &ctx.config;
+                device::write_header_and_tensor(&mut send, &header, &tensor, payload, config)
+                    .await?
+            }
+        }
         send.finish().map_err(|e| Error::io("finishing stream", e))
     };
     match sent.await {
@@ -210,8 +235,32 @@ async fn serve_pull(
     }
 }
 
+/// Serves a pull of a version this node is still receiving (cut-through).
+async fn serve_pull_inflight(
+    ctx: &NodeCtx,
+    mut send: SendStream,
+    name: &TensorName,
+    version: u64,
+    range: Option<ByteRange>,
+    incoming: Arc<Incoming>,
+) {
+    let timer = ctx.metrics.start_transfer(TransferKind::Serve);
+    match upload::serve_inflight(ctx, &mut send, name, version, range, incoming).await {
+        Ok(_) => timer.ok(),
+        Err(InflightError::Refused(code, message)) => {
+            // Nothing was sent: not a transfer.
+            timer.discard();
+            let _ = reply_error(&mut send, code, message).await;
+        }
+        Err(InflightError::Aborted(err)) => {
+            timer.error();
+            debug!(%err, %name, version, "pull of a version in flight not served");
+        }
+    }
+}
+
 /// The payload bytes a pull asked for: all of them, or `range` if it lies inside.
-fn byte_range(byte_len: u64, range: Option<ByteRange>) -> Option<Range<usize>> {
+pub(crate) fn byte_range(byte_len: u64, range: Option<ByteRange>) -> Option<Range<usize>> {
     let (offset, len) = match range {
         None => (0, byte_len),
         Some(ByteRange { offset, len }) => (offset, len),

@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use iroh::endpoint::{ReadExactError, RecvStream, SendStream};
+use iroh::endpoint::{ReadError, ReadExactError, RecvStream, SendStream};
 use serde::{Serialize, de::DeserializeOwned};
-use tb_proto::{ContentHash, ContentHasher, FrameError, frame};
+use tb_proto::{CloseCode, ContentHash, ContentHasher, FrameError, frame};
 
 use crate::error::{Error, Result};
 
@@ -188,6 +188,21 @@ pub(crate) async fn recv_payload(
     Ok(hasher.finalize())
 }
 
+/// The error for a failed payload read: a reset with [`CloseCode::SourceAborted`] (the
+/// serving node lost the version it was still receiving) is [`Error::SourceAborted`].
+fn read_error(err: ReadError, filled: usize, total: usize) -> Error {
+    match err {
+        ReadError::Reset(code)
+            if code.into_inner() == u64::from(CloseCode::SourceAborted.code()) =>
+        {
+            Error::SourceAborted(format!(
+                "the serving node lost its own receive (after {filled} of {total} tensor bytes)"
+            ))
+        }
+        e => Error::io("receiving tensor bytes", e),
+    }
+}
+
 /// Reads some payload bytes (`filled` of `total` already in) into `dest`, which must not be
 /// empty; returns how many. Fails when the stream ends early or `watchdog` sees a stall.
 pub(crate) async fn read_some(
@@ -209,7 +224,7 @@ pub(crate) async fn read_some(
                     Ok(None) => Err(Error::Io(format!(
                         "stream ended after {filled} of {total} tensor bytes"
                     ))),
-                    Err(e) => Err(Error::io("receiving tensor bytes", e)),
+                    Err(e) => Err(read_error(e, filled, total)),
                 };
             }
             stalled = watchdog.fired() => if stalled {

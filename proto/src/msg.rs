@@ -142,17 +142,21 @@ pub enum CloseCode {
     ProtocolError = 4,
     /// The peer failed authentication.
     Unauthorized = 5,
+    /// (A stream reset, not a connection close.) The node serving a version it was still
+    /// receiving lost that receive: the puller should resume from another holder.
+    SourceAborted = 6,
 }
 
 impl CloseCode {
     /// Every close code.
-    pub const ALL: [CloseCode; 6] = [
+    pub const ALL: [CloseCode; 7] = [
         CloseCode::Normal,
         CloseCode::Shutdown,
         CloseCode::IdleEvicted,
         CloseCode::LruEvicted,
         CloseCode::ProtocolError,
         CloseCode::Unauthorized,
+        CloseCode::SourceAborted,
     ];
 
     /// The numeric code.
@@ -169,6 +173,7 @@ impl CloseCode {
             3 => CloseCode::LruEvicted,
             4 => CloseCode::ProtocolError,
             5 => CloseCode::Unauthorized,
+            6 => CloseCode::SourceAborted,
             _ => return None,
         })
     }
@@ -182,6 +187,7 @@ impl CloseCode {
             CloseCode::LruEvicted => b"evicted",
             CloseCode::ProtocolError => b"protocol error",
             CloseCode::Unauthorized => b"unauthorized",
+            CloseCode::SourceAborted => b"source aborted",
         }
     }
 }
@@ -202,7 +208,7 @@ mod tests {
             assert_eq!(CloseCode::from_code(c.code()), Some(c));
             assert!(!c.reason().is_empty());
         }
-        assert_eq!(CloseCode::from_code(6), None);
+        assert_eq!(CloseCode::from_code(7), None);
         assert_eq!(CloseCode::from_code(u32::MAX), None);
     }
 

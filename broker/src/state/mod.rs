@@ -329,8 +329,9 @@ impl BrokerState {
                 changes.note_member(member.node);
             }
         }
-        if !merged.is_empty() {
-            self.registry.prune(self.config.keep_versions);
+        // Every other entry was pruned already; only the merged ones can need it.
+        for name in merged.keys() {
+            self.registry.prune_name(name, self.config.keep_versions);
         }
         for (name, before) in merged {
             self.entry_changed(name, before, &mut changes);
@@ -388,8 +389,12 @@ impl BrokerState {
         if !self.registry.apply(op) {
             return false;
         }
-        // Every replica prunes after every apply, or replicas would not converge.
-        self.registry.prune(self.config.keep_versions);
+        // Every replica prunes after every apply, or replicas would not converge. An op changes
+        // only its own name's entry, and every entry was pruned before (at load, and after
+        // every apply and merge), so pruning that one entry prunes the whole registry.
+        if let Some(name) = name {
+            self.registry.prune_name(name, self.config.keep_versions);
+        }
         match (op, name) {
             (RegistryOp::Member(member), _) => changes.note_member(member.node),
             (_, Some(name)) => self.entry_changed(name, before, changes),

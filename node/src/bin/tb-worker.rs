@@ -46,6 +46,10 @@ struct Args {
     /// (port 0: any free port; the bound address is printed as `metrics: http://...`).
     #[arg(long, env = "TB_METRICS_ADDR", default_value = tb_dashboard::DEFAULT_WORKER_ADDR)]
     metrics_addr: SocketAddr,
+    /// Most payload bytes per second this worker sends to peers, all transfers together, e.g.
+    /// `200MB/s`, `1.5GiB/s` (decimal kB/MB/GB or binary KiB/MiB/GiB). 0: unlimited.
+    #[arg(long, env = "TB_MAX_UPLOAD_RATE", default_value = "0", value_parser = parse_upload_rate)]
+    max_upload_rate: u64,
     /// Log format: text (human-readable) or json.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -65,6 +69,7 @@ async fn main() -> Result<()> {
         brokers: args.join.brokers,
         keep_versions: args.keep_versions.max(1),
         advertise_addrs: args.advertise.into_iter().collect(),
+        max_upload_rate: args.max_upload_rate,
         ..Config::default()
     };
     let node = Node::spawn(config)
@@ -80,6 +85,12 @@ async fn main() -> Result<()> {
     }
     println!("worker: {}", node.addr());
     metrics.start(node.dashboard());
+    if args.max_upload_rate > 0 {
+        info!(
+            rate = %tb_node::rate::format_rate(args.max_upload_rate),
+            "upload rate limited"
+        );
+    }
     info!(worker = %node.addr(), "worker started");
     for sub in subs {
         tokio::spawn(follow(sub));
@@ -93,6 +104,11 @@ async fn main() -> Result<()> {
     metrics.stop().await;
     node.shutdown().await;
     Ok(())
+}
+
+/// `--max-upload-rate` for clap: the rate's own error message on bad input.
+fn parse_upload_rate(s: &str) -> Result<u64, String> {
+    tb_node::rate::parse_rate(s).map_err(|e| e.to_string())
 }
 
 /// Logs what a subscription brings (fetching is the subscription's own job).

@@ -4,10 +4,14 @@
 //!
 //! A holder that fails (unreachable, connection lost, wrong or corrupt bytes) is dropped for
 //! this get and the next one is tried. A holder still receiving the version (`complete:
-//! false`) that does not have it yet is skipped for now, not dropped: this node serves only
-//! complete versions, so neither does it (no cut-through yet). When the list runs out, the
-//! broker is asked once more and the holders not dropped are tried; after that the get fails
-//! with `NoHolder`.
+//! false`) that has not started yet is skipped for now, not dropped. When the list runs out,
+//! the broker is asked once more and the holders not dropped are tried; after that the get
+//! fails with `NoHolder`.
+//!
+//! While it receives, this node serves the version to its own pullers (cut-through, see
+//! `inflight`): the receive is registered before the look-up when the version is known (a
+//! puller the broker points here may arrive before the look-up's answer does), and its bytes
+//! are published as they land. Only the verified tensor reaches the store.
 
 use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -22,6 +26,7 @@ use crate::{
     client::Pulled,
     endpoint::PeerAddr,
     error::{Error, Result},
+    inflight::Receiving,
     node::Node,
     store::{Inserted, Lookup},
     tensor::Tensor,
@@ -46,20 +51,32 @@ pub(crate) async fn fetch(
         return Ok(pulled(name, v, tensor));
     }
     cluster.ensure_joined().await?;
+    let inflight = &node.ctx().inflight;
+    let early = version.map(|v| inflight.start(&name, v, None));
     let holders = cluster.lookup(&name, version).await?;
     let (v, meta) = (holders.version, holders.meta.clone());
+    let mut receiving = match early {
+        Some(receiving) => {
+            receiving.set_meta(&meta);
+            receiving
+        }
+        None => inflight.start(&name, v, Some(meta.clone())),
+    };
     if let Lookup::Found(_, tensor) = store.get(&name, Some(v))
         && tensor.hash() == meta.hash
     {
+        receiving.done(tensor.clone());
         return Ok(pulled(name, v, tensor));
     }
     if let Err(e) = cluster.fetching(&name, v, true).await {
         debug!(%name, v, %e, "broker did not take the fetch start");
     }
-    let fetched = from_holders(node, cluster, &name, holders).await;
+    let fetched = from_holders(node, cluster, &name, holders, &mut receiving).await;
     fetch_ended(node, cluster, &name, v);
     let tensor = fetched?;
-    if store.insert_at(name.clone(), v, tensor.clone()) == Inserted::Stored {
+    let inserted = store.insert_at(name.clone(), v, tensor.clone());
+    receiving.done(tensor.clone());
+    if inserted == Inserted::Stored {
         let op = cluster.holder_op(&name, v, true);
         if let Err(e) = cluster.announce(vec![op]).await {
             warn!(%name, v, %e, "fetched, but could not tell the broker this node holds it");
@@ -136,6 +153,7 @@ async fn from_holders(
     cluster: &Cluster,
     name: &TensorName,
     first: Holders,
+    receiving: &mut Receiving,
 ) -> Result<Tensor> {
     let Holders {
         version,
@@ -158,14 +176,19 @@ async fn from_holders(
             }
             tries.count += 1;
             let at = resume.filled();
-            let pulled = from_holder(node, holder, name, version, &meta, &mut dest, &mut resume);
-            match pulled.await {
+            let into = resume::Into {
+                dest: &mut dest,
+                resume: &mut resume,
+                feed: receiving,
+            };
+            match from_holder(node, holder, name, version, &meta, into).await {
                 Ok(()) => return Ok(Tensor::from_verified(meta, Bytes::from(dest))),
                 Err(Error::Shutdown) => return Err(Error::Shutdown),
                 Err(e) => {
                     debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");
                     if matches!(e, Error::Corrupt(_)) {
                         resume.reset();
+                        receiving.restart();
                     }
                     tries.failed(holder, e);
                 }
@@ -183,8 +206,7 @@ async fn from_holder(
     name: &TensorName,
     version: u64,
     meta: &TensorMeta,
-    dest: &mut [u8],
-    resume: &mut resume::Resume,
+    into: resume::Into<'_>,
 ) -> Result<()> {
     let unreachable = |reason: String| Error::PeerUnreachable {
         peer: format!("{:?}", holder.node),
@@ -200,7 +222,7 @@ async fn from_holder(
     {
         match node.link(&PeerAddr { id, addr }).await {
             Ok(link) => {
-                let pull = resume::pull_rest(node.ctx(), &link, name, version, meta, dest, resume);
+                let pull = resume::pull_rest(node.ctx(), &link, name, version, meta, into);
                 return node.ctx().timed(TransferKind::Pull, pull).await;
             }
             Err(e) => last = Some(e),

@@ -11,6 +11,7 @@ use crate::{
     client,
     ctx::NodeCtx,
     error::{Error, Result},
+    inflight::Receiving,
     pool::LinkGuard,
     wire::{self, HASH_BATCH, Watchdog},
 };
@@ -61,19 +62,27 @@ impl Resume {
     }
 }
 
+/// Where one version is received: the buffer, how far it got, and the cut-through feed that
+/// publishes the bytes to this node's own pullers.
+pub(crate) struct Into<'a> {
+    pub(crate) dest: &'a mut [u8],
+    pub(crate) resume: &'a mut Resume,
+    pub(crate) feed: &'a Receiving,
+}
+
 /// Pulls the rest of `version` of `name` (described by `expected`) from the link's peer into
-/// `dest`, from where `resume` got to, and checks the whole buffer's hash. On error, `resume`
-/// says how far it got; a hash mismatch is `Corrupt` (start over), a holder whose header
-/// differs from `expected` is `InvalidTensor`.
+/// `into.dest`, from where `into.resume` got to, and checks the whole buffer's hash. On error,
+/// the resume state says how far it got; a hash mismatch is `Corrupt` (start over), a holder
+/// whose header differs from `expected` is `InvalidTensor`.
 pub(crate) async fn pull_rest(
     ctx: &NodeCtx,
     link: &LinkGuard,
     name: &TensorName,
     version: u64,
     expected: &TensorMeta,
-    dest: &mut [u8],
-    resume: &mut Resume,
+    into: Into<'_>,
 ) -> Result<()> {
+    let Into { dest, resume, feed } = into;
     let what = format!(
         "tensor \"{name}\" v{version} at {}",
         link.peer().fmt_short()
@@ -106,7 +115,10 @@ pub(crate) async fn pull_rest(
     while resume.filled < total {
         let at = resume.filled;
         match wire::read_some(&mut recv, &mut dest[at..], &mut watchdog, at, total).await {
-            Ok(n) => resume.advance(dest, n),
+            Ok(n) => {
+                resume.advance(dest, n);
+                feed.advance(dest, resume.filled);
+            }
             Err(e) => {
                 read = Err(e);
                 break;

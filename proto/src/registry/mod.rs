@@ -346,6 +346,15 @@ impl Registry {
             .fold(false, |changed, e| e.prune(keep_versions) | changed)
     }
 
+    /// [`prune`](Self::prune) for one entry: enough after an op or a merge that touched only
+    /// `name`, when every other entry was pruned already (a whole-registry prune per op costs
+    /// time in proportion to the number of names). True if it dropped a mark.
+    pub fn prune_name(&mut self, name: &TensorName, keep_versions: u64) -> bool {
+        self.entries
+            .get_mut(name)
+            .is_some_and(|e| e.prune(keep_versions))
+    }
+
     /// The entry for `name`, if it is published and not deleted.
     pub fn entry(&self, name: &TensorName) -> Option<&Entry> {
         self.entries.get(name).filter(|e| e.is_live())

@@ -173,6 +173,31 @@ fn prune_keeps_the_newest_versions_holders() {
 }
 
 #[test]
+fn pruning_one_name_touches_only_that_entry_and_matches_a_whole_prune_of_it() {
+    let ops = [
+        publish("m/w", 3, 1, at(1, 1)),
+        holder("m/w", 1, 1, at(1, 1), true),
+        holder("m/w", 3, 1, at(1, 1), true),
+        publish("m/v", 2, 1, at(1, 1)),
+        holder("m/v", 1, 1, at(1, 1), true),
+    ];
+    let mut one = registry(&ops);
+    assert!(one.prune_name(&name("m/w"), 1));
+    assert!(!one.prune_name(&name("m/w"), 1));
+    assert!(!one.prune_name(&name("absent"), 1));
+    assert_eq!(
+        one.entries[&name("m/v")].holders.len(),
+        1,
+        "other names untouched"
+    );
+    let mut whole = registry(&ops);
+    whole.prune(1);
+    assert_eq!(one.entries[&name("m/w")], whole.entries[&name("m/w")]);
+    assert!(one.prune_name(&name("m/v"), 1));
+    assert_eq!(one, whole);
+}
+
+#[test]
 fn pruned_marks_can_return_by_merge_but_the_next_prune_drops_them() {
     // `a` has not seen v3 yet, so its prune keeps the v1 mark; `b` pruned it.
     let mut a = registry(&[

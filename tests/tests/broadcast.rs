@@ -1,0 +1,221 @@
+//! Broadcast: a node serves a version it is still receiving (cut-through), so the broker's
+//! fan-out turns many fetches into a tree. The origins here are upload-limited, so a receive
+//! takes seconds and the overlap the tests rely on is certain; every wait is bounded and no
+//! assertion is about time.
+
+use std::{path::Path, time::Duration};
+
+use tb_broker::{Broker, BrokerOptions};
+use tb_node::{Config, Node, PeerAddr, Tensor};
+use tb_tests::{eventually, node, pattern, test_config, within};
+
+const LIMIT: Duration = Duration::from_secs(90);
+const NAME: &str = "bcast/w";
+/// 6 MiB at 2 MB/s: about 3 s from a limited origin.
+const SIZE: usize = 6 << 20;
+const SLOW: u64 = 2_000_000;
+
+/// A broker whose sources each serve one fetcher at a time (a chain), so a second fetcher is
+/// pointed at the first one while it is still receiving.
+async fn broker(dir: &Path) -> Broker {
+    let mut opts = BrokerOptions::new(dir);
+    opts.node = test_config();
+    opts.state.fanout = 1;
+    opts.tick = Duration::from_millis(200);
+    within(LIMIT, "broker start", Broker::spawn(opts))
+        .await
+        .expect("broker starts")
+}
+
+fn config(broker: &PeerAddr, max_upload_rate: u64) -> Config {
+    Config {
+        brokers: vec![broker.clone()],
+        heartbeat_interval: Duration::from_millis(300),
+        max_upload_rate,
+        ..test_config()
+    }
+}
+
+/// Starts `get_version` on `node` in a task.
+fn get(node: &Node, version: u64) -> tokio::task::JoinHandle<tb_node::Result<Tensor>> {
+    let node = node.clone();
+    tokio::spawn(async move { Ok(node.get_version(NAME, version).await?.buffer) })
+}
+
+/// Waits until `node` is receiving a version (its look-up answered, so the broker counts it
+/// as a source in flight).
+async fn receiving(node: &Node, what: &str) {
+    let started = eventually(LIMIT, || node.versions_receiving() > 0).await;
+    assert!(started, "{what} never started receiving");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_is_served_by_a_holder_still_receiving() {
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let origin = node(config(broker.addr(), SLOW)).await;
+    let middle = node(config(broker.addr(), 0)).await;
+    let last = node(config(broker.addr(), 0)).await;
+    let tensor = Tensor::from_bytes(pattern(SIZE, 7));
+    let v = within(LIMIT, "publish", origin.publish(NAME, tensor.clone()))
+        .await
+        .expect("publish");
+
+    let first = get(&middle, v);
+    receiving(&middle, "the first receiver").await;
+    // The origin's one slot is taken: the broker points the second receiver at the first.
+    let second = get(&last, v);
+    let from_middle = within(LIMIT, "second get", second)
+        .await
+        .expect("task")
+        .expect("second get");
+    let from_origin = within(LIMIT, "first get", first)
+        .await
+        .expect("task")
+        .expect("first get");
+
+    assert_eq!(from_origin.data(), tensor.data(), "first receiver's bytes");
+    assert_eq!(from_middle.data(), tensor.data(), "second receiver's bytes");
+    assert_eq!(from_middle.hash(), tensor.hash());
+    // The second receiver got (at least part of) its bytes from the first while the first
+    // was still receiving them: only bytes sent before the receive completed count here.
+    let cut_through = middle.inflight_bytes_served();
+    assert!(
+        cut_through > 0,
+        "the first receiver served nothing while receiving"
+    );
+    assert!(cut_through <= SIZE as u64);
+    assert_eq!(
+        origin.inflight_bytes_served(),
+        0,
+        "the origin holds it whole"
+    );
+    // Both are complete holders now, and the in-flight table is empty again.
+    assert_eq!(middle.versions_receiving(), 0);
+    assert_eq!(last.versions_receiving(), 0);
+
+    for n in [last, middle, origin] {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+/// The holder a fetcher with these two sources to choose from is pointed at first: the broker
+/// breaks ties between equally loaded complete holders by node id.
+fn first_of(a: &Node, b: &Node) -> bool {
+    a.id().as_bytes() < b.id().as_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_flight_holder_whose_upstream_dies_still_feeds_its_child_correct_bytes() {
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    // Two complete holders, both slow.
+    let publisher = node(config(broker.addr(), SLOW)).await;
+    let copy = node(config(broker.addr(), SLOW)).await;
+    let tensor = Tensor::from_bytes(pattern(SIZE, 3));
+    let v = within(LIMIT, "publish", publisher.publish(NAME, tensor.clone()))
+        .await
+        .expect("publish");
+    let held = within(LIMIT, "copy get", copy.get_version(NAME, v))
+        .await
+        .expect("copy get");
+    assert_eq!(held.buffer.data(), tensor.data());
+    // `doomed` is the holder the next fetcher is pointed at first; `spare` the other.
+    let (doomed, spare) = match first_of(&publisher, &copy) {
+        true => (publisher, copy),
+        false => (copy, publisher),
+    };
+
+    // Two fetchers take one slot each at the two holders; the one with the smaller id takes
+    // `doomed`'s (it asks first) and is the one a third fetcher is pointed at.
+    let mut fetchers = [
+        node(config(broker.addr(), 0)).await,
+        node(config(broker.addr(), 0)).await,
+    ];
+    fetchers.sort_by_key(|n| *n.id().as_bytes());
+    let (parent, other) = (fetchers[0].clone(), fetchers[1].clone());
+    let child = node(config(broker.addr(), 0)).await;
+
+    let parent_get = get(&parent, v);
+    receiving(&parent, "the parent").await;
+    let other_get = get(&other, v);
+    receiving(&other, "the other fetcher").await;
+    let child_get = get(&child, v);
+    // The child is being served by the parent, which is still receiving from `doomed`.
+    let served = eventually(LIMIT, || parent.inflight_bytes_served() > 0).await;
+    assert!(served, "the parent never served the child while receiving");
+    assert!(
+        parent.versions_receiving() > 0,
+        "the parent finished before its upstream could be killed"
+    );
+
+    // Its upstream dies mid-transfer: the parent resumes from `spare` at the byte it reached,
+    // and keeps feeding the child from the same receive.
+    doomed.shutdown().await;
+
+    let got_child = within(LIMIT, "child get", child_get)
+        .await
+        .expect("task")
+        .expect("the child's get completes");
+    let got_parent = within(LIMIT, "parent get", parent_get)
+        .await
+        .expect("task")
+        .expect("the parent's get completes from the spare holder");
+    let got_other = within(LIMIT, "other get", other_get)
+        .await
+        .expect("task")
+        .expect("other get");
+    for (who, got) in [
+        ("child", &got_child),
+        ("parent", &got_parent),
+        ("other", &got_other),
+    ] {
+        assert_eq!(got.data(), tensor.data(), "{who}'s bytes");
+        assert_eq!(got.hash(), tensor.hash(), "{who}'s hash");
+    }
+
+    for n in [child, other, parent, spare] {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_of_a_holder_that_dies_mid_receive_fails_over_to_another_holder() {
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let origin = node(config(broker.addr(), SLOW)).await;
+    let middle = node(config(broker.addr(), 0)).await;
+    let last = node(config(broker.addr(), 0)).await;
+    let tensor = Tensor::from_bytes(pattern(SIZE, 11));
+    let v = within(LIMIT, "publish", origin.publish(NAME, tensor.clone()))
+        .await
+        .expect("publish");
+
+    let first = get(&middle, v);
+    receiving(&middle, "the first receiver").await;
+    let second = get(&last, v);
+    let served = eventually(LIMIT, || middle.inflight_bytes_served() > 0).await;
+    assert!(served, "the first receiver never served the second");
+    // The in-flight holder itself goes away: its child's stream breaks, and the child resumes
+    // from the origin (after a second look-up if needed), verified by hash.
+    middle.shutdown().await;
+    let got = within(LIMIT, "second get", second)
+        .await
+        .expect("task")
+        .expect("the child's get completes from the origin");
+    assert_eq!(got.data(), tensor.data());
+    assert!(matches!(
+        within(LIMIT, "first get", first).await.expect("task"),
+        Err(tb_node::Error::Shutdown)
+    ));
+
+    for n in [last, origin] {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
