@@ -265,7 +265,9 @@
       const metrics = n.self ? safeUrl("metrics") : s && s.metrics_url ?
         safeUrl(s.metrics_url.replace(/\/+$/, "") + "/metrics") : null;
       const age = n.self ? "live figures from this broker" : s && s.age_s !== null ?
-        "figures from a heartbeat " + s.age_s.toFixed(1) + " s ago" : "no figures: not a worker of this broker";
+        "figures from a heartbeat " + s.age_s.toFixed(1) + " s ago" : n.role === "broker" ?
+        "another broker: its figures are on its own dashboard" :
+        "no figures here: it heartbeats to another broker";
       return el("tr", { "data-node-row": n.id, "data-alive": String(n.alive), class: n.alive ? "" : "dead" },
         idCell,
         el("td", {}, el("span", { class: "role role-" + (n.role === "broker" ? "broker" : "worker") }, n.role)),
@@ -525,8 +527,19 @@
     try {
       const resp = await fetch(API, { cache: "no-store", signal: ctrl.signal,
         headers: { Accept: "application/json" } });
+      if (resp.status === 404) {
+        throw new Error("HTTP 404: this process has no cluster view, only brokers do; open a broker's dashboard");
+      }
       if (!resp.ok) throw new Error("HTTP " + resp.status);
-      onSuccess(await resp.json());
+      const data = await resp.json();
+      try {
+        onSuccess(data);
+      } catch (err) {
+        // The API answered but the page could not show it: say so rather than "disconnected".
+        console.error(err);
+        $("banner").hidden = false;
+        $("banner-text").textContent = "The page could not show the API's answer: " + err;
+      }
     } catch (err) {
       next = onFailure(err && err.name === "AbortError" ? new Error("timed out") : err);
     } finally {
