@@ -223,7 +223,6 @@
       unique += e.byte_len || 0;
     }
     setText('[data-sum="names"]', names.size);
-    setText('[data-sum="versions"]', m.entries.length);
     setText('[data-sum="copies"]', copies);
     setText('[data-sum="bytes_held"]', bytes(sum(m.nodes, "store_bytes")));
     setText('[data-sum="bytes_unique"]', bytes(unique));
