@@ -26,7 +26,7 @@ use tracing::{Instrument, debug, debug_span};
 use crate::{
     BrokerError,
     actor::{BrokerMsg, SUBSCRIPTION_BUFFER},
-    metrics::BrokerCounters,
+    metrics::{BrokerCounters, MemberStatsBook},
     sync,
 };
 
@@ -41,6 +41,8 @@ pub(crate) struct CtlProtocol {
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     pub(crate) counters: Arc<BrokerCounters>,
+    /// Where heartbeat stats are kept for the dashboard.
+    pub(crate) stats: Arc<MemberStatsBook>,
 }
 
 impl std::fmt::Debug for CtlProtocol {
@@ -72,7 +74,13 @@ impl ProtocolHandler for CtlProtocol {
             };
             let Ok((send, recv)) = accepted else { break };
             let this = self.clone();
-            let span = debug_span!("ctl", peer = %conn.remote_id().fmt_short());
+            let span = debug_span!(
+                "ctl",
+                me = %self.me.fmt_short(),
+                peer = %conn.remote_id().fmt_short(),
+                request = tracing::field::Empty,
+                tensor = tracing::field::Empty,
+            );
             self.tracker.spawn(
                 async move {
                     tokio::select! {
@@ -140,6 +148,11 @@ impl CtlProtocol {
             return;
         }
         self.counters.requests.inc();
+        let span = tracing::Span::current();
+        span.record("request", request.kind());
+        if let Some(name) = request.tensor() {
+            span.record("tensor", name.as_str());
+        }
         let answers = match request {
             CtlRequest::Subscribe { pattern } => {
                 self.subscribe(pattern, send, recv).await;
@@ -175,7 +188,15 @@ impl CtlProtocol {
     async fn answer(&self, from: tb_proto::NodeId, request: CtlRequest) -> Vec<CtlResponse> {
         let (actor, t) = (&self.actor, self.request_timeout);
         let result = match request {
-            CtlRequest::Heartbeat { role, addrs, epoch } => {
+            CtlRequest::Heartbeat {
+                role,
+                addrs,
+                epoch,
+                stats,
+            } => {
+                if let Some(stats) = stats {
+                    self.stats.record(from, stats, std::time::Instant::now());
+                }
                 ask(actor, t, |reply| BrokerMsg::Heartbeat {
                     from,
                     role,
