@@ -341,7 +341,9 @@
       const holders = el("td", { class: "holders" },
         el("span", { class: "count", "data-field": "holders" }, String(e.holders.length)),
         ...e.holders.slice(0, 8).map((h) => el("span", {
-          class: "chip mono" + (alive.get(h) === false ? " gone" : ""), title: h,
+          class: "chip mono" + (alive.get(h) === false ? " gone" : alive.has(h) ? "" : " stranger"),
+          title: h + (alive.get(h) === false ? " (dead)" : alive.has(h) ? "" :
+            " (not a member this broker knows: a client that fetched it?)"),
         }, el("span", { class: "swatch", style: "background:" + colorOf(h) }), shortId(h))),
         e.holders.length > 8 ? el("span", { class: "muted" }, " +" + (e.holders.length - 8)) : null);
       const shape = "[" + e.shape.map((d) => (d === null ? "?" : String(d))).join(", ") + "]";
@@ -439,7 +441,7 @@
         height: CHART_HEIGHT,
         cursor: { drag: { x: false, y: false } },
         legend: { live: true },
-        scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max * 1.15, 1024)] } },
+        scales: { x: { time: true, range: (u, min, max) => [max - HISTORY_S, max] }, y: { range: (u, min, max) => [0, Math.max(max * 1.15, 1024)] } },
         axes: [
           Object.assign(axisColor(), {}),
           Object.assign(axisColor(), { size: 78, values: (u, ticks) => ticks.map((v) => rate(v)) }),

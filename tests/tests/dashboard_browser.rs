@@ -32,7 +32,7 @@ const ATTEMPTS: usize = 20;
 const SECRET: &str = "dashboard-browser-test-secret";
 const TENSOR: &str = "dash/layer0.weight";
 const TENSOR_LEN: usize = 8 << 20;
-const SCREEN: (u32, u32) = (1440, 1400);
+const SCREEN: (u32, u32) = (1440, 1100);
 
 /// Where Chromium is: `TB_CHROMIUM`, else Debian's and other usual names.
 fn chromium() -> Option<PathBuf> {
