@@ -34,10 +34,11 @@ const TENSOR: &str = "dash/layer0.weight";
 const TENSOR_LEN: usize = 8 << 20;
 const SCREEN: (u32, u32) = (1440, 1100);
 
-/// Where Chromium is: `TB_CHROMIUM`, else Debian's and other usual names.
+/// Where Chromium is: `TB_CHROMIUM` (when it names no file: nowhere), else Debian's and
+/// other usual names on the `PATH` or in `/usr/bin`.
 fn chromium() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TB_CHROMIUM") {
-        return Some(PathBuf::from(p));
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
     }
     let names = ["chromium", "chromium-browser", "google-chrome", "chrome"];
     let dirs = std::env::var_os("PATH").unwrap_or_default();
