@@ -6,6 +6,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 use iroh::{EndpointId, address_lookup::MemoryLookup};
 use iroh_gossip::{Gossip, TopicId, api::GossipSender};
 use ractor::{Actor, ActorRef};
+use tb_dashboard::{AppState, Metrics, Role as MetricsRole};
 use tb_node::{Node, PeerAddr, Ticket, auth::node_id};
 use tb_proto::{CTL_ALPN, Member, Role};
 use tokio::sync::{Notify, mpsc};
@@ -17,7 +18,8 @@ use crate::{
     actor::{BrokerActor, BrokerArgs, BrokerMsg, now_ms},
     ctl::{CtlProtocol, ask},
     gossip::GossipLoop,
-    metrics::BrokerCounters,
+    metrics::{BrokerCounters, MemberStatsBook},
+    observe::BrokerSource,
     sync::{PeerLinks, pull_from},
 };
 
@@ -80,6 +82,7 @@ pub struct Broker {
     cancel: CancellationToken,
     tracker: TaskTracker,
     counters: Arc<BrokerCounters>,
+    stats: Arc<MemberStatsBook>,
     join: Vec<PeerAddr>,
 }
 
@@ -88,6 +91,13 @@ impl Broker {
     /// serving `tb/ctl/1` and `tb/data/1`.
     pub async fn spawn(mut opts: BrokerOptions) -> Result<Broker, StartError> {
         opts.node.data_dir = Some(opts.data_dir.clone());
+        let metrics = match &opts.node.metrics {
+            Some(metrics) => metrics.clone(),
+            None => {
+                Metrics::new(MetricsRole::Broker).map_err(|e| StartError::Start(e.to_string()))?
+            }
+        };
+        opts.node.metrics = Some(metrics.clone());
         let endpoint = Node::bind(&opts.node).await?;
         let me = endpoint.id();
         let lookup = MemoryLookup::new();
@@ -117,7 +127,8 @@ impl Broker {
 
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
-        let counters = Arc::new(BrokerCounters::default());
+        let counters = Arc::new(BrokerCounters::new(&metrics));
+        let stats = Arc::new(MemberStatsBook::default());
         let gossip = Gossip::builder().spawn(endpoint.clone());
         let ctl = CtlProtocol {
             actor: actor.clone(),
@@ -128,6 +139,7 @@ impl Broker {
             cancel: cancel.clone(),
             tracker: tracker.clone(),
             counters: counters.clone(),
+            stats: stats.clone(),
         };
         let extra: Vec<(&'static [u8], Box<dyn iroh::protocol::DynProtocolHandler>)> = vec![
             (CTL_ALPN, Box::new(ctl)),
@@ -166,6 +178,7 @@ impl Broker {
             cancel,
             tracker,
             counters,
+            stats,
             join: opts.join.clone(),
         };
         broker.announce_self(epoch, &opts).await?;
@@ -243,6 +256,25 @@ impl Broker {
     /// The broker's counters.
     pub fn counters(&self) -> &BrokerCounters {
         &self.counters
+    }
+
+    /// The process's metrics (the broker's node shares them).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        self.node.metrics()
+    }
+
+    /// What the broker's metrics server serves: its metrics, status, and the cluster view
+    /// (members with their heartbeat stats, registry entries).
+    pub fn dashboard(&self) -> AppState {
+        let source = BrokerSource {
+            node: self.node.clone(),
+            actor: self.actor.clone(),
+            stats: self.stats.clone(),
+        };
+        AppState {
+            metrics: self.metrics().clone(),
+            source: Arc::new(source),
+        }
     }
 
     /// Stops serving, stops gossip and anti-entropy, flushes the registry, closes the node.

@@ -26,7 +26,7 @@ use tracing::{Instrument, debug, debug_span};
 use crate::{
     BrokerError,
     actor::{BrokerMsg, SUBSCRIPTION_BUFFER},
-    metrics::BrokerCounters,
+    metrics::{BrokerCounters, MemberStatsBook},
     sync,
 };
 
@@ -41,6 +41,8 @@ pub(crate) struct CtlProtocol {
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     pub(crate) counters: Arc<BrokerCounters>,
+    /// Where heartbeat stats are kept for the dashboard.
+    pub(crate) stats: Arc<MemberStatsBook>,
 }
 
 impl std::fmt::Debug for CtlProtocol {
@@ -175,7 +177,15 @@ impl CtlProtocol {
     async fn answer(&self, from: tb_proto::NodeId, request: CtlRequest) -> Vec<CtlResponse> {
         let (actor, t) = (&self.actor, self.request_timeout);
         let result = match request {
-            CtlRequest::Heartbeat { role, addrs, epoch } => {
+            CtlRequest::Heartbeat {
+                role,
+                addrs,
+                epoch,
+                stats,
+            } => {
+                if let Some(stats) = stats {
+                    self.stats.record(from, stats, std::time::Instant::now());
+                }
                 ask(actor, t, |reply| BrokerMsg::Heartbeat {
                     from,
                     role,

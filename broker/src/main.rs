@@ -39,6 +39,11 @@ struct Args {
     /// Seconds between anti-entropy rounds with every peer broker.
     #[arg(long, env = "TB_SYNC_INTERVAL", default_value_t = 5)]
     sync_interval: u64,
+    /// Where the HTTP server for /metrics, /healthz, /readyz, /api/v1/status,
+    /// /api/v1/cluster and the web dashboard (/) listens (port 0: any free port; the bound
+    /// address is printed as `metrics: http://...`).
+    #[arg(long, env = "TB_METRICS_ADDR", default_value = tb_dashboard::DEFAULT_BROKER_ADDR)]
+    metrics_addr: SocketAddr,
     /// Log format: human-readable text, or JSON lines for machines.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -49,6 +54,7 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
     let data_dir = daemon::data_dir(args.data_dir, "broker")?;
+    let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
     let mut opts = BrokerOptions::new(&data_dir);
     opts.node.bind_addr = args.listen;
     opts.node.cluster_key = args.secret.key()?;
@@ -64,8 +70,10 @@ async fn main() -> Result<()> {
         std::fs::write(path, format!("{ticket}\n"))
             .with_context(|| format!("writing the ticket to {}", path.display()))?;
     }
+    metrics.start(broker.dashboard());
     daemon::wait_for_signal().await;
     eprintln!("shutting down");
+    metrics.stop().await;
     broker.shutdown().await;
     Ok(())
 }

@@ -1,7 +1,21 @@
 //! The broker's own counters (requests, refusals, gossip, anti-entropy), read without
-//! messaging the actor.
+//! messaging the actor, and the latest heartbeat stats of each worker.
+//!
+//! The counters the metrics contract names (auth failures, gossip in/out, sync rounds) *are*
+//! the process's Prometheus counters (`IntCounter` handles share one value), so nothing is
+//! counted twice; the others are plain atomics.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::{
+    collections::HashMap,
+    sync::{
+        Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use tb_dashboard::{IntCounter, Metrics};
+use tb_proto::{MAX_SYNC_MEMBERS, NodeId, NodeStats};
 
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
@@ -20,20 +34,108 @@ impl Counter {
 }
 
 /// What a broker has done since it started.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct BrokerCounters {
     /// `tb/ctl/1` requests served.
     pub requests: Counter,
-    /// Peers refused because they could not prove the cluster secret.
-    pub auth_failures: Counter,
-    /// Registry ops broadcast.
-    pub gossip_sent: Counter,
-    /// Registry ops received from other brokers.
-    pub gossip_received: Counter,
+    /// Peers refused because they could not prove the cluster secret (`tb_auth_failures_total`,
+    /// shared with the broker's data plane).
+    pub auth_failures: IntCounter,
+    /// Registry ops broadcast (`tb_gossip_messages_total{direction="out"}`).
+    pub gossip_sent: IntCounter,
+    /// Registry ops received from other brokers (`tb_gossip_messages_total{direction="in"}`).
+    pub gossip_received: IntCounter,
     /// Gossip messages dropped (bad MAC, malformed, invalid).
     pub gossip_rejected: Counter,
-    /// Anti-entropy pulls that completed.
-    pub sync_rounds: Counter,
+    /// Anti-entropy pulls that completed (`tb_sync_rounds_total`).
+    pub sync_rounds: IntCounter,
     /// Anti-entropy pulls that failed (peer down, timeout).
     pub sync_failures: Counter,
+}
+
+impl BrokerCounters {
+    /// Counters backed by `metrics` where the contract names them.
+    pub fn new(metrics: &Metrics) -> Self {
+        BrokerCounters {
+            requests: Counter::default(),
+            auth_failures: metrics.auth_failures.clone(),
+            gossip_sent: metrics.gossip_out.clone(),
+            gossip_received: metrics.gossip_in.clone(),
+            gossip_rejected: Counter::default(),
+            sync_rounds: metrics.sync_rounds.clone(),
+            sync_failures: Counter::default(),
+        }
+    }
+}
+
+/// Stats older than this are forgotten (the worker stopped heartbeating to this broker).
+const STATS_MAX_AGE: Duration = Duration::from_secs(600);
+
+/// The latest heartbeat stats of each node that heartbeats to this broker, in memory only.
+/// Bounded: at most [`MAX_SYNC_MEMBERS`] nodes, stale rows dropped.
+#[derive(Debug, Default)]
+pub struct MemberStatsBook(Mutex<HashMap<NodeId, (Instant, NodeStats)>>);
+
+impl MemberStatsBook {
+    /// Records `stats` from `node`, received at `now`.
+    pub fn record(&self, node: NodeId, stats: NodeStats, now: Instant) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !map.contains_key(&node) && map.len() >= MAX_SYNC_MEMBERS {
+            map.retain(|_, (at, _)| now.saturating_duration_since(*at) < STATS_MAX_AGE);
+            if map.len() >= MAX_SYNC_MEMBERS {
+                let oldest = map.iter().min_by_key(|(_, (at, _))| *at).map(|(n, _)| *n);
+                if let Some(oldest) = oldest {
+                    map.remove(&oldest);
+                }
+            }
+        }
+        map.insert(node, (now, stats));
+    }
+
+    /// `node`'s latest stats and their age at `now`, unless too old.
+    pub fn get(&self, node: &NodeId, now: Instant) -> Option<(NodeStats, Duration)> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (at, stats) = map.get(node)?;
+        let age = now.saturating_duration_since(*at);
+        (age < STATS_MAX_AGE).then(|| (stats.clone(), age))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_book_keeps_the_latest_stats_and_forgets_stale_ones() {
+        let book = MemberStatsBook::default();
+        let t0 = Instant::now();
+        let node = NodeId([1; 32]);
+        let stats = |tensors| NodeStats {
+            tensors,
+            ..NodeStats::default()
+        };
+        book.record(node, stats(1), t0);
+        book.record(node, stats(2), t0 + Duration::from_secs(1));
+        let (got, age) = book.get(&node, t0 + Duration::from_secs(3)).expect("stats");
+        assert_eq!((got.tensors, age), (2, Duration::from_secs(2)));
+        assert!(book.get(&NodeId([2; 32]), t0).is_none());
+        assert!(book.get(&node, t0 + STATS_MAX_AGE * 2).is_none(), "stale");
+    }
+
+    #[test]
+    fn the_book_is_bounded() {
+        let book = MemberStatsBook::default();
+        let t0 = Instant::now();
+        for i in 0..MAX_SYNC_MEMBERS + 10 {
+            let mut id = [0u8; 32];
+            id[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            book.record(
+                NodeId(id),
+                NodeStats::default(),
+                t0 + Duration::from_millis(i as u64),
+            );
+        }
+        let len = book.0.lock().expect("lock").len();
+        assert_eq!(len, MAX_SYNC_MEMBERS);
+    }
 }

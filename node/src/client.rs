@@ -3,6 +3,7 @@
 //! small one.
 
 use iroh::endpoint::{RecvStream, SendStream};
+use tb_dashboard::TransferKind;
 use tb_proto::{ContentHash, DataRequest, DataResponse, ErrorCode, TensorMeta, TensorName};
 
 use crate::{
@@ -64,6 +65,21 @@ where
     B: AsMut<[u8]>,
     F: FnOnce(&TensorMeta) -> Result<B>,
 {
+    let pull = pull_into_untimed(ctx, link, name, version, alloc);
+    ctx.timed(TransferKind::Pull, pull).await
+}
+
+async fn pull_into_untimed<B, F>(
+    ctx: &NodeCtx,
+    link: &LinkGuard,
+    name: TensorName,
+    version: Option<u64>,
+    alloc: F,
+) -> Result<Pulled<B>>
+where
+    B: AsMut<[u8]>,
+    F: FnOnce(&TensorMeta) -> Result<B>,
+{
     let what = describe(&name, version, link);
     let (_send, mut recv, meta, version) = start_pull(ctx, link, &name, version, &what).await?;
     let mut buffer = alloc(&meta)?;
@@ -82,6 +98,20 @@ where
 /// Pulls `name` from the link's peer into the device buffer `alloc` returns for the
 /// metadata, through pinned staging.
 pub(crate) async fn pull_into_device<F>(
+    ctx: &NodeCtx,
+    link: &LinkGuard,
+    name: TensorName,
+    version: Option<u64>,
+    alloc: F,
+) -> Result<Pulled<DeviceBuffer>>
+where
+    F: FnOnce(&TensorMeta) -> Result<DeviceBuffer>,
+{
+    let pull = pull_into_device_untimed(ctx, link, name, version, alloc);
+    ctx.timed(TransferKind::Pull, pull).await
+}
+
+async fn pull_into_device_untimed<F>(
     ctx: &NodeCtx,
     link: &LinkGuard,
     name: TensorName,
@@ -144,7 +174,7 @@ fn check_len(what: &str, len: usize, meta: &TensorMeta) -> Result<()> {
 
 /// Counts the received bytes and checks they hash to what the sender announced.
 fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Result<()> {
-    ctx.transfers.bytes_received.add(meta.byte_len);
+    ctx.metrics.bytes_in.inc_by(meta.byte_len);
     if hash != meta.hash {
         return Err(Error::Corrupt(format!(
             "{what}: expected hash {}, got {hash}",
@@ -156,6 +186,16 @@ fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Re
 
 /// Pushes `tensor` to the link's peer as `name` and waits for its `Ack`.
 pub(crate) async fn push(
+    ctx: &NodeCtx,
+    link: &LinkGuard,
+    name: TensorName,
+    tensor: &Tensor,
+) -> Result<()> {
+    ctx.timed(TransferKind::Push, push_untimed(ctx, link, name, tensor))
+        .await
+}
+
+async fn push_untimed(
     ctx: &NodeCtx,
     link: &LinkGuard,
     name: TensorName,
@@ -174,7 +214,7 @@ pub(crate) async fn push(
     let answer = read_response(ctx, &mut recv, &what).await;
     match (answer, sent) {
         (Ok(DataResponse::Ack), Ok(())) => {
-            ctx.transfers.bytes_sent.add(tensor.byte_len());
+            ctx.metrics.bytes_out.inc_by(tensor.byte_len());
             Ok(())
         }
         (Ok(DataResponse::Error { code, message }), _) => Err(remote_error(link, code, message)),

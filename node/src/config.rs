@@ -1,7 +1,8 @@
 //! Node configuration. `Config::default()` is the offline single-machine setup.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
+use tb_dashboard::Metrics;
 use tb_proto::{ClusterKey, NamePattern};
 
 use crate::{
@@ -71,6 +72,12 @@ pub struct Config {
     /// Whether subscriptions fetch each new version they report (`SubEvent::Version` then
     /// carries the tensor). True by default.
     pub auto_fetch: bool,
+    /// The process's metrics. `None` (the default): the node makes its own, as a worker's. A
+    /// broker passes its own so node and broker families share one registry.
+    pub metrics: Option<Arc<Metrics>>,
+    /// Where this node's metrics server listens (`http://ip:port`), told to brokers in
+    /// heartbeats so the dashboard can link to it. `None` by default.
+    pub metrics_url: Option<String>,
 }
 
 impl Default for Config {
@@ -97,6 +104,8 @@ impl Default for Config {
             heartbeats: true,
             advertise_addrs: Vec::new(),
             auto_fetch: true,
+            metrics: None,
+            metrics_url: None,
         }
     }
 }

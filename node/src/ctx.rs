@@ -2,26 +2,13 @@
 
 use std::sync::Arc;
 
+use std::future::Future;
+
 use iroh::Endpoint;
+use tb_dashboard::{Metrics, TransferKind};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use crate::{
-    config::Config,
-    inbox::Inbox,
-    pool::{Counter, PoolCounters, ReadyLinks},
-    store::Store,
-};
-
-/// Byte and transfer counts of this node's data plane.
-#[derive(Debug, Default)]
-pub(crate) struct TransferCounters {
-    pub(crate) bytes_sent: Counter,
-    pub(crate) bytes_received: Counter,
-    pub(crate) served: Counter,
-    pub(crate) failed: Counter,
-    /// Peers refused because they could not prove the cluster secret.
-    pub(crate) auth_failures: Counter,
-}
+use crate::{config::Config, error::Result, inbox::Inbox, pool::ReadyLinks, store::Store};
 
 /// Shared, immutable-after-start context of one node.
 #[derive(Debug)]
@@ -30,12 +17,44 @@ pub(crate) struct NodeCtx {
     pub(crate) config: Config,
     pub(crate) store: Store,
     pub(crate) inbox: Inbox,
-    pub(crate) pool: Arc<PoolCounters>,
+    /// The process's metrics: pool, transfer and auth counters are its counters (the one
+    /// source of truth; `Node::pool_stats` reads them).
+    pub(crate) metrics: Arc<Metrics>,
     /// Ready links, readable without asking the `NodeActor`.
     pub(crate) ready: ReadyLinks,
-    pub(crate) transfers: TransferCounters,
     /// Cancelled once, at shutdown: every task and in-flight call watches it.
     pub(crate) cancel: CancellationToken,
     /// Owns every task the node spawns, so shutdown can wait for them.
     pub(crate) tracker: TaskTracker,
+}
+
+impl NodeCtx {
+    /// Runs one transfer of `kind`, counted in flight while it runs and then by result and
+    /// duration.
+    pub(crate) async fn timed<T>(
+        &self,
+        kind: TransferKind,
+        transfer: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let timer = self.metrics.start_transfer(kind);
+        let result = transfer.await;
+        timer.result(result.is_ok());
+        result
+    }
+
+    /// Sets the gauges that mirror state: pooled links and the store.
+    pub(crate) fn refresh_metrics(&self) {
+        let (active, idle) = self.ready.counts();
+        let (tensors, bytes) = self.store.usage();
+        let m = &self.metrics;
+        m.pool_links_active.set(gauge(active as u64));
+        m.pool_links_idle.set(gauge(idle as u64));
+        m.store_tensors.set(gauge(tensors as u64));
+        m.store_bytes.set(gauge(bytes));
+    }
+}
+
+/// A count as a gauge value (saturating).
+pub(crate) fn gauge(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }

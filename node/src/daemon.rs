@@ -1,9 +1,12 @@
 //! What the daemons (`tb-broker`, `tb-worker`) and the `tb` CLI share when they start: the
-//! data dir, the cluster secret, logging, and waiting for a stop signal.
+//! data dir, the cluster secret, logging, the metrics server, and waiting for a stop signal.
 
-use std::{fmt, path::Path, path::PathBuf, str::FromStr};
+use std::{fmt, net::SocketAddr, path::Path, path::PathBuf, str::FromStr, time::Duration};
 
+use tb_dashboard::AppState;
 use tb_proto::{AuthError, ClusterKey};
+use tokio::{net::TcpListener, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
 
 /// Why a process could not be set up from its flags.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +33,76 @@ pub enum SetupError {
     /// The secret is unusable (too short, too long).
     #[error("cluster secret: {0}")]
     Secret(#[from] AuthError),
+    /// The metrics server's address could not be bound.
+    #[error("binding the metrics server to {addr}: {source}")]
+    MetricsAddr {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// How long a stopping metrics server may finish the requests under way.
+const METRICS_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// A daemon's HTTP server for metrics, health, the JSON API and the dashboard (the routes are
+/// `tb_dashboard`'s). Bound first, so a worker can tell brokers its URL; serving once the
+/// process is up ([`MetricsServer::start`]); stopped with the process.
+#[derive(Debug)]
+pub struct MetricsServer {
+    listener: Option<TcpListener>,
+    addr: SocketAddr,
+    stop: CancellationToken,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl MetricsServer {
+    /// Binds `addr` (port 0: any free port).
+    pub async fn bind(addr: SocketAddr) -> Result<MetricsServer, SetupError> {
+        let bound = tb_dashboard::bind(addr)
+            .await
+            .and_then(|l| Ok((l.local_addr()?, l)));
+        let (addr, listener) = bound.map_err(|source| SetupError::MetricsAddr { addr, source })?;
+        Ok(MetricsServer {
+            listener: Some(listener),
+            addr,
+            stop: CancellationToken::new(),
+            task: None,
+        })
+    }
+
+    /// `http://ip:port` as bound.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Starts serving `state` and prints `metrics: <url>` on stdout (scripts and tests wait
+    /// for that line). A second call does nothing.
+    pub fn start(&mut self, state: AppState) {
+        let Some(listener) = self.listener.take() else {
+            return;
+        };
+        self.task = Some(tokio::spawn(tb_dashboard::serve(
+            listener,
+            state,
+            self.stop.clone(),
+        )));
+        println!("metrics: {}", self.url());
+        tracing::info!(url = %self.url(), "metrics server listening");
+    }
+
+    /// Stops accepting, lets requests under way finish (briefly), and returns.
+    pub async fn stop(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            match tokio::time::timeout(METRICS_STOP_GRACE, task).await {
+                Ok(Ok(Err(e))) => tracing::warn!(%e, "metrics server failed"),
+                Ok(_) => {}
+                Err(_) => tracing::debug!("metrics server still busy at shutdown"),
+            }
+        }
+    }
 }
 
 /// `dir` if given, else `~/.local/share/tensor-broker/<role>`; created if missing.

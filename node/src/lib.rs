@@ -74,6 +74,7 @@ mod error;
 mod inbox;
 mod node;
 mod node_actor;
+mod observe;
 mod pool;
 mod serve;
 mod store;

@@ -18,6 +18,7 @@ use iroh::{
     protocol::{DynProtocolHandler, Router},
 };
 use ractor::{Actor, ActorRef};
+use tb_dashboard::{Metrics, Role as MetricsRole};
 use tb_proto::{DATA_ALPN, TensorMeta, TensorName};
 use tokio::sync::Mutex;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -27,13 +28,13 @@ use crate::{
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
-    ctx::{NodeCtx, TransferCounters},
+    ctx::NodeCtx,
     device::{self, Device, DeviceBuffer, route},
     endpoint::{self, PeerAddr},
     error::{Error, Result},
     inbox::{Inbox, Received},
     node_actor::{NodeActor, NodeMsg},
-    pool::{LinkGuard, PoolCounters, PoolStats, ReadyLinks},
+    pool::{self, LinkGuard, PoolStats, ReadyLinks},
     serve::DataProtocol,
     tensor::Tensor,
 };
@@ -109,13 +110,17 @@ impl Node {
     ) -> Result<Node> {
         let addr = endpoint::local_peer_addr(&endpoint)?;
         let (store, evictions) = cluster::store_for(&config);
+        let metrics = match &config.metrics {
+            Some(metrics) => metrics.clone(),
+            None => Metrics::new(MetricsRole::Worker)
+                .map_err(|e| Error::Io(format!("creating the metrics: {e}")))?,
+        };
         let ctx = Arc::new(NodeCtx {
             endpoint: endpoint.clone(),
             store,
             inbox: Inbox::new(config.inbox_capacity),
-            pool: Arc::new(PoolCounters::default()),
+            metrics,
             ready: ReadyLinks::default(),
-            transfers: TransferCounters::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             config,
@@ -136,6 +141,8 @@ impl Node {
                 router.accept(alpn, handler)
             })
             .spawn();
+        ctx.tracker
+            .spawn(ctx.metrics.clone().run_sampler(ctx.cancel.clone()));
         let cluster = cluster::start(&ctx, &addr, evictions);
         debug!(node = %addr, brokers = ctx.config.brokers.len(), "node started");
         Ok(Node {
@@ -328,7 +335,18 @@ impl Node {
 
     /// Pool counters: links, dials, reuses, evictions, connect failures.
     pub fn pool_stats(&self) -> PoolStats {
-        self.inner.ctx.pool.snapshot(&self.inner.ctx.ready)
+        pool::snapshot(&self.inner.ctx.metrics, &self.inner.ctx.ready)
+    }
+
+    /// The process's metrics (shared with a broker that runs this node).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.ctx.metrics
+    }
+
+    /// Sets the metric gauges that mirror state (pooled links, the store) to their current
+    /// values: call before reading or scraping them.
+    pub fn refresh_metrics(&self) {
+        self.inner.ctx.refresh_metrics();
     }
 
     /// Tensors held for peers to pull: (count over all versions, total bytes).
@@ -336,9 +354,15 @@ impl Node {
         self.inner.ctx.store.usage()
     }
 
+    /// Whether this node has joined its cluster: a broker accepted its first heartbeat (a
+    /// standalone node, or one that does not heartbeat, counts as joined).
+    pub fn is_joined(&self) -> bool {
+        self.inner.cluster.as_ref().is_none_or(|c| c.joined())
+    }
+
     /// Peers refused so far because they could not prove the cluster secret.
     pub fn auth_failures(&self) -> u64 {
-        self.inner.ctx.transfers.auth_failures.get()
+        self.inner.ctx.metrics.auth_failures.get()
     }
 
     /// Pushed tensors waiting in the inbox.
@@ -414,7 +438,7 @@ impl Node {
     /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
     pub(crate) async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
         if let Some(guard) = self.inner.ctx.ready.try_guard(&addr.id) {
-            self.inner.ctx.pool.reuses.inc();
+            self.inner.ctx.metrics.pool_reuses.inc();
             return Ok(guard);
         }
         let bound = self.config().connect_timeout + Duration::from_secs(1);

@@ -141,7 +141,7 @@ fn on_acquire(myself: &ActorRef<NodeMsg>, state: &mut NodeState, peer: PeerAddr,
             handle,
             link,
         } => {
-            ctx.pool.reuses.inc();
+            ctx.metrics.pool_reuses.inc();
             let _ = waiter.send(guard(&handle, &link, peer.id));
         }
         Acquire::Full { waiter } => {
@@ -151,7 +151,7 @@ fn on_acquire(myself: &ActorRef<NodeMsg>, state: &mut NodeState, peer: PeerAddr,
         }
         Acquire::Queued => {}
         Acquire::Dial { generation } => {
-            ctx.pool.dials.inc();
+            ctx.metrics.pool_dials.inc();
             spawn_dial(myself.clone(), ctx, peer, generation);
         }
     }
@@ -210,7 +210,7 @@ async fn on_dialed(
     let conn = match result {
         Ok(conn) => conn,
         Err(err) => {
-            state.ctx.pool.connect_failures.inc();
+            state.ctx.metrics.pool_connect_failures.inc();
             for waiter in state.book.dial_failed(&peer, generation) {
                 let _ = waiter.send(Err(err.clone()));
             }
@@ -250,7 +250,7 @@ async fn insert_link(
         conn: conn.clone(),
         link: link.clone(),
         idle_timeout: state.ctx.config.idle_timeout,
-        counters: state.ctx.pool.clone(),
+        metrics: state.ctx.metrics.clone(),
     };
     let actor = match Actor::spawn_linked(None, PeerActor, args, myself.get_cell()).await {
         Ok((actor, _)) => actor,
@@ -281,7 +281,7 @@ async fn insert_link(
             state.ctx.ready.insert(peer, &handle.conn, &link, &actor);
             if let Some((old_peer, old)) = evicted {
                 debug!(peer = %old_peer.fmt_short(), "evicting least recently used idle link");
-                state.ctx.pool.evictions_lru.inc();
+                state.ctx.metrics.pool_evictions_lru.inc();
                 let _ = old.actor.cast(PeerMsg::Close(CloseCode::LruEvicted));
             }
             for waiter in waiters {

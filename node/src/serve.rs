@@ -13,6 +13,7 @@ use iroh::{
     protocol::{AcceptError, ProtocolHandler},
 };
 use ractor::ActorRef;
+use tb_dashboard::TransferKind;
 use tb_proto::{
     ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode, FrameError,
     TensorMeta, TensorName,
@@ -58,7 +59,7 @@ impl ProtocolHandler for DataProtocol {
             DATA_ALPN,
             ctx.config.request_timeout,
             ctx.config.max_tensor_bytes,
-            || ctx.transfers.auth_failures.inc(),
+            || ctx.metrics.auth_failures.inc(),
         );
         if let Err(err) = hello.await {
             debug!(%err, "hello failed");
@@ -188,6 +189,7 @@ async fn serve_pull(
         return;
     };
     let payload_len = payload.len() as u64;
+    let timer = ctx.metrics.start_transfer(TransferKind::Serve);
     let header = DataResponse::Header {
         meta: tensor.meta().clone(),
         version,
@@ -198,11 +200,11 @@ async fn serve_pull(
     };
     match sent.await {
         Ok(()) => {
-            ctx.transfers.served.inc();
-            ctx.transfers.bytes_sent.add(payload_len);
+            ctx.metrics.bytes_out.inc_by(payload_len);
+            timer.ok();
         }
         Err(err) => {
-            ctx.transfers.failed.inc();
+            timer.error();
             debug!(%err, %name, "pull not served");
         }
     }
@@ -234,6 +236,8 @@ async fn serve_push(
     name: TensorName,
     meta: TensorMeta,
 ) {
+    // Every early return below is a failed transfer: the timer counts it so when dropped.
+    let timer = ctx.metrics.start_transfer(TransferKind::Serve);
     let Ok(len) = usize::try_from(meta.byte_len) else {
         refuse(
             &mut send,
@@ -254,7 +258,6 @@ async fn serve_push(
                     Error::DeviceOutOfMemory(_) => ErrorCode::TooLarge,
                     _ => ErrorCode::Internal,
                 };
-                ctx.transfers.failed.inc();
                 refuse(
                     &mut send,
                     &mut recv,
@@ -269,14 +272,12 @@ async fn serve_push(
     let (hash, data) = match received {
         Ok(got) => got,
         Err(err) => {
-            ctx.transfers.failed.inc();
             debug!(%err, %name, "push payload not received");
             return;
         }
     };
-    ctx.transfers.bytes_received.add(meta.byte_len);
+    ctx.metrics.bytes_in.inc_by(meta.byte_len);
     if hash != meta.hash {
-        ctx.transfers.failed.inc();
         let msg = format!(
             "push of \"{name}\": expected hash {}, got {hash}",
             meta.hash
@@ -293,16 +294,21 @@ async fn serve_push(
         name,
         tensor,
     };
-    let reply = match ctx.inbox.deliver(item, ctx.config.request_timeout).await {
-        Ok(()) => DataResponse::Ack,
-        Err(err) => DataResponse::Error {
-            code: ErrorCode::Busy,
-            message: err.to_string(),
-        },
+    let (reply, delivered) = match ctx.inbox.deliver(item, ctx.config.request_timeout).await {
+        Ok(()) => (DataResponse::Ack, true),
+        Err(err) => {
+            let busy = DataResponse::Error {
+                code: ErrorCode::Busy,
+                message: err.to_string(),
+            };
+            (busy, false)
+        }
     };
-    if wire::write_frame(&mut send, &reply).await.is_ok() {
+    let answered = wire::write_frame(&mut send, &reply).await.is_ok();
+    if answered {
         let _ = send.finish();
     }
+    timer.result(delivered && answered);
 }
 
 /// A pushed payload, received but not yet verified.

@@ -56,7 +56,8 @@ pub use auth::{
 };
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS,
-    MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_SYNC_MEMBERS,
+    MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN, MAX_SYNC_MEMBERS,
+    NodeStats,
 };
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use tb_proto::{
     AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse, DType,
     DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr, HolderMark,
-    ListedEntry, Member, NamePattern, NodeId, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta,
-    TensorName, frame,
+    ListedEntry, Member, NamePattern, NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp,
+    TensorMeta, TensorName, frame,
 };
 
 fn hex(bytes: &[u8]) -> String {
@@ -211,9 +211,38 @@ fn ctl_heartbeat_and_announce() {
         role: Role::Worker,
         addrs: vec!["10.0.0.1:4433".into()],
         epoch: 3,
+        stats: None,
     };
-    // len 18 | Heartbeat=0 | Worker=1 | 1 addr "10.0.0.1:4433" | epoch 3
-    golden(&msg, "12000000 00 01 01 0d 31302e302e302e313a34343333 03");
+    // len 19 | Heartbeat=0 | Worker=1 | 1 addr "10.0.0.1:4433" | epoch 3 | no stats
+    golden(
+        &msg,
+        "13000000 00 01 01 0d 31302e302e302e313a34343333 03 00",
+    );
+    let msg = CtlRequest::Heartbeat {
+        role: Role::Worker,
+        addrs: vec![],
+        epoch: 3,
+        stats: Some(NodeStats {
+            pool_links: 2,
+            tensors: 3,
+            store_bytes: 300,
+            in_bytes_per_s: 1.5,
+            out_bytes_per_s: 0.0,
+            in_bytes_total: 5,
+            out_bytes_total: 0,
+            latency_p50_s: Some(0.25),
+            latency_p99_s: None,
+            metrics_url: Some("http://a".into()),
+        }),
+    };
+    // len 47 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
+    // bytes 300 (varint ac 02) | in 1.5 (f64 LE) | out 0.0 | in total 5 | out total 0 |
+    // p50 Some(0.25) | p99 None | url Some("http://a")
+    golden(
+        &msg,
+        "2f000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
+         01 000000000000d03f 00 01 08 687474703a2f2f61",
+    );
     let msg = CtlRequest::Announce {
         ops: vec![RegistryOp::Delete {
             name: name("a"),

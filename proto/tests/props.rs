@@ -9,8 +9,8 @@ use proptest::{
 use tb_proto::{
     AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest, DataResponse,
     Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark, ListedEntry,
-    MAX_LIST_LIMIT, MAX_RANK, Member, NamePattern, NodeId, RegistryOp, Role, SYNC_BUCKETS, Stamp,
-    TensorMeta, TensorName,
+    MAX_LIST_LIMIT, MAX_RANK, Member, NamePattern, NodeId, NodeStats, RegistryOp, Role,
+    SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
 
@@ -104,6 +104,34 @@ fn addrs() -> impl Strategy<Value = Vec<String>> {
     vec("[a-z0-9.:\\[\\]]{1,64}", 0..=3)
 }
 
+/// Valid heartbeat stats: finite, non-negative floats and a short URL.
+fn node_stats() -> impl Strategy<Value = NodeStats> {
+    let rate = 0.0..1e12f64;
+    (
+        (any::<u32>(), any::<u64>(), any::<u64>(), rate.clone(), rate),
+        (any::<u64>(), any::<u64>()),
+        (
+            proptest::option::of(0.0..1e4f64),
+            proptest::option::of(0.0..1e4f64),
+            proptest::option::of("http://[a-z0-9.:]{1,40}"),
+        ),
+    )
+        .prop_map(
+            |((links, tensors, bytes, rin, rout), (tin, tout), (p50, p99, url))| NodeStats {
+                pool_links: links,
+                tensors,
+                store_bytes: bytes,
+                in_bytes_per_s: rin,
+                out_bytes_per_s: rout,
+                in_bytes_total: tin,
+                out_bytes_total: tout,
+                latency_p50_s: p50,
+                latency_p99_s: p99,
+                metrics_url: url,
+            },
+        )
+}
+
 fn digest() -> impl Strategy<Value = [u8; 32]> {
     any::<[u8; 32]>()
 }
@@ -188,11 +216,18 @@ fn hello_reply() -> impl Strategy<Value = HelloReply> {
 /// Valid requests of every variant.
 fn ctl_request() -> impl Strategy<Value = CtlRequest> {
     prop_oneof![
-        (role(), addrs(), any::<u64>()).prop_map(|(role, addrs, epoch)| CtlRequest::Heartbeat {
-            role,
-            addrs,
-            epoch
-        }),
+        (
+            role(),
+            addrs(),
+            any::<u64>(),
+            proptest::option::of(node_stats())
+        )
+            .prop_map(|(role, addrs, epoch, stats)| CtlRequest::Heartbeat {
+                role,
+                addrs,
+                epoch,
+                stats,
+            }),
         vec(registry_op(), 0..4).prop_map(|ops| CtlRequest::Announce { ops }),
         tensor_name().prop_map(|name| CtlRequest::NextVersion { name }),
         (tensor_name(), proptest::option::of(version()))

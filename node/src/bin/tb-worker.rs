@@ -42,6 +42,10 @@ struct Args {
     /// Repeatable.
     #[arg(long = "subscribe", value_name = "PATTERN")]
     subscribe: Vec<String>,
+    /// Where the HTTP server for /metrics, /healthz, /readyz and /api/v1/status listens
+    /// (port 0: any free port; the bound address is printed as `metrics: http://...`).
+    #[arg(long, env = "TB_METRICS_ADDR", default_value = tb_dashboard::DEFAULT_WORKER_ADDR)]
+    metrics_addr: SocketAddr,
     /// Log format: text (human-readable) or json.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -52,7 +56,9 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
     let data_dir = daemon::data_dir(args.data_dir, "worker")?;
+    let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
     let config = Config {
+        metrics_url: Some(metrics.url()),
         bind_addr: args.listen,
         data_dir: Some(data_dir.clone()),
         cluster_key: args.secret.key()?,
@@ -73,6 +79,7 @@ async fn main() -> Result<()> {
         subs.push(sub);
     }
     println!("worker: {}", node.addr());
+    metrics.start(node.dashboard());
     info!(worker = %node.addr(), "worker started");
     for sub in subs {
         tokio::spawn(follow(sub));
@@ -83,6 +90,7 @@ async fn main() -> Result<()> {
         () = daemon::publish_pushes(serving) => {}
     }
     eprintln!("shutting down");
+    metrics.stop().await;
     node.shutdown().await;
     Ok(())
 }

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use tb_proto::{
-    CtlRequest, CtlResponse, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, Member, RegistryOp, Role,
-    TensorMeta, TensorName,
+    CtlRequest, CtlResponse, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, Member, NodeStats,
+    RegistryOp, Role, TensorMeta, TensorName,
 };
 
 use super::ctl_client::CtlClient;
@@ -60,17 +60,19 @@ impl CtlClient {
         }
     }
 
-    /// `Heartbeat` as a worker listening at `addrs`, in life `epoch`.
+    /// `Heartbeat` as a worker listening at `addrs`, in life `epoch`, with its live `stats`.
     pub(crate) async fn heartbeat(
         &self,
         addrs: Vec<String>,
         epoch: u64,
+        stats: Option<NodeStats>,
         timeout: Duration,
     ) -> Result<()> {
         let request = CtlRequest::Heartbeat {
             role: Role::Worker,
             addrs,
             epoch,
+            stats,
         };
         self.expect_ok("Heartbeat", &request, timeout).await
     }

@@ -13,6 +13,7 @@ use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use iroh::EndpointId;
+use tb_dashboard::TransferKind;
 use tb_proto::{HolderAddr, NodeId, TensorMeta, TensorName};
 use tracing::{debug, warn};
 
@@ -198,8 +199,8 @@ async fn from_holder(
     {
         match node.link(&PeerAddr { id, addr }).await {
             Ok(link) => {
-                return resume::pull_rest(node.ctx(), &link, name, version, meta, dest, resume)
-                    .await;
+                let pull = resume::pull_rest(node.ctx(), &link, name, version, meta, dest, resume);
+                return node.ctx().timed(TransferKind::Pull, pull).await;
             }
             Err(e) => last = Some(e),
         }

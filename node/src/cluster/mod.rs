@@ -30,7 +30,7 @@ mod tests;
 
 use std::{
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, Weak,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -102,10 +102,12 @@ pub(crate) struct Cluster {
     joined: AtomicBool,
     request_timeout: Duration,
     heartbeat_timeout: Duration,
+    /// The node's context, for the stats heartbeats carry (weak: the node owns the cluster).
+    ctx: Weak<NodeCtx>,
 }
 
 impl Cluster {
-    fn new(ctx: &NodeCtx, addr: &PeerAddr) -> Self {
+    fn new(ctx: &Arc<NodeCtx>, addr: &PeerAddr) -> Self {
         let config = &ctx.config;
         let me = auth::node_id(&addr.id);
         let addrs = match config.advertise_addrs.is_empty() {
@@ -131,7 +133,13 @@ impl Cluster {
             joined: AtomicBool::new(!config.heartbeats),
             request_timeout: config.request_timeout,
             heartbeat_timeout,
+            ctx: Arc::downgrade(ctx),
         }
+    }
+
+    /// Whether a heartbeat got through since start (always, for nodes that do not heartbeat).
+    pub(crate) fn joined(&self) -> bool {
+        self.joined.load(Ordering::Relaxed)
     }
 
     /// This node's id as the registry spells it.
@@ -175,9 +183,13 @@ impl Cluster {
     /// Tells the current broker (failing over) that this node is alive and where.
     async fn heartbeat(&self) -> Result<()> {
         let addrs = self.addrs.clone();
+        let stats = self.ctx.upgrade().map(|ctx| {
+            ctx.refresh_metrics();
+            ctx.metrics.node_stats(ctx.config.metrics_url.clone())
+        });
         let sent = self
             .ctl
-            .heartbeat(addrs, self.epoch, self.heartbeat_timeout)
+            .heartbeat(addrs, self.epoch, stats, self.heartbeat_timeout)
             .await;
         if sent.is_ok() {
             self.joined.store(true, Ordering::Relaxed);

@@ -101,12 +101,22 @@ pub(crate) async fn pull_rest(
         DataResponse::Ack => return Err(Error::Io(format!("{what}: peer sent Ack to a Pull"))),
     }
     let mut watchdog = Watchdog::new(ctx.config.stall_timeout);
+    let from = resume.filled;
+    let mut read = Ok(());
     while resume.filled < total {
         let at = resume.filled;
-        let n = wire::read_some(&mut recv, &mut dest[at..], &mut watchdog, at, total).await?;
-        resume.advance(dest, n);
-        ctx.transfers.bytes_received.add(n as u64);
+        match wire::read_some(&mut recv, &mut dest[at..], &mut watchdog, at, total).await {
+            Ok(n) => resume.advance(dest, n),
+            Err(e) => {
+                read = Err(e);
+                break;
+            }
+        }
     }
+    // Counted once per transfer (not per read): the data path takes no extra atomics.
+    let received = resume.filled.saturating_sub(from);
+    ctx.metrics.bytes_in.inc_by(received as u64);
+    read?;
     let hash = resume.finish(dest);
     if hash != expected.hash {
         return Err(Error::Corrupt(format!(

@@ -7,14 +7,12 @@ pub(crate) mod peer;
 
 use std::{
     collections::HashMap,
-    sync::{
-        Arc, RwLock,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, RwLock},
 };
 
 use iroh::{EndpointId, endpoint::Connection};
 use ractor::ActorRef;
+use tb_dashboard::Metrics;
 
 pub use link::LinkGuard;
 use link::LinkShared;
@@ -87,47 +85,17 @@ impl ReadyLinks {
     }
 }
 
-/// A monotonically increasing count.
-#[derive(Debug, Default)]
-pub(crate) struct Counter(AtomicU64);
-
-impl Counter {
-    pub(crate) fn inc(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    pub(crate) fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-/// Live pool counters, updated by the pool's actors and read without messaging them.
-#[derive(Debug, Default)]
-pub(crate) struct PoolCounters {
-    pub(crate) dials: Counter,
-    pub(crate) reuses: Counter,
-    pub(crate) evictions_idle: Counter,
-    pub(crate) evictions_lru: Counter,
-    pub(crate) connect_failures: Counter,
-}
-
-impl PoolCounters {
-    /// The counters plus the link counts of `ready`.
-    pub(crate) fn snapshot(&self, ready: &ReadyLinks) -> PoolStats {
-        let (links_active, links_idle) = ready.counts();
-        PoolStats {
-            links_active,
-            links_idle,
-            dials: self.dials.get(),
-            reuses: self.reuses.get(),
-            evictions_idle: self.evictions_idle.get(),
-            evictions_lru: self.evictions_lru.get(),
-            connect_failures: self.connect_failures.get(),
-        }
+/// The pool's figures: link counts from `ready`, lifetime counts from the metrics.
+pub(crate) fn snapshot(metrics: &Metrics, ready: &ReadyLinks) -> PoolStats {
+    let (links_active, links_idle) = ready.counts();
+    PoolStats {
+        links_active,
+        links_idle,
+        dials: metrics.pool_dials.get(),
+        reuses: metrics.pool_reuses.get(),
+        evictions_idle: metrics.pool_evictions_idle.get(),
+        evictions_lru: metrics.pool_evictions_lru.get(),
+        connect_failures: metrics.pool_connect_failures.get(),
     }
 }
 

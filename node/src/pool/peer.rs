@@ -15,7 +15,9 @@ use tb_proto::CloseCode;
 use tokio::task::JoinHandle;
 use tracing::debug;
 
-use super::{PoolCounters, link::LinkShared};
+use tb_dashboard::Metrics;
+
+use super::link::LinkShared;
 
 /// Messages a `PeerActor` handles.
 #[derive(Debug)]
@@ -36,7 +38,7 @@ pub(crate) struct PeerArgs {
     pub(crate) conn: Connection,
     pub(crate) link: Arc<LinkShared>,
     pub(crate) idle_timeout: Duration,
-    pub(crate) counters: Arc<PoolCounters>,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 pub(crate) struct PeerState {
@@ -139,7 +141,7 @@ fn check_idle(myself: &ActorRef<PeerMsg>, state: &mut PeerState) {
     }
     if state.args.link.try_close() {
         debug!(peer = %state.args.peer.fmt_short(), ?idle_for, "closing idle link");
-        state.args.counters.evictions_idle.inc();
+        state.args.metrics.pool_evictions_idle.inc();
         close(&state.args.conn, CloseCode::IdleEvicted);
         myself.stop(Some("idle".into()));
     }

@@ -23,11 +23,15 @@
 //! are split with [`chunk_by_size`](crate::chunk_by_size) under [`MAX_CHUNK_BYTES`]. Every
 //! decoded message is untrusted until its `validate` passes.
 
+mod stats;
 mod validate;
 
 use serde::{Deserialize, Serialize};
 
-pub use self::validate::CtlError;
+pub use self::{
+    stats::{MAX_METRICS_URL_LEN, NodeStats},
+    validate::CtlError,
+};
 use crate::{
     Entry, ErrorCode, MAX_CONTROL_FRAME, Member, NamePattern, NodeId, RegistryOp, Role, TensorMeta,
     TensorName,
@@ -48,7 +52,9 @@ pub const MAX_SYNC_MEMBERS: usize = 4096;
 pub const MAX_CHUNK_BYTES: usize = MAX_CONTROL_FRAME as usize - 1024;
 
 /// What a node asks a broker (or a broker another broker) on a `tb/ctl/1` stream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `PartialEq` only: heartbeat stats carry floats (validated finite).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CtlRequest {
     /// The asker is alive and listens at `addrs`; brokers record it in membership.
     Heartbeat {
@@ -59,6 +65,9 @@ pub enum CtlRequest {
         addrs: Vec<String>,
         /// Its epoch, bumped on every restart.
         epoch: u64,
+        /// Its live figures for the broker's dashboard (workers send them; `None` from nodes
+        /// that keep none).
+        stats: Option<NodeStats>,
     },
     /// The asker reports registry changes it made: published its own tensors, gained or
     /// dropped holdings, deleted names.

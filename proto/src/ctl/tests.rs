@@ -48,6 +48,7 @@ fn heartbeat_addresses_are_limited() {
         role: Role::Worker,
         addrs,
         epoch: 1,
+        stats: None,
     };
     let full = vec!["a".repeat(MAX_ADDR_LEN); MAX_MEMBER_ADDRS];
     assert_eq!(hb(full.clone()).validate(MAX), Ok(()));
@@ -61,6 +62,63 @@ fn heartbeat_addresses_are_limited() {
         hb(vec!["a".repeat(MAX_ADDR_LEN + 1)]).validate(MAX),
         Err(CtlError::AddrTooLong {
             len: MAX_ADDR_LEN + 1
+        })
+    );
+}
+
+#[test]
+fn heartbeat_stats_must_be_finite_non_negative_and_short() {
+    let hb = |stats: NodeStats| CtlRequest::Heartbeat {
+        role: Role::Worker,
+        addrs: vec!["127.0.0.1:1".into()],
+        epoch: 1,
+        stats: Some(stats),
+    };
+    let good = NodeStats {
+        pool_links: 2,
+        in_bytes_per_s: 10.5,
+        latency_p50_s: Some(0.01),
+        metrics_url: Some("x".repeat(MAX_METRICS_URL_LEN)),
+        ..NodeStats::default()
+    };
+    assert_eq!(hb(good.clone()).validate(MAX), Ok(()));
+    let bad = |field, stats| assert_eq!(hb(stats).validate(MAX), Err(CtlError::BadStat { field }));
+    bad(
+        "in_bytes_per_s",
+        NodeStats {
+            in_bytes_per_s: -1.0,
+            ..good.clone()
+        },
+    );
+    bad(
+        "out_bytes_per_s",
+        NodeStats {
+            out_bytes_per_s: f64::NAN,
+            ..good.clone()
+        },
+    );
+    bad(
+        "latency_p50_s",
+        NodeStats {
+            latency_p50_s: Some(f64::INFINITY),
+            ..good.clone()
+        },
+    );
+    bad(
+        "latency_p99_s",
+        NodeStats {
+            latency_p99_s: Some(-0.5),
+            ..good.clone()
+        },
+    );
+    let long = NodeStats {
+        metrics_url: Some("x".repeat(MAX_METRICS_URL_LEN + 1)),
+        ..good
+    };
+    assert_eq!(
+        hb(long).validate(MAX),
+        Err(CtlError::UrlTooLong {
+            len: MAX_METRICS_URL_LEN + 1
         })
     );
 }

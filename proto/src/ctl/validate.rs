@@ -46,6 +46,22 @@ pub enum CtlError {
         /// The index that does not exceed it.
         index: u8,
     },
+    /// A heartbeat stat is negative, infinite or NaN.
+    #[error("heartbeat stat {field} is not a finite non-negative number")]
+    BadStat {
+        /// The field.
+        field: &'static str,
+    },
+    /// A heartbeat's metrics URL is over [`MAX_METRICS_URL_LEN`](super::MAX_METRICS_URL_LEN)
+    /// bytes.
+    #[error(
+        "heartbeat metrics URL has {len} bytes, over the limit of {}",
+        super::MAX_METRICS_URL_LEN
+    )]
+    UrlTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
     /// A `Version` answer assigns version 0 (versions start at 1).
     #[error("broker assigned version 0; versions start at 1")]
     ZeroVersionAssigned,
@@ -72,12 +88,12 @@ impl CtlRequest {
     /// `max_tensor_bytes`). Names and patterns are checked when they are decoded.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), CtlError> {
         match self {
-            CtlRequest::Heartbeat { addrs, .. } => {
+            CtlRequest::Heartbeat { addrs, stats, .. } => {
                 at_most("heartbeat addresses", addrs.len(), MAX_MEMBER_ADDRS)?;
-                match addrs.iter().find(|a| a.len() > MAX_ADDR_LEN) {
-                    Some(long) => Err(CtlError::AddrTooLong { len: long.len() }),
-                    None => Ok(()),
+                if let Some(long) = addrs.iter().find(|a| a.len() > MAX_ADDR_LEN) {
+                    return Err(CtlError::AddrTooLong { len: long.len() });
                 }
+                stats.as_ref().map_or(Ok(()), |s| s.validate())
             }
             CtlRequest::Announce { ops } => {
                 at_most("announced ops", ops.len(), MAX_ANNOUNCE_OPS)?;

@@ -29,6 +29,8 @@ pub(super) struct FakeState {
     /// Metadata of every version published, for look-ups of older versions.
     metas: HashMap<(TensorName, u64), TensorMeta>,
     pub(super) heartbeats: usize,
+    /// The stats the latest heartbeat carried.
+    pub(super) last_stats: Option<tb_proto::NodeStats>,
     /// `(name, version, node, active)` per `Fetching`.
     pub(super) fetching: Vec<(TensorName, u64, NodeId, bool)>,
     /// Subscription streams open now.
@@ -58,6 +60,7 @@ impl FakeCluster {
                 hlc: Hlc::new(NodeId([0xbb; 32])),
                 metas: HashMap::new(),
                 heartbeats: 0,
+                last_stats: None,
                 fetching: Vec::new(),
                 subscribers: 0,
                 first_holder: None,
@@ -92,8 +95,14 @@ impl FakeCluster {
         let st = &mut *st;
         let mut events = Vec::new();
         let answer = match request {
-            CtlRequest::Heartbeat { role, addrs, epoch } => {
+            CtlRequest::Heartbeat {
+                role,
+                addrs,
+                epoch,
+                stats,
+            } => {
                 st.heartbeats += 1;
+                st.last_stats = stats;
                 let stamp = st.stamp();
                 let member = Member {
                     node: sender,

@@ -259,10 +259,10 @@ async fn a_holder_that_breaks_mid_transfer_is_resumed_at_the_byte_by_the_next() 
     };
     let router = Router::builder(ep).accept(DATA_ALPN, half).spawn();
     fake.state().first_holder = Some(holder);
-    let sent_before = a.ctx().transfers.bytes_sent.get();
+    let sent_before = a.ctx().metrics.bytes_out.get();
     let got = within("get", c.get("m/big")).await.expect("get");
     assert_eq!(got.buffer.data(), t.data());
-    let from_a = a.ctx().transfers.bytes_sent.get() - sent_before;
+    let from_a = a.ctx().metrics.bytes_out.get() - sent_before;
     assert_eq!(
         from_a,
         t.byte_len() / 2,
@@ -428,6 +428,14 @@ async fn evicted_versions_are_announced_and_heartbeats_stop_at_shutdown() {
     );
     assert!(holds(2));
     assert!(eventually(|| fake.state().heartbeats >= 3).await);
+    // Heartbeats carry the worker's figures: it holds v2 (4 f32s, 16 bytes) only.
+    let stats = fake
+        .state()
+        .last_stats
+        .clone()
+        .expect("heartbeats carry stats");
+    assert_eq!((stats.tensors, stats.store_bytes), (1, 16));
+    assert_eq!(stats.metrics_url, None);
     a.shutdown().await;
     let after = fake.state().heartbeats;
     tokio::time::sleep(Duration::from_millis(400)).await;

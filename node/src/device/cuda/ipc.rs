@@ -90,7 +90,7 @@ impl ProtocolHandler for IpcProtocol {
             IPC_ALPN,
             ctx.config.request_timeout,
             ctx.config.max_tensor_bytes,
-            || ctx.transfers.auth_failures.inc(),
+            || ctx.metrics.auth_failures.inc(),
         );
         if let Err(e) = hello.await {
             debug!(%e, "CUDA IPC hello failed");

@@ -1,0 +1,205 @@
+//! What a broker shows on its metrics server: [`BrokerSource`] implements the dashboard's
+//! [`Source`] from the broker's node, its actor's registry snapshot and the heartbeat stats
+//! book.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use ractor::ActorRef;
+use tb_dashboard::{
+    Metrics, RefreshFuture, Source,
+    api::{ClusterData, EntryView, MemberStats, MemberView},
+};
+use tb_node::{Node, auth::node_id};
+use tb_proto::{Registry, Role};
+
+use crate::{actor::BrokerMsg, ctl::ask, metrics::MemberStatsBook};
+
+/// Most registry entries `/api/v1/cluster` lists (the page is for people; `tb ls` pages
+/// through the rest).
+pub const MAX_DASHBOARD_ENTRIES: usize = 10_000;
+
+/// Longest wait for the actor's registry snapshot during a scrape.
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The broker's side of the dashboard.
+pub(crate) struct BrokerSource {
+    pub(crate) node: Node,
+    pub(crate) actor: ActorRef<BrokerMsg>,
+    pub(crate) stats: Arc<MemberStatsBook>,
+}
+
+impl BrokerSource {
+    async fn snapshot(&self) -> Option<Arc<Registry>> {
+        ask(&self.actor, SNAPSHOT_TIMEOUT, |reply| BrokerMsg::Snapshot {
+            reply,
+        })
+        .await
+        .ok()
+    }
+}
+
+impl Source for BrokerSource {
+    fn node_id(&self) -> String {
+        node_id(&self.node.id()).to_string()
+    }
+
+    fn addrs(&self) -> Vec<String> {
+        vec![self.node.addr().addr.to_string()]
+    }
+
+    /// A broker serves once its registry is loaded and it listens, which is before its
+    /// metrics server starts.
+    fn ready(&self) -> bool {
+        !self.node.is_shut_down()
+    }
+
+    fn refresh<'a>(&'a self, metrics: &'a Metrics) -> RefreshFuture<'a> {
+        Box::pin(async move {
+            self.node.refresh_metrics();
+            if let Some(registry) = self.snapshot().await {
+                set_registry_gauges(metrics, &registry);
+            }
+        })
+    }
+
+    fn cluster(&self) -> tb_dashboard::ClusterFuture<'_> {
+        Box::pin(async move {
+            let registry = self.snapshot().await?;
+            Some(cluster_data(&registry, &self.stats, Instant::now()))
+        })
+    }
+}
+
+fn gauge(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// `tb_registry_names`, `tb_registry_holders` and `tb_cluster_nodes` from a snapshot.
+pub(crate) fn set_registry_gauges(metrics: &Metrics, registry: &Registry) {
+    let (names, holders) = registry.list("").fold((0, 0), |(names, holders), (_, e)| {
+        (names + 1, holders + e.holders_of(e.version).count())
+    });
+    let alive = registry.members().filter(|m| m.alive).count();
+    let dead = registry.members().count() - alive;
+    metrics.registry_names.set(gauge(names));
+    metrics.registry_holders.set(gauge(holders));
+    metrics.cluster_alive.set(gauge(alive));
+    metrics.cluster_dead.set(gauge(dead));
+}
+
+/// Members (with the stats of those that heartbeat here) and live entries, for
+/// `/api/v1/cluster`.
+pub(crate) fn cluster_data(
+    registry: &Registry,
+    book: &MemberStatsBook,
+    now: Instant,
+) -> ClusterData {
+    let members = registry
+        .members()
+        .map(|m| MemberView {
+            node_id: m.node.to_string(),
+            role: match m.role {
+                Role::Broker => "broker",
+                Role::Worker => "worker",
+            }
+            .to_string(),
+            addrs: m.addrs.clone(),
+            epoch: m.epoch,
+            alive: m.alive,
+            stats: book
+                .get(&m.node, now)
+                .map(|(s, age)| MemberStats::from_heartbeat(&s, age.as_secs_f64())),
+        })
+        .collect();
+    let entries = registry
+        .list("")
+        .take(MAX_DASHBOARD_ENTRIES)
+        .map(|(name, e)| EntryView {
+            name: name.as_str().to_string(),
+            version: e.version,
+            dtype: e.meta.dtype.name().to_string(),
+            shape: e.meta.shape.clone(),
+            byte_len: e.meta.byte_len,
+            holders: e.holders_of(e.version).map(|n| n.to_string()).collect(),
+            publisher: e.publisher.to_string(),
+        })
+        .collect();
+    ClusterData { members, entries }
+}
+
+#[cfg(test)]
+mod tests {
+    use tb_proto::{
+        ContentHash, DType, Member, NodeId, NodeStats, RegistryOp, Stamp, TensorMeta, TensorName,
+    };
+
+    use super::*;
+
+    #[test]
+    fn the_cluster_view_lists_members_with_stats_and_live_entries() {
+        let (w1, w2) = (NodeId([1; 32]), NodeId([2; 32]));
+        let mut reg = Registry::new();
+        let stamp = |wall| Stamp {
+            wall_ms: wall,
+            logical: 0,
+            node: NodeId([9; 32]),
+        };
+        for (node, alive) in [(w1, true), (w2, false)] {
+            reg.apply(&RegistryOp::Member(Member {
+                node,
+                role: Role::Worker,
+                addrs: vec!["127.0.0.1:1".into()],
+                epoch: 1,
+                alive,
+                stamp: stamp(1),
+            }));
+        }
+        let name = TensorName::new("m/w").expect("name");
+        let meta = TensorMeta::new(DType::F32, vec![2, 3], ContentHash([5; 32])).expect("meta");
+        reg.apply(&RegistryOp::Publish {
+            name: name.clone(),
+            version: 1,
+            meta,
+            publisher: w1,
+            stamp: stamp(2),
+        });
+        reg.apply(&RegistryOp::holder(name, 1, w1, stamp(3), true));
+        let book = MemberStatsBook::default();
+        let now = Instant::now();
+        let stats = NodeStats {
+            tensors: 1,
+            ..NodeStats::default()
+        };
+        book.record(w1, stats, now);
+        let view = cluster_data(&reg, &book, now + Duration::from_millis(500));
+        assert_eq!(view.members.len(), 2);
+        let m1 = &view.members[0];
+        assert_eq!(
+            (m1.node_id.as_str(), m1.alive),
+            (w1.to_string().as_str(), true)
+        );
+        let s = m1.stats.as_ref().expect("w1 heartbeats here");
+        assert_eq!(s.tensors, 1);
+        assert!((s.age_s - 0.5).abs() < 1e-9);
+        assert!(view.members[1].stats.is_none());
+        let e = &view.entries[0];
+        assert_eq!(
+            (e.name.as_str(), e.version, e.dtype.as_str()),
+            ("m/w", 1, "f32")
+        );
+        assert_eq!((e.shape.clone(), e.byte_len), (vec![2, 3], 24));
+        assert_eq!(e.holders, vec![w1.to_string()]);
+
+        let metrics = Metrics::new(tb_dashboard::Role::Broker).expect("metrics");
+        set_registry_gauges(&metrics, &reg);
+        assert_eq!(metrics.registry_names.get(), 1);
+        assert_eq!(metrics.registry_holders.get(), 1);
+        assert_eq!(
+            (metrics.cluster_alive.get(), metrics.cluster_dead.get()),
+            (1, 1)
+        );
+    }
+}

@@ -1,0 +1,1 @@
+// Placeholder: the web branch provides the dashboard script.

@@ -1,0 +1,198 @@
+//! The JSON of `/api/v1/status` and `/api/v1/cluster` (the shared contract: the web page,
+//! tests and operators read these shapes).
+
+use serde::{Deserialize, Serialize};
+
+/// `GET /api/v1/status`: one process at a glance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    /// The node id (hex).
+    pub node_id: String,
+    /// `"worker"` or `"broker"`.
+    pub role: String,
+    /// The build's version.
+    pub version: String,
+    /// Seconds since the process started.
+    pub uptime_s: f64,
+    /// Whether `/readyz` answers 200.
+    pub ready: bool,
+    /// Where peers reach it (`ip:port`).
+    pub addrs: Vec<String>,
+    /// The connection pool.
+    pub pool: PoolStatus,
+    /// Tensors held.
+    pub store: StoreStatus,
+    /// Bytes moved, over the throughput window and in total.
+    pub throughput: Throughput,
+    /// Transfers finished and under way.
+    pub transfers: Transfers,
+}
+
+/// The pool's links and lifetime counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    /// Links with a stream in use.
+    pub links_active: u64,
+    /// Links with none.
+    pub links_idle: u64,
+    /// Dials started.
+    pub dials: u64,
+    /// Requests served by an already pooled link.
+    pub reuses: u64,
+    /// Links closed after the idle timeout.
+    pub evictions_idle: u64,
+    /// Idle links closed at the pool cap.
+    pub evictions_lru: u64,
+    /// Dials that failed.
+    pub connect_failures: u64,
+}
+
+/// What the store holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StoreStatus {
+    /// Tensor versions.
+    pub tensors: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// Bytes in and out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Throughput {
+    /// The window the rates are over, in seconds.
+    pub window_s: u64,
+    /// Received bytes per second over the window.
+    pub in_bytes_per_s: f64,
+    /// Sent bytes per second over the window.
+    pub out_bytes_per_s: f64,
+    /// Received bytes since start.
+    pub in_bytes_total: u64,
+    /// Sent bytes since start.
+    pub out_bytes_total: u64,
+}
+
+/// Transfer counts and latency.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Transfers {
+    /// Under way now.
+    pub in_flight: u64,
+    /// Finished successfully.
+    pub ok: u64,
+    /// Failed.
+    pub errors: u64,
+    /// Duration quantiles in seconds, estimated from the histogram (null before any transfer).
+    pub latency_s: Latency,
+}
+
+/// Latency quantiles in seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Latency {
+    /// Median.
+    pub p50: Option<f64>,
+    /// 90th percentile.
+    pub p90: Option<f64>,
+    /// 99th percentile.
+    pub p99: Option<f64>,
+}
+
+/// `GET /api/v1/cluster` (brokers): the broker, the members and the registry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    /// The broker's own status.
+    pub broker: Status,
+    /// Every member the broker knows, alive or dead.
+    pub members: Vec<MemberView>,
+    /// Live registry entries (newest version of each name).
+    pub entries: Vec<EntryView>,
+}
+
+/// One member of the cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberView {
+    /// Its node id (hex).
+    pub node_id: String,
+    /// `"worker"` or `"broker"`.
+    pub role: String,
+    /// Where it listens.
+    pub addrs: Vec<String>,
+    /// Its epoch (bumped on every restart).
+    pub epoch: u64,
+    /// Whether the cluster thinks it is up.
+    pub alive: bool,
+    /// Its latest heartbeat figures, if it heartbeats to this broker.
+    pub stats: Option<MemberStats>,
+}
+
+/// A worker's figures from its latest heartbeat to this broker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberStats {
+    /// Pooled links.
+    pub pool_links: u32,
+    /// Tensor versions held.
+    pub tensors: u64,
+    /// Bytes held.
+    pub store_bytes: u64,
+    /// Received bytes per second.
+    pub in_bytes_per_s: f64,
+    /// Sent bytes per second.
+    pub out_bytes_per_s: f64,
+    /// Received bytes since its start.
+    pub in_bytes_total: u64,
+    /// Sent bytes since its start.
+    pub out_bytes_total: u64,
+    /// Median transfer duration (s).
+    pub latency_p50_s: Option<f64>,
+    /// 99th percentile transfer duration (s).
+    pub latency_p99_s: Option<f64>,
+    /// Its own metrics server.
+    pub metrics_url: Option<String>,
+    /// Seconds since the heartbeat that carried these.
+    pub age_s: f64,
+}
+
+impl MemberStats {
+    /// Heartbeat stats received `age_s` seconds ago.
+    pub fn from_heartbeat(stats: &tb_proto::NodeStats, age_s: f64) -> Self {
+        MemberStats {
+            pool_links: stats.pool_links,
+            tensors: stats.tensors,
+            store_bytes: stats.store_bytes,
+            in_bytes_per_s: stats.in_bytes_per_s,
+            out_bytes_per_s: stats.out_bytes_per_s,
+            in_bytes_total: stats.in_bytes_total,
+            out_bytes_total: stats.out_bytes_total,
+            latency_p50_s: stats.latency_p50_s,
+            latency_p99_s: stats.latency_p99_s,
+            metrics_url: stats.metrics_url.clone(),
+            age_s,
+        }
+    }
+}
+
+/// One registry entry: the newest version of a name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EntryView {
+    /// The tensor's name.
+    pub name: String,
+    /// Its newest version.
+    pub version: u64,
+    /// Element type (`"f32"`, ...).
+    pub dtype: String,
+    /// Dimensions.
+    pub shape: Vec<u64>,
+    /// Payload size in bytes.
+    pub byte_len: u64,
+    /// Nodes holding that version (hex ids).
+    pub holders: Vec<String>,
+    /// Who published it (hex id).
+    pub publisher: String,
+}
+
+/// What the process adds to its metrics for `/api/v1/cluster`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterData {
+    /// Members.
+    pub members: Vec<MemberView>,
+    /// Registry entries.
+    pub entries: Vec<EntryView>,
+}

@@ -1,0 +1,42 @@
+//! tensor-broker's observability: what every process (`tb-broker`, `tb-worker`) reports about
+//! itself and how it is served.
+//!
+//! - [`Metrics`] (`metrics.rs`): every Prometheus metric family, defined once and registered
+//!   in a registry of the process's own (tests run several nodes in one process), labelled
+//!   families initialised to zero, plus the process collector and
+//!   `tb_build_info{version,role}`. Node and broker code increment its counters directly:
+//!   they are atomics, so the data path takes no lock; a transfer is timed with a
+//!   [`TransferTimer`].
+//! - [`ThroughputWindow`] and [`quantile`] (`window.rs`): pure figures derived from the
+//!   counters — bytes per second over the last 10 s (the process samples once a second with
+//!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
+//!   buckets.
+//! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster`.
+//! - The server (`server.rs`): [`serve`] runs axum on a bound listener with the routes
+//!   `/metrics` (text format), `/healthz`, `/readyz`, `/api/v1/status`, `/api/v1/cluster`
+//!   (brokers; 404 elsewhere), and the web dashboard at `/` with its files under `/assets/`
+//!   (embedded from `dashboard/assets/`, so the page works with no internet).
+//!
+//! Data flow: the process increments counters as it works; on each scrape or API call the
+//! server asks the process's [`Source`] to [`refresh`](Source::refresh) the gauges that mirror
+//! state (pool links, store size, registry size, cluster liveness), then encodes. This crate
+//! depends on neither `tb-node` nor `tb-broker`: they implement [`Source`].
+
+pub mod api;
+mod assets;
+mod metrics;
+mod server;
+mod window;
+
+pub use metrics::{
+    Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind, TransferTimer, VERSION,
+};
+/// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
+pub use prometheus::{IntCounter, IntGauge};
+pub use server::{AppState, ClusterFuture, RefreshFuture, Source, bind, router, serve};
+pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
+
+/// Default `--metrics-addr` of `tb-broker`.
+pub const DEFAULT_BROKER_ADDR: &str = "127.0.0.1:9410";
+/// Default `--metrics-addr` of `tb-worker`.
+pub const DEFAULT_WORKER_ADDR: &str = "127.0.0.1:9420";

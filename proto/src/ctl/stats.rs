@@ -1,0 +1,59 @@
+//! [`NodeStats`]: what a worker tells its broker about itself in each heartbeat, so the
+//! broker's dashboard shows every worker without scraping it.
+
+use serde::{Deserialize, Serialize};
+
+use super::CtlError;
+
+/// Longest `metrics_url` a heartbeat may carry, in bytes.
+pub const MAX_METRICS_URL_LEN: usize = 256;
+
+/// A worker's live figures, as of the heartbeat that carries them.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct NodeStats {
+    /// Pooled links (active and idle).
+    pub pool_links: u32,
+    /// Tensor versions held.
+    pub tensors: u64,
+    /// Bytes held in the store.
+    pub store_bytes: u64,
+    /// Bytes received per second over the last few seconds.
+    pub in_bytes_per_s: f64,
+    /// Bytes sent per second over the last few seconds.
+    pub out_bytes_per_s: f64,
+    /// Bytes received since the process started.
+    pub in_bytes_total: u64,
+    /// Bytes sent since the process started.
+    pub out_bytes_total: u64,
+    /// Median transfer duration in seconds (`None` before the first transfer).
+    pub latency_p50_s: Option<f64>,
+    /// 99th percentile transfer duration in seconds.
+    pub latency_p99_s: Option<f64>,
+    /// Where the worker's own metrics server listens (`http://ip:port`), at most
+    /// [`MAX_METRICS_URL_LEN`] bytes.
+    pub metrics_url: Option<String>,
+}
+
+impl NodeStats {
+    /// Checks stats that came from the network: every float finite and non-negative, the URL
+    /// within [`MAX_METRICS_URL_LEN`].
+    pub fn validate(&self) -> Result<(), CtlError> {
+        let floats = [
+            ("in_bytes_per_s", Some(self.in_bytes_per_s)),
+            ("out_bytes_per_s", Some(self.out_bytes_per_s)),
+            ("latency_p50_s", self.latency_p50_s),
+            ("latency_p99_s", self.latency_p99_s),
+        ];
+        for (field, value) in floats {
+            if value.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+                return Err(CtlError::BadStat { field });
+            }
+        }
+        match &self.metrics_url {
+            Some(url) if url.len() > MAX_METRICS_URL_LEN => {
+                Err(CtlError::UrlTooLong { len: url.len() })
+            }
+            _ => Ok(()),
+        }
+    }
+}
