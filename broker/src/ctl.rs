@@ -74,7 +74,13 @@ impl ProtocolHandler for CtlProtocol {
             };
             let Ok((send, recv)) = accepted else { break };
             let this = self.clone();
-            let span = debug_span!("ctl", peer = %conn.remote_id().fmt_short());
+            let span = debug_span!(
+                "ctl",
+                me = %self.me.fmt_short(),
+                peer = %conn.remote_id().fmt_short(),
+                request = tracing::field::Empty,
+                tensor = tracing::field::Empty,
+            );
             self.tracker.spawn(
                 async move {
                     tokio::select! {
@@ -142,6 +148,11 @@ impl CtlProtocol {
             return;
         }
         self.counters.requests.inc();
+        let span = tracing::Span::current();
+        span.record("request", request.kind());
+        if let Some(name) = request.tensor() {
+            span.record("tensor", name.as_str());
+        }
         let answers = match request {
             CtlRequest::Subscribe { pattern } => {
                 self.subscribe(pattern, send, recv).await;

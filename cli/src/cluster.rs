@@ -197,6 +197,26 @@ pub struct UpArgs {
     /// First UDP port: brokers listen on it and the ports after it, workers from +100.
     #[arg(long, default_value_t = 7410)]
     pub base_port: u16,
+    /// First TCP port of the metrics servers (one per broker and worker): brokers on it and
+    /// the ports after it, workers from +10 (or after the last broker). 0: any free ports.
+    #[arg(long, default_value_t = 9410)]
+    pub metrics_port: u16,
+}
+
+/// The metrics port of broker `i` (`worker: false`) or worker `i`: brokers from `base`,
+/// workers from `base + 10` (after the brokers when there are more than 10). 0 stays 0.
+fn metrics_port(base: u16, brokers: usize, worker: bool, i: usize) -> Result<u16> {
+    if base == 0 {
+        return Ok(0);
+    }
+    let offset = if worker { brokers.max(10) + i } else { i };
+    port(base, offset)
+}
+
+/// Binds the metrics server of one cluster process on 127.0.0.1.
+async fn bind_metrics(port: u16) -> Result<daemon::MetricsServer> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    Ok(daemon::MetricsServer::bind(addr).await?)
 }
 
 /// `tb up`: a local cluster on 127.0.0.1 until Ctrl-C.
@@ -212,7 +232,11 @@ pub async fn up(args: UpArgs) -> Result<()> {
     ensure_secret(&secret_file)?;
     let key = daemon::cluster_key(None, Some(&secret_file))?;
     let mut brokers: Vec<tb_broker::Broker> = Vec::new();
+    let mut servers = Vec::new();
     for i in 0..args.brokers {
+        let mut server = bind_metrics(metrics_port(args.metrics_port, args.brokers, false, i)?)
+            .await
+            .with_context(|| format!("broker {i}'s metrics server"))?;
         let mut opts = tb_broker::BrokerOptions::new(dir.join(format!("broker-{i}")));
         opts.node.bind_addr = ([127, 0, 0, 1], port(args.base_port, i)?).into();
         opts.node.cluster_key = key.clone();
@@ -224,12 +248,18 @@ pub async fn up(args: UpArgs) -> Result<()> {
         let broker = tb_broker::Broker::spawn(opts)
             .await
             .with_context(|| format!("starting broker {i} (is another `tb up` running?)"))?;
+        server.start(broker.dashboard());
+        servers.push(server);
         brokers.push(broker);
     }
     let broker_addrs: Vec<_> = brokers.iter().map(|b| b.addr().clone()).collect();
     let mut workers = Vec::new();
     for i in 0..args.workers {
+        let mut server = bind_metrics(metrics_port(args.metrics_port, args.brokers, true, i)?)
+            .await
+            .with_context(|| format!("worker {i}'s metrics server"))?;
         let config = Config {
+            metrics_url: Some(server.url()),
             bind_addr: ([127, 0, 0, 1], port(args.base_port, 100 + i)?).into(),
             data_dir: Some(dir.join(format!("worker-{i}"))),
             brokers: broker_addrs.clone(),
@@ -240,6 +270,8 @@ pub async fn up(args: UpArgs) -> Result<()> {
             .await
             .with_context(|| format!("starting worker {i}"))?;
         tokio::spawn(daemon::publish_pushes(worker.clone()));
+        server.start(worker.dashboard());
+        servers.push(server);
         workers.push(worker);
     }
     let ticket = match brokers.first() {
@@ -259,9 +291,15 @@ pub async fn up(args: UpArgs) -> Result<()> {
     for w in &workers {
         println!("worker: {}", w.addr());
     }
+    if let Some(first) = servers.first() {
+        println!("dashboard: {}/", first.url());
+    }
     println!("try: tb put demo/x some.npy   tb ls   tb get demo/x -o x.npy   (Ctrl-C stops)");
     daemon::wait_for_signal().await;
     eprintln!("stopping the cluster");
+    for server in servers {
+        server.stop().await;
+    }
     for w in workers {
         w.shutdown().await;
     }

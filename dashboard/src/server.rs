@@ -160,3 +160,111 @@ async fn cluster(State(state): State<AppState>) -> Response {
         None => (StatusCode::NOT_FOUND, "no cluster view: not a broker").into_response(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::atomic::{AtomicBool, Ordering},
+        time::Duration,
+    };
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::metrics::Role;
+
+    struct Fake {
+        ready: AtomicBool,
+    }
+
+    impl Source for Fake {
+        fn node_id(&self) -> String {
+            "ab".into()
+        }
+        fn addrs(&self) -> Vec<String> {
+            vec!["127.0.0.1:1".into()]
+        }
+        fn ready(&self) -> bool {
+            self.ready.load(Ordering::Relaxed)
+        }
+        fn refresh<'a>(&'a self, metrics: &'a Metrics) -> crate::RefreshFuture<'a> {
+            metrics.store_tensors.set(7);
+            Box::pin(async {})
+        }
+    }
+
+    /// One HTTP/1.0 GET over a raw socket: (status line, headers, body).
+    async fn raw_get(addr: SocketAddr, path: &str) -> (String, String, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let req = format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
+        s.write_all(req.as_bytes()).await.expect("write");
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await;
+        read.expect("answer in time").expect("read");
+        let text = String::from_utf8_lossy(&buf).to_string();
+        let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
+        let (status, headers) = head.split_once("\r\n").unwrap_or((head, ""));
+        (status.to_string(), headers.to_lowercase(), body.to_string())
+    }
+
+    #[tokio::test]
+    async fn routes_answer_with_their_types_and_the_server_stops() {
+        let metrics = Metrics::new(Role::Worker).expect("metrics");
+        let fake = Arc::new(Fake {
+            ready: AtomicBool::new(false),
+        });
+        let state = AppState {
+            metrics,
+            source: fake.clone(),
+        };
+        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, state, stop.clone()));
+
+        let (status, headers, body) = raw_get(addr, "/metrics").await;
+        assert!(status.contains("200"), "{status}");
+        assert!(
+            headers.contains("content-type: text/plain; version=0.0.4"),
+            "{headers}"
+        );
+        assert!(
+            body.contains("tb_store_tensors 7"),
+            "refreshed before encoding"
+        );
+        assert!(raw_get(addr, "/healthz").await.0.contains("200"));
+        let (status, _, body) = raw_get(addr, "/readyz").await;
+        assert!(
+            status.contains("503") && body == "not ready",
+            "{status} {body}"
+        );
+        fake.ready.store(true, Ordering::Relaxed);
+        let (status, _, body) = raw_get(addr, "/readyz").await;
+        assert!(status.contains("200") && body == "ready", "{status} {body}");
+        let (_, headers, body) = raw_get(addr, "/api/v1/status").await;
+        assert!(headers.contains("application/json"), "{headers}");
+        let status: crate::api::Status = serde_json::from_str(&body).expect("status json");
+        assert_eq!((status.node_id.as_str(), status.store.tensors), ("ab", 7));
+        assert!(status.ready);
+        assert!(raw_get(addr, "/api/v1/cluster").await.0.contains("404"));
+        for (path, ty) in [
+            ("/", "text/html"),
+            ("/assets/app.js", "text/javascript"),
+            ("/assets/style.css", "text/css"),
+            ("/assets/vendor/uPlot.iife.min.js", "text/javascript"),
+            ("/assets/vendor/uPlot.min.css", "text/css"),
+        ] {
+            let (status, headers, _) = raw_get(addr, path).await;
+            assert!(status.contains("200"), "{path}: {status}");
+            assert!(
+                headers.contains(&format!("content-type: {ty}")),
+                "{path}: {headers}"
+            );
+        }
+        stop.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(10), server).await;
+        assert!(matches!(stopped, Ok(Ok(Ok(())))), "graceful stop");
+    }
+}

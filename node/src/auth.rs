@@ -46,7 +46,7 @@ pub async fn client_hello(
         let _ = send.finish();
         match wire::read_frame::<HelloReply>(&mut recv).await {
             Ok(reply) => Ok(reply),
-            Err(ReadFrameError::Closed(reason)) => Err(match conn.close_reason() {
+            Err(ReadFrameError::Closed(reason)) => Err(match closing_reason(conn).await {
                 Some(e) => closed_error(conn, e),
                 None => Error::Io(format!(
                     "hello to {}: {reason}",
@@ -72,6 +72,19 @@ pub async fn client_hello(
         )));
     }
     Ok(max_tensor_bytes)
+}
+
+/// How long a client whose hello stream ended waits for the connection's close reason (a
+/// refusing server closes the connection right after, and the reason can land a moment after
+/// the stream's end).
+const CLOSE_REASON_WAIT: Duration = Duration::from_millis(500);
+
+/// The connection's close reason, waiting briefly for it to arrive.
+async fn closing_reason(conn: &Connection) -> Option<ConnectionError> {
+    if let Some(reason) = conn.close_reason() {
+        return Some(reason);
+    }
+    tokio::time::timeout(CLOSE_REASON_WAIT, conn.closed()).await.ok()
 }
 
 /// Server side: reads the client's [`Hello`] from the first stream it opens and checks it.

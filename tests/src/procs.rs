@@ -51,7 +51,14 @@ pub struct Proc {
 
 impl Proc {
     /// Starts `cmd` with stdout captured and stderr appended to `log` (kept for post-mortems).
+    ///
+    /// Daemons get `TB_METRICS_ADDR=127.0.0.1:0` unless the command sets it (a
+    /// `--metrics-addr` flag wins over it too), so processes of one test never fight over the
+    /// default metrics ports.
     pub fn start(label: &str, mut cmd: Command, log: &Path) -> Proc {
+        if !cmd.get_envs().any(|(k, _)| k == "TB_METRICS_ADDR") {
+            cmd.env("TB_METRICS_ADDR", "127.0.0.1:0");
+        }
         let stderr = std::fs::File::create(log).expect("log file");
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())

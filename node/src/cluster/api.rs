@@ -29,6 +29,7 @@ impl Node {
     /// of `name` won that version meanwhile, it asks again. If the announcement fails
     /// otherwise, the error is returned and the local copy stays (unannounced; a later publish
     /// replaces it).
+    #[tracing::instrument(name = "publish", skip_all, fields(me = %self.id().fmt_short(), tensor = name))]
     pub async fn publish(&self, name: &str, tensor: Tensor) -> Result<u64> {
         let cluster = self.cluster()?;
         let name = TensorName::new(name)?;
@@ -86,6 +87,7 @@ impl Node {
         self.get_inner(name, Some(version)).await
     }
 
+    #[tracing::instrument(name = "get", skip_all, fields(me = %self.id().fmt_short(), tensor = name, version))]
     async fn get_inner(&self, name: &str, version: Option<u64>) -> Result<Pulled<Tensor>> {
         let cluster = self.cluster()?;
         let name = TensorName::new(name)?;

@@ -100,6 +100,7 @@ impl CtlClient {
 
     /// Sends `request` and returns every frame of the answer (the last one final, none an
     /// `Error`), failing over across brokers; each read waits at most `timeout`.
+    #[tracing::instrument(name = "ctl", skip_all, fields(request = request.kind(), tensor = request.tensor().map(|n| n.as_str())))]
     pub(crate) async fn call(
         &self,
         request: &CtlRequest,

@@ -176,6 +176,7 @@ async fn from_holders(
 }
 
 /// Pulls the rest of the version from one holder, at the first of its addresses that links.
+#[tracing::instrument(name = "fetch", skip_all, fields(peer = ?holder.node, tensor = %name, version))]
 async fn from_holder(
     node: &Node,
     holder: &HolderAddr,

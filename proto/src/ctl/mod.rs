@@ -133,6 +133,34 @@ pub enum CtlRequest {
     },
 }
 
+impl CtlRequest {
+    /// The variant's name, for logs and spans.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CtlRequest::Heartbeat { .. } => "heartbeat",
+            CtlRequest::Announce { .. } => "announce",
+            CtlRequest::NextVersion { .. } => "next_version",
+            CtlRequest::Lookup { .. } => "lookup",
+            CtlRequest::Fetching { .. } => "fetching",
+            CtlRequest::List { .. } => "list",
+            CtlRequest::Subscribe { .. } => "subscribe",
+            CtlRequest::Members => "members",
+            CtlRequest::SyncBuckets { .. } => "sync_buckets",
+            CtlRequest::SyncNames { .. } => "sync_names",
+        }
+    }
+
+    /// The one tensor the request is about, if it names one.
+    pub fn tensor(&self) -> Option<&TensorName> {
+        match self {
+            CtlRequest::NextVersion { name }
+            | CtlRequest::Lookup { name, .. }
+            | CtlRequest::Fetching { name, .. } => Some(name),
+            _ => None,
+        }
+    }
+}
+
 /// What the asked side answers on a `tb/ctl/1` stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CtlResponse {
