@@ -51,6 +51,9 @@ impl Join {
             request_timeout: timeout,
             auto_fetch: false,
             heartbeats: false,
+            // Every interface, any port: this node only dials out, and a socket bound to
+            // 127.0.0.1 cannot send to brokers and workers on other machines.
+            bind_addr: std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0)),
             ..Config::default()
         };
         Node::spawn(config).await.context("starting a node")

@@ -63,7 +63,8 @@ pub struct Config {
     pub heartbeat_interval: Duration,
     /// Whether this node heartbeats (is a member brokers list and offer as a holder). True by
     /// default; false for short-lived clients such as the `tb` CLI, which read and write
-    /// through the cluster but should not show up as workers.
+    /// through the cluster but should not show up as workers (nor be offered as holders of
+    /// what they fetch).
     pub heartbeats: bool,
     /// Addresses (`ip:port`) this node tells brokers to give its peers. Empty (the default):
     /// the address it is bound to, with an unspecified IP read as loopback; set it when the

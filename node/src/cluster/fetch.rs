@@ -76,7 +76,7 @@ pub(crate) async fn fetch(
     let tensor = fetched?;
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
     receiving.done(tensor.clone());
-    if inserted == Inserted::Stored {
+    if inserted == Inserted::Stored && cluster.serves {
         let op = cluster.holder_op(&name, v, true);
         if let Err(e) = cluster.announce(vec![op]).await {
             warn!(%name, v, %e, "fetched, but could not tell the broker this node holds it");

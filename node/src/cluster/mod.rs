@@ -100,6 +100,10 @@ pub(crate) struct Cluster {
     hlc: Mutex<Hlc>,
     /// Whether a heartbeat got through since start.
     joined: AtomicBool,
+    /// Whether this node is a member that serves what it holds (it heartbeats). A node that
+    /// does not (a short-lived client such as the `tb` CLI) never announces that it holds or
+    /// is fetching a version: it would leave a holder behind that no broker can ever judge dead.
+    serves: bool,
     request_timeout: Duration,
     heartbeat_timeout: Duration,
     /// The node's context, for the stats heartbeats carry (weak: the node owns the cluster).
@@ -131,6 +135,7 @@ impl Cluster {
             hlc: Mutex::new(Hlc::new(me)),
             // A node that does not heartbeat never joins: nothing to wait for.
             joined: AtomicBool::new(!config.heartbeats),
+            serves: config.heartbeats,
             request_timeout: config.request_timeout,
             heartbeat_timeout,
             ctx: Arc::downgrade(ctx),
@@ -227,6 +232,9 @@ impl Cluster {
     }
 
     async fn fetching(&self, name: &TensorName, version: u64, active: bool) -> Result<()> {
+        if !self.serves {
+            return Ok(());
+        }
         let timeout = self.request_timeout;
         self.ctl.fetching(name, version, active, timeout).await
     }
