@@ -140,3 +140,34 @@ impl Drop for Proc {
 pub fn free_udp_addr() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], crate::free_udp_port()))
 }
+
+/// A `tb-broker` command for a test cluster: its data dir `dir/name`, a free loopback port, the
+/// secret in `secret_file`, metrics on a free port (it prints `ticket:` and `metrics:` lines).
+/// Add flags to it before starting it with [`Proc::start`].
+pub fn broker_command(dir: &Path, name: &str, secret_file: &Path) -> Command {
+    let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+    cmd.arg("--data-dir")
+        .arg(dir.join(name))
+        .arg("--listen")
+        .arg(free_udp_addr().to_string())
+        .arg("--cluster-secret-file")
+        .arg(secret_file)
+        .args(["--metrics-addr", "127.0.0.1:0"]);
+    cmd
+}
+
+/// A `tb-worker` command joining `ticket`, like [`broker_command`] (it prints `worker:` and
+/// `metrics:` lines).
+pub fn worker_command(dir: &Path, name: &str, secret_file: &Path, ticket: &str) -> Command {
+    let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+    cmd.arg("--join")
+        .arg(ticket)
+        .arg("--data-dir")
+        .arg(dir.join(name))
+        .arg("--listen")
+        .arg(free_udp_addr().to_string())
+        .arg("--cluster-secret-file")
+        .arg(secret_file)
+        .args(["--metrics-addr", "127.0.0.1:0"]);
+    cmd
+}

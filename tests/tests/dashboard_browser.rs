@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tb_tests::procs::{Proc, bin, free_udp_addr};
+use tb_tests::procs::{Proc, bin, broker_command, worker_command};
 
 const START: Duration = Duration::from_secs(30);
 /// Wall-clock limit of one Chromium run.
@@ -221,30 +221,16 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let secret_file = dir.path().join("secret");
         std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
-        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
-        cmd.arg("--data-dir")
-            .arg(dir.path().join("broker"))
-            .arg("--listen")
-            .arg(free_udp_addr().to_string())
-            .arg("--cluster-secret-file")
-            .arg(&secret_file)
-            .args(["--metrics-addr", "127.0.0.1:0", "--liveness-timeout", "5"]);
+        let mut cmd = broker_command(dir.path(), "broker", &secret_file);
+        cmd.args(["--liveness-timeout", "5"]);
         let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
         let ticket = broker.wait_line("ticket:", START);
         let dashboard = broker.wait_line("metrics:", START);
         let mut procs = vec![broker];
         let mut workers = Vec::new();
         for i in 0..2 {
-            let mut cmd = Command::new(bin("tb-worker", "tb-node"));
-            cmd.arg("--join")
-                .arg(&ticket)
-                .arg("--data-dir")
-                .arg(dir.path().join(format!("worker-{i}")))
-                .arg("--listen")
-                .arg(free_udp_addr().to_string())
-                .arg("--cluster-secret-file")
-                .arg(&secret_file)
-                .args(["--metrics-addr", "127.0.0.1:0"]);
+            let name = format!("worker-{i}");
+            let cmd = worker_command(dir.path(), &name, &secret_file, &ticket);
             let log = dir.path().join(format!("worker-{i}.log"));
             let mut w = Proc::start(&format!("worker {i}"), cmd, &log);
             workers.push(w.wait_line("worker:", START));

@@ -27,7 +27,7 @@ use queries::{
 };
 use tb_tests::{
     http,
-    procs::{Proc, bin, free_udp_addr},
+    procs::{Proc, bin, broker_command, free_udp_addr, worker_command},
 };
 
 /// How long a process may take to print its start-up lines.
@@ -100,28 +100,12 @@ impl Cluster {
         let secret_file = dir.path().join("secret");
         std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
 
-        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
-        cmd.arg("--data-dir")
-            .arg(dir.path().join("broker"))
-            .arg("--listen")
-            .arg(free_udp_addr().to_string())
-            .arg("--cluster-secret-file")
-            .arg(&secret_file)
-            .args(["--metrics-addr", "127.0.0.1:0"]);
+        let cmd = broker_command(dir.path(), "broker", &secret_file);
         let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
         let ticket = broker.wait_line("ticket:", START);
         let broker_http = http_addr(&broker.wait_line("metrics:", START));
 
-        let mut cmd = Command::new(bin("tb-worker", "tb-node"));
-        cmd.arg("--join")
-            .arg(&ticket)
-            .arg("--data-dir")
-            .arg(dir.path().join("worker"))
-            .arg("--listen")
-            .arg(free_udp_addr().to_string())
-            .arg("--cluster-secret-file")
-            .arg(&secret_file)
-            .args(["--metrics-addr", "127.0.0.1:0"]);
+        let cmd = worker_command(dir.path(), "worker", &secret_file, &ticket);
         let mut worker = Proc::start("worker", cmd, &dir.path().join("worker.log"));
         let worker_addr = worker.wait_line("worker:", START);
         let worker_http = http_addr(&worker.wait_line("metrics:", START));

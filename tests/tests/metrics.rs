@@ -12,7 +12,7 @@ use serde_json::Value;
 use tb_node::{PeerAddr, Ticket, auth::node_id};
 use tb_tests::{
     http,
-    procs::{Proc, bin, free_udp_addr},
+    procs::{Proc, bin, broker_command, free_udp_addr, worker_command},
 };
 
 const START: Duration = Duration::from_secs(30);
@@ -36,14 +36,8 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let secret_file = dir.path().join("secret");
         std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
-        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
-        cmd.arg("--data-dir")
-            .arg(dir.path().join("broker"))
-            .arg("--listen")
-            .arg(free_udp_addr().to_string())
-            .arg("--cluster-secret-file")
-            .arg(&secret_file)
-            .args(["--metrics-addr", "127.0.0.1:0", "--liveness-timeout", "5"]);
+        let mut cmd = broker_command(dir.path(), "broker", &secret_file);
+        cmd.args(["--liveness-timeout", "5"]);
         let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
         let ticket: Ticket = broker.wait_line("ticket:", START).parse().expect("ticket");
         let broker_url = broker.wait_line("metrics:", START);
@@ -70,16 +64,8 @@ impl Cluster {
         secret_file: &Path,
         subscribe: &[&str],
     ) -> (Proc, PeerAddr, String) {
-        let mut cmd = Command::new(bin("tb-worker", "tb-node"));
-        cmd.arg("--join")
-            .arg(self.ticket.to_string())
-            .arg("--data-dir")
-            .arg(self.dir.path().join(name))
-            .arg("--listen")
-            .arg(free_udp_addr().to_string())
-            .arg("--cluster-secret-file")
-            .arg(secret_file)
-            .args(["--metrics-addr", "127.0.0.1:0"]);
+        let ticket = self.ticket.to_string();
+        let mut cmd = worker_command(self.dir.path(), name, secret_file, &ticket);
         for p in subscribe {
             cmd.arg("--subscribe").arg(p);
         }
