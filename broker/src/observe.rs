@@ -182,8 +182,12 @@ mod tests {
             (w1.to_string().as_str(), true)
         );
         let s = m1.stats.as_ref().expect("w1 heartbeats here");
-        assert_eq!(s.tensors, 1);
+        assert_eq!(s.stats.tensors, 1);
         assert!((s.age_s - 0.5).abs() < 1e-9);
+        // The JSON stays flat: the heartbeat's fields and `age_s` side by side.
+        let json = serde_json::to_value(s).expect("stats as JSON");
+        assert_eq!(json["tensors"], 1);
+        assert_eq!(json["age_s"], 0.5);
         assert!(view.members[1].stats.is_none());
         let e = &view.entries[0];
         assert_eq!(

@@ -123,29 +123,13 @@ pub struct MemberView {
     pub stats: Option<MemberStats>,
 }
 
-/// A worker's figures from its latest heartbeat to this broker.
+/// A worker's figures from its latest heartbeat to this broker: the heartbeat's own
+/// [`NodeStats`](tb_proto::NodeStats) fields, flattened, and their age.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MemberStats {
-    /// Pooled links.
-    pub pool_links: u32,
-    /// Tensor versions held.
-    pub tensors: u64,
-    /// Bytes held.
-    pub store_bytes: u64,
-    /// Received bytes per second.
-    pub in_bytes_per_s: f64,
-    /// Sent bytes per second.
-    pub out_bytes_per_s: f64,
-    /// Received bytes since its start.
-    pub in_bytes_total: u64,
-    /// Sent bytes since its start.
-    pub out_bytes_total: u64,
-    /// Median transfer duration (s).
-    pub latency_p50_s: Option<f64>,
-    /// 99th percentile transfer duration (s).
-    pub latency_p99_s: Option<f64>,
-    /// Its own metrics server.
-    pub metrics_url: Option<String>,
+    /// What the heartbeat carried.
+    #[serde(flatten)]
+    pub stats: tb_proto::NodeStats,
     /// Seconds since the heartbeat that carried these.
     pub age_s: f64,
 }
@@ -154,16 +138,7 @@ impl MemberStats {
     /// Heartbeat stats received `age_s` seconds ago.
     pub fn from_heartbeat(stats: &tb_proto::NodeStats, age_s: f64) -> Self {
         MemberStats {
-            pool_links: stats.pool_links,
-            tensors: stats.tensors,
-            store_bytes: stats.store_bytes,
-            in_bytes_per_s: stats.in_bytes_per_s,
-            out_bytes_per_s: stats.out_bytes_per_s,
-            in_bytes_total: stats.in_bytes_total,
-            out_bytes_total: stats.out_bytes_total,
-            latency_p50_s: stats.latency_p50_s,
-            latency_p99_s: stats.latency_p99_s,
-            metrics_url: stats.metrics_url.clone(),
+            stats: stats.clone(),
             age_s,
         }
     }
