@@ -10,8 +10,16 @@ pub struct BrokerConfig {
     /// A worker this broker hears heartbeats from is marked dead after this long without one.
     pub liveness_timeout_ms: u64,
     /// Most fetchers one source (a holder, or a node still receiving) is handed out to at a
-    /// time, so that many fetches of one version form a tree instead of a star.
+    /// time, so that many fetches of one version form a pipeline or tree instead of a star
+    /// (0 counts as 1).
     pub fanout: usize,
+    /// Tensors of at least this many bytes are fanned out bandwidth first: fetchers arriving
+    /// together form chains, each link carrying a node's whole upload. Smaller ones are fanned
+    /// out latency first: a shallow tree, complete holders first.
+    pub chain_min_bytes: u64,
+    /// Longest chain of fetchers (hops from a complete copy) for large tensors before the next
+    /// fetcher branches off (0 counts as 1).
+    pub max_chain_depth: usize,
     /// Largest tensor the registry accepts metadata for, in bytes.
     pub max_tensor_bytes: u64,
     /// A fetch in flight, and the fan-out slot it holds at its source, is forgotten after this
@@ -25,6 +33,8 @@ impl Default for BrokerConfig {
             keep_versions: 2,
             liveness_timeout_ms: 10_000,
             fanout: 2,
+            chain_min_bytes: 8 << 20,
+            max_chain_depth: 16,
             max_tensor_bytes: 64 << 30,
             fetch_timeout_ms: 120_000,
         }

@@ -25,6 +25,10 @@ struct Args {
     /// UDP address to listen on (QUIC).
     #[arg(long, env = "TB_LISTEN", default_value = "127.0.0.1:7410")]
     listen: SocketAddr,
+    /// Address to give peers and write in the ticket when it differs from --listen (e.g.
+    /// listening on 0.0.0.0, or behind a NAT or a container's port mapping).
+    #[arg(long, env = "TB_ADVERTISE")]
+    advertise: Option<SocketAddr>,
     #[command(flatten)]
     secret: daemon::SecretArgs,
     /// A cluster ticket (tbc1:...) naming brokers to join.
@@ -44,6 +48,15 @@ struct Args {
     /// address is printed as `metrics: http://...`).
     #[arg(long, env = "TB_METRICS_ADDR", default_value = tb_dashboard::DEFAULT_BROKER_ADDR)]
     metrics_addr: SocketAddr,
+    /// Most fetchers one source of a version (a holder, or a node still receiving it) serves
+    /// at a time; the fetchers of a new version form chains or trees instead of all pulling
+    /// from the publisher.
+    #[arg(long, env = "TB_FANOUT", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
+    fanout: u64,
+    /// Tensors at least this big (e.g. `8MiB`) are fanned out bandwidth first (chains, each
+    /// link a node's whole upload); smaller ones latency first (a shallow tree).
+    #[arg(long, env = "TB_CHAIN_MIN_SIZE", default_value = "8MiB", value_parser = tb_node::rate::parse_size)]
+    chain_min_size: u64,
     /// Log format: human-readable text, or JSON lines for machines.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -57,6 +70,9 @@ async fn main() -> Result<()> {
     let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
     let mut opts = BrokerOptions::new(&data_dir);
     opts.node.bind_addr = args.listen;
+    opts.node.advertise_addrs = args.advertise.into_iter().collect();
+    opts.state.fanout = usize::try_from(args.fanout).unwrap_or(usize::MAX);
+    opts.state.chain_min_bytes = args.chain_min_size;
     opts.node.cluster_key = args.secret.key()?;
     opts.join = args.join.map(|t| t.brokers).unwrap_or_default();
     opts.state.liveness_timeout_ms = args.liveness_timeout.saturating_mul(1000);

@@ -71,15 +71,11 @@ fn parse_rate(s: &str) -> Result<u64, String> {
     rate::parse_rate(s).map_err(|e| e.to_string())
 }
 
-/// A size in bytes, written like a rate without `/s` (`256MiB`, `1.5GB`).
+/// A tensor size for a benchmark: at least 1 byte.
 fn parse_size(s: &str) -> Result<u64, String> {
-    if s.trim_end().ends_with("/s") {
-        return Err(format!("{s:?} is a rate; give a size such as 256MiB"));
-    }
-    match rate::parse_rate(s) {
-        Ok(0) => Err("the size must be at least 1 byte".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string().replace("rate", "size")),
+    match rate::parse_size(s)? {
+        0 => Err("the size must be at least 1 byte".into()),
+        n => Ok(n),
     }
 }
 

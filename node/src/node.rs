@@ -110,7 +110,11 @@ impl Node {
         endpoint: Endpoint,
         extra: Vec<(&'static [u8], Box<dyn DynProtocolHandler>)>,
     ) -> Result<Node> {
-        let addr = endpoint::local_peer_addr(&endpoint)?;
+        let mut addr = endpoint::local_peer_addr(&endpoint)?;
+        // Peers dial what the node advertises, when it says (bound to 0.0.0.0, behind a NAT).
+        if let Some(advertised) = config.advertise_addrs.first() {
+            addr.addr = *advertised;
+        }
         let (store, evictions) = cluster::store_for(&config);
         let metrics = match &config.metrics {
             Some(metrics) => metrics.clone(),
@@ -168,7 +172,9 @@ impl Node {
         self.inner.addr.id
     }
 
-    /// The address peers dial: `<node-id>@<ip:port>`.
+    /// The address peers dial: `<node-id>@<ip:port>`, the first of
+    /// [`Config::advertise_addrs`] if any, else the bound one (an unspecified IP read as
+    /// loopback).
     pub fn addr(&self) -> &PeerAddr {
         &self.inner.addr
     }

@@ -3,8 +3,9 @@
 //!
 //! The bucket is kept as a virtual clock (the "generic cell rate" form of a token bucket):
 //! `next` is the time at which everything reserved so far will have been paid for, never
-//! earlier than `now - burst / rate` (a full bucket). A request for `n` bytes moves `next` on
-//! by `n / rate` and may go once `next` has passed. Reservations are made under a short lock
+//! earlier than `now - burst / rate` (a full bucket). A request for `n` bytes may go once
+//! `next` has passed, and moves it on by `n / rate`: a request pays for the one before it, so
+//! over any span the bytes sent exceed `rate * span` by at most the burst plus one request. Reservations are made under a short lock
 //! and waited for outside it, so streams are served in the order they asked, and a stream
 //! that gives up (its peer went away) has still spent its bytes: the bucket never hands out
 //! more than the rate, only sometimes less.
@@ -110,6 +111,21 @@ pub fn parse_rate(input: &str) -> Result<u64, RateError> {
     Ok(bytes as u64)
 }
 
+/// Parses a size in bytes written like a rate without `/s` (`8MiB`, `1.5GB`, `4096`), for
+/// command-line parsers: the message says what was wrong with it.
+pub fn parse_size(input: &str) -> Result<u64, String> {
+    let s = input.trim();
+    if s.ends_with("/s") || s.ends_with("/S") || s.ends_with("ps") {
+        return Err(format!("{input:?} is a rate; give a size such as 8MiB"));
+    }
+    if s.chars().all(|c| c.is_ascii_alphabetic()) && !s.is_empty() {
+        return Err(format!(
+            "{input:?} is not a size (expected e.g. 8MiB, 64MB, 4096)"
+        ));
+    }
+    parse_rate(s).map_err(|e| e.to_string().replace("rate", "size"))
+}
+
 /// Bytes per unit; `Err(true)` for a unit in bits, `Err(false)` for an unknown one.
 fn unit_multiplier(unit: &str) -> Result<f64, bool> {
     if unit.is_empty() || unit == "B" {
@@ -178,16 +194,18 @@ impl RateLimiter {
         self.rate
     }
 
-    /// Reserves `n` bytes at `now`; returns when they may be sent (`now` or later). Pure
-    /// bookkeeping, no waiting: [`acquire`](Self::acquire) waits for the answer.
+    /// Reserves `n` bytes at `now`; returns when they may be sent (`now` or later): once
+    /// everything reserved before them is paid for. Their own cost is paid by whoever reserves
+    /// next, so bytes that arrive at the rate leave at once instead of one chunk's time later
+    /// (every hop of a cut-through chain would add that). Pure bookkeeping, no waiting:
+    /// [`acquire`](Self::acquire) waits for the answer.
     pub fn reserve(&self, n: u64, now: Instant) -> Instant {
         let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
         // A bucket idle long enough is full: it holds `burst`, no more.
         let floor = now.checked_sub(self.burst).unwrap_or(now);
         let start = next.map_or(floor, |t| t.max(floor));
-        let paid = start + time_for(n, self.rate);
-        *next = Some(paid);
-        paid.max(now)
+        *next = Some(start + time_for(n, self.rate));
+        start.max(now)
     }
 
     /// Waits until `n` more bytes may be sent.
@@ -239,6 +257,18 @@ mod tests {
         for (input, want) in ok {
             assert_eq!(parse_rate(input), Ok(want), "{input}");
         }
+    }
+
+    #[test]
+    fn sizes_parse_like_rates_without_the_per_second() {
+        assert_eq!(parse_size("8MiB"), Ok(8 << 20));
+        assert_eq!(parse_size(" 1.5GB "), Ok(1_500_000_000));
+        assert_eq!(parse_size("0"), Ok(0));
+        for input in ["200MB/s", "10MBps", "unlimited", "big", ""] {
+            assert!(parse_size(input).is_err(), "{input}");
+        }
+        let bits = parse_size("8Mb").expect_err("bits");
+        assert!(bits.contains("size") && !bits.contains("rate"), "{bits}");
     }
 
     #[test]
@@ -298,8 +328,9 @@ mod tests {
         let t0 = Instant::now();
         let burst = scale(rate, BURST_TIME);
         assert_eq!(burst, 5 << 20);
-        // The first 5 MiB go at once, in 1 MiB reservations.
-        for _ in 0..5 {
+        // The first 5 MiB go at once, in 1 MiB reservations, and so does the one that
+        // overdraws the bucket.
+        for _ in 0..6 {
             assert_eq!(limiter.reserve(1 << 20, t0), t0);
         }
         // Each further MiB waits 10 ms more than the one before.
@@ -308,29 +339,34 @@ mod tests {
             assert_eq!(
                 at - t0,
                 Duration::from_millis(10) * i,
-                "MiB {i} past the burst"
+                "MiB {i} past the overdraft"
             );
         }
-        // 100 MiB in total reserved at t0 is paid off at t0 + 1 s - burst.
-        let at = limiter.reserve(85 << 20, t0);
-        assert_eq!(at - t0, Duration::from_millis(950));
+        // 100 MiB reserved at t0 (these 84 MiB and the 16 MiB before) is paid off at
+        // t0 + 1 s - burst; the next byte goes then.
+        assert_eq!(
+            limiter.reserve(84 << 20, t0) - t0,
+            Duration::from_millis(110)
+        );
+        assert_eq!(limiter.reserve(1, t0) - t0, Duration::from_millis(950));
     }
 
     #[test]
     fn an_idle_bucket_refills_but_never_beyond_the_burst() {
         let limiter = RateLimiter::new(1_000_000).expect("limited"); // 1 MB/s, burst 1 MiB
         let t0 = Instant::now();
+        // 2 MB overdraw the full bucket: they go at once, and the next byte waits for them.
+        assert_eq!(limiter.reserve(2_000_000, t0), t0);
         assert_eq!(
-            limiter.reserve(2_000_000, t0) - t0,
+            limiter.reserve(1, t0) - t0,
             time_for(2_000_000 - (1 << 20), 1_000_000)
         );
-        // An hour later the bucket is full again: exactly one burst passes at once.
+        // An hour later the bucket is full again: exactly one burst (and one request) passes
+        // at once.
         let later = t0 + Duration::from_secs(3600);
         assert_eq!(limiter.reserve(1 << 20, later), later);
-        assert_eq!(
-            limiter.reserve(1_000_000, later) - later,
-            Duration::from_secs(1)
-        );
+        assert_eq!(limiter.reserve(1_000_000, later), later);
+        assert_eq!(limiter.reserve(1, later) - later, Duration::from_secs(1));
     }
 
     /// With tokio's paused clock, `acquire` really waits the reserved time (virtual time, so
@@ -339,6 +375,7 @@ mod tests {
     async fn acquire_waits_on_the_virtual_clock() {
         let limiter = RateLimiter::new(1 << 20).expect("limited"); // 1 MiB/s, burst 1 MiB
         let t0 = Instant::now();
+        limiter.acquire(1 << 20).await;
         limiter.acquire(1 << 20).await;
         assert_eq!(Instant::now(), t0);
         for _ in 0..3 {

@@ -223,6 +223,12 @@ impl Store {
             .is_some_and(|v| v.held.remove(&version).is_some())
     }
 
+    /// The highest version of `name` this store ever held (0: none), evicted or deleted
+    /// since or not.
+    pub(crate) fn highest_ever(&self, name: &TensorName) -> u64 {
+        self.lock().get(name).map_or(0, |v| v.next)
+    }
+
     /// Forgets every version of `name` without reporting them (the name was deleted).
     pub(crate) fn remove_name(&self, name: &TensorName) {
         if let Some(versions) = self.lock().get_mut(name) {

@@ -356,3 +356,45 @@ async fn a_dead_workers_tensors_stop_being_offered() {
     other.shutdown().await;
     brokers.shutdown().await;
 }
+
+/// A publish that reached only a broker which then went down before gossiping it must not
+/// make the publisher reuse that version number at the next broker (which would change bytes
+/// readers of that version hold). Two brokers that never joined each other stand in for the
+/// broker that died with the news.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_never_reuses_a_version_a_lagging_broker_offers_again() {
+    let (a_dir, b_dir) = (
+        tempfile::tempdir().expect("dir"),
+        tempfile::tempdir().expect("dir"),
+    );
+    let a = broker(a_dir.path(), &[]).await;
+    let b = broker(b_dir.path(), &[]).await;
+    let w = node(worker_config(vec![a.addr().clone(), b.addr().clone()])).await;
+    let v1 = f32_tensor(64, 1);
+    let first = within(LIMIT, "publish v1", w.publish("lag/x", v1.clone())).await;
+    assert_eq!(first.expect("publish v1 at a"), 1);
+    a.shutdown().await;
+
+    // B has never heard of lag/x and would hand out v1 again.
+    let second = within(LIMIT, "publish", w.publish("lag/x", f32_tensor(64, 2))).await;
+    assert_eq!(second.expect("publish through b"), 2);
+    let listed = within(LIMIT, "list", w.list("lag/"))
+        .await
+        .expect("list at b");
+    let versions: Vec<u64> = listed.iter().map(|e| e.version).collect();
+    assert_eq!(versions, [2]);
+    // A reader pulling v1 from the publisher still gets v1's bytes.
+    let reader = node(Config {
+        cluster_key: key(),
+        ..test_config()
+    })
+    .await;
+    let pulled = within(LIMIT, "pull v1", reader.pull(w.addr(), "lag/x", Some(1))).await;
+    assert_eq!(
+        pulled.expect("v1 from the publisher").buffer.data(),
+        v1.data()
+    );
+    reader.shutdown().await;
+    w.shutdown().await;
+    b.shutdown().await;
+}

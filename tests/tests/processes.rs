@@ -304,6 +304,40 @@ async fn wrong_secrets_are_refused_and_dead_workers_are_withdrawn() {
     client.shutdown().await;
 }
 
+#[test]
+fn a_broker_hands_out_the_address_it_is_told_to_advertise() {
+    let c = Cluster::start(0, 0);
+    // Listening on 127.0.0.1, reachable (say, through a port mapping) at 127.0.0.9.
+    let advertised = std::net::SocketAddr::from(([127, 0, 0, 9], free_udp_addr().port()));
+    let mut cmd = tb_tests::procs::broker_command(c.dir.path(), "adv", &c.secret_file);
+    cmd.arg("--advertise").arg(advertised.to_string());
+    let mut p = Proc::start("broker adv", cmd, &c.data("adv.log"));
+    let ticket: Ticket = p.wait_line("ticket:", START).parse().expect("ticket");
+    assert_eq!(ticket.brokers.len(), 1);
+    assert_eq!(ticket.brokers[0].addr, advertised, "{ticket}");
+    let metrics = p.wait_line("metrics:", START);
+    let (code, body) =
+        tb_tests::http::get(&format!("{}/api/v1/status", metrics.trim())).expect("status");
+    assert_eq!(code, 200);
+    assert!(body.contains(&format!("\"{advertised}\"")), "{body}");
+    assert!(p.terminate(START), "the broker stops on SIGTERM");
+
+    // Bad fan-out settings are refused before anything starts.
+    for bad in [
+        &["--fanout", "0"][..],
+        &["--chain-min-size", "8MB/s"],
+        &["--advertise", "not-an-address"],
+    ] {
+        let out = Command::new(bin("tb-broker", "tb-broker"))
+            .args(bad)
+            .output()
+            .expect("run tb-broker");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {stderr}");
+        assert!(stderr.contains(bad[0]), "{bad:?}: {stderr}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tb_put_and_tb_get_round_trip_a_file() {
     let mut c = Cluster::start(1, 1);

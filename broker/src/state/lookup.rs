@@ -4,7 +4,7 @@
 use tb_proto::{CtlResponse, Entry, HolderAddr, NodeId, Registry, TensorMeta, TensorName};
 
 use super::{BrokerState, oldest_kept, reachable};
-use crate::BrokerError;
+use crate::{BrokerError, fanout::Wanted};
 
 /// Where to fetch one version: the answer to a `Lookup`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,8 +39,10 @@ impl BrokerState {
     /// Asking is the start of a fetch: the asker is recorded as fetching (others may be
     /// pointed at it) and takes one of the first source's `fanout` slots, until
     /// [`fetching`](Self::fetching) says it stopped, it announces that it holds the version,
-    /// or `fetch_timeout_ms` passes. Sources with a free slot come first, complete before in
-    /// flight, fewest fetchers first; so the fetchers of a new version form a tree.
+    /// or `fetch_timeout_ms` passes. Sources with a free slot come first. For a large tensor
+    /// (`chain_min_bytes`) the source with the fewest fetchers comes first, even one still
+    /// receiving, so fetchers arriving together form a chain (at most `max_chain_depth` long);
+    /// for a small one complete holders come first, so they form a shallow tree.
     pub fn lookup(
         &mut self,
         name: &TensorName,
@@ -62,9 +64,12 @@ impl BrokerState {
             };
         let complete: Vec<NodeId> = entry.holders_of(version).collect();
         let addrs_of = |n: &NodeId| reachable(registry, n).map(|m| m.addrs.clone());
-        let holders = self
-            .fanout
-            .plan(name, version, asker, &complete, addrs_of, now_ms);
+        let want = Wanted {
+            name,
+            version,
+            byte_len: meta.byte_len,
+        };
+        let holders = self.fanout.plan(want, asker, &complete, addrs_of, now_ms);
         if holders.is_empty() {
             return Err(BrokerError::NoHolder {
                 name: name.clone(),

@@ -110,7 +110,12 @@ impl BrokerState {
         // means this broker's next writes might lose to it, as they would have anyway.
         let _ = hlc.observe(&newest_stamp(&registry), now_ms);
         let heard = LastHeard::resumed(&registry, now_ms);
-        let fanout = FanOut::new(config.fanout, config.fetch_timeout_ms);
+        let fanout = FanOut::new(
+            config.fanout,
+            config.fetch_timeout_ms,
+            config.chain_min_bytes,
+            config.max_chain_depth,
+        );
         let metas = MetaCache::resumed(&registry);
         BrokerState {
             config,

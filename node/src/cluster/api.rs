@@ -42,7 +42,11 @@ impl Node {
                 if attempt > 0 {
                     tokio::time::sleep(PUBLISH_BACKOFF * attempt).await;
                 }
-                let version = cluster.next_version(&name).await?;
+                // A broker that has not yet heard of this node's last publish (it went
+                // through a broker that died before gossiping it) would hand out a number
+                // this node already used: never reuse one, so held bytes never change.
+                let assigned = cluster.next_version(&name).await?;
+                let version = assigned.max(store.highest_ever(&name).saturating_add(1));
                 if store.insert_at(name.clone(), version, tensor.clone()) == Inserted::TooOld {
                     return Err(Error::InvalidTensor(format!(
                         "tensor \"{name}\": the broker assigned v{version}, but this node holds \

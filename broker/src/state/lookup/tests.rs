@@ -263,3 +263,70 @@ fn reported_fetches_are_offered_in_flight() {
     let found = b.lookup(&w, None, id(3), 14).expect("found");
     assert_eq!(nodes(&found), [(id(1), true), (id(2), true)]);
 }
+
+/// Metadata of a tensor large enough to be fanned out bandwidth first.
+fn large_meta(tag: u8) -> TensorMeta {
+    let len = BrokerConfig::default().chain_min_bytes;
+    let hash = tb_proto::ContentHash([tag; 32]);
+    TensorMeta::new(tb_proto::DType::U8, vec![len], hash).expect("meta")
+}
+
+/// Askers 11.. of a new large version published by 1, each asking after the last, on a
+/// broker with `config`. Returns who each was pointed at first.
+fn large_askers(config: BrokerConfig, askers: &[u8]) -> (BrokerState, Vec<NodeId>) {
+    let mut b = BrokerState::new(BROKER, config, tb_proto::Registry::new(), 0);
+    for &n in [1].iter().chain(askers) {
+        let addrs = vec![format!("10.0.0.{n}:4433")];
+        b.heartbeat(id(n), Role::Worker, addrs, 1, 0)
+            .expect("heartbeat");
+    }
+    let w = name("m/big");
+    b.publish(w.clone(), large_meta(1), id(1), 10);
+    let firsts = askers
+        .iter()
+        .map(|&a| b.lookup(&w, None, id(a), 20).expect("found").holders[0].node)
+        .collect();
+    (b, firsts)
+}
+
+#[test]
+fn fetches_of_a_large_version_form_a_chain() {
+    let (_, firsts) = large_askers(BrokerConfig::default(), &[11, 12, 13, 14, 15, 16]);
+    // Each new fetcher takes the one source nobody fetches from yet: the last fetcher.
+    assert_eq!(firsts, [id(1), id(11), id(12), id(13), id(14), id(15)]);
+}
+
+#[test]
+fn a_chain_at_its_longest_branches_off_the_shallowest_source() {
+    let config = BrokerConfig {
+        max_chain_depth: 3,
+        ..BrokerConfig::default()
+    };
+    let (_, firsts) = large_askers(config, &[11, 12, 13, 14, 15, 16, 17, 18]);
+    // 13 is 3 hops deep; 14 starts a second chain at the publisher, which is then full; 17
+    // (the second chain is 3 deep too) branches off 11, the shallowest source with room.
+    let chains = [id(1), id(11), id(12), id(1), id(14), id(15), id(11), id(17)];
+    assert_eq!(firsts, chains);
+}
+
+#[test]
+fn a_large_fetch_prefers_a_complete_source_with_room() {
+    let (mut b, _) = large_askers(BrokerConfig::default(), &[11, 12]);
+    let w = name("m/big");
+    // 12 completes: like the publisher it has everything, and unlike it nobody fetches from
+    // it, so it comes first; 11 (in flight, feeding nobody now) after it, the publisher last.
+    let hold = RegistryOp::AddHolder {
+        name: w.clone(),
+        version: 1,
+        node: id(12),
+        stamp: Stamp::ZERO,
+    };
+    b.announce(id(12), hold, 30).expect("hold");
+    b.heartbeat(id(13), Role::Worker, vec!["10.0.0.13:1".into()], 1, 30)
+        .expect("hb");
+    let found = b.lookup(&w, None, id(13), 31).expect("found");
+    assert_eq!(
+        nodes(&found),
+        [(id(12), true), (id(11), false), (id(1), true)]
+    );
+}
