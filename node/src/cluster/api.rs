@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
+use tb_proto::{
+    ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, MemberStatus, NamePattern, TensorName,
+};
 use tracing::debug;
 
 use super::{Subscription, fetch, subscribe};
@@ -126,6 +128,14 @@ impl Node {
     /// The cluster's membership table: every node with its role, addresses, epoch and
     /// liveness, in node id order.
     pub async fn members(&self) -> Result<Vec<Member>> {
+        let rows = self.members_with_stats().await?;
+        Ok(rows.into_iter().map(|row| row.member).collect())
+    }
+
+    /// The membership table as [`members`](Self::members), each row with the stats of the
+    /// member's latest heartbeat to the broker that answered (`None` for brokers and for
+    /// nodes that heartbeat to another broker): what `tb status` shows.
+    pub async fn members_with_stats(&self) -> Result<Vec<MemberStatus>> {
         let cluster = self.cluster()?;
         let timeout = self.config().request_timeout;
         self.guarded(cluster.ctl.members(timeout)).await
