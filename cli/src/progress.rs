@@ -77,9 +77,10 @@ pub async fn finish(bar: Option<Bar>) {
     }
 }
 
-/// Bytes, total, rate and ETA.
+/// Bytes, total, rate and ETA, the bar taking what the terminal's width leaves (one line,
+/// never wrapped).
 const TEMPLATE: &str =
-    "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}";
+    "{msg} [{wide_bar}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}";
 
 fn style() -> Result<ProgressStyle, indicatif::style::TemplateError> {
     Ok(ProgressStyle::with_template(TEMPLATE)?.progress_chars("=> "))
