@@ -5,7 +5,10 @@
 //! `Members`, anti-entropy) are cut with `chunk_by_size` so no frame passes the control-frame
 //! cap. A subscription keeps its stream open and forwards events until either side closes.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use iroh::{
     endpoint::{Connection, RecvStream, SendStream},
@@ -17,7 +20,8 @@ use tb_node::{
     framing::{ReadFrameError, read_frame, write_frame},
 };
 use tb_proto::{
-    CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, MAX_CHUNK_BYTES, chunk_by_size,
+    CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, LastHeartbeat, MAX_CHUNK_BYTES,
+    Member, MemberStatus, chunk_by_size,
 };
 use tokio::sync::mpsc;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -195,7 +199,7 @@ impl CtlProtocol {
                 stats,
             } => {
                 if let Some(stats) = stats {
-                    self.stats.record(from, stats, std::time::Instant::now());
+                    self.stats.record(from, stats, Instant::now());
                 }
                 ask(actor, t, |reply| BrokerMsg::Heartbeat {
                     from,
@@ -256,10 +260,10 @@ impl CtlProtocol {
             }
             CtlRequest::Members => {
                 return match ask(actor, t, |reply| BrokerMsg::Members { reply }).await {
-                    Ok(members) => pieces(members, |members, last| CtlResponse::Members {
-                        members,
-                        last,
-                    }),
+                    Ok(members) => {
+                        let rows = with_stats(members, &self.stats, Instant::now());
+                        pieces(rows, |members, last| CtlResponse::Members { members, last })
+                    }
                     Err(e) => vec![e],
                 };
             }
@@ -321,6 +325,23 @@ impl CtlProtocol {
 }
 
 /// Cuts a long answer into frames under the control-frame cap, the last one marked.
+/// Each member with the stats of its latest heartbeat here (none for brokers, for nodes that
+/// heartbeat elsewhere, and for stats too old to show).
+fn with_stats(members: Vec<Member>, book: &MemberStatsBook, now: Instant) -> Vec<MemberStatus> {
+    members
+        .into_iter()
+        .map(|member| MemberStatus {
+            heartbeat: book
+                .get(&member.node, now)
+                .map(|(stats, age)| LastHeartbeat {
+                    stats,
+                    age_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+                }),
+            member,
+        })
+        .collect()
+}
+
 pub(crate) fn pieces<T: serde::Serialize>(
     items: Vec<T>,
     frame: impl Fn(Vec<T>, bool) -> CtlResponse,
@@ -332,4 +353,48 @@ pub(crate) fn pieces<T: serde::Serialize>(
         .enumerate()
         .map(|(i, chunk)| frame(chunk, i + 1 == count))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use tb_proto::{NodeId, NodeStats, Role, Stamp};
+
+    use super::*;
+
+    #[test]
+    fn members_carry_the_stats_of_their_latest_heartbeat_here() {
+        let row = |b: u8, role| Member {
+            node: NodeId([b; 32]),
+            role,
+            addrs: vec!["127.0.0.1:1".into()],
+            epoch: 1,
+            alive: true,
+            stamp: Stamp::ZERO,
+        };
+        let book = MemberStatsBook::default();
+        let t0 = Instant::now();
+        let stats = NodeStats {
+            pool_links: 3,
+            tensors: 2,
+            ..NodeStats::default()
+        };
+        book.record(NodeId([2; 32]), stats.clone(), t0);
+        let members = vec![
+            row(1, Role::Broker),
+            row(2, Role::Worker),
+            row(3, Role::Worker),
+        ];
+        let rows = with_stats(members.clone(), &book, t0 + Duration::from_millis(1500));
+        let got: Vec<_> = rows.iter().map(|r| r.member.clone()).collect();
+        assert_eq!(got, members, "rows keep their order");
+        assert_eq!(rows[0].heartbeat, None, "brokers send no stats");
+        assert_eq!(
+            rows[1].heartbeat,
+            Some(LastHeartbeat {
+                stats,
+                age_ms: 1500
+            })
+        );
+        assert_eq!(rows[2].heartbeat, None, "heartbeats to another broker");
+    }
 }

@@ -1,5 +1,6 @@
-//! The cluster commands: `tb up` runs a local cluster; `tb ls`, `tb get`, `tb put`,
-//! `tb watch` and `tb status` talk to one through a short-lived node of their own.
+//! The cluster commands: `tb up` runs a local cluster; `tb ls` and `tb watch` talk to one
+//! through a short-lived node of their own, as do `tb put` / `tb get` (`transfer`) and
+//! `tb status` (`status`), which find it through [`Join`].
 //!
 //! Without `--join`, a command uses the cluster `tb up` started on this machine: `tb up`
 //! writes its ticket and cluster secret into its data dir (`~/.local/share/tensor-broker/up`,
@@ -123,33 +124,6 @@ fn in_prefix(prefix: &str) -> String {
         "" => String::new(),
         p => format!(" under {p:?}"),
     }
-}
-
-/// `tb status`: the members of the cluster and whether they are alive.
-pub async fn status(join: &Join) -> Result<()> {
-    let node = join.node().await?;
-    let members = node.members().await;
-    let broker = node.current_broker().cloned();
-    node.shutdown().await;
-    let members = members.context("asking for the members")?;
-    if let Some(b) = broker {
-        println!("asked broker {b}");
-    }
-    println!(
-        "{:<10} {:<8} {:<6} {:<24} {:>6}",
-        "NODE", "ROLE", "STATE", "ADDRESS", "EPOCH"
-    );
-    for m in members {
-        println!(
-            "{:<10} {:<8} {:<6} {:<24} {:>6}",
-            &m.node.to_hex()[..8],
-            format!("{:?}", m.role).to_lowercase(),
-            if m.alive { "alive" } else { "dead" },
-            m.addrs.first().map_or("-", String::as_str),
-            m.epoch
-        );
-    }
-    Ok(())
 }
 
 /// `tb watch`: prints every new version of matching names until Ctrl-C.
@@ -343,145 +317,5 @@ fn ensure_secret(path: &Path) -> Result<()> {
         .with_context(|| format!("creating {}", path.display()))?;
     file.write_all(format!("{secret}\n").as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
-}
-
-/// Options of `tb put`.
-#[derive(Debug, Clone, Args)]
-pub struct PutArgs {
-    /// The tensor's name (`model/layer1/w`).
-    pub name: String,
-    /// The file: `.npy`, `.safetensors`, or raw bytes (with --dtype and --shape).
-    pub file: PathBuf,
-    /// The worker to hold it (`<node-id>@<ip:port>`). Default: a live worker of the cluster.
-    #[arg(long)]
-    pub worker: Option<tb_node::PeerAddr>,
-    /// In a .safetensors file with several tensors, the one to send.
-    #[arg(long)]
-    pub key: Option<String>,
-    /// Element type of a raw file (f32, bf16, u8, ...).
-    #[arg(long)]
-    pub dtype: Option<tb_node::DType>,
-    /// Shape of a raw file (`2,3,4`).
-    #[arg(long)]
-    pub shape: Option<String>,
-}
-
-/// `tb put`: sends a tensor file to a worker, which publishes and holds it; prints the
-/// version the cluster gave it.
-pub async fn put(join: &Join, args: PutArgs) -> Result<()> {
-    tb_node::proto::TensorName::new(args.name.as_str())
-        .with_context(|| format!("tensor name {:?}", args.name))?;
-    let mut opts = crate::files::ReadOptions::new(tb_node::DEFAULT_MAX_TENSOR_BYTES);
-    opts.key = args.key.clone();
-    opts.dtype = args.dtype;
-    opts.shape = match &args.shape {
-        Some(s) => Some(crate::files::parse_shape(s)?),
-        None => None,
-    };
-    let path = args.file.clone();
-    let tensor = tokio::task::spawn_blocking(move || crate::files::read(&path, &opts))
-        .await
-        .context("reading the file")??;
-    let node = join.node().await?;
-    let result = put_on(&node, &args, &tensor).await;
-    node.shutdown().await;
-    let version = result?;
-    println!(
-        "{} v{version}: {} {:?} {}",
-        args.name,
-        tensor.dtype().name(),
-        tensor.meta().shape,
-        bytes(tensor.byte_len())
-    );
-    Ok(())
-}
-
-async fn put_on(node: &Node, args: &PutArgs, tensor: &tb_node::Tensor) -> Result<u64> {
-    let worker = match &args.worker {
-        Some(w) => w.clone(),
-        None => live_worker(node).await?,
-    };
-    eprintln!("sending {} to worker {}", bytes(tensor.byte_len()), worker);
-    node.push(&worker, &args.name, tensor)
-        .await
-        .with_context(|| format!("sending to worker {worker}"))?;
-    // The worker publishes what it is pushed; wait until the cluster lists this content.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(join_timeout(node));
-    loop {
-        let listed = node.list(&args.name).await.context("listing")?;
-        if let Some(e) = listed
-            .iter()
-            .find(|e| e.name.as_str() == args.name && e.meta.hash == tensor.hash())
-        {
-            return Ok(e.version);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            bail!("the worker took the tensor but the cluster does not list it yet");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn join_timeout(node: &Node) -> u64 {
-    node.config().request_timeout.as_secs().max(1)
-}
-
-async fn live_worker(node: &Node) -> Result<tb_node::PeerAddr> {
-    let members = node.members().await.context("asking for the members")?;
-    members
-        .iter()
-        .filter(|m| m.alive && m.role == tb_node::proto::Role::Worker)
-        .find_map(|m| {
-            let id = iroh::EndpointId::from_bytes(&m.node.0).ok()?;
-            let addr = m.addrs.iter().find_map(|a| a.parse().ok())?;
-            Some(tb_node::PeerAddr { id, addr })
-        })
-        .context("no live worker in the cluster to hold the tensor (start one, or pass --worker)")
-}
-
-/// Options of `tb get`.
-#[derive(Debug, Clone, Args)]
-pub struct GetArgs {
-    /// The tensor's name.
-    pub name: String,
-    /// Where to write it: `.npy`, `.safetensors`, or raw bytes for any other name.
-    /// Default: `<last part of the name>.npy` in the current folder.
-    #[arg(short, long)]
-    pub output: Option<PathBuf>,
-    /// A specific version (default: the newest).
-    #[arg(long)]
-    pub version: Option<u64>,
-}
-
-/// `tb get`: fetches a tensor from the cluster and writes it to a file.
-pub async fn get(join: &Join, args: GetArgs) -> Result<()> {
-    let node = join.node().await?;
-    let started = std::time::Instant::now();
-    let got = match args.version {
-        Some(v) => node.get_version(&args.name, v).await,
-        None => node.get(&args.name).await,
-    };
-    node.shutdown().await;
-    let got = got.with_context(|| format!("getting {:?}", args.name))?;
-    let seconds = started.elapsed().as_secs_f64();
-    let output = args.output.clone().unwrap_or_else(|| {
-        let last = args.name.rsplit('/').next().unwrap_or("tensor");
-        PathBuf::from(format!("{last}.npy"))
-    });
-    let tensor = got.buffer;
-    let key = args.name.clone();
-    let path = output.clone();
-    let format = tokio::task::spawn_blocking(move || crate::files::write(&path, &tensor, &key))
-        .await
-        .context("writing the file")??;
-    println!(
-        "{} v{} -> {} ({format}, {}, {:.0} MB/s)",
-        args.name,
-        got.version,
-        output.display(),
-        bytes(got.meta.byte_len),
-        crate::fmt::mb_per_s(got.meta.byte_len, seconds)
-    );
     Ok(())
 }

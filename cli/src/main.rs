@@ -1,9 +1,10 @@
 //! `tb`: the tensor-broker command line.
 //!
 //! - `tb up`: a local cluster (brokers and workers) on 127.0.0.1 until Ctrl-C.
-//! - `tb put`, `tb get`: send a tensor file to a worker to publish; fetch one into a file.
+//! - `tb put`, `tb get`: send a tensor file to a worker to publish; fetch one into a file
+//!   (with a progress bar on a terminal).
 //! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
-//!   members.
+//!   members with their pool, store and throughput figures.
 //! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
 //! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection;
 //!   `tb bench broadcast`: one version to many receivers (fan-out tree, cut-through, upload
@@ -15,6 +16,9 @@ mod cluster;
 mod demo;
 mod files;
 mod fmt;
+mod progress;
+mod status;
+mod transfer;
 
 use clap::{Parser, Subcommand};
 
@@ -34,14 +38,14 @@ enum Command {
     /// Send a tensor file (.npy, .safetensors, raw) to a worker, which publishes and holds it.
     Put {
         #[command(flatten)]
-        args: cluster::PutArgs,
+        args: transfer::PutArgs,
         #[command(flatten)]
         join: cluster::Join,
     },
     /// Fetch a tensor from the cluster (newest version by default) and write it to a file.
     Get {
         #[command(flatten)]
-        args: cluster::GetArgs,
+        args: transfer::GetArgs,
         #[command(flatten)]
         join: cluster::Join,
     },
@@ -60,8 +64,11 @@ enum Command {
         #[command(flatten)]
         join: cluster::Join,
     },
-    /// The cluster's brokers and workers, and whether they are alive.
+    /// The cluster's brokers and workers: alive or dead, and each worker's pooled links,
+    /// tensors, store size, throughput and heartbeat age.
     Status {
+        #[command(flatten)]
+        args: status::StatusArgs,
         #[command(flatten)]
         join: cluster::Join,
     },
@@ -95,11 +102,11 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Up(args) => cluster::up(args).await,
-            Command::Put { args, join } => cluster::put(&join, args).await,
-            Command::Get { args, join } => cluster::get(&join, args).await,
+            Command::Put { args, join } => transfer::put(&join, args).await,
+            Command::Get { args, join } => transfer::get(&join, args).await,
             Command::Ls { prefix, join } => cluster::ls(&join, &prefix).await,
             Command::Watch { pattern, join } => cluster::watch(&join, &pattern).await,
-            Command::Status { join } => cluster::status(&join).await,
+            Command::Status { args, join } => status::status(&join, &args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
         }

@@ -11,6 +11,7 @@ use crate::{
     device::{self, DeviceBuffer},
     error::{Error, Result},
     pool::LinkGuard,
+    progress::TransferProgress,
     tensor::Tensor,
     wire,
 };
@@ -184,15 +185,17 @@ fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Re
     Ok(())
 }
 
-/// Pushes `tensor` to the link's peer as `name` and waits for its `Ack`.
+/// Pushes `tensor` to the link's peer as `name` and waits for its `Ack`; the payload bytes
+/// handed to QUIC so far go to `progress`.
 pub(crate) async fn push(
     ctx: &NodeCtx,
     link: &LinkGuard,
     name: TensorName,
     tensor: &Tensor,
+    progress: Option<&TransferProgress>,
 ) -> Result<()> {
-    ctx.timed(TransferKind::Push, push_untimed(ctx, link, name, tensor))
-        .await
+    let push = push_untimed(ctx, link, name, tensor, progress);
+    ctx.timed(TransferKind::Push, push).await
 }
 
 async fn push_untimed(
@@ -200,6 +203,7 @@ async fn push_untimed(
     link: &LinkGuard,
     name: TensorName,
     tensor: &Tensor,
+    progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let what = describe(&name, None, link);
     let (mut send, mut recv) = open(ctx, link).await?;
@@ -209,7 +213,9 @@ async fn push_untimed(
     };
     // If the peer refuses early (too large, invalid) it stops our stream: its answer says why.
     let all = 0..tensor.data_len()?;
-    let sent = device::write_header_and_tensor(&mut send, &request, tensor, all, &ctx.config).await;
+    let config = &ctx.config;
+    let sent = device::write_header_and_tensor(&mut send, &request, tensor, all, config, progress);
+    let sent = sent.await;
     let _ = send.finish();
     let answer = read_response(ctx, &mut recv, &what).await;
     match (answer, sent) {

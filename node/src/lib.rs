@@ -7,6 +7,8 @@
 //! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
 //!   `wait_for`, `shutdown`, pool statistics; and, with brokers configured, the cluster API:
 //!   `publish`, `get`, `get_version`, `delete`, `list`, `members`, `subscribe`.
+//! - [`TransferProgress`]: the bytes a `push_with_progress` or `get_with_progress` has moved
+//!   so far, for progress bars (one relaxed atomic per chunk on the data path).
 //! - [`Subscription`] and [`SubEvent`]: the versions (and deletes) of names matching a pattern,
 //!   in order per name, fetched when `Config::auto_fetch` is on, gaps reported as `Skipped`.
 //! - [`Tensor`]: dtype, shape and shared immutable bytes, BLAKE3-hashed when made; the bytes
@@ -77,6 +79,7 @@ mod node;
 mod node_actor;
 mod observe;
 mod pool;
+mod progress;
 pub mod rate;
 mod serve;
 mod store;
@@ -102,6 +105,7 @@ pub use error::{Error, Result};
 pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};
+pub use progress::TransferProgress;
 pub use store::{Inserted, Lookup, Retention, Store};
 pub use tb_proto as proto;
 pub use tb_proto::{

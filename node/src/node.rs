@@ -36,6 +36,7 @@ use crate::{
     inflight::Inflight,
     node_actor::{NodeActor, NodeMsg},
     pool::{self, LinkGuard, PoolStats, ReadyLinks},
+    progress::TransferProgress,
     rate::RateLimiter,
     serve::DataProtocol,
     tensor::Tensor,
@@ -191,13 +192,38 @@ impl Node {
 
     /// Sends `tensor` straight to the peer at `addr`, which gets it from `recv()`/`wait_for()`.
     /// Returns once the peer has verified and queued it.
-    #[tracing::instrument(name = "push", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]
     pub async fn push(&self, addr: &PeerAddr, name: &str, tensor: &Tensor) -> Result<()> {
+        self.push_inner(addr, name, tensor, None).await
+    }
+
+    /// [`push`](Self::push), recording on `progress` the payload bytes handed to the network
+    /// so far (their total first), for a progress bar.
+    pub async fn push_with_progress(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        tensor: &Tensor,
+        progress: &TransferProgress,
+    ) -> Result<()> {
+        self.push_inner(addr, name, tensor, Some(progress)).await
+    }
+
+    #[tracing::instrument(name = "push", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]
+    async fn push_inner(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        tensor: &Tensor,
+        progress: Option<&TransferProgress>,
+    ) -> Result<()> {
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
+        if let Some(p) = progress {
+            p.set_total(tensor.byte_len());
+        }
         self.guarded(async {
             let link = self.link(addr).await?;
-            client::push(&self.inner.ctx, &link, name, tensor).await
+            client::push(&self.inner.ctx, &link, name, tensor, progress).await
         })
         .await
     }

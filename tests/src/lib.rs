@@ -18,7 +18,7 @@ use std::{
 use bytes::Bytes;
 use iroh::{EndpointId, endpoint::Connection};
 use tb_node::{
-    Config, DType, Node, Tensor, auth,
+    Config, DType, Node, Tensor, TransferProgress, auth,
     proto::{ClusterKey, DATA_ALPN},
 };
 use tokio::{net::UdpSocket, sync::mpsc, task::JoinHandle};
@@ -85,6 +85,66 @@ pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>
         Ok(v) => v,
         Err(_) => panic!("{what}: did not finish within {limit:?}"),
     }
+}
+
+/// Most readings a [`ProgressSamples`] keeps (about a minute of them).
+const MAX_PROGRESS_SAMPLES: usize = 60_000;
+
+/// Reads a transfer's [`TransferProgress`] every millisecond while it runs, from a task of
+/// its own, as a progress bar would.
+pub struct ProgressSamples {
+    stop: Arc<AtomicBool>,
+    task: JoinHandle<Vec<u64>>,
+}
+
+impl ProgressSamples {
+    /// Starts reading `progress`.
+    pub fn start(progress: Arc<TransferProgress>) -> ProgressSamples {
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let mut seen = Vec::new();
+                while !stop.load(Ordering::Relaxed) && seen.len() < MAX_PROGRESS_SAMPLES {
+                    seen.push(progress.bytes());
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                seen.push(progress.bytes());
+                seen
+            }
+        });
+        ProgressSamples { stop, task }
+    }
+
+    /// Stops reading; the values read, in order, the last one read after the transfer ended.
+    pub async fn stop(self) -> Vec<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        within(Duration::from_secs(5), "progress sampler", self.task)
+            .await
+            .expect("sampler task")
+    }
+}
+
+/// Checks what a [`ProgressSamples`] saw of a successful transfer of `total` bytes: never
+/// decreasing, never past the total, ending exactly at it. Returns how many distinct values
+/// it saw strictly between 0 and the total (for the test's log: timing decides how many).
+pub fn check_progress(samples: &[u64], total: u64) -> usize {
+    assert!(
+        samples.windows(2).all(|w| w[0] <= w[1]),
+        "progress went backwards: {samples:?}"
+    );
+    assert!(
+        samples.iter().all(|&b| b <= total),
+        "past {total}: {samples:?}"
+    );
+    assert_eq!(samples.last(), Some(&total), "ends at the tensor's length");
+    let mut between: Vec<u64> = samples
+        .iter()
+        .copied()
+        .filter(|&b| b > 0 && b < total)
+        .collect();
+    between.dedup();
+    between.len()
 }
 
 /// A free UDP port on 127.0.0.1 (bound then released).

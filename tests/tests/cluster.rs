@@ -3,11 +3,14 @@
 //! late and a restarted broker catching up, refusal of a wrong secret, dead workers' holdings
 //! withdrawn. Every wait is bounded.
 
-use std::{path::Path, time::Duration};
+use std::{path::Path, sync::Arc, time::Duration};
 
 use tb_broker::{Broker, BrokerOptions};
-use tb_node::{Config, Error, PeerAddr, SubEvent, proto::ClusterKey};
-use tb_tests::{eventually_async, f32_tensor, node, test_config, within};
+use tb_node::{Config, Error, PeerAddr, SubEvent, Tensor, TransferProgress, proto::ClusterKey};
+use tb_tests::{
+    ProgressSamples, check_progress, eventually_async, f32_tensor, node, pattern, test_config,
+    within,
+};
 
 const LIMIT: Duration = Duration::from_secs(60);
 const SECRET: &[u8] = b"cluster tests share this secret";
@@ -397,4 +400,50 @@ async fn a_publisher_never_reuses_a_version_a_lagging_broker_offers_again() {
     reader.shutdown().await;
     w.shutdown().await;
     b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gets_progress_climbs_to_the_tensors_length() {
+    let brokers = Brokers::start(1).await;
+    // The holder sends at most 32 MB/s, so the 16 MiB get lasts about half a second: long
+    // enough for a reader to see it under way (only the values are asserted, not timings).
+    let holder = node(Config {
+        max_upload_rate: 32_000_000,
+        ..worker_config(brokers.addrs_from(0))
+    })
+    .await;
+    let reader = node(worker_config(brokers.addrs_from(0))).await;
+    let tensor = Tensor::from_bytes(pattern(16 << 20, 4));
+    let total = tensor.byte_len();
+    within(LIMIT, "publish", holder.publish("big/w", tensor.clone()))
+        .await
+        .expect("publish");
+    let progress = Arc::new(TransferProgress::default());
+    let samples = ProgressSamples::start(progress.clone());
+    let got = within(
+        LIMIT,
+        "get",
+        reader.get_with_progress("big/w", None, &progress),
+    )
+    .await
+    .expect("get");
+    let samples = samples.stop().await;
+    assert_eq!(got.buffer.data(), tensor.data(), "bytes equal");
+    assert_eq!(progress.total(), Some(total));
+    assert!(progress.is_complete());
+    let between = check_progress(&samples, total);
+    println!(
+        "{} readings, {between} distinct values under way",
+        samples.len()
+    );
+    // A version held already counts as all received at once.
+    let again = TransferProgress::default();
+    reader
+        .get_with_progress("big/w", Some(1), &again)
+        .await
+        .expect("local get");
+    assert_eq!((again.bytes(), again.total()), (total, Some(total)));
+    holder.shutdown().await;
+    reader.shutdown().await;
+    brokers.shutdown().await;
 }

@@ -1,11 +1,12 @@
 //! Node-to-node scenarios on loopback: push, pull, concurrency, large tensors, failures,
 //! shutdown, and the connection pool. Every wait is bounded.
 
-use std::{collections::HashSet, time::Duration};
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
-use tb_node::{Config, Error, Node, PeerAddr, Tensor};
+use tb_node::{Config, Error, Node, PeerAddr, Tensor, TransferProgress};
 use tb_tests::{
-    DelayProxy, eventually, f32_tensor, free_udp_port, node, pattern, test_config, within,
+    DelayProxy, ProgressSamples, check_progress, eventually, f32_tensor, free_udp_port, node,
+    pattern, test_config, within,
 };
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -28,6 +29,42 @@ async fn push_arrives_intact() {
     assert_eq!(got.from, a.id());
     assert_eq!(got.tensor.data(), tensor.data());
     assert_eq!(got.tensor.meta(), tensor.meta());
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushs_progress_climbs_to_the_tensors_length() {
+    let (a, b) = pair().await;
+    let tensor = Tensor::from_bytes(pattern(32 << 20, 5));
+    let total = tensor.byte_len();
+    let progress = Arc::new(TransferProgress::default());
+    let samples = ProgressSamples::start(progress.clone());
+    within(
+        LIMIT,
+        "push",
+        a.push_with_progress(b.addr(), "big/push", &tensor, &progress),
+    )
+    .await
+    .expect("push");
+    let samples = samples.stop().await;
+    assert_eq!(progress.total(), Some(total));
+    let between = check_progress(&samples, total);
+    println!(
+        "{} readings, {between} distinct values under way",
+        samples.len()
+    );
+    let got = within(LIMIT, "recv", b.recv_timeout(Duration::from_secs(5)))
+        .await
+        .expect("recv");
+    assert_eq!(got.tensor.data(), tensor.data(), "bytes equal");
+    // A small push (sent with its header in one write) reports its bytes too.
+    let small = TransferProgress::default();
+    let tiny = f32_tensor(10, 1);
+    a.push_with_progress(b.addr(), "small/push", &tiny, &small)
+        .await
+        .expect("small push");
+    assert_eq!((small.bytes(), small.total()), (40, Some(40)));
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -392,3 +392,147 @@ async fn tb_put_and_tb_get_round_trip_a_file() {
         );
     }
 }
+
+/// Whether `text` has terminal control characters (a progress bar's `\r` or escapes).
+fn has_control_chars(text: &str) -> bool {
+    text.chars().any(|c| c.is_control() && c != '\n')
+}
+
+/// The facts `tb status --json` gives about the workers: `(alive, pool_links, tensors)` for
+/// each worker the broker has heartbeat stats of.
+fn workers_in_status(json: &serde_json::Value) -> Vec<(bool, u64, u64)> {
+    let members = json["members"].as_array().cloned().unwrap_or_default();
+    members
+        .iter()
+        .filter(|m| m["role"] == "worker" && m["stats"].is_object())
+        .map(|m| {
+            (
+                m["alive"].as_bool().unwrap_or(false),
+                m["stats"]["pool_links"].as_u64().unwrap_or(0),
+                m["stats"]["tensors"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tb_status_shows_each_workers_links_and_tensors_and_put_get_print_clean_summaries() {
+    // Worker 1 subscribes to model/* and fetches what worker 0 is pushed.
+    let mut c = Cluster::start(1, 2);
+    let w0_addr = c.worker_addr(0);
+    let w0 = w0_addr.to_string();
+    let w0_short: String = tb_node::auth::node_id(&w0_addr.id)
+        .to_hex()
+        .chars()
+        .take(8)
+        .collect();
+    c.worker_addr(1);
+    let input = c.data("big.bin");
+    // Large enough for a progress bar on a terminal; the captured output must stay clean.
+    let bytes = pattern(8 << 20, 2);
+    std::fs::write(&input, &bytes).expect("write");
+    let input_s = input.to_string_lossy().to_string();
+    let shape = bytes.len().to_string();
+    let put = [
+        "put", "model/s", &input_s, "--dtype", "u8", "--shape", &shape, "--worker", &w0,
+    ];
+    let out = tb(&put, &c.ticket, &c.secret_file);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "tb put: {stderr}");
+    assert!(
+        stdout.starts_with("put model/s v1: u8 [8388608] 8 MiB in ")
+            && stdout
+                .trim_end()
+                .ends_with(&format!("-> worker {w0_short}"))
+            && stdout.lines().count() == 1,
+        "one summary line: {stdout}"
+    );
+    assert!(
+        !has_control_chars(&stdout) && !has_control_chars(&stderr),
+        "{stdout:?} {stderr:?}"
+    );
+    let back = c.data("back.bin").to_string_lossy().to_string();
+    let out = tb(&["get", "model/s", "-o", &back], &c.ticket, &c.secret_file);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "tb get: {stderr}");
+    assert_eq!(std::fs::read(&back).expect("read back"), bytes.to_vec());
+    assert!(
+        stdout.starts_with("get model/s v1: 8 MiB in ")
+            && stdout.trim_end().ends_with(&format!("-> {back} (raw)"))
+            && stdout.lines().count() == 1,
+        "one summary line: {stdout}"
+    );
+    assert!(
+        !has_control_chars(&stdout) && !has_control_chars(&stderr),
+        "{stdout:?} {stderr:?}"
+    );
+
+    // Both workers hold the one version, and each has a pooled link (worker 1 pulled from
+    // worker 0), as their next heartbeats tell the broker.
+    let mut last = serde_json::Value::Null;
+    let want = vec![(true, 1, 1); 2];
+    let seen = eventually_async(LIMIT, || {
+        let out = tb(&["status", "--json"], &c.ticket, &c.secret_file);
+        last = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let workers = workers_in_status(&last)
+            .into_iter()
+            .map(|(alive, links, tensors)| (alive, links.min(1), tensors))
+            .collect::<Vec<_>>();
+        let ok = workers == want;
+        async move { ok }
+    })
+    .await;
+    assert!(
+        seen,
+        "both workers alive, >= 1 link, 1 tensor each: {last:#}"
+    );
+    assert_eq!(
+        last["members"].as_array().map(Vec::len),
+        Some(3),
+        "{last:#}"
+    );
+
+    // The table says the same, one whitespace-separated row per member.
+    let out = tb(&["status"], &c.ticket, &c.secret_file);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "tb status: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!has_control_chars(&stdout), "{stdout:?}");
+    println!("{stdout}");
+    let mut lines = stdout.lines().skip_while(|l| !l.starts_with("NODE"));
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split_whitespace().collect()).collect();
+    let workers: Vec<&Vec<&str>> = rows.iter().filter(|r| r[col("ROLE")] == "worker").collect();
+    assert_eq!(workers.len(), 2, "{stdout}");
+    for w in workers {
+        assert_eq!(w[col("STATE")], "alive", "{stdout}");
+        let links: u64 = w[col("LINKS")].parse().expect("links");
+        assert!(links >= 1, "{stdout}");
+        assert_eq!(w[col("TENSORS")], "1", "{stdout}");
+        assert_eq!(w[col("STORED")], "8MiB", "{stdout}");
+        assert_ne!(w[col("HEARD")], "-", "{stdout}");
+    }
+    let broker = rows
+        .iter()
+        .find(|r| r[col("ROLE")] == "broker")
+        .expect("broker row");
+    assert_eq!(
+        broker[col("LINKS")],
+        "-",
+        "brokers send no heartbeat stats: {stdout}"
+    );
+}

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
+use tb_proto::{
+    ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, MemberStatus, NamePattern, TensorName,
+};
 use tracing::debug;
 
 use super::{Subscription, fetch, subscribe};
@@ -12,6 +14,7 @@ use crate::{
     endpoint::PeerAddr,
     error::{Error, Result},
     node::Node,
+    progress::TransferProgress,
     store::Inserted,
     tensor::Tensor,
 };
@@ -82,17 +85,35 @@ impl Node {
     /// from its holders (verified by hash), keeps it (this node becomes a holder) and returns
     /// it. From the local store when this node holds that version already.
     pub async fn get(&self, name: &str) -> Result<Pulled<Tensor>> {
-        self.get_inner(name, None).await
+        self.get_inner(name, None, None).await
     }
 
     /// Gets `version` of `name` from the cluster, like [`get`](Self::get). A version no node
     /// keeps any more is `NotFound`.
     pub async fn get_version(&self, name: &str, version: u64) -> Result<Pulled<Tensor>> {
-        self.get_inner(name, Some(version)).await
+        self.get_inner(name, Some(version), None).await
+    }
+
+    /// [`get`](Self::get) (or [`get_version`](Self::get_version) when `version` is set),
+    /// recording on `progress` the tensor's size once the broker answers, then the bytes
+    /// received so far, for a progress bar. The count never goes back, even when the get
+    /// starts over from another holder.
+    pub async fn get_with_progress(
+        &self,
+        name: &str,
+        version: Option<u64>,
+        progress: &TransferProgress,
+    ) -> Result<Pulled<Tensor>> {
+        self.get_inner(name, version, Some(progress)).await
     }
 
     #[tracing::instrument(name = "get", skip_all, fields(me = %self.id().fmt_short(), tensor = name, version))]
-    async fn get_inner(&self, name: &str, version: Option<u64>) -> Result<Pulled<Tensor>> {
+    async fn get_inner(
+        &self,
+        name: &str,
+        version: Option<u64>,
+        progress: Option<&TransferProgress>,
+    ) -> Result<Pulled<Tensor>> {
         let cluster = self.cluster()?;
         let name = TensorName::new(name)?;
         if version == Some(0) {
@@ -100,7 +121,7 @@ impl Node {
                 what: format!("tensor \"{name}\" v0 (versions start at 1)"),
             });
         }
-        self.guarded(fetch::fetch(self, cluster, name, version))
+        self.guarded(fetch::fetch(self, cluster, name, version, progress))
             .await
     }
 
@@ -130,6 +151,14 @@ impl Node {
     /// The cluster's membership table: every node with its role, addresses, epoch and
     /// liveness, in node id order.
     pub async fn members(&self) -> Result<Vec<Member>> {
+        let rows = self.members_with_stats().await?;
+        Ok(rows.into_iter().map(|row| row.member).collect())
+    }
+
+    /// The membership table as [`members`](Self::members), each row with the stats of the
+    /// member's latest heartbeat to the broker that answered (`None` for brokers and for
+    /// nodes that heartbeat to another broker): what `tb status` shows.
+    pub async fn members_with_stats(&self) -> Result<Vec<MemberStatus>> {
         let cluster = self.cluster()?;
         let timeout = self.config().request_timeout;
         self.guarded(cluster.ctl.members(timeout)).await

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use tb_proto::{
-    CtlRequest, CtlResponse, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, Member, NodeStats,
+    CtlRequest, CtlResponse, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MemberStatus, NodeStats,
     RegistryOp, Role, TensorMeta, TensorName,
 };
 
@@ -169,8 +169,8 @@ impl CtlClient {
         Ok(all)
     }
 
-    /// `Members`: the membership table.
-    pub(crate) async fn members(&self, timeout: Duration) -> Result<Vec<Member>> {
+    /// `Members`: the membership table, with each member's latest heartbeat stats.
+    pub(crate) async fn members(&self, timeout: Duration) -> Result<Vec<MemberStatus>> {
         let mut all = Vec::new();
         for frame in self.call(&CtlRequest::Members, timeout).await? {
             match frame {

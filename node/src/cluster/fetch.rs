@@ -28,6 +28,7 @@ use crate::{
     error::{Error, Result},
     inflight::Receiving,
     node::Node,
+    progress::TransferProgress,
     store::{Inserted, Lookup},
     tensor::Tensor,
 };
@@ -37,24 +38,29 @@ const ROUNDS: usize = 2;
 /// Pause before the second look-up, so holders still receiving the version can finish.
 const RELOOKUP_DELAY: Duration = Duration::from_millis(100);
 
-/// Gets `version` (the newest if `None`) of `name` through the cluster.
+/// Gets `version` (the newest if `None`) of `name` through the cluster, recording the bytes
+/// received on `progress` as they land.
 pub(crate) async fn fetch(
     node: &Node,
     cluster: &Arc<Cluster>,
     name: TensorName,
     version: Option<u64>,
+    progress: Option<&TransferProgress>,
 ) -> Result<Pulled<Tensor>> {
     let store = &node.ctx().store;
     if let Some(v) = version
         && let Lookup::Found(v, tensor) = store.get(&name, Some(v))
     {
-        return Ok(pulled(name, v, tensor));
+        return Ok(pulled(name, v, tensor, progress));
     }
     cluster.ensure_joined().await?;
     let inflight = &node.ctx().inflight;
     let early = version.map(|v| inflight.start(&name, v, None));
     let holders = cluster.lookup(&name, version).await?;
     let (v, meta) = (holders.version, holders.meta.clone());
+    if let Some(p) = progress {
+        p.set_total(meta.byte_len);
+    }
     let mut receiving = match early {
         Some(receiving) => {
             receiving.set_meta(&meta);
@@ -66,12 +72,16 @@ pub(crate) async fn fetch(
         && tensor.hash() == meta.hash
     {
         receiving.done(tensor.clone());
-        return Ok(pulled(name, v, tensor));
+        return Ok(pulled(name, v, tensor, progress));
     }
     if let Err(e) = cluster.fetching(&name, v, true).await {
         debug!(%name, v, %e, "broker did not take the fetch start");
     }
-    let fetched = from_holders(node, cluster, &name, holders, &mut receiving).await;
+    let feed = Feed {
+        receiving: &mut receiving,
+        progress,
+    };
+    let fetched = from_holders(node, cluster, &name, holders, feed).await;
     fetch_ended(node, cluster, &name, v);
     let tensor = fetched?;
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
@@ -90,7 +100,17 @@ pub(crate) async fn fetch(
     })
 }
 
-fn pulled(name: TensorName, version: u64, tensor: Tensor) -> Pulled<Tensor> {
+/// A version this node held already: all its bytes count as received.
+fn pulled(
+    name: TensorName,
+    version: u64,
+    tensor: Tensor,
+    progress: Option<&TransferProgress>,
+) -> Pulled<Tensor> {
+    if let Some(p) = progress {
+        p.set_total(tensor.byte_len());
+        p.reached(tensor.byte_len());
+    }
     Pulled {
         name,
         version,
@@ -146,6 +166,13 @@ impl Tries {
     }
 }
 
+/// Where a get reports the bytes it receives: the cut-through feed for this node's own
+/// pullers, and the caller's progress.
+struct Feed<'a> {
+    receiving: &'a mut Receiving,
+    progress: Option<&'a TransferProgress>,
+}
+
 /// Pulls the version `first` describes from its holders, best first, then from those of one
 /// more look-up.
 async fn from_holders(
@@ -153,8 +180,12 @@ async fn from_holders(
     cluster: &Cluster,
     name: &TensorName,
     first: Holders,
-    receiving: &mut Receiving,
+    feed: Feed<'_>,
 ) -> Result<Tensor> {
+    let Feed {
+        receiving,
+        progress,
+    } = feed;
     let Holders {
         version,
         meta,
@@ -180,6 +211,7 @@ async fn from_holders(
                 dest: &mut dest,
                 resume: &mut resume,
                 feed: receiving,
+                progress,
             };
             match from_holder(node, holder, name, version, &meta, into).await {
                 Ok(()) => return Ok(Tensor::from_verified(meta, Bytes::from(dest))),

@@ -13,6 +13,7 @@ use crate::{
     error::{Error, Result},
     inflight::Receiving,
     pool::LinkGuard,
+    progress::{self, TransferProgress},
     wire::{self, HASH_BATCH, Watchdog},
 };
 
@@ -62,12 +63,13 @@ impl Resume {
     }
 }
 
-/// Where one version is received: the buffer, how far it got, and the cut-through feed that
-/// publishes the bytes to this node's own pullers.
+/// Where one version is received: the buffer, how far it got, the cut-through feed that
+/// publishes the bytes to this node's own pullers, and the caller's progress, if any.
 pub(crate) struct Into<'a> {
     pub(crate) dest: &'a mut [u8],
     pub(crate) resume: &'a mut Resume,
     pub(crate) feed: &'a Receiving,
+    pub(crate) progress: Option<&'a TransferProgress>,
 }
 
 /// Pulls the rest of `version` of `name` (described by `expected`) from the link's peer into
@@ -82,7 +84,12 @@ pub(crate) async fn pull_rest(
     expected: &TensorMeta,
     into: Into<'_>,
 ) -> Result<()> {
-    let Into { dest, resume, feed } = into;
+    let Into {
+        dest,
+        resume,
+        feed,
+        progress,
+    } = into;
     let what = format!(
         "tensor \"{name}\" v{version} at {}",
         link.peer().fmt_short()
@@ -118,6 +125,8 @@ pub(crate) async fn pull_rest(
             Ok(n) => {
                 resume.advance(dest, n);
                 feed.advance(dest, resume.filled);
+                // One relaxed atomic per read, and none without a caller watching.
+                progress::reached(progress, resume.filled as u64);
             }
             Err(e) => {
                 read = Err(e);

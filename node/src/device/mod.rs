@@ -26,7 +26,7 @@ use std::{fmt, ops::Range, str::FromStr};
 use iroh::endpoint::SendStream;
 use serde::Serialize;
 
-use crate::{config::Config, error::Result, tensor::Tensor, wire};
+use crate::{config::Config, error::Result, progress::TransferProgress, tensor::Tensor, wire};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -138,23 +138,24 @@ impl Default for CudaConfig {
 
 /// Writes `header` and then bytes `range` of `tensor`'s payload, from wherever they live: the
 /// sending half of the channel choice (host bytes as slices of the shared buffer, device
-/// bytes through pinned staging).
+/// bytes through pinned staging). The payload bytes handed to QUIC so far go to `progress`.
 pub(crate) async fn write_header_and_tensor<T: Serialize>(
     send: &mut SendStream,
     header: &T,
     tensor: &Tensor,
     range: Range<usize>,
     config: &Config,
+    progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let stall = config.stall_timeout;
     match tensor.device_buffer() {
         None => {
             let payload = tensor.data().slice(range);
-            wire::write_header_and_payload(send, header, &payload, stall).await
+            wire::write_header_and_payload(send, header, &payload, stall, progress).await
         }
         Some(buf) => {
             wire::write_frame(send, header).await?;
-            send_payload(send, buf, range, stall, &config.cuda).await
+            send_payload(send, buf, range, stall, &config.cuda, progress).await
         }
     }
 }

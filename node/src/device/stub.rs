@@ -91,6 +91,7 @@ pub(crate) async fn send_payload(
     _range: Range<usize>,
     _stall: Duration,
     _cfg: &CudaConfig,
+    _progress: Option<&crate::progress::TransferProgress>,
 ) -> Result<()> {
     match src.never {}
 }

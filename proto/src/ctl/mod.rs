@@ -11,7 +11,7 @@
 //! | `Lookup` | `Holders` |
 //! | `List` | `Listing` frames until `last` |
 //! | `Subscribe` | `Event` frames until either side closes the stream |
-//! | `Members` | `Members` frames until `last` |
+//! | `Members` | `Members` frames until `last` (member rows with their heartbeat stats) |
 //! | `SyncBuckets`, then `SyncNames` frames until `last` | `SyncDiff` frames until `last`, then `SyncEntries` frames until `last` |
 //!
 //! Anti-entropy is the one conversation: on one stream, the asker sends `SyncBuckets`, reads
@@ -24,12 +24,14 @@
 //! decoded message is untrusted until its `validate` passes.
 
 mod stats;
+mod status;
 mod validate;
 
 use serde::{Deserialize, Serialize};
 
 pub use self::{
     stats::{MAX_METRICS_URL_LEN, NodeStats},
+    status::{LastHeartbeat, MemberStatus},
     validate::CtlError,
 };
 use crate::{
@@ -111,7 +113,8 @@ pub enum CtlRequest {
         /// The names to watch.
         pattern: NamePattern,
     },
-    /// The cluster view for `tb status`: members with liveness (answered by `Members`).
+    /// The cluster view for `tb status`: members with liveness and, for those that heartbeat
+    /// to this broker, their latest stats (answered by `Members`).
     Members,
     /// Broker-to-broker anti-entropy, step 1: the asker's bucket and member digests (answered
     /// by `SyncDiff`).
@@ -162,7 +165,9 @@ impl CtlRequest {
 }
 
 /// What the asked side answers on a `tb/ctl/1` stream.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `PartialEq` only: member stats carry floats (validated finite).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CtlResponse {
     /// The request was carried out.
     Ok,
@@ -191,10 +196,10 @@ pub enum CtlResponse {
     },
     /// Something happened to a subscribed name.
     Event(Event),
-    /// A piece of the membership table.
+    /// A piece of the membership table, with each member's latest heartbeat stats.
     Members {
         /// Rows in node id order, at most [`MAX_SYNC_MEMBERS`].
-        members: Vec<Member>,
+        members: Vec<MemberStatus>,
         /// Whether this is the last frame.
         last: bool,
     },

@@ -317,11 +317,39 @@ fn listings_check_each_entry() {
     );
 }
 
+/// Heartbeat stats at their limits: every varint at its widest, every option present, the
+/// longest URL. The largest a valid `NodeStats` gets on the wire.
+fn fat_stats() -> NodeStats {
+    NodeStats {
+        pool_links: u32::MAX,
+        tensors: u64::MAX,
+        store_bytes: u64::MAX,
+        in_bytes_per_s: f64::MAX,
+        out_bytes_per_s: f64::MAX,
+        in_bytes_total: u64::MAX,
+        out_bytes_total: u64::MAX,
+        latency_p50_s: Some(f64::MAX),
+        latency_p99_s: Some(f64::MAX),
+        metrics_url: Some("u".repeat(MAX_METRICS_URL_LEN)),
+    }
+}
+
+/// A `Members` row at every limit: the largest a valid status row gets.
+fn fat_status(b: u8) -> MemberStatus {
+    MemberStatus {
+        member: fat_member(b),
+        heartbeat: Some(LastHeartbeat {
+            stats: fat_stats(),
+            age_ms: u64::MAX,
+        }),
+    }
+}
+
 #[test]
 fn member_rows_are_limited_and_checked() {
     let rows = vec![fat_member(1); MAX_SYNC_MEMBERS + 1];
     let members = CtlResponse::Members {
-        members: rows.clone(),
+        members: vec![fat_status(1); MAX_SYNC_MEMBERS + 1],
         last: true,
     };
     assert_eq!(
@@ -346,21 +374,92 @@ fn member_rows_are_limited_and_checked() {
     // Fat rows, chunked under the budget, always make frames that encode and validate.
     for chunk in chunk_by_size(rows, MAX_CHUNK_BYTES) {
         assert!(chunk.len() < MAX_SYNC_MEMBERS);
-        let frames = [
-            CtlResponse::Members {
-                members: chunk.clone(),
-                last: false,
+        let f = CtlResponse::SyncDiff {
+            members: chunk,
+            buckets: (0..=u8::MAX).collect(),
+            last: false,
+        };
+        assert_eq!(f.validate(MAX), Ok(()));
+        assert!(frame::encode(&f).is_ok());
+    }
+}
+
+#[test]
+fn member_status_rows_carry_validated_stats() {
+    let row = |stats: NodeStats| CtlResponse::Members {
+        members: vec![
+            MemberStatus::without_stats(fat_member(1)),
+            MemberStatus {
+                member: fat_member(2),
+                heartbeat: Some(LastHeartbeat { stats, age_ms: 7 }),
             },
-            CtlResponse::SyncDiff {
-                members: chunk,
-                buckets: (0..=u8::MAX).collect(),
-                last: false,
-            },
-        ];
-        for f in frames {
-            assert_eq!(f.validate(MAX), Ok(()));
-            assert!(frame::encode(&f).is_ok());
+        ],
+        last: true,
+    };
+    assert_eq!(row(fat_stats()).validate(MAX), Ok(()));
+    let nan = NodeStats {
+        out_bytes_per_s: f64::NAN,
+        ..fat_stats()
+    };
+    assert_eq!(
+        row(nan).validate(MAX),
+        Err(CtlError::BadStat {
+            field: "out_bytes_per_s"
+        })
+    );
+    let long = NodeStats {
+        metrics_url: Some("u".repeat(MAX_METRICS_URL_LEN + 1)),
+        ..fat_stats()
+    };
+    assert_eq!(
+        row(long).validate(MAX),
+        Err(CtlError::UrlTooLong {
+            len: MAX_METRICS_URL_LEN + 1
+        })
+    );
+    let mut bad = MemberStatus::without_stats(fat_member(3));
+    bad.member.addrs.push("x".into());
+    let bad = CtlResponse::Members {
+        members: vec![bad],
+        last: true,
+    };
+    assert_eq!(
+        bad.validate(MAX),
+        Err(RegistryError::TooManyAddrs {
+            node: id(3),
+            count: 9
         }
+        .into())
+    );
+}
+
+#[test]
+fn a_full_frame_of_worst_case_status_rows_fits() {
+    // The most worst-case rows one frame can hold under the chunk budget...
+    let row_bytes = postcard::to_allocvec(&fat_status(1)).expect("row").len();
+    let per_frame = MAX_CHUNK_BYTES / row_bytes;
+    assert!(per_frame > 0 && per_frame < MAX_SYNC_MEMBERS, "{per_frame}");
+    let full = CtlResponse::Members {
+        members: vec![fat_status(1); per_frame],
+        last: true,
+    };
+    assert_eq!(full.validate(MAX), Ok(()));
+    assert!(
+        frame::encode(&full).is_ok(),
+        "{per_frame} rows of {row_bytes} bytes"
+    );
+    // ...and the broker's chunking of a whole cluster of them makes frames that all fit.
+    let rows = vec![fat_status(2); MAX_SYNC_MEMBERS];
+    let chunks = chunk_by_size(rows, MAX_CHUNK_BYTES);
+    assert!(chunks.len() > 1);
+    assert_eq!(chunks.iter().map(Vec::len).sum::<usize>(), MAX_SYNC_MEMBERS);
+    for members in chunks {
+        let f = CtlResponse::Members {
+            members,
+            last: false,
+        };
+        assert_eq!(f.validate(MAX), Ok(()));
+        assert!(frame::encode(&f).is_ok());
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::{
     CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MAX_HOLDERS_REPLY,
-    MAX_LIST_LIMIT, MAX_SYNC_MEMBERS,
+    MAX_LIST_LIMIT, MAX_SYNC_MEMBERS, MemberStatus,
 };
 use crate::{
     MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, NameError, RegistryError, SYNC_BUCKETS, TensorName,
@@ -134,8 +134,9 @@ impl CtlRequest {
 
 impl CtlResponse {
     /// Checks a response that came from the network: list lengths, addresses, versions (at
-    /// least 1), bucket order, tensor metadata, member rows and entries (against
-    /// `max_tensor_bytes`). Names are checked when they are decoded.
+    /// least 1), bucket order, tensor metadata, member rows (and their stats, as in a
+    /// heartbeat) and entries (against `max_tensor_bytes`). Names are checked when they are
+    /// decoded.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), CtlError> {
         match self {
             CtlResponse::Version { version: 0 } => Err(CtlError::ZeroVersionAssigned),
@@ -176,7 +177,10 @@ impl CtlResponse {
                 check_version(name, *version)?;
                 Ok(check_meta(name, *version, meta, max_tensor_bytes)?)
             }
-            CtlResponse::Members { members, .. } => check_members(members),
+            CtlResponse::Members { members, .. } => {
+                at_most("member rows", members.len(), MAX_SYNC_MEMBERS)?;
+                members.iter().try_for_each(MemberStatus::validate)
+            }
             CtlResponse::SyncDiff {
                 members, buckets, ..
             } => {

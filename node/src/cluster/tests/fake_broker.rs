@@ -15,7 +15,7 @@ use iroh::{
 };
 use tb_proto::{
     CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, Event, Hlc, HolderAddr, ListedEntry,
-    Member, NodeId, Registry, RegistryOp, Stamp, TensorMeta, TensorName,
+    Member, MemberStatus, NodeId, Registry, RegistryOp, Stamp, TensorMeta, TensorName,
 };
 use tokio::sync::broadcast;
 
@@ -143,7 +143,12 @@ impl FakeCluster {
                 last: true,
             },
             CtlRequest::Members => CtlResponse::Members {
-                members: st.registry.members().cloned().collect(),
+                members: st
+                    .registry
+                    .members()
+                    .cloned()
+                    .map(MemberStatus::without_stats)
+                    .collect(),
                 last: true,
             },
             _ => error(ErrorCode::Malformed, "not a fake broker request"),

@@ -20,6 +20,7 @@ use super::{
 use crate::{
     device::CudaConfig,
     error::{Error, Result},
+    progress::{self, TransferProgress},
     wire::{self, Watchdog},
 };
 
@@ -46,6 +47,7 @@ pub(crate) async fn send_payload(
     range: Range<usize>,
     stall: Duration,
     cfg: &CudaConfig,
+    progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let gpu = gpu(src.ordinal(), cfg)?;
     let stream = transfer_stream(&gpu)?;
@@ -79,6 +81,7 @@ pub(crate) async fn send_payload(
         let bytes = Bytes::from_owner(Staged { lease, len });
         wire::write_chunk(send, bytes, &mut watchdog, sent, total).await?;
         sent += len;
+        progress::reached(progress, sent as u64);
     }
     Ok(())
 }

@@ -1,0 +1,182 @@
+//! `tb put` and `tb get`: a tensor file to a worker, which publishes and holds it; a tensor
+//! from the cluster into a file.
+//!
+//! Each prints one summary line on stdout (name, version, size, time, rate, and the worker or
+//! the file); while a transfer of at least [`MIN_BAR_BYTES`](crate::progress::MIN_BAR_BYTES)
+//! runs, a progress bar shows on stderr when stderr is a terminal.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use tb_node::{Node, PeerAddr, Tensor, TransferProgress, auth::node_id};
+
+use crate::{
+    cluster::Join,
+    fmt::{bytes, mb_per_s},
+    progress::{self, Bar},
+    status::short_id,
+};
+
+/// Options of `tb put`.
+#[derive(Debug, Clone, Args)]
+pub struct PutArgs {
+    /// The tensor's name (`model/layer1/w`).
+    pub name: String,
+    /// The file: `.npy`, `.safetensors`, or raw bytes (with --dtype and --shape).
+    pub file: PathBuf,
+    /// The worker to hold it (`<node-id>@<ip:port>`). Default: a live worker of the cluster.
+    #[arg(long)]
+    pub worker: Option<PeerAddr>,
+    /// In a .safetensors file with several tensors, the one to send.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Element type of a raw file (f32, bf16, u8, ...).
+    #[arg(long)]
+    pub dtype: Option<tb_node::DType>,
+    /// Shape of a raw file (`2,3,4`).
+    #[arg(long)]
+    pub shape: Option<String>,
+}
+
+/// `tb put`: sends a tensor file to a worker, which publishes and holds it; prints the
+/// version the cluster gave it.
+pub async fn put(join: &Join, args: PutArgs) -> Result<()> {
+    tb_node::proto::TensorName::new(args.name.as_str())
+        .with_context(|| format!("tensor name {:?}", args.name))?;
+    let mut opts = crate::files::ReadOptions::new(tb_node::DEFAULT_MAX_TENSOR_BYTES);
+    opts.key = args.key.clone();
+    opts.dtype = args.dtype;
+    opts.shape = match &args.shape {
+        Some(s) => Some(crate::files::parse_shape(s)?),
+        None => None,
+    };
+    let path = args.file.clone();
+    let tensor = tokio::task::spawn_blocking(move || crate::files::read(&path, &opts))
+        .await
+        .context("reading the file")??;
+    let node = join.node().await?;
+    let result = put_on(&node, &args, &tensor).await;
+    node.shutdown().await;
+    let put = result?;
+    println!(
+        "put {} v{}: {} {:?} {} in {:.2} s ({:.0} MB/s) -> worker {}",
+        args.name,
+        put.version,
+        tensor.dtype().name(),
+        tensor.meta().shape,
+        bytes(tensor.byte_len()),
+        put.seconds,
+        mb_per_s(tensor.byte_len(), put.seconds),
+        short_id(&node_id(&put.worker.id)),
+    );
+    Ok(())
+}
+
+/// What a put did: the version the cluster gave the tensor, the worker that holds it, and
+/// how long sending it took.
+struct Put {
+    version: u64,
+    worker: PeerAddr,
+    seconds: f64,
+}
+
+async fn put_on(node: &Node, args: &PutArgs, tensor: &Tensor) -> Result<Put> {
+    let worker = match &args.worker {
+        Some(w) => w.clone(),
+        None => live_worker(node).await?,
+    };
+    let progress = Arc::new(TransferProgress::default());
+    let bar = Bar::follow(format!("put {}", args.name), progress.clone());
+    let started = std::time::Instant::now();
+    let pushed = node
+        .push_with_progress(&worker, &args.name, tensor, &progress)
+        .await;
+    let seconds = started.elapsed().as_secs_f64();
+    progress::finish(bar).await;
+    pushed.with_context(|| format!("sending to worker {worker}"))?;
+    // The worker publishes what it is pushed; wait until the cluster lists this content.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(join_timeout(node));
+    loop {
+        let listed = node.list(&args.name).await.context("listing")?;
+        if let Some(e) = listed
+            .iter()
+            .find(|e| e.name.as_str() == args.name && e.meta.hash == tensor.hash())
+        {
+            return Ok(Put {
+                version: e.version,
+                worker,
+                seconds,
+            });
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("the worker took the tensor but the cluster does not list it yet");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn join_timeout(node: &Node) -> u64 {
+    node.config().request_timeout.as_secs().max(1)
+}
+
+async fn live_worker(node: &Node) -> Result<PeerAddr> {
+    let members = node.members().await.context("asking for the members")?;
+    members
+        .iter()
+        .filter(|m| m.alive && m.role == tb_node::proto::Role::Worker)
+        .find_map(|m| {
+            let id = iroh::EndpointId::from_bytes(&m.node.0).ok()?;
+            let addr = m.addrs.iter().find_map(|a| a.parse().ok())?;
+            Some(PeerAddr { id, addr })
+        })
+        .context("no live worker in the cluster to hold the tensor (start one, or pass --worker)")
+}
+
+/// Options of `tb get`.
+#[derive(Debug, Clone, Args)]
+pub struct GetArgs {
+    /// The tensor's name.
+    pub name: String,
+    /// Where to write it: `.npy`, `.safetensors`, or raw bytes for any other name.
+    /// Default: `<last part of the name>.npy` in the current folder.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// A specific version (default: the newest).
+    #[arg(long)]
+    pub version: Option<u64>,
+}
+
+/// `tb get`: fetches a tensor from the cluster and writes it to a file.
+pub async fn get(join: &Join, args: GetArgs) -> Result<()> {
+    let node = join.node().await?;
+    let progress = Arc::new(TransferProgress::default());
+    let bar = Bar::follow(format!("get {}", args.name), progress.clone());
+    let started = std::time::Instant::now();
+    let got = node
+        .get_with_progress(&args.name, args.version, &progress)
+        .await;
+    let seconds = started.elapsed().as_secs_f64();
+    progress::finish(bar).await;
+    node.shutdown().await;
+    let got = got.with_context(|| format!("getting {:?}", args.name))?;
+    let output = args.output.clone().unwrap_or_else(|| {
+        let last = args.name.rsplit('/').next().unwrap_or("tensor");
+        PathBuf::from(format!("{last}.npy"))
+    });
+    let tensor = got.buffer;
+    let key = args.name.clone();
+    let path = output.clone();
+    let format = tokio::task::spawn_blocking(move || crate::files::write(&path, &tensor, &key))
+        .await
+        .context("writing the file")??;
+    println!(
+        "get {} v{}: {} in {seconds:.2} s ({:.0} MB/s) -> {} ({format})",
+        args.name,
+        got.version,
+        bytes(got.meta.byte_len),
+        mb_per_s(got.meta.byte_len, seconds),
+        output.display(),
+    );
+    Ok(())
+}
