@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use clap::Args;
 use serde::Serialize;
-use tb_broker::{Broker, BrokerOptions};
+use tb_broker::{Broker, BrokerConfig, BrokerOptions};
 use tb_node::{Config, Node, PeerAddr, SubEvent, Tensor, rate};
 use tokio::task::JoinSet;
 
@@ -45,6 +45,10 @@ pub struct BroadcastArgs {
     /// Fetchers one source serves at a time (the broker's fan-out).
     #[arg(long, default_value_t = 2)]
     fanout: usize,
+    /// Tensors at least this big are fanned out bandwidth first (chains), smaller ones
+    /// latency first (a shallow tree), like `tb-broker --chain-min-size`.
+    #[arg(long, default_value = "8MiB", value_parser = rate::parse_size)]
+    chain_min_size: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -104,11 +108,16 @@ struct TempBroker {
     _dir: tempfile::TempDir,
 }
 
-async fn start_broker(join: &[PeerAddr], fanout: usize) -> Result<TempBroker> {
+/// A broker with the default decisions, joining `join`.
+async fn start_broker(join: &[PeerAddr]) -> Result<TempBroker> {
+    start_broker_with(join, BrokerConfig::default()).await
+}
+
+async fn start_broker_with(join: &[PeerAddr], state: BrokerConfig) -> Result<TempBroker> {
     let dir = tempfile::tempdir().context("a temporary data dir")?;
     let mut opts = BrokerOptions::new(dir.path());
     opts.join = join.to_vec();
-    opts.state.fanout = fanout.max(1);
+    opts.state = state;
     let broker = Broker::spawn(opts).await.context("starting a broker")?;
     Ok(TempBroker { broker, _dir: dir })
 }
@@ -139,7 +148,12 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
         bail!("--receivers must be at least 1");
     }
     let len = usize::try_from(args.size).context("--size does not fit in memory")?;
-    let broker = start_broker(&[], args.fanout).await?;
+    let state = BrokerConfig {
+        fanout: args.fanout.max(1),
+        chain_min_bytes: args.chain_min_size,
+        ..BrokerConfig::default()
+    };
+    let broker = start_broker_with(&[], state).await?;
     let brokers = vec![broker.broker.addr().clone()];
     let rate = args.max_upload_rate;
     let publisher = Node::spawn(node_config(brokers.clone(), rate)).await?;
@@ -149,11 +163,12 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
     }
     if !args.json {
         eprintln!(
-            "broadcast: {} to {} receivers, upload limit {} per node, fan-out {}",
+            "broadcast: {} to {} receivers, upload limit {} per node, fan-out {}, chains from {}",
             fmt::bytes(args.size),
             args.receivers,
             rate::format_rate(rate),
-            args.fanout
+            args.fanout,
+            fmt::bytes(args.chain_min_size)
         );
     }
     let result = broadcast_phases(&publisher, &receivers, len).await;
@@ -294,7 +309,7 @@ pub async fn registry(args: RegistryArgs) -> Result<()> {
             .map(|b| b.broker.addr().clone())
             .into_iter()
             .collect();
-        brokers.push(start_broker(&join, 2).await?);
+        brokers.push(start_broker(&join).await?);
     }
     let result = registry_phases(&args, &brokers).await;
     for b in brokers {
@@ -423,7 +438,7 @@ async fn registry_phases(args: &RegistryArgs, brokers: &[TempBroker]) -> Result<
     };
     // A new broker joins; time until a client of it lists every name.
     let start = Instant::now();
-    let late = start_broker(&[brokers[0].broker.addr().clone()], 2).await?;
+    let late = start_broker(&[brokers[0].broker.addr().clone()]).await?;
     let lister = client(vec![late.broker.addr().clone()]).await?;
     let caught_up = timed("the new broker catching up", async {
         loop {
