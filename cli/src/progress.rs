@@ -5,9 +5,9 @@
 //! The node records the bytes moved on a [`TransferProgress`] (one relaxed atomic per
 //! chunk); a ticker task here reads it a few times a second and moves the bar.
 
-use std::{io::IsTerminal, sync::Arc, time::Duration};
+use std::{fmt, io::IsTerminal, sync::Arc, time::Duration};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{BinaryBytes, ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 use tb_node::TransferProgress;
 use tokio::{sync::oneshot, task::JoinHandle};
 
@@ -80,10 +80,33 @@ pub async fn finish(bar: Option<Bar>) {
 /// Bytes, total, rate and ETA, the bar taking what the terminal's width leaves (one line,
 /// never wrapped).
 const TEMPLATE: &str =
-    "{msg} [{wide_bar}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}";
+    "{msg} [{wide_bar}] {binary_bytes}/{binary_total_bytes} {mean_rate} ETA {mean_eta}";
+/// Before this much time has passed, the rate is not shown (a first reading after a few
+/// milliseconds would claim hundreds of GiB/s).
+const MIN_RATE_TIME: Duration = Duration::from_millis(250);
 
 fn style() -> Result<ProgressStyle, indicatif::style::TemplateError> {
-    Ok(ProgressStyle::with_template(TEMPLATE)?.progress_chars("=> "))
+    Ok(ProgressStyle::with_template(TEMPLATE)?
+        .with_key("mean_rate", |s: &ProgressState, w: &mut dyn fmt::Write| {
+            let _ = match mean_rate(s.pos(), s.elapsed()) {
+                Some(rate) => write!(w, "{}/s", BinaryBytes(rate as u64)),
+                None => write!(w, "-"),
+            };
+        })
+        .with_key("mean_eta", |s: &ProgressState, w: &mut dyn fmt::Write| {
+            let left = s.len().unwrap_or(0).saturating_sub(s.pos());
+            let _ = match mean_rate(s.pos(), s.elapsed()) {
+                Some(rate) => write!(w, "{:.0}s", left as f64 / rate),
+                None => write!(w, "-"),
+            };
+        })
+        .progress_chars("=> "))
+}
+
+/// Bytes per second over the whole transfer so far (the bar's life), once that is long
+/// enough to mean something.
+fn mean_rate(bytes: u64, elapsed: Duration) -> Option<f64> {
+    (elapsed >= MIN_RATE_TIME && bytes > 0).then(|| bytes as f64 / elapsed.as_secs_f64())
 }
 
 fn new_bar(label: &str, total: u64) -> ProgressBar {
@@ -104,6 +127,13 @@ mod tests {
         assert!(wants_bar(true, 1 << 30));
         assert!(!wants_bar(true, MIN_BAR_BYTES - 1));
         assert!(!wants_bar(false, 1 << 30));
+    }
+
+    #[test]
+    fn the_rate_is_the_mean_and_only_once_it_means_something() {
+        assert_eq!(mean_rate(1 << 30, Duration::from_millis(5)), None);
+        assert_eq!(mean_rate(0, Duration::from_secs(3)), None);
+        assert_eq!(mean_rate(300, Duration::from_secs(3)), Some(100.0));
     }
 
     #[test]
