@@ -1,6 +1,6 @@
-//! `tb status`: the cluster's members as one broker sees them — role, addresses, liveness —
-//! and, for the workers that heartbeat to that broker, their pool, store and throughput
-//! figures and how old they are.
+//! `tb status`: the cluster's members — role, addresses, liveness — and each worker's pool,
+//! store and throughput figures from its freshest heartbeat, and how old they are. Every broker
+//! in the ticket is asked at once: each knows the figures of the workers that heartbeat to it.
 //!
 //! The table has one whitespace-free cell per column (`8MiB`, `1.5MiB/s`, `-` when unknown),
 //! so scripts can split rows on whitespace; `--json` prints the same as one JSON object.
@@ -15,30 +15,43 @@ use crate::{cluster::Join, fmt::bytes};
 /// Options of `tb status`.
 #[derive(Debug, Clone, Args)]
 pub struct StatusArgs {
-    /// Print one JSON object (`{"broker": ..., "members": [...]}`) instead of the table.
+    /// Print one JSON object (`{"answered": [...], "unanswered": [...], "members": [...]}`)
+    /// instead of the table.
     #[arg(long)]
     pub json: bool,
 }
 
-/// `tb status`: prints the members of the cluster, with their latest heartbeat figures.
+/// `tb status`: asks every broker in the ticket at once and prints the members of the
+/// cluster, each with the freshest heartbeat figures any broker heard.
 pub async fn status(join: &Join, args: &StatusArgs) -> Result<()> {
     let node = join.node().await?;
-    let rows = node.members_with_stats().await;
-    let broker = node.current_broker().map(ToString::to_string);
+    let view = node.members_with_stats().await;
     node.shutdown().await;
-    let rows = rows.context("asking for the members")?;
+    let view = view.context("asking for the members")?;
+    let answered: Vec<String> = view.answered.iter().map(ToString::to_string).collect();
+    let unanswered: Vec<Unanswered> = view
+        .unanswered
+        .iter()
+        .map(|(broker, e)| Unanswered {
+            broker: broker.to_string(),
+            error: e.to_string(),
+        })
+        .collect();
     if args.json {
-        let view = StatusView {
-            broker,
-            members: rows.iter().map(MemberView::from).collect(),
+        let out = StatusView {
+            answered,
+            unanswered,
+            members: view.members.iter().map(MemberView::from).collect(),
         };
-        println!("{}", serde_json::to_string_pretty(&view)?);
+        println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    if let Some(b) = broker {
-        println!("asked broker {b}");
+    let total = answered.len() + unanswered.len();
+    println!("brokers answering: {} of {total}", answered.len());
+    for u in &unanswered {
+        println!("  no answer from {}: {}", u.broker, u.error);
     }
-    for line in table(&rows) {
+    for line in table(&view.members) {
         println!("{line}");
     }
     Ok(())
@@ -47,9 +60,18 @@ pub async fn status(join: &Join, args: &StatusArgs) -> Result<()> {
 /// What `tb status --json` prints.
 #[derive(Debug, Serialize)]
 struct StatusView {
-    /// The broker that answered (`<node-id>@<ip:port>`).
-    broker: Option<String>,
+    /// The brokers that answered (`<node-id>@<ip:port>`).
+    answered: Vec<String>,
+    /// The brokers that did not, with why.
+    unanswered: Vec<Unanswered>,
     members: Vec<MemberView>,
+}
+
+/// A broker `tb status` got no table from.
+#[derive(Debug, Serialize)]
+struct Unanswered {
+    broker: String,
+    error: String,
 }
 
 /// One member in `tb status --json`.
@@ -60,7 +82,7 @@ struct MemberView {
     alive: bool,
     addrs: Vec<String>,
     epoch: u64,
-    /// The latest heartbeat's figures (`null` when this broker has none for the node).
+    /// The freshest heartbeat's figures (`null` when no broker that answered has any).
     stats: Option<NodeStats>,
     /// Seconds since that heartbeat.
     heartbeat_age_s: Option<f64>,
@@ -98,7 +120,7 @@ const HEADER: [&str; 10] = [
     "NODE", "ROLE", "STATE", "ADDRESS", "LINKS", "TENSORS", "STORED", "IN", "OUT", "HEARD",
 ];
 
-/// The status table: a header, then one line per member, in the broker's (node id) order.
+/// The status table: a header, then one line per member, in node id order.
 fn table(rows: &[MemberStatus]) -> Vec<String> {
     let line = |cells: [&str; 10]| {
         format!(
@@ -125,7 +147,7 @@ fn table(rows: &[MemberStatus]) -> Vec<String> {
     out
 }
 
-/// One member's cells, none with spaces; `-` for figures this broker has not heard.
+/// One member's cells, none with spaces; `-` for figures no broker has heard.
 fn cells(row: &MemberStatus) -> [String; 10] {
     let m = &row.member;
     let address = match m.addrs.as_slice() {

@@ -95,7 +95,7 @@ pub mod framing {
 }
 
 pub use client::Pulled;
-pub use cluster::{SubEvent, Subscription};
+pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{Config, DEFAULT_MAX_TENSOR_BYTES};
 #[cfg(feature = "cuda")]
 pub use cudarc;

@@ -87,9 +87,14 @@ impl Cluster {
     }
 
     fn spawn_worker(&self, i: usize, subscribe: &[&str]) -> Proc {
+        self.spawn_worker_joining(i, subscribe, &self.ticket)
+    }
+
+    /// Worker `i`, knowing only the brokers in `ticket`.
+    fn spawn_worker_joining(&self, i: usize, subscribe: &[&str], ticket: &Ticket) -> Proc {
         let mut cmd = Command::new(bin("tb-worker", "tb-node"));
         cmd.arg("--join")
-            .arg(self.ticket.to_string())
+            .arg(ticket.to_string())
             .arg("--data-dir")
             .arg(self.data(&format!("worker-{i}")))
             .arg("--listen")
@@ -535,4 +540,120 @@ async fn tb_status_shows_each_workers_links_and_tensors_and_put_get_print_clean_
         "-",
         "brokers send no heartbeat stats: {stdout}"
     );
+}
+
+/// The node ids (hex) of the workers `tb status --json` has heartbeat stats for, sorted.
+fn workers_with_stats(json: &serde_json::Value) -> Vec<String> {
+    let members = json["members"].as_array().cloned().unwrap_or_default();
+    let mut ids: Vec<String> = members
+        .iter()
+        .filter(|m| m["role"] == "worker" && m["stats"].is_object())
+        .filter_map(|m| m["node_id"].as_str().map(str::to_string))
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tb_status_asks_every_broker_and_names_the_ones_that_do_not_answer() {
+    // Two joined brokers; each worker knows (and heartbeats to) one of them only, so each
+    // broker has the figures of one worker, and only asking both shows both.
+    let mut c = Cluster::start(2, 0);
+    let only = |c: &Cluster, i: usize| Ticket {
+        brokers: vec![c.ticket.brokers[i].clone()],
+    };
+    for i in 0..2 {
+        let w = c.spawn_worker_joining(i, &[], &only(&c, i));
+        c.workers.push(w);
+    }
+    let worker_ids: Vec<String> = (0..2)
+        .map(|i| tb_node::auth::node_id(&c.worker_addr(i).id).to_hex())
+        .collect();
+    let status = |ticket: &Ticket| {
+        let out = tb(&["status", "--json"], ticket, &c.secret_file);
+        assert!(
+            out.status.success(),
+            "tb status: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap_or_default()
+    };
+    let mut both = worker_ids.clone();
+    both.sort();
+    let mut last = serde_json::Value::Null;
+    let seen = eventually_async(LIMIT, || {
+        last = status(&c.ticket);
+        let ok = workers_with_stats(&last) == both;
+        async move { ok }
+    })
+    .await;
+    assert!(seen, "both workers' figures, from two brokers: {last:#}");
+    assert_eq!(
+        last["answered"].as_array().map(Vec::len),
+        Some(2),
+        "{last:#}"
+    );
+    assert_eq!(
+        last["unanswered"].as_array().map(Vec::len),
+        Some(0),
+        "{last:#}"
+    );
+    assert_eq!(
+        last["members"].as_array().map(Vec::len),
+        Some(4),
+        "{last:#}"
+    );
+    // Asked alone, each broker knows its own worker's figures only.
+    for (i, id) in worker_ids.iter().enumerate() {
+        let alone = status(&only(&c, i));
+        assert_eq!(
+            workers_with_stats(&alone),
+            vec![id.clone()],
+            "broker {i}: {alone:#}"
+        );
+        assert_eq!(alone["answered"].as_array().map(Vec::len), Some(1));
+    }
+
+    // Broker 1 dies: tb status still answers from broker 0, names broker 1 as unanswered,
+    // and has no figures for the worker that heartbeated to broker 1 only.
+    c.brokers[1].kill9();
+    let gone = c.ticket.brokers[1].to_string();
+    let last = status(&c.ticket);
+    let unanswered = last["unanswered"].as_array().cloned().unwrap_or_default();
+    assert_eq!(unanswered.len(), 1, "{last:#}");
+    assert_eq!(unanswered[0]["broker"], gone.as_str(), "{last:#}");
+    assert!(
+        unanswered[0]["error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{last:#}"
+    );
+    assert_eq!(
+        workers_with_stats(&last),
+        vec![worker_ids[0].clone()],
+        "{last:#}"
+    );
+    let out = tb(&["status"], &c.ticket, &c.secret_file);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.starts_with("brokers answering: 1 of 2\n")
+            && stdout.contains(&format!("no answer from {gone}: ")),
+        "{stdout}"
+    );
+
+    // With every broker gone it is a clear error, not an empty table.
+    c.brokers[0].kill9();
+    let out = tb(&["status"], &c.ticket, &c.secret_file);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(stderr.contains("broker"), "{stderr}");
 }

@@ -3,12 +3,10 @@
 
 use std::time::Duration;
 
-use tb_proto::{
-    ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, MemberStatus, NamePattern, TensorName,
-};
+use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
 use tracing::debug;
 
-use super::{Subscription, fetch, subscribe};
+use super::{MembersView, Subscription, failover, fetch, members, subscribe};
 use crate::{
     client::Pulled,
     endpoint::PeerAddr,
@@ -151,17 +149,43 @@ impl Node {
     /// The cluster's membership table: every node with its role, addresses, epoch and
     /// liveness, in node id order.
     pub async fn members(&self) -> Result<Vec<Member>> {
-        let rows = self.members_with_stats().await?;
+        let cluster = self.cluster()?;
+        let timeout = self.config().request_timeout;
+        let rows = self.guarded(cluster.ctl.members(timeout)).await?;
         Ok(rows.into_iter().map(|row| row.member).collect())
     }
 
-    /// The membership table as [`members`](Self::members), each row with the stats of the
-    /// member's latest heartbeat to the broker that answered (`None` for brokers and for
-    /// nodes that heartbeat to another broker): what `tb status` shows.
-    pub async fn members_with_stats(&self) -> Result<Vec<MemberStatus>> {
+    /// The membership table as every broker this node knows sees it, asked of all of them at
+    /// once and merged: each row with the stats of the member's freshest heartbeat to any of
+    /// them (`None` for brokers and nodes no broker that answered heard stats from). What
+    /// `tb status` shows. Brokers that do not answer are listed in the view; it fails only when
+    /// none answers, as a single call would (`NoBroker`, or `Unauthorized` when all refused us).
+    pub async fn members_with_stats(&self) -> Result<MembersView> {
         let cluster = self.cluster()?;
         let timeout = self.config().request_timeout;
-        self.guarded(cluster.ctl.members(timeout)).await
+        let answers = self.guarded(async { Ok(cluster.ctl.members_each(timeout).await) });
+        let mut view = MembersView {
+            members: Vec::new(),
+            answered: Vec::new(),
+            unanswered: Vec::new(),
+        };
+        let mut tables = Vec::new();
+        for (broker, answer) in answers.await? {
+            match answer {
+                Ok(rows) => {
+                    view.answered.push(broker);
+                    tables.push(rows);
+                }
+                Err(e) => view.unanswered.push((broker, e)),
+            }
+        }
+        if view.answered.is_empty() {
+            let tried = view.unanswered.len();
+            let errors = view.unanswered.into_iter().map(|(_, e)| e).collect();
+            return Err(failover::exhausted(tried, errors));
+        }
+        view.members = members::merge(tables);
+        Ok(view)
     }
 
     /// Subscribes to the names matching `pattern` (an exact name, `prefix/*`, or `*`): every

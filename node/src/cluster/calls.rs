@@ -8,7 +8,10 @@ use tb_proto::{
 };
 
 use super::ctl_client::CtlClient;
-use crate::error::{Error, Result};
+use crate::{
+    endpoint::PeerAddr,
+    error::{Error, Result},
+};
 
 /// Where to fetch one version: a `Holders` answer.
 #[derive(Debug, Clone)]
@@ -171,13 +174,30 @@ impl CtlClient {
 
     /// `Members`: the membership table, with each member's latest heartbeat stats.
     pub(crate) async fn members(&self, timeout: Duration) -> Result<Vec<MemberStatus>> {
-        let mut all = Vec::new();
-        for frame in self.call(&CtlRequest::Members, timeout).await? {
-            match frame {
-                CtlResponse::Members { members, .. } => all.extend(members),
-                other => return Err(unexpected("Members", &other)),
-            }
-        }
-        Ok(all)
+        members_from(self.call(&CtlRequest::Members, timeout).await?)
     }
+
+    /// `Members` asked of every broker at once: each one's table, or why it gave none.
+    pub(crate) async fn members_each(
+        &self,
+        timeout: Duration,
+    ) -> Vec<(PeerAddr, Result<Vec<MemberStatus>>)> {
+        let answers = self.call_each(&CtlRequest::Members, timeout).await;
+        answers
+            .into_iter()
+            .map(|(broker, frames)| (broker, frames.and_then(members_from)))
+            .collect()
+    }
+}
+
+/// The rows of a `Members` answer's frames.
+fn members_from(frames: Vec<CtlResponse>) -> Result<Vec<MemberStatus>> {
+    let mut all = Vec::new();
+    for frame in frames {
+        match frame {
+            CtlResponse::Members { members, .. } => all.extend(members),
+            other => return Err(unexpected("Members", &other)),
+        }
+    }
+    Ok(all)
 }

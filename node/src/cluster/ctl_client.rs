@@ -143,6 +143,26 @@ impl CtlClient {
         Err(failover::exhausted(self.brokers.len(), errors))
     }
 
+    /// Sends `request` to every broker at once, without failover, and returns each one's
+    /// answer in list order: for questions whose answer differs per broker (`Members`: each
+    /// broker knows the stats of the workers that heartbeat to it).
+    pub(crate) async fn call_each(
+        &self,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Vec<(PeerAddr, Result<Vec<CtlResponse>>)> {
+        let calls = (0..self.brokers.len()).map(|i| async move {
+            let answer = self
+                .attempt(i, request, timeout)
+                .await
+                .map_err(|f| match f {
+                    Failure::Answered(e) | Failure::Unusable(e) => e,
+                });
+            (self.brokers[i].addr.clone(), answer)
+        });
+        n0_future::join_all(calls).await
+    }
+
     /// Opens a stream for a long-lived request (`Subscribe`): writes `request` and leaves both
     /// sides open. Fails over like [`call`](Self::call); returns the broker's id too.
     pub(crate) async fn open_stream(

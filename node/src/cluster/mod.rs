@@ -3,7 +3,8 @@
 //! `subscribe`).
 //!
 //! - `ctl_client`: one reused ctl connection per broker, requests with failover (`failover`
-//!   holds the pure order and error rules); `calls`: one typed method per request.
+//!   holds the pure order and error rules); `calls`: one typed method per request;
+//!   `members` merges the membership tables of several brokers (`tb status`).
 //! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
 //!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
 //! - `fetch` and `resume`: a get pulls from the holders a broker names, best first, resuming
@@ -23,6 +24,7 @@ mod calls;
 mod ctl_client;
 mod failover;
 mod fetch;
+mod members;
 mod resume;
 mod subscribe;
 #[cfg(test)]
@@ -40,8 +42,11 @@ use tb_proto::{Hlc, NodeId, RegistryOp, Stamp, TensorMeta, TensorName};
 use tokio::sync::mpsc::{self, UnboundedReceiver};
 use tracing::debug;
 
-pub use self::subscribe::{SubEvent, Subscription};
 use self::{calls::Holders, ctl_client::CtlClient};
+pub use self::{
+    members::MembersView,
+    subscribe::{SubEvent, Subscription},
+};
 use crate::{
     auth,
     config::Config,
