@@ -19,7 +19,7 @@ use crate::{
     ctl::{CtlProtocol, ask},
     gossip::GossipLoop,
     metrics::{BrokerCounters, MemberStatsBook},
-    observe::BrokerSource,
+    observe::{BrokerSource, PeerStatsRelay},
     sync::{PeerLinks, pull_from},
 };
 
@@ -82,6 +82,8 @@ pub struct Broker {
     tracker: TaskTracker,
     counters: Arc<BrokerCounters>,
     stats: Arc<MemberStatsBook>,
+    /// The dashboard's figures of workers that heartbeat to other brokers.
+    relay: Arc<PeerStatsRelay>,
     join: Vec<PeerAddr>,
 }
 
@@ -188,6 +190,11 @@ impl Broker {
             tracker,
             counters,
             stats,
+            relay: Arc::new(PeerStatsRelay::new(
+                endpoint.clone(),
+                opts.node.cluster_key.clone(),
+                opts.node.max_tensor_bytes,
+            )),
             join: opts.join.clone(),
         };
         broker.announce_self(epoch, &opts).await?;
@@ -279,6 +286,7 @@ impl Broker {
             node: self.node.clone(),
             actor: self.actor.clone(),
             stats: self.stats.clone(),
+            relay: self.relay.clone(),
         };
         AppState {
             metrics: self.metrics().clone(),
@@ -337,7 +345,7 @@ fn gossip_broadcast_config() -> iroh_gossip::proto::PlumtreeConfig {
 }
 
 /// A broker member's dialable address, if it advertises one (and is alive, if `live_only`).
-fn broker_addr(member: &Member, live_only: bool) -> Option<PeerAddr> {
+pub(crate) fn broker_addr(member: &Member, live_only: bool) -> Option<PeerAddr> {
     if member.role != Role::Broker || (live_only && !member.alive) {
         return None;
     }

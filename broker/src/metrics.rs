@@ -92,6 +92,19 @@ impl MemberStatsBook {
         map.insert(node, (now, stats));
     }
 
+    /// Records `stats` that `node` sent (to another broker) at `sent_at`, unless the book
+    /// already has stats it sent later: for figures relayed by peer brokers, which may arrive
+    /// out of order and from more than one peer.
+    pub fn record_if_younger(&self, node: NodeId, stats: NodeStats, sent_at: Instant) {
+        let newer_known = {
+            let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            map.get(&node).is_some_and(|(at, _)| *at >= sent_at)
+        };
+        if !newer_known {
+            self.record(node, stats, sent_at);
+        }
+    }
+
     /// `node`'s latest stats and their age at `now`, unless too old.
     pub fn get(&self, node: &NodeId, now: Instant) -> Option<(NodeStats, Duration)> {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -120,6 +133,27 @@ mod tests {
         assert_eq!((got.tensors, age), (2, Duration::from_secs(2)));
         assert!(book.get(&NodeId([2; 32]), t0).is_none());
         assert!(book.get(&node, t0 + STATS_MAX_AGE * 2).is_none(), "stale");
+    }
+
+    #[test]
+    fn relayed_stats_never_replace_younger_ones() {
+        let book = MemberStatsBook::default();
+        let t0 = Instant::now();
+        let node = NodeId([1; 32]);
+        let stats = |tensors| NodeStats {
+            tensors,
+            ..NodeStats::default()
+        };
+        book.record_if_younger(node, stats(2), t0 + Duration::from_secs(2));
+        book.record_if_younger(node, stats(1), t0 + Duration::from_secs(1));
+        let (got, age) = book.get(&node, t0 + Duration::from_secs(3)).expect("stats");
+        assert_eq!((got.tensors, age), (2, Duration::from_secs(1)));
+        book.record_if_younger(node, stats(3), t0 + Duration::from_secs(3));
+        assert_eq!(
+            book.get(&node, t0 + Duration::from_secs(3))
+                .map(|s| s.0.tensors),
+            Some(3)
+        );
     }
 
     #[test]

@@ -1,21 +1,30 @@
 //! What a broker shows on its metrics server: [`BrokerSource`] implements the dashboard's
-//! [`Source`] from the broker's node, its actor's registry snapshot and the heartbeat stats
-//! book.
+//! [`Source`] from the broker's node, its actor's registry snapshot, the heartbeat stats book
+//! and, for the workers that heartbeat to other brokers, the figures [`PeerStatsRelay`] asks
+//! those brokers for while someone watches.
 
 use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
 
+use iroh::Endpoint;
 use ractor::ActorRef;
 use tb_dashboard::{
     Metrics, RefreshFuture, Source,
     api::{ClusterData, EntryView, MemberStats, MemberView},
 };
-use tb_node::{Node, auth::node_id};
-use tb_proto::{Registry, Role};
+use tb_node::{Node, PeerAddr, auth::node_id};
+use tb_proto::{ClusterKey, NodeStats, Registry, Role};
+use tracing::debug;
 
-use crate::{actor::BrokerMsg, ctl::ask, metrics::MemberStatsBook};
+use crate::{
+    actor::BrokerMsg,
+    broker::broker_addr,
+    ctl::ask,
+    metrics::MemberStatsBook,
+    sync::{PeerLinks, ask_members},
+};
 
 /// Most registry entries `/api/v1/cluster` lists (the page is for people; `tb ls` pages
 /// through the rest).
@@ -24,11 +33,87 @@ pub const MAX_DASHBOARD_ENTRIES: usize = 10_000;
 /// Longest wait for the actor's registry snapshot during a scrape.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How often, at most, the dashboard's peer figures are asked for again.
+const RELAY_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest wait for a link to a peer broker, and for each frame of its answer.
+const RELAY_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The broker's side of the dashboard.
 pub(crate) struct BrokerSource {
     pub(crate) node: Node,
     pub(crate) actor: ActorRef<BrokerMsg>,
     pub(crate) stats: Arc<MemberStatsBook>,
+    pub(crate) relay: Arc<PeerStatsRelay>,
+}
+
+/// The heartbeat figures of workers that heartbeat to other brokers (a broker knows only its
+/// own workers' figures; they are not gossiped: they change every heartbeat and matter to
+/// nobody in the data path). While someone watches the dashboard, each `/api/v1/cluster`
+/// starts a refresh in the background, at most one a second and one at a time, that asks
+/// every live peer broker for `Members`; the answer never waits on a peer.
+pub(crate) struct PeerStatsRelay {
+    links: tokio::sync::Mutex<PeerLinks>,
+    /// Relayed figures, recorded at the time the worker sent them.
+    book: MemberStatsBook,
+    max_tensor_bytes: u64,
+    /// When the last refresh started (`None`: never).
+    started: std::sync::Mutex<Option<Instant>>,
+}
+
+impl PeerStatsRelay {
+    pub(crate) fn new(endpoint: Endpoint, key: ClusterKey, max_tensor_bytes: u64) -> Self {
+        PeerStatsRelay {
+            links: tokio::sync::Mutex::new(PeerLinks::new(endpoint, key, RELAY_TIMEOUT)),
+            book: MemberStatsBook::default(),
+            max_tensor_bytes,
+            started: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Starts asking `peers` in the background, unless a refresh started less than
+    /// [`RELAY_INTERVAL`] before `now`.
+    fn refresh(self: &Arc<Self>, peers: Vec<PeerAddr>, now: Instant) {
+        {
+            let mut started = self.started.lock().unwrap_or_else(|p| p.into_inner());
+            if started.is_some_and(|at| now.saturating_duration_since(at) < RELAY_INTERVAL) {
+                return;
+            }
+            *started = Some(now);
+        }
+        if peers.is_empty() {
+            return;
+        }
+        let relay = Arc::clone(self);
+        tokio::spawn(async move { relay.ask_all(&peers).await });
+    }
+
+    /// Asks each peer in turn (a refresh still running makes this one a no-op).
+    async fn ask_all(&self, peers: &[PeerAddr]) {
+        let Ok(mut links) = self.links.try_lock() else {
+            return;
+        };
+        for peer in peers {
+            let answer = match links.get(peer).await {
+                Ok(conn) => ask_members(&conn, RELAY_TIMEOUT, self.max_tensor_bytes).await,
+                Err(e) => Err(e),
+            };
+            let rows = match answer {
+                Ok(rows) => rows,
+                Err(e) => {
+                    links.drop_link(&peer.id);
+                    debug!(peer = %peer.id.fmt_short(), %e, "dashboard: no figures from peer");
+                    continue;
+                }
+            };
+            let at = Instant::now();
+            for row in rows {
+                let Some(h) = row.heartbeat else { continue };
+                if let Some(sent) = at.checked_sub(Duration::from_millis(h.age_ms)) {
+                    self.book.record_if_younger(row.member.node, h.stats, sent);
+                }
+            }
+        }
+    }
 }
 
 impl BrokerSource {
@@ -68,7 +153,15 @@ impl Source for BrokerSource {
     fn cluster(&self) -> tb_dashboard::ClusterFuture<'_> {
         Box::pin(async move {
             let registry = self.snapshot().await?;
-            Some(cluster_data(&registry, &self.stats, Instant::now()))
+            let now = Instant::now();
+            let me = node_id(&self.node.id());
+            let peers = registry
+                .members()
+                .filter(|m| m.node != me)
+                .filter_map(|m| broker_addr(m, true))
+                .collect();
+            self.relay.refresh(peers, now);
+            Some(cluster_data(&registry, &self.stats, &self.relay.book, now))
         })
     }
 }
@@ -90,11 +183,12 @@ pub(crate) fn set_registry_gauges(metrics: &Metrics, registry: &Registry) {
     metrics.cluster_dead.set(gauge(dead));
 }
 
-/// Members (with the stats of those that heartbeat here) and live entries, for
-/// `/api/v1/cluster`.
+/// Members (with the freshest stats of those that heartbeat here, in `book`, or to a peer
+/// broker, in `relayed`) and live entries, for `/api/v1/cluster`.
 pub(crate) fn cluster_data(
     registry: &Registry,
     book: &MemberStatsBook,
+    relayed: &MemberStatsBook,
     now: Instant,
 ) -> ClusterData {
     let members = registry
@@ -109,8 +203,7 @@ pub(crate) fn cluster_data(
             addrs: m.addrs.clone(),
             epoch: m.epoch,
             alive: m.alive,
-            stats: book
-                .get(&m.node, now)
+            stats: youngest(book.get(&m.node, now), relayed.get(&m.node, now))
                 .map(|(s, age)| MemberStats::from_heartbeat(&s, age.as_secs_f64())),
         })
         .collect();
@@ -128,6 +221,17 @@ pub(crate) fn cluster_data(
         })
         .collect();
     ClusterData { members, entries }
+}
+
+/// The younger of two figures.
+fn youngest(
+    a: Option<(NodeStats, Duration)>,
+    b: Option<(NodeStats, Duration)>,
+) -> Option<(NodeStats, Duration)> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(if b.1 < a.1 { b } else { a }),
+        (a, b) => a.or(b),
+    }
 }
 
 #[cfg(test)]
@@ -174,7 +278,16 @@ mod tests {
             ..NodeStats::default()
         };
         book.record(w1, stats, now);
-        let view = cluster_data(&reg, &book, now + Duration::from_millis(500));
+        // w2 heartbeats to a peer broker, whose answer was relayed: 2 s old. w1's relayed
+        // figures are older than this broker's own, so they are not shown.
+        let relayed = MemberStatsBook::default();
+        let relayed_stats = |tensors| NodeStats {
+            tensors,
+            ..NodeStats::default()
+        };
+        relayed.record(w2, relayed_stats(7), now - Duration::from_millis(1_500));
+        relayed.record(w1, relayed_stats(9), now - Duration::from_secs(1));
+        let view = cluster_data(&reg, &book, &relayed, now + Duration::from_millis(500));
         assert_eq!(view.members.len(), 2);
         let m1 = &view.members[0];
         assert_eq!(
@@ -188,7 +301,12 @@ mod tests {
         let json = serde_json::to_value(s).expect("stats as JSON");
         assert_eq!(json["tensors"], 1);
         assert_eq!(json["age_s"], 0.5);
-        assert!(view.members[1].stats.is_none());
+        let s2 = view.members[1]
+            .stats
+            .as_ref()
+            .expect("w2's relayed figures");
+        assert_eq!(s2.stats.tensors, 7);
+        assert!((s2.age_s - 2.0).abs() < 1e-9);
         let e = &view.entries[0];
         assert_eq!(
             (e.name.as_str(), e.version, e.dtype.as_str()),

@@ -28,7 +28,7 @@ use tb_node::{
 };
 use tb_proto::{
     CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, Entry, MAX_CHUNK_BYTES, MAX_SYNC_MEMBERS,
-    Member, NodeId, Registry, TensorName, chunk_by_size,
+    Member, MemberStatus, NodeId, Registry, TensorName, chunk_by_size,
 };
 
 use crate::{actor::BrokerMsg, ctl::ask};
@@ -138,6 +138,36 @@ pub(crate) async fn pull_from(
             .map_err(|_| "broker stopped".to_string())?;
     }
     Ok(stats)
+}
+
+/// Asks the peer broker on `conn` for its membership table (`Members`), with the stats of the
+/// workers that heartbeat to it: what a broker's dashboard relays about the peers' workers.
+pub(crate) async fn ask_members(
+    conn: &Connection,
+    timeout: Duration,
+    max_tensor_bytes: u64,
+) -> Result<Vec<MemberStatus>, SyncError> {
+    let (mut send, mut recv) = tokio::time::timeout(timeout, conn.open_bi())
+        .await
+        .map_err(|_| "opening a stream timed out".to_string())?
+        .map_err(|e| format!("opening a stream: {e}"))?;
+    write_request(&mut send, &CtlRequest::Members).await?;
+    let _ = send.finish();
+    let mut rows = Vec::new();
+    for _ in 0..MAX_STEP_FRAMES {
+        match read_response(&mut recv, timeout, max_tensor_bytes).await? {
+            CtlResponse::Members { members, last } => {
+                rows.extend(members);
+                if last {
+                    return Ok(rows);
+                }
+            }
+            _ => return Err("peer answered Members with another kind of frame".to_string()),
+        }
+    }
+    Err(format!(
+        "peer sent more than {MAX_STEP_FRAMES} Members frames"
+    ))
 }
 
 async fn read_diff(

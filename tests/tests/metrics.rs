@@ -385,3 +385,53 @@ fn every_contract_family_is_exported_at_zero_by_its_role() {
     assert!(worker.terminate(Duration::from_secs(15)), "graceful exit");
     assert!(broker.terminate(Duration::from_secs(15)), "graceful exit");
 }
+
+#[test]
+fn a_brokers_cluster_view_shows_the_figures_of_workers_that_heartbeat_to_another_broker() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
+    let log = |name: &str| dir.path().join(format!("{name}.log"));
+    let mut b0 = Proc::start(
+        "broker-0",
+        broker_command(dir.path(), "broker-0", &secret),
+        &log("broker-0"),
+    );
+    let t0: Ticket = b0.wait_line("ticket:", START).parse().expect("ticket");
+    let url0 = b0.wait_line("metrics:", START);
+    let mut cmd = broker_command(dir.path(), "broker-1", &secret);
+    cmd.arg("--join").arg(t0.to_string());
+    let mut b1 = Proc::start("broker-1", cmd, &log("broker-1"));
+    let t1: Ticket = b1.wait_line("ticket:", START).parse().expect("ticket");
+    // The worker knows (and heartbeats to) broker 1 only.
+    let only_b1 = Ticket {
+        brokers: vec![t1.brokers[0].clone()],
+    };
+    let cmd = worker_command(dir.path(), "worker", &secret, &only_b1.to_string());
+    let mut w = Proc::start("worker", cmd, &log("worker"));
+    let addr: PeerAddr = w
+        .wait_line("worker:", START)
+        .parse()
+        .expect("worker address");
+    let id = node_id(&addr.id).to_string();
+
+    // Broker 0's dashboard shows the worker's figures, relayed from broker 1.
+    let url = format!("{url0}/api/v1/cluster");
+    let mut last = Value::Null;
+    let shown = poll(SETTLE, || {
+        last = get_json(&url);
+        let members = last["members"].as_array().cloned().unwrap_or_default();
+        members.iter().any(|m| {
+            m["node_id"] == id.as_str()
+                && m["role"] == "worker"
+                && m["alive"] == true
+                && m["stats"]["tensors"] == 0
+                && m["stats"]["metrics_url"].is_string()
+                && m["stats"]["age_s"].as_f64().is_some_and(|a| a >= 0.0)
+        })
+    });
+    assert!(shown, "broker 0's view of the worker: {last:#}");
+    drop(w);
+    drop(b1);
+    drop(b0);
+}
