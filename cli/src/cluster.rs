@@ -172,6 +172,7 @@ pub struct UpArgs {
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// First UDP port: brokers listen on it and the ports after it, workers from +100.
+    /// 0: any free ports (the ticket and the worker lines name them).
     #[arg(long, default_value_t = 7410)]
     pub base_port: u16,
     /// First TCP port of the metrics servers (one per broker and worker): brokers on it and
@@ -183,9 +184,6 @@ pub struct UpArgs {
 /// The metrics port of broker `i` (`worker: false`) or worker `i`: brokers from `base`,
 /// workers from `base + 10` (after the brokers when there are more than 10). 0 stays 0.
 fn metrics_port(base: u16, brokers: usize, worker: bool, i: usize) -> Result<u16> {
-    if base == 0 {
-        return Ok(0);
-    }
     let offset = if worker { brokers.max(10) + i } else { i };
     port(base, offset)
 }
@@ -251,9 +249,10 @@ pub async fn up(args: UpArgs) -> Result<()> {
         servers.push(server);
         workers.push(worker);
     }
-    let ticket = match brokers.first() {
-        Some(b) => b.ticket().await,
-        None => bail!("no broker started"),
+    // Every broker this process started, in order: a broker's own ticket names only the
+    // brokers it has heard of so far, and the others may not have gossiped their rows yet.
+    let ticket = Ticket {
+        brokers: broker_addrs,
     };
     let ticket_file = dir.join("ticket");
     std::fs::write(&ticket_file, format!("{ticket}\n"))
@@ -287,7 +286,11 @@ pub async fn up(args: UpArgs) -> Result<()> {
     Ok(())
 }
 
+/// Port `base + offset`; 0 stays 0 (any free port).
 fn port(base: u16, offset: usize) -> Result<u16> {
+    if base == 0 {
+        return Ok(0);
+    }
     u16::try_from(offset)
         .ok()
         .and_then(|o| base.checked_add(o))

@@ -657,3 +657,70 @@ async fn tb_status_asks_every_broker_and_names_the_ones_that_do_not_answer() {
     );
     assert!(stderr.contains("broker"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tb_up_runs_a_cluster_whose_ticket_names_every_broker_and_stops_cleanly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("up");
+    let mut cmd = Command::new(bin("tb", "tb-cli"));
+    cmd.args(["up", "--brokers", "2", "--workers", "2"])
+        .args(["--base-port", "0", "--metrics-port", "0"])
+        .arg("--data-dir")
+        .arg(&data);
+    let mut up = Proc::start("tb up", cmd, &dir.path().join("up.log"));
+    let ticket: Ticket = up.wait_line("ticket:", START).parse().expect("ticket");
+    up.wait_line("dashboard:", START);
+    assert_eq!(
+        ticket.brokers.len(),
+        2,
+        "both brokers in the ticket: {ticket}"
+    );
+    let secret = data.join("secret");
+    let written = std::fs::read_to_string(data.join("ticket")).expect("ticket file");
+    assert_eq!(written.trim(), ticket.to_string());
+
+    // A round trip through the cluster, as the README tells a new user to do.
+    let input = dir.path().join("in.bin");
+    let bytes = pattern(1 << 20, 5);
+    std::fs::write(&input, &bytes).expect("write");
+    let input_s = input.to_string_lossy().to_string();
+    let shape = bytes.len().to_string();
+    let put = ["put", "up/x", &input_s, "--dtype", "u8", "--shape", &shape];
+    let out = tb(&put, &ticket, &secret);
+    assert!(
+        out.status.success(),
+        "tb put: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let back = dir.path().join("back.bin").to_string_lossy().to_string();
+    let out = tb(&["get", "up/x", "-o", &back], &ticket, &secret);
+    assert!(
+        out.status.success(),
+        "tb get: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read(&back).expect("read back"), bytes.to_vec());
+
+    // Both brokers answer tb status, and it lists all four members.
+    let out = tb(&["status", "--json"], &ticket, &secret);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(
+        json["answered"].as_array().map(Vec::len),
+        Some(2),
+        "{json:#}"
+    );
+    assert_eq!(
+        json["members"].as_array().map(Vec::len),
+        Some(4),
+        "{json:#}"
+    );
+
+    // Ctrl-C (SIGTERM here) stops everything and removes the ticket it wrote.
+    assert!(up.terminate(Duration::from_secs(30)), "tb up exits 0");
+    assert!(!data.join("ticket").exists(), "ticket file removed");
+}
