@@ -79,30 +79,41 @@ pub struct MemberStatsBook(Mutex<HashMap<NodeId, (Instant, NodeStats)>>);
 impl MemberStatsBook {
     /// Records `stats` from `node`, received at `now`.
     pub fn record(&self, node: NodeId, stats: NodeStats, now: Instant) {
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if !map.contains_key(&node) && map.len() >= MAX_SYNC_MEMBERS {
-            map.retain(|_, (at, _)| now.saturating_duration_since(*at) < STATS_MAX_AGE);
-            if map.len() >= MAX_SYNC_MEMBERS {
-                let oldest = map.iter().min_by_key(|(_, (at, _))| *at).map(|(n, _)| *n);
-                if let Some(oldest) = oldest {
-                    map.remove(&oldest);
-                }
-            }
-        }
-        map.insert(node, (now, stats));
+        self.record_unless(node, stats, now, |_| false);
     }
 
     /// Records `stats` that `node` sent (to another broker) at `sent_at`, unless the book
     /// already has stats it sent later: for figures relayed by peer brokers, which may arrive
     /// out of order and from more than one peer.
     pub fn record_if_younger(&self, node: NodeId, stats: NodeStats, sent_at: Instant) {
-        let newer_known = {
-            let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            map.get(&node).is_some_and(|(at, _)| *at >= sent_at)
-        };
-        if !newer_known {
-            self.record(node, stats, sent_at);
+        self.record_unless(node, stats, sent_at, |known_at| known_at >= sent_at);
+    }
+
+    /// Records `stats` from `node` dated `at`, unless the row the book has for `node` was
+    /// dated at a time `keep` approves of. Evicts stale rows, then the oldest, when full.
+    fn record_unless(
+        &self,
+        node: NodeId,
+        stats: NodeStats,
+        at: Instant,
+        keep: impl Fn(Instant) -> bool,
+    ) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match map.get(&node) {
+            Some((known_at, _)) if keep(*known_at) => return,
+            Some(_) => {}
+            None if map.len() >= MAX_SYNC_MEMBERS => {
+                map.retain(|_, (t, _)| at.saturating_duration_since(*t) < STATS_MAX_AGE);
+                if map.len() >= MAX_SYNC_MEMBERS {
+                    let oldest = map.iter().min_by_key(|(_, (t, _))| *t).map(|(n, _)| *n);
+                    if let Some(oldest) = oldest {
+                        map.remove(&oldest);
+                    }
+                }
+            }
+            None => {}
         }
+        map.insert(node, (at, stats));
     }
 
     /// `node`'s latest stats and their age at `now`, unless too old.
@@ -118,15 +129,18 @@ impl MemberStatsBook {
 mod tests {
     use super::*;
 
+    fn stats(tensors: u64) -> NodeStats {
+        NodeStats {
+            tensors,
+            ..NodeStats::default()
+        }
+    }
+
     #[test]
     fn the_book_keeps_the_latest_stats_and_forgets_stale_ones() {
         let book = MemberStatsBook::default();
         let t0 = Instant::now();
         let node = NodeId([1; 32]);
-        let stats = |tensors| NodeStats {
-            tensors,
-            ..NodeStats::default()
-        };
         book.record(node, stats(1), t0);
         book.record(node, stats(2), t0 + Duration::from_secs(1));
         let (got, age) = book.get(&node, t0 + Duration::from_secs(3)).expect("stats");
@@ -140,10 +154,6 @@ mod tests {
         let book = MemberStatsBook::default();
         let t0 = Instant::now();
         let node = NodeId([1; 32]);
-        let stats = |tensors| NodeStats {
-            tensors,
-            ..NodeStats::default()
-        };
         book.record_if_younger(node, stats(2), t0 + Duration::from_secs(2));
         book.record_if_younger(node, stats(1), t0 + Duration::from_secs(1));
         let (got, age) = book.get(&node, t0 + Duration::from_secs(3)).expect("stats");
