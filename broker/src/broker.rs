@@ -186,14 +186,16 @@ impl Broker {
             node,
             actor,
             actor_done,
-            cancel,
-            tracker,
+            cancel: cancel.clone(),
+            tracker: tracker.clone(),
             counters,
             stats,
             relay: Arc::new(PeerStatsRelay::new(
                 endpoint.clone(),
                 opts.node.cluster_key.clone(),
                 opts.node.max_tensor_bytes,
+                tracker,
+                cancel,
             )),
             join: opts.join.clone(),
         };

@@ -16,6 +16,7 @@ use tb_dashboard::{
 };
 use tb_node::{Node, PeerAddr, auth::node_id};
 use tb_proto::{ClusterKey, NodeStats, Registry, Role};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
@@ -58,15 +59,26 @@ pub(crate) struct PeerStatsRelay {
     max_tensor_bytes: u64,
     /// When the last refresh started (`None`: never).
     started: std::sync::Mutex<Option<Instant>>,
+    /// The broker's tasks and its shutdown signal: a refresh is one of them, and stops with it.
+    tracker: TaskTracker,
+    cancel: CancellationToken,
 }
 
 impl PeerStatsRelay {
-    pub(crate) fn new(endpoint: Endpoint, key: ClusterKey, max_tensor_bytes: u64) -> Self {
+    pub(crate) fn new(
+        endpoint: Endpoint,
+        key: ClusterKey,
+        max_tensor_bytes: u64,
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Self {
         PeerStatsRelay {
             links: tokio::sync::Mutex::new(PeerLinks::new(endpoint, key, RELAY_TIMEOUT)),
             book: MemberStatsBook::default(),
             max_tensor_bytes,
             started: std::sync::Mutex::new(None),
+            tracker,
+            cancel,
         }
     }
 
@@ -80,11 +92,16 @@ impl PeerStatsRelay {
             }
             *started = Some(now);
         }
-        if peers.is_empty() {
+        if peers.is_empty() || self.cancel.is_cancelled() {
             return;
         }
         let relay = Arc::clone(self);
-        tokio::spawn(async move { relay.ask_all(&peers).await });
+        self.tracker.spawn(async move {
+            tokio::select! {
+                _ = relay.cancel.cancelled() => {}
+                _ = relay.ask_all(&peers) => {}
+            }
+        });
     }
 
     /// Asks each peer in turn (a refresh still running makes this one a no-op).
