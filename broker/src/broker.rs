@@ -7,7 +7,10 @@ use iroh::{EndpointId, address_lookup::MemoryLookup};
 use iroh_gossip::{Gossip, TopicId, api::GossipSender};
 use ractor::{Actor, ActorRef};
 use tb_dashboard::{AppState, Metrics, Role as MetricsRole};
-use tb_node::{Node, PeerAddr, Ticket, auth::node_id};
+use tb_node::{
+    Node, PeerAddr, Ticket,
+    auth::{self, node_id},
+};
 use tb_proto::{CTL_ALPN, Member, Role};
 use tokio::sync::{Notify, mpsc};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -146,6 +149,7 @@ impl Broker {
             key: opts.node.cluster_key.clone(),
             me,
             request_timeout: opts.node.request_timeout,
+            admission: auth::Admission::new(&opts.node),
             max_tensor_bytes: opts.node.max_tensor_bytes,
             cancel: cancel.clone(),
             tracker: tracker.clone(),

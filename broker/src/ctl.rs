@@ -41,6 +41,9 @@ pub(crate) struct CtlProtocol {
     pub(crate) key: ClusterKey,
     pub(crate) me: iroh::EndpointId,
     pub(crate) request_timeout: Duration,
+    /// What connections get before their hello is verified (its own waiting slots: the
+    /// data plane's are separate).
+    pub(crate) admission: auth::Admission,
     pub(crate) max_tensor_bytes: u64,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
@@ -62,9 +65,9 @@ impl ProtocolHandler for CtlProtocol {
             self.me,
             &self.key,
             CTL_ALPN,
-            self.request_timeout,
+            &self.admission,
             self.max_tensor_bytes,
-            || self.counters.auth_failures.inc(),
+            |reason| self.counters.auth_failures.inc(reason),
         );
         if let Err(err) = hello.await {
             debug!(%err, "ctl hello failed");

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tb_dashboard::{IntCounter, Metrics};
+use tb_dashboard::{AuthFailures, IntCounter, Metrics};
 use tb_proto::{MAX_SYNC_MEMBERS, NodeId, NodeStats};
 
 /// A monotonically increasing count.
@@ -38,9 +38,9 @@ impl Counter {
 pub struct BrokerCounters {
     /// `tb/ctl/1` requests served.
     pub requests: Counter,
-    /// Peers refused because they could not prove the cluster secret (`tb_auth_failures_total`,
+    /// Peers refused before authenticating, by reason (`tb_auth_failures_total{reason}`,
     /// shared with the broker's data plane).
-    pub auth_failures: IntCounter,
+    pub auth_failures: AuthFailures,
     /// Registry ops broadcast (`tb_gossip_messages_total{direction="out"}`).
     pub gossip_sent: IntCounter,
     /// Registry ops received from other brokers (`tb_gossip_messages_total{direction="in"}`).

@@ -393,6 +393,8 @@ struct RawServer {
 
 impl ProtocolHandler for RawServer {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        // No hello on the raw protocol: open the data path's limits at once.
+        tb_node::open_link(&conn, Config::default().max_concurrent_streams);
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
             let data = self.data.clone();
             tokio::spawn(async move {
@@ -532,7 +534,9 @@ impl Client {
             }
             Client::Raw { ep, to, conn } => {
                 if conn.is_none() {
-                    *conn = Some(ep.connect(to.to_endpoint_addr(), RAW_ALPN).await?);
+                    let dialed = ep.connect(to.to_endpoint_addr(), RAW_ALPN).await?;
+                    tb_node::open_link(&dialed, 0);
+                    *conn = Some(dialed);
                 }
                 let conn = conn.as_ref().context("connection")?;
                 let (mut send, mut recv) = conn.open_bi().await?;

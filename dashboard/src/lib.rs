@@ -29,7 +29,8 @@ mod server;
 mod window;
 
 pub use metrics::{
-    Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind, TransferTimer, VERSION,
+    AuthFailure, AuthFailures, Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind,
+    TransferTimer, VERSION,
 };
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
 pub use prometheus::{IntCounter, IntGauge};

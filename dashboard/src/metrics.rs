@@ -77,6 +77,65 @@ impl TransferKind {
     }
 }
 
+/// Why a peer was refused before its hello was verified (the `reason` label of
+/// `tb_auth_failures_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// Its hello did not prove the cluster secret.
+    BadProof,
+    /// No whole hello arrived within the hello timeout.
+    Timeout,
+    /// The first frame was not a hello, or its stream ended early.
+    Malformed,
+    /// The hello frame declared more bytes than a hello may have.
+    TooLarge,
+    /// Too many connections were already waiting to authenticate.
+    TooManyPending,
+}
+
+impl AuthFailure {
+    /// Every reason, in label order.
+    pub const ALL: [AuthFailure; 5] = [
+        AuthFailure::BadProof,
+        AuthFailure::Timeout,
+        AuthFailure::Malformed,
+        AuthFailure::TooLarge,
+        AuthFailure::TooManyPending,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthFailure::BadProof => "bad_proof",
+            AuthFailure::Timeout => "timeout",
+            AuthFailure::Malformed => "malformed",
+            AuthFailure::TooLarge => "too_large",
+            AuthFailure::TooManyPending => "too_many_pending",
+        }
+    }
+}
+
+/// `tb_auth_failures_total{reason}`: one counter per [`AuthFailure`]. Clones share the counts.
+#[derive(Debug, Clone)]
+pub struct AuthFailures([IntCounter; AuthFailure::ALL.len()]);
+
+impl AuthFailures {
+    /// Counts one refusal for `reason`.
+    pub fn inc(&self, reason: AuthFailure) {
+        self.0[reason as usize].inc();
+    }
+
+    /// Refusals counted for `reason`.
+    pub fn get(&self, reason: AuthFailure) -> u64 {
+        self.0[reason as usize].get()
+    }
+
+    /// Refusals counted, every reason together.
+    pub fn total(&self) -> u64 {
+        self.0.iter().map(IntCounter::get).sum()
+    }
+}
+
 /// Could not create or register a metric (a bug: names and labels are fixed).
 #[derive(Debug, thiserror::Error)]
 #[error("metrics: {0}")]
@@ -135,8 +194,8 @@ pub struct Metrics {
     pub store_bytes: IntGauge,
     /// `tb_store_tensors` (workers).
     pub store_tensors: IntGauge,
-    /// `tb_auth_failures_total`.
-    pub auth_failures: IntCounter,
+    /// `tb_auth_failures_total{reason}`.
+    pub auth_failures: AuthFailures,
     throughput: Mutex<ThroughputWindow>,
 }
 
@@ -191,6 +250,12 @@ impl Metrics {
             "tb_cluster_nodes",
             "Cluster members this broker knows, by liveness",
             "state",
+        )?;
+        let auth_failures = counter_vec(
+            r,
+            "tb_auth_failures_total",
+            "Peers refused before authenticating, by reason",
+            &["reason"],
         )?;
         let build = gauge_vec_labels(
             r,
@@ -250,11 +315,9 @@ impl Metrics {
                 "tb_store_tensors",
                 "Tensor versions held in the store",
             )?,
-            auth_failures: counter(
-                Some(r),
-                "tb_auth_failures_total",
-                "Peers refused because they could not prove the cluster secret",
-            )?,
+            auth_failures: AuthFailures(
+                AuthFailure::ALL.map(|k| auth_failures.with_label_values(&[k.as_str()])),
+            ),
             throughput: Mutex::new(ThroughputWindow::new(window::WINDOW)),
             registry,
             role,
@@ -600,6 +663,7 @@ mod tests {
             "tb_transfer_duration_seconds_count{kind=\"push\"} 0",
             "tb_gossip_messages_total{direction=\"out\"} 0",
             "tb_cluster_nodes{state=\"dead\"} 0",
+            "tb_auth_failures_total{reason=\"too_many_pending\"} 0",
             "tb_build_info{role=\"broker\",version=\"0.1.0\"} 1",
         ] {
             assert!(text.contains(series), "missing {series} in\n{text}");
@@ -612,6 +676,26 @@ mod tests {
         let b = Metrics::new(Role::Worker).expect("b");
         a.pool_dials.inc();
         assert_eq!((a.pool_dials.get(), b.pool_dials.get()), (1, 0));
+    }
+
+    #[test]
+    fn auth_failures_are_counted_by_reason() {
+        let m = Metrics::new(Role::Worker).expect("metrics");
+        let shared = m.auth_failures.clone();
+        shared.inc(AuthFailure::Timeout);
+        m.auth_failures.inc(AuthFailure::Timeout);
+        m.auth_failures.inc(AuthFailure::BadProof);
+        assert_eq!(m.auth_failures.get(AuthFailure::Timeout), 2);
+        assert_eq!(m.auth_failures.get(AuthFailure::Malformed), 0);
+        assert_eq!(m.auth_failures.total(), 3);
+        let text = m.encode();
+        for series in [
+            "tb_auth_failures_total{reason=\"timeout\"} 2",
+            "tb_auth_failures_total{reason=\"bad_proof\"} 1",
+            "tb_auth_failures_total{reason=\"too_large\"} 0",
+        ] {
+            assert!(text.contains(series), "missing {series} in\n{text}");
+        }
     }
 
     #[test]

@@ -7,34 +7,78 @@
 //! so both sides know the other is of the cluster before any request is served either way.
 //! Nodes without a secret use [`ClusterKey::open`]: the same exchange, which any open node
 //! passes and no node with a secret does.
+//!
+//! Until the hello is verified a peer is held to little (see [`Admission`]): the hello is
+//! read under [`MAX_HELLO_FRAME`], within [`Config::hello_timeout`], by at most
+//! [`Config::max_pending_handshakes`] connections at once, under the pre-auth flow-control
+//! limits of [`crate::endpoint`]; each side opens those limits only once it has verified the
+//! other ([`endpoint::open_link`]). Every refusal is counted by [`AuthFailure`] reason.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use iroh::{
     EndpointId,
     endpoint::{Connection, ConnectionError, VarInt},
 };
-use tb_proto::{CloseCode, ClusterKey, Hello, HelloReply, NodeId};
+use tb_dashboard::AuthFailure;
+use tb_proto::{CloseCode, ClusterKey, FrameError, Hello, HelloReply, MAX_HELLO_FRAME, NodeId};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
 
 use crate::{
+    config::Config,
+    endpoint,
     error::{Error, Result},
     wire::{self, ReadFrameError},
 };
+
+/// What a server grants connections before their hello is verified: a bounded number of
+/// them wait at once, each for a bounded time. One per protocol handler; clones share the
+/// waiting slots.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    waiting: Arc<Semaphore>,
+    /// How long a connection may take to deliver a hello that verifies.
+    pub hello_timeout: Duration,
+    /// Streams an admitted peer may open at once.
+    pub max_streams: u32,
+}
+
+impl Admission {
+    /// The limits of `config`: [`Config::max_pending_handshakes`],
+    /// [`Config::hello_timeout`], [`Config::max_concurrent_streams`].
+    pub fn new(config: &Config) -> Self {
+        Admission {
+            waiting: Arc::new(Semaphore::new(
+                config.max_pending_handshakes.clamp(1, Semaphore::MAX_PERMITS),
+            )),
+            hello_timeout: config.hello_timeout,
+            max_streams: config.max_concurrent_streams,
+        }
+    }
+
+    /// A waiting slot for one connection's hello, or `None` when all are taken.
+    fn enter(&self) -> Option<OwnedSemaphorePermit> {
+        self.waiting.clone().try_acquire_owned().ok()
+    }
+}
 
 /// A node id as `tb-proto` spells it.
 pub fn node_id(id: &EndpointId) -> NodeId {
     NodeId(*id.as_bytes())
 }
 
-/// Client side: proves knowledge of `key` to the server of `conn` and checks its answer.
-/// Returns the server's maximum tensor size.
+/// Client side: proves knowledge of `key` to the server of `conn` and checks its answer; once
+/// the server is verified, lets it open `max_streams` streams back (0 where servers open
+/// none, as on `tb/ctl/1`) and opens the link's window. Returns the server's maximum tensor
+/// size.
 pub async fn client_hello(
     conn: &Connection,
     me: EndpointId,
     key: &ClusterKey,
     alpn: &[u8],
     timeout: Duration,
+    max_streams: u32,
 ) -> Result<u64> {
     let (me, peer) = (node_id(&me), node_id(&conn.remote_id()));
     let exchange = async {
@@ -71,6 +115,7 @@ pub async fn client_hello(
             conn.remote_id().fmt_short()
         )));
     }
+    endpoint::open_link(conn, max_streams);
     Ok(max_tensor_bytes)
 }
 
@@ -89,55 +134,90 @@ async fn closing_reason(conn: &Connection) -> Option<ConnectionError> {
         .ok()
 }
 
-/// Server side: reads the client's [`Hello`] from the first stream it opens and checks it.
-/// On `Err` the connection is already closed (with `Unauthorized` for a wrong proof, after
-/// `on_refusal` ran, so a metric counts it before the client can see the refusal) and the
-/// caller must serve nothing on it.
+/// Server side: reads the client's [`Hello`] from the first stream it opens and checks it,
+/// within `admission`'s limits; once it verifies, opens the link's limits and answers.
+/// On `Err` the connection is already closed (with `Unauthorized` for a wrong proof) and the
+/// caller must serve nothing on it. Every refusal runs `on_refusal` with its reason first, so
+/// a metric counts it before the client can see it; a peer that goes away by itself is no
+/// refusal.
 pub async fn server_hello(
     conn: &Connection,
     me: EndpointId,
     key: &ClusterKey,
     alpn: &[u8],
-    timeout: Duration,
+    admission: &Admission,
     max_tensor_bytes: u64,
-    on_refusal: impl FnOnce(),
+    on_refusal: impl FnOnce(AuthFailure),
 ) -> Result<()> {
+    let who = conn.remote_id().fmt_short().to_string();
+    let Some(_waiting) = admission.enter() else {
+        debug!(peer = %who, "refusing a connection: too many waiting to authenticate");
+        on_refusal(AuthFailure::TooManyPending);
+        close(conn, CloseCode::TooManyHandshakes);
+        return Err(Error::PeerUnreachable {
+            peer: who,
+            reason: "refused: too many connections waiting to authenticate".into(),
+        });
+    };
     let (me, peer) = (node_id(&me), node_id(&conn.remote_id()));
     let exchange = async {
-        let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| closed_error(conn, e))?;
-        let hello = wire::read_frame::<Hello>(&mut recv)
+        let (mut send, mut recv) = conn
+            .accept_bi()
             .await
-            .map_err(|e| e.into_error("hello"))?;
+            .map_err(|e| (None, closed_error(conn, e)))?;
+        let hello = wire::read_frame_within::<Hello>(&mut recv, MAX_HELLO_FRAME)
+            .await
+            .map_err(|e| (hello_failure(conn, &e), e.into_error("hello")))?;
         if !key.verify(alpn, &peer, &me, &hello.proof) {
             return Ok(false);
         }
+        endpoint::open_link(conn, admission.max_streams);
         let reply = HelloReply::Welcome {
             max_tensor_bytes,
             proof: key.proof(alpn, &me, &peer),
         };
-        wire::write_frame(&mut send, &reply).await?;
+        wire::write_frame(&mut send, &reply)
+            .await
+            .map_err(|e| (None, e))?;
         let _ = send.finish();
-        Ok::<_, Error>(true)
+        Ok::<_, (Option<AuthFailure>, Error)>(true)
     };
-    let who = conn.remote_id().fmt_short().to_string();
+    let timeout = admission.hello_timeout;
     match tokio::time::timeout(timeout, exchange).await {
         Ok(Ok(true)) => Ok(()),
         Ok(Ok(false)) => {
             debug!(peer = %who, "refusing a peer without the cluster secret");
-            on_refusal();
+            on_refusal(AuthFailure::BadProof);
             close(conn, CloseCode::Unauthorized);
             Err(Error::Unauthorized(format!(
                 "{who} did not prove it knows the cluster secret"
             )))
         }
-        Ok(Err(e)) => {
+        Ok(Err((reason, e))) => {
+            if let Some(reason) = reason {
+                debug!(peer = %who, %e, "refusing a bad hello");
+                on_refusal(reason);
+            }
             close(conn, CloseCode::ProtocolError);
             Err(e)
         }
         Err(_) => {
+            debug!(peer = %who, "refusing a peer whose hello did not arrive in time");
+            on_refusal(AuthFailure::Timeout);
             close(conn, CloseCode::ProtocolError);
             Err(Error::timeout(format!("a hello from {who}"), timeout))
         }
+    }
+}
+
+/// The refusal reason for a hello that could not be read; `None` when the connection itself
+/// went away (the peer left: nothing to refuse).
+fn hello_failure(conn: &Connection, err: &ReadFrameError) -> Option<AuthFailure> {
+    match err {
+        ReadFrameError::Invalid(FrameError::TooLarge { .. }) => Some(AuthFailure::TooLarge),
+        ReadFrameError::Invalid(_) => Some(AuthFailure::Malformed),
+        ReadFrameError::Closed(_) if conn.close_reason().is_some() => None,
+        ReadFrameError::Closed(_) => Some(AuthFailure::Malformed),
     }
 }
 

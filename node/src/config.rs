@@ -13,6 +13,12 @@ use crate::{
 /// Default maximum tensor size: 64 GiB.
 pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 64 << 30;
 
+/// Default [`Config::hello_timeout`]: a member's hello arrives within a round trip or two.
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default [`Config::max_pending_handshakes`].
+pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 64;
+
 /// Everything a [`crate::Node`] can be tuned with.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -83,6 +89,15 @@ pub struct Config {
     /// token bucket; see [`crate::rate`]). 0 (the default): unlimited. Useful to leave room
     /// for other traffic in production, and to measure broadcast trees on one machine.
     pub max_upload_rate: u64,
+    /// A peer whose hello has not arrived and been verified this long after its connection
+    /// opened is refused (closed, counted as `timeout`). Until then it holds at most the
+    /// pre-auth window (see [`crate::endpoint`]).
+    pub hello_timeout: Duration,
+    /// Most inbound connections waiting for their hello at once, per protocol (`tb/data/1`,
+    /// `tb/ctl/1`); beyond it a new connection is closed at once with
+    /// [`CloseCode::TooManyHandshakes`](tb_proto::CloseCode::TooManyHandshakes) and counted
+    /// as `too_many_pending` (0 counts as 1).
+    pub max_pending_handshakes: usize,
 }
 
 impl Default for Config {
@@ -112,6 +127,8 @@ impl Default for Config {
             metrics: None,
             metrics_url: None,
             max_upload_rate: 0,
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
+            max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
         }
     }
 }

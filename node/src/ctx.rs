@@ -9,6 +9,7 @@ use tb_dashboard::{Metrics, TransferKind};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
+    auth::Admission,
     config::Config, error::Result, inbox::Inbox, inflight::Inflight, pool::ReadyLinks,
     rate::RateLimiter, store::Store,
 };
@@ -35,6 +36,8 @@ pub(crate) struct NodeCtx {
     pub(crate) cancel: CancellationToken,
     /// Owns every task the node spawns, so shutdown can wait for them.
     pub(crate) tracker: TaskTracker,
+    /// What `tb/data/1` (and CUDA IPC) connections get before their hello is verified.
+    pub(crate) admission: Admission,
 }
 
 impl NodeCtx {

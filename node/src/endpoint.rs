@@ -1,5 +1,19 @@
 //! The offline iroh endpoint (no relays, no address lookup), identity keys, and the node
 //! address string users copy around: `<node-id>@<ip:port>`.
+//!
+//! # Flow control is the memory bound
+//!
+//! A QUIC peer can only send what the receiver's windows allow, so the windows set here are
+//! what any peer can make this node buffer. Every connection starts with the *pre-auth*
+//! limits of [`transport_config`]: one bidirectional stream (the hello's), no unidirectional
+//! ones, no datagrams, and a connection window of [`PREAUTH_RECEIVE_WINDOW`] across all
+//! streams. A peer that has not proved the cluster secret can therefore make the node buffer
+//! at most that many bytes, however many streams it tries to open (opening more is a QUIC
+//! protocol violation that closes its connection). Once the hello is verified both sides
+//! [`open_link`]: the peer may open [`Config::max_concurrent_streams`] streams and the
+//! connection window becomes [`LINK_RECEIVE_WINDOW`]. Protocols without a hello (gossip)
+//! get [`OPEN_PROTOCOL_RECEIVE_WINDOW`] and a few unidirectional streams at the end of the
+//! QUIC handshake instead.
 
 use std::{
     fmt,
@@ -11,7 +25,10 @@ use std::{
 
 use iroh::{
     Endpoint, EndpointAddr, EndpointId, RelayMode, SecretKey,
-    endpoint::{MtuDiscoveryConfig, PortmapperConfig, QuicTransportConfig, VarInt, presets},
+    endpoint::{
+        AfterHandshakeOutcome, Connection, EndpointHooks, MtuDiscoveryConfig, PortmapperConfig,
+        QuicTransportConfig, VarInt, presets,
+    },
 };
 
 use crate::{
@@ -82,20 +99,16 @@ pub fn load_or_create_key(dir: &Path) -> Result<SecretKey> {
     }
 }
 
+/// The key in a key file's text: 64 hex characters, surrounding white space ignored. Total:
+/// any other text is an `Io` error naming the file, never a panic.
 fn parse_key(path: &Path, text: &str) -> Result<SecretKey> {
-    let hex = text.trim();
     let mut bytes = [0u8; 32];
-    if hex.len() != 64 {
-        return Err(Error::Io(format!(
-            "{}: expected 64 hex characters, found {}",
-            path.display(),
-            hex.len()
-        )));
-    }
-    for (i, byte) in bytes.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
-            .map_err(|e| Error::io(&format!("{}: not hex", path.display()), e))?;
-    }
+    hex::decode_to_slice(text.trim(), &mut bytes).map_err(|e| {
+        Error::io(
+            &format!("{}: not a node key (64 hex characters)", path.display()),
+            e,
+        )
+    })?;
     Ok(SecretKey::from_bytes(&bytes))
 }
 
@@ -103,7 +116,7 @@ fn create_key(dir: &Path, path: &PathBuf) -> Result<SecretKey> {
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::io(&format!("creating {}", dir.display()), e))?;
     let key = SecretKey::generate();
-    let hex: String = key.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let hex = hex::encode(key.to_bytes());
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create_new(true);
     #[cfg(unix)]
@@ -120,26 +133,96 @@ fn create_key(dir: &Path, path: &PathBuf) -> Result<SecretKey> {
     Ok(key)
 }
 
-/// The QUIC settings every tensor-broker endpoint uses (see IROH-NOTES: keep iroh's windows,
-/// cap MTU discovery at the largest UDP payload iroh sends).
-pub fn transport_config(config: &Config) -> QuicTransportConfig {
+/// Receive window of each stream, in bytes: noq's default (100 ms at 100 Mbit/s), set
+/// explicitly because larger ones break (IROH-NOTES: a stream window above ~1.4 MB aborts
+/// connections in noq 1.4, quinn#2809) and measured no faster.
+pub const STREAM_RECEIVE_WINDOW: u32 = 1_250_000;
+
+/// Streams of one link the data path expects to be receiving at full speed at once (a
+/// striped transfer, or several pulls from one peer).
+pub const LINK_PARALLEL_STREAMS: u32 = 8;
+
+/// Connection-level receive window of an authenticated link, in bytes: the rule is one
+/// [`STREAM_RECEIVE_WINDOW`] for each of [`LINK_PARALLEL_STREAMS`] streams (10 MB), so that
+/// many streams can run at full window together while one link never holds more than this
+/// of the node's memory (without it, the bound was streams × stream window: 1.25 GB).
+/// Striping over more streams than this shares the window; raise the stream count here, not
+/// the stream window.
+pub const LINK_RECEIVE_WINDOW: u32 = STREAM_RECEIVE_WINDOW * LINK_PARALLEL_STREAMS;
+
+/// Connection-level receive window until the peer's hello is verified, in bytes: room for a
+/// hello frame ([`MAX_HELLO_FRAME`](tb_proto::MAX_HELLO_FRAME) + prefix) and the reply, and
+/// all a peer that has not authenticated can make the node buffer per connection.
+pub const PREAUTH_RECEIVE_WINDOW: u32 = 4 << 10;
+
+/// Bidirectional streams a peer may open until its hello is verified: the hello's own.
+pub const PREAUTH_STREAMS: u32 = 1;
+
+/// Connection-level receive window of protocols without a hello (iroh-gossip), in bytes:
+/// sixteen of gossip's largest messages (4 KiB, IROH-NOTES) in flight.
+pub const OPEN_PROTOCOL_RECEIVE_WINDOW: u32 = 64 << 10;
+
+/// Unidirectional streams a peer of a protocol without a hello may open (iroh-gossip opens
+/// one per topic and direction).
+pub const OPEN_PROTOCOL_UNI_STREAMS: u32 = 8;
+
+/// ALPNs that start with this open with the cluster-secret hello (`tb/data/1`, `tb/ctl/1`,
+/// `tb/cuda-ipc/1`) and keep the pre-auth limits until it is verified; any other protocol on
+/// the endpoint (gossip) gets the open-protocol limits when its QUIC handshake ends.
+pub const HELLO_ALPN_PREFIX: &[u8] = b"tb/";
+
+/// The QUIC settings every tensor-broker endpoint uses: the pre-auth limits every connection
+/// starts with (see the module doc), explicit stream windows (IROH-NOTES: keep them at
+/// iroh's default), MTU discovery capped at the largest UDP payload iroh sends.
+pub fn transport_config() -> QuicTransportConfig {
     let mut mtu = MtuDiscoveryConfig::default();
     mtu.upper_bound(1472);
     QuicTransportConfig::builder()
-        .max_concurrent_bidi_streams(VarInt::from_u32(config.max_concurrent_streams))
+        .max_concurrent_bidi_streams(VarInt::from_u32(PREAUTH_STREAMS))
+        .max_concurrent_uni_streams(VarInt::from_u32(0))
+        .stream_receive_window(VarInt::from_u32(STREAM_RECEIVE_WINDOW))
+        .receive_window(VarInt::from_u32(PREAUTH_RECEIVE_WINDOW))
+        .datagram_receive_buffer_size(None)
         .mtu_discovery_config(Some(mtu))
         .build()
 }
 
-/// Binds an offline endpoint: no relays, no address lookup, no port mapping.
+/// Raises `conn`'s limits from the pre-auth ones to an authenticated link's: the peer may
+/// open `max_streams` bidirectional streams and send [`LINK_RECEIVE_WINDOW`] bytes ahead.
+/// Both sides call it once the hello is verified (the hello functions do).
+pub fn open_link(conn: &Connection, max_streams: u32) {
+    conn.set_max_concurrent_bi_streams(VarInt::from_u32(max_streams));
+    conn.set_receive_window(VarInt::from_u32(LINK_RECEIVE_WINDOW));
+}
+
+/// Gives connections of protocols without a hello (gossip) their limits when the QUIC
+/// handshake ends, in both directions; `tb/` protocols keep the pre-auth ones.
+#[derive(Debug)]
+struct OpenProtocolLimits;
+
+impl EndpointHooks for OpenProtocolLimits {
+    async fn after_handshake<'a>(&'a self, conn: &'a Connection) -> AfterHandshakeOutcome {
+        if !conn.alpn().starts_with(HELLO_ALPN_PREFIX) {
+            conn.set_max_concurrent_uni_streams(VarInt::from_u32(OPEN_PROTOCOL_UNI_STREAMS));
+            conn.set_receive_window(VarInt::from_u32(OPEN_PROTOCOL_RECEIVE_WINDOW));
+        }
+        AfterHandshakeOutcome::accept()
+    }
+}
+
+/// Binds an offline endpoint: no relays, no address lookup, no port mapping, and one UDP
+/// socket on `config.bind_addr` only (iroh's default sockets on `0.0.0.0` and `[::]` are
+/// cleared, so the node listens on nothing it was not given).
 pub async fn bind_endpoint(config: &Config, key: SecretKey) -> Result<Endpoint> {
     let builder = Endpoint::builder(presets::Minimal)
         .relay_mode(RelayMode::Disabled)
         .clear_address_lookup()
         .portmapper_config(PortmapperConfig::Disabled)
         .net_report_config(iroh::NetReportConfig::minimal())
-        .transport_config(transport_config(config))
+        .transport_config(transport_config())
+        .hooks(OpenProtocolLimits)
         .secret_key(key)
+        .clear_ip_transports()
         .bind_addr(config.bind_addr)
         .map_err(|e| Error::io(&format!("bind address {}", config.bind_addr), e))?;
     builder
@@ -226,5 +309,52 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join(KEY_FILE), "zz").expect("write");
         assert!(matches!(load_or_create_key(dir.path()), Err(Error::Io(_))));
+    }
+
+    #[test]
+    fn non_ascii_key_file_of_64_bytes_is_an_error_not_a_panic() {
+        let path = Path::new("node.key");
+        // 64 bytes, but 'é' is two bytes: slicing at byte 2*i used to split a character.
+        let text = format!("a{}", "é".repeat(31)) + "b";
+        assert_eq!(text.len(), 64);
+        match parse_key(path, &text) {
+            Err(Error::Io(msg)) => assert!(msg.contains("node.key"), "{msg}"),
+            other => panic!("expected Io, got {other:?}"),
+        }
+        let valid = hex::encode([7u8; 32]);
+        let key = parse_key(path, &format!("  {valid}\n")).expect("valid key");
+        assert_eq!(key.to_bytes(), [7u8; 32]);
+        assert!(parse_key(path, &valid.to_uppercase()).is_ok());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn parse_key_never_panics(
+            chars in proptest::collection::vec(
+                proptest::sample::select(vec!['0', '9', 'a', 'F', 'g', ' ', '\n', 'é', '€', '😀']),
+                0..70,
+            ),
+            text in "\\PC{0,80}",
+        ) {
+            let path = Path::new("node.key");
+            // Mostly hex-looking text of every byte length around 64, with multi-byte
+            // characters anywhere; then arbitrary text.
+            let _ = parse_key(path, &chars.into_iter().collect::<String>());
+            let _ = parse_key(path, &text);
+        }
+    }
+
+    #[test]
+    fn hello_protocols_keep_the_pre_auth_limits() {
+        for alpn in [tb_proto::DATA_ALPN, tb_proto::CTL_ALPN] {
+            assert!(alpn.starts_with(HELLO_ALPN_PREFIX));
+        }
+        #[cfg(feature = "cuda")]
+        assert!(crate::device::IPC_ALPN.starts_with(HELLO_ALPN_PREFIX));
+        // A hello frame and its length prefix fit the pre-auth window.
+        assert!(tb_proto::MAX_HELLO_FRAME as usize + tb_proto::LEN_PREFIX <= PREAUTH_RECEIVE_WINDOW as usize);
+        // IROH-NOTES: stream windows above ~1.4 MB abort connections.
+        assert!(STREAM_RECEIVE_WINDOW <= 1_400_000);
+        assert_eq!(LINK_RECEIVE_WINDOW, 10_000_000);
     }
 }

@@ -96,17 +96,25 @@ pub mod framing {
 
 pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
-pub use config::{Config, DEFAULT_MAX_TENSOR_BYTES};
+pub use config::{
+    Config, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_PENDING_HANDSHAKES, DEFAULT_MAX_TENSOR_BYTES,
+};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};
-pub use endpoint::{KEY_FILE, PeerAddr, bind_endpoint, load_or_create_key, transport_config};
+pub use endpoint::{
+    KEY_FILE, LINK_PARALLEL_STREAMS, LINK_RECEIVE_WINDOW, OPEN_PROTOCOL_RECEIVE_WINDOW,
+    PREAUTH_RECEIVE_WINDOW, PREAUTH_STREAMS, PeerAddr, STREAM_RECEIVE_WINDOW, bind_endpoint,
+    load_or_create_key, open_link, transport_config,
+};
 pub use error::{Error, Result};
 pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};
 pub use progress::TransferProgress;
 pub use store::{Inserted, Lookup, Retention, Store};
+/// Why a peer was refused before authenticating (what `auth::server_hello` reports).
+pub use tb_dashboard::AuthFailure;
 pub use tb_proto as proto;
 pub use tb_proto::{
     ContentHash, DType, ListedEntry, Member, NamePattern, Role, TensorMeta, TensorName,

@@ -25,6 +25,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
+    auth,
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
@@ -133,6 +134,7 @@ impl Node {
             inflight_bytes_sent: Default::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
+            admission: auth::Admission::new(&config),
             config,
         });
         let (actor, handle) = Actor::spawn(None, NodeActor, ctx.clone())
@@ -397,9 +399,10 @@ impl Node {
         self.inner.cluster.as_ref().is_none_or(|c| c.joined())
     }
 
-    /// Peers refused so far because they could not prove the cluster secret.
+    /// Peers refused so far before authenticating (every reason of
+    /// `tb_auth_failures_total` together).
     pub fn auth_failures(&self) -> u64 {
-        self.inner.ctx.metrics.auth_failures.get()
+        self.inner.ctx.metrics.auth_failures.total()
     }
 
     /// Versions this node is receiving from the cluster right now (their holders known), which

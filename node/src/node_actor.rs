@@ -163,6 +163,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
     let timeout = ctx.config.connect_timeout;
     let cancel = ctx.cancel.clone();
     let key = ctx.config.cluster_key.clone();
+    let max_streams = ctx.config.max_concurrent_streams;
     ctx.tracker.spawn(async move {
         // The connect timeout bounds the dial and the hello together: a peer that accepts but
         // never answers is as unreachable as one that never accepts.
@@ -171,7 +172,8 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 .connect(peer.to_endpoint_addr(), DATA_ALPN)
                 .await
                 .map_err(|e| unreachable(&peer, e.to_string()))?;
-            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout).await?;
+            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout, max_streams)
+                .await?;
             Ok(conn)
         });
         let result = tokio::select! {

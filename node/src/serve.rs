@@ -59,9 +59,9 @@ impl ProtocolHandler for DataProtocol {
             ctx.endpoint.id(),
             &ctx.config.cluster_key,
             DATA_ALPN,
-            ctx.config.request_timeout,
+            &ctx.admission,
             ctx.config.max_tensor_bytes,
-            || ctx.metrics.auth_failures.inc(),
+            |reason| ctx.metrics.auth_failures.inc(reason),
         );
         if let Err(err) = hello.await {
             debug!(%err, "hello failed");

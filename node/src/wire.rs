@@ -46,9 +46,18 @@ impl ReadFrameError {
 /// Reads one length-prefixed frame. The length is checked against the control-frame cap
 /// before the body is allocated.
 pub async fn read_frame<T: DeserializeOwned>(recv: &mut RecvStream) -> Result<T, ReadFrameError> {
+    read_frame_within(recv, frame::MAX_CONTROL_FRAME).await
+}
+
+/// Reads one length-prefixed frame of at most `max` body bytes (a cap below the control-frame
+/// cap, such as the hello's), checked before the body is allocated.
+pub async fn read_frame_within<T: DeserializeOwned>(
+    recv: &mut RecvStream,
+    max: u32,
+) -> Result<T, ReadFrameError> {
     let mut prefix = [0u8; frame::LEN_PREFIX];
     recv.read_exact(&mut prefix).await.map_err(closed)?;
-    let len = frame::body_len(prefix).map_err(ReadFrameError::Invalid)?;
+    let len = frame::body_len_within(prefix, max).map_err(ReadFrameError::Invalid)?;
     let mut body = vec![0u8; len];
     recv.read_exact(&mut body).await.map_err(closed)?;
     frame::decode_body(&body).map_err(ReadFrameError::Invalid)

@@ -177,6 +177,12 @@ impl fmt::Debug for AuthProof {
     }
 }
 
+/// Largest [`Hello`] frame body a server reads, in bytes: checked on the length prefix before
+/// anything is allocated, so a peer that has not authenticated yet makes the server hold at
+/// most this much for its hello. Today's hello is 32 bytes; the rest is headroom for fields
+/// later versions add (a role, a node's info).
+pub const MAX_HELLO_FRAME: u32 = 512;
+
 /// The first frame of every `tb/data/1` and `tb/ctl/1` connection, from the client.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
@@ -301,6 +307,16 @@ mod tests {
         assert_eq!(k.key, blake3::derive_key(KEY_CONTEXT, SECRET));
         assert_eq!(k.gossip_topic(), key(SECRET).gossip_topic());
         assert_ne!(k.gossip_topic(), key(&[7; 16]).gossip_topic());
+    }
+
+    #[test]
+    fn a_hello_fits_its_frame_cap() {
+        let hello = Hello {
+            proof: key(SECRET).proof(DATA_ALPN, &NodeId([1; 32]), &NodeId([2; 32])),
+        };
+        let frame = crate::frame::encode(&hello).expect("encode");
+        let body = frame.len() - crate::LEN_PREFIX;
+        assert!(body <= MAX_HELLO_FRAME as usize / 4, "{body} bytes: keep headroom");
     }
 
     #[test]

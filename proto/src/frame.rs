@@ -50,11 +50,18 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
 
 /// The body length a prefix declares, refused if over the cap (before any allocation).
 pub fn body_len(prefix: [u8; LEN_PREFIX]) -> Result<usize, FrameError> {
+    body_len_within(prefix, MAX_CONTROL_FRAME)
+}
+
+/// The body length a prefix declares, refused if over `max` (a cap below the control-frame
+/// cap, e.g. [`MAX_HELLO_FRAME`](crate::MAX_HELLO_FRAME)), before any allocation.
+pub fn body_len_within(prefix: [u8; LEN_PREFIX], max: u32) -> Result<usize, FrameError> {
     let len = u32::from_le_bytes(prefix);
-    if len > MAX_CONTROL_FRAME {
+    let max = max.min(MAX_CONTROL_FRAME);
+    if len > max {
         return Err(FrameError::TooLarge {
             len: u64::from(len),
-            max: u64::from(MAX_CONTROL_FRAME),
+            max: u64::from(max),
         });
     }
     Ok(len as usize)
@@ -102,6 +109,20 @@ mod tests {
         assert!(matches!(
             decode_frame::<u8>(&u32::MAX.to_le_bytes()),
             Err(FrameError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_smaller_cap_is_checked_on_the_prefix() {
+        assert_eq!(body_len_within(512u32.to_le_bytes(), 512).ok(), Some(512));
+        assert!(matches!(
+            body_len_within(513u32.to_le_bytes(), 512),
+            Err(FrameError::TooLarge { len: 513, max: 512 })
+        ));
+        // A cap above the control-frame cap is the control-frame cap.
+        assert!(matches!(
+            body_len_within((MAX_CONTROL_FRAME + 1).to_le_bytes(), u32::MAX),
+            Err(FrameError::TooLarge { max, .. }) if max == u64::from(MAX_CONTROL_FRAME)
         ));
     }
 

@@ -52,7 +52,8 @@ mod name;
 mod registry;
 
 pub use auth::{
-    AuthError, AuthProof, ClusterKey, Hello, HelloReply, MAX_SECRET_LEN, MIN_SECRET_LEN,
+    AuthError, AuthProof, ClusterKey, Hello, HelloReply, MAX_HELLO_FRAME, MAX_SECRET_LEN,
+    MIN_SECRET_LEN,
 };
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, ListedEntry,

@@ -145,11 +145,13 @@ pub enum CloseCode {
     /// (A stream reset, not a connection close.) The node serving a version it was still
     /// receiving lost that receive: the puller should resume from another holder.
     SourceAborted = 6,
+    /// The node is at its limit of connections waiting to authenticate: try again later.
+    TooManyHandshakes = 7,
 }
 
 impl CloseCode {
     /// Every close code.
-    pub const ALL: [CloseCode; 7] = [
+    pub const ALL: [CloseCode; 8] = [
         CloseCode::Normal,
         CloseCode::Shutdown,
         CloseCode::IdleEvicted,
@@ -157,6 +159,7 @@ impl CloseCode {
         CloseCode::ProtocolError,
         CloseCode::Unauthorized,
         CloseCode::SourceAborted,
+        CloseCode::TooManyHandshakes,
     ];
 
     /// The numeric code.
@@ -174,6 +177,7 @@ impl CloseCode {
             4 => CloseCode::ProtocolError,
             5 => CloseCode::Unauthorized,
             6 => CloseCode::SourceAborted,
+            7 => CloseCode::TooManyHandshakes,
             _ => return None,
         })
     }
@@ -188,6 +192,7 @@ impl CloseCode {
             CloseCode::ProtocolError => b"protocol error",
             CloseCode::Unauthorized => b"unauthorized",
             CloseCode::SourceAborted => b"source aborted",
+            CloseCode::TooManyHandshakes => b"too many handshakes",
         }
     }
 }
@@ -208,7 +213,7 @@ mod tests {
             assert_eq!(CloseCode::from_code(c.code()), Some(c));
             assert!(!c.reason().is_empty());
         }
-        assert_eq!(CloseCode::from_code(7), None);
+        assert_eq!(CloseCode::from_code(8), None);
         assert_eq!(CloseCode::from_code(u32::MAX), None);
     }
 

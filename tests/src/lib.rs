@@ -242,6 +242,7 @@ pub async fn raw_client_hello(conn: &Connection, me: EndpointId) {
         &ClusterKey::open(),
         DATA_ALPN,
         Duration::from_secs(30),
+        Config::default().max_concurrent_streams,
     )
     .await
     .expect("hello");
@@ -250,8 +251,8 @@ pub async fn raw_client_hello(conn: &Connection, me: EndpointId) {
 /// The server half of that hello; false if the client failed it.
 pub async fn raw_server_hello(conn: &Connection, me: EndpointId) -> bool {
     let key = ClusterKey::open();
-    let timeout = Duration::from_secs(30);
-    auth::server_hello(conn, me, &key, DATA_ALPN, timeout, 1 << 40, || {})
+    let admission = auth::Admission::new(&Config::default());
+    auth::server_hello(conn, me, &key, DATA_ALPN, &admission, 1 << 40, |_| {})
         .await
         .is_ok()
 }

@@ -6,7 +6,9 @@
 use std::{path::Path, sync::Arc, time::Duration};
 
 use tb_broker::{Broker, BrokerOptions};
-use tb_node::{Config, Error, PeerAddr, SubEvent, Tensor, TransferProgress, proto::ClusterKey};
+use tb_node::{
+    AuthFailure, Config, Error, PeerAddr, SubEvent, Tensor, TransferProgress, proto::ClusterKey,
+};
 use tb_tests::{
     ProgressSamples, check_progress, eventually_async, f32_tensor, node, pattern, test_config,
     within,
@@ -328,7 +330,13 @@ async fn a_node_with_the_wrong_secret_is_refused_by_brokers() {
         Err(Error::Unauthorized(_)) => {}
         other => panic!("expected Unauthorized, got {other:?}"),
     }
-    assert!(brokers.all[0].counters().auth_failures.get() >= 1);
+    assert!(
+        brokers.all[0]
+            .counters()
+            .auth_failures
+            .get(AuthFailure::BadProof)
+            >= 1
+    );
     outsider.shutdown().await;
     brokers.shutdown().await;
 }

@@ -134,6 +134,7 @@ fn metric(base: &str, series: &str) -> f64 {
 }
 
 const BYTES_IN: &str = "tb_transfer_bytes_total{direction=\"in\"}";
+const BAD_PROOF: &str = "tb_auth_failures_total{reason=\"bad_proof\"}";
 
 #[test]
 fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
@@ -270,12 +271,12 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
     assert!(sample(&broker_page, "tb_cluster_nodes{state=\"alive\"}") >= 3.0);
 
     // A worker with the wrong secret is refused and counted; it never becomes ready.
-    let before = metric(&c.broker_url, "tb_auth_failures_total");
+    let before = metric(&c.broker_url, BAD_PROOF);
     let wrong = c.dir.path().join("wrong-secret");
     std::fs::write(&wrong, "not-the-cluster-secret-at-all\n").expect("secret");
     let (mut intruder, _, intruder_url) = c.spawn_worker("intruder", &wrong, &[]);
     assert!(
-        poll(SETTLE, || metric(&c.broker_url, "tb_auth_failures_total")
+        poll(SETTLE, || metric(&c.broker_url, BAD_PROOF)
             >= before.max(0.0) + 1.0),
         "the broker counted the refusal"
     );

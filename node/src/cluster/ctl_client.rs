@@ -252,7 +252,7 @@ impl CtlClient {
                 .connect(addr.to_endpoint_addr(), CTL_ALPN)
                 .await
                 .map_err(|e| unreachable(e.to_string()))?;
-            auth::client_hello(&conn, self.endpoint.id(), &self.key, CTL_ALPN, timeout).await?;
+            auth::client_hello(&conn, self.endpoint.id(), &self.key, CTL_ALPN, timeout, 0).await?;
             Ok(conn)
         };
         match tokio::time::timeout(timeout, dial).await {

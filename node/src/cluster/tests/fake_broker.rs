@@ -250,8 +250,8 @@ struct FakeBroker {
 impl ProtocolHandler for FakeBroker {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
         let key = ClusterKey::open();
-        let timeout = Duration::from_secs(5);
-        if auth::server_hello(&conn, self.me, &key, CTL_ALPN, timeout, 1 << 40, || {})
+        let admission = auth::Admission::new(&crate::Config::default());
+        if auth::server_hello(&conn, self.me, &key, CTL_ALPN, &admission, 1 << 40, |_| {})
             .await
             .is_err()
         {

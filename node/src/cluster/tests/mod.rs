@@ -208,8 +208,8 @@ struct HalfServer {
 impl ProtocolHandler for HalfServer {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
         let key = tb_proto::ClusterKey::open();
-        let timeout = Duration::from_secs(5);
-        if auth::server_hello(&conn, self.me, &key, DATA_ALPN, timeout, 1 << 40, || {})
+        let admission = auth::Admission::new(&Config::default());
+        if auth::server_hello(&conn, self.me, &key, DATA_ALPN, &admission, 1 << 40, |_| {})
             .await
             .is_err()
         {

@@ -88,9 +88,9 @@ impl ProtocolHandler for IpcProtocol {
             ctx.endpoint.id(),
             &ctx.config.cluster_key,
             IPC_ALPN,
-            ctx.config.request_timeout,
+            &ctx.admission,
             ctx.config.max_tensor_bytes,
-            || ctx.metrics.auth_failures.inc(),
+            |reason| ctx.metrics.auth_failures.inc(reason),
         );
         if let Err(e) = hello.await {
             debug!(%e, "CUDA IPC hello failed");
@@ -223,6 +223,7 @@ pub(crate) async fn ipc_pull(
         key,
         IPC_ALPN,
         ctx.config.connect_timeout,
+        0,
     );
     if let Err(e) = hello.await {
         // The network path will report a refusal as `Unauthorized`.
