@@ -134,9 +134,12 @@ pub enum CloseCode {
     Normal = 0,
     /// The node is shutting down.
     Shutdown = 1,
-    /// The link was idle past the idle timeout.
+    /// The link was idle past the idle timeout. Sent only while no stream is open on the link
+    /// in either direction: a request that raced with it was never served, so the peer
+    /// redials and sends it again.
     IdleEvicted = 2,
-    /// The link was evicted to make room in the pool.
+    /// The link was evicted to make room in the pool. Like `IdleEvicted`, sent only while no
+    /// stream is open on the link: the peer redials.
     LruEvicted = 3,
     /// The peer broke the protocol.
     ProtocolError = 4,
@@ -145,11 +148,14 @@ pub enum CloseCode {
     /// (A stream reset, not a connection close.) The node serving a version it was still
     /// receiving lost that receive: the puller should resume from another holder.
     SourceAborted = 6,
+    /// The node's pool is full of links in use: it refuses this connection before serving
+    /// any request on it (the dialer's request fails with `TooManyConnections`).
+    TooManyConnections = 7,
 }
 
 impl CloseCode {
     /// Every close code.
-    pub const ALL: [CloseCode; 7] = [
+    pub const ALL: [CloseCode; 8] = [
         CloseCode::Normal,
         CloseCode::Shutdown,
         CloseCode::IdleEvicted,
@@ -157,6 +163,7 @@ impl CloseCode {
         CloseCode::ProtocolError,
         CloseCode::Unauthorized,
         CloseCode::SourceAborted,
+        CloseCode::TooManyConnections,
     ];
 
     /// The numeric code.
@@ -174,6 +181,7 @@ impl CloseCode {
             4 => CloseCode::ProtocolError,
             5 => CloseCode::Unauthorized,
             6 => CloseCode::SourceAborted,
+            7 => CloseCode::TooManyConnections,
             _ => return None,
         })
     }
@@ -188,6 +196,7 @@ impl CloseCode {
             CloseCode::ProtocolError => b"protocol error",
             CloseCode::Unauthorized => b"unauthorized",
             CloseCode::SourceAborted => b"source aborted",
+            CloseCode::TooManyConnections => b"too many connections",
         }
     }
 }
@@ -208,7 +217,7 @@ mod tests {
             assert_eq!(CloseCode::from_code(c.code()), Some(c));
             assert!(!c.reason().is_empty());
         }
-        assert_eq!(CloseCode::from_code(7), None);
+        assert_eq!(CloseCode::from_code(8), None);
         assert_eq!(CloseCode::from_code(u32::MAX), None);
     }
 
