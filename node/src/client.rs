@@ -1,10 +1,19 @@
 //! The requesting side of `tb/data/1`: pull a tensor into a caller-supplied buffer, push one.
 //! Each call opens its own bi-stream on a pooled link, so a large transfer never blocks a
 //! small one.
+//!
+//! A peer closes a link gracefully (idle or LRU eviction) only while no stream is open on it
+//! in either direction, so a request that races with such a close was never served: it is
+//! sent again, once, on a fresh link ([`after_failure`]) rather than failing the transfer.
+
+use std::future::Future;
 
 use iroh::endpoint::{RecvStream, SendStream};
 use tb_dashboard::TransferKind;
-use tb_proto::{ContentHash, DataRequest, DataResponse, ErrorCode, TensorMeta, TensorName};
+use tb_proto::{
+    CloseCode, ContentHash, DataRequest, DataResponse, ErrorCode, TensorMeta, TensorName,
+};
+use tracing::debug;
 
 use crate::{
     ctx::NodeCtx,
@@ -15,6 +24,10 @@ use crate::{
     tensor::Tensor,
     wire,
 };
+
+/// How many times a request is sent again after the peer closed its link gracefully under
+/// it. One: the fresh link was just dialed, so a second such race means something else.
+pub(crate) const REDIALS: usize = 1;
 
 /// What a pull delivered: the verified metadata, the version, and the caller's buffer.
 #[derive(Debug)]
@@ -27,6 +40,61 @@ pub struct Pulled<B> {
     pub meta: TensorMeta,
     /// The destination buffer, filled.
     pub buffer: B,
+}
+
+/// What to do after a request failed on a link.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The peer closed the link gracefully before serving the request: send it again on a
+    /// fresh link.
+    Redial(Error),
+    /// Give up with this error.
+    Final(Error),
+}
+
+/// Decides what a request that failed on `link` with `err`, before any answer to it arrived,
+/// does next. A peer closes a link with `IdleEvicted` or `LruEvicted` only while no stream is
+/// open on it in either direction (the streams it serves hold the link in use), so a request
+/// that lost that race was never served: redial. `TooManyConnections`: the peer's pool is
+/// full, and it refused the link before serving anything on it.
+pub(crate) fn after_failure(link: &LinkGuard, err: Error) -> Failure {
+    let transport = matches!(err, Error::Io(_) | Error::PeerUnreachable { .. });
+    match link.peer_close() {
+        Some(CloseCode::IdleEvicted | CloseCode::LruEvicted) if transport => Failure::Redial(err),
+        Some(CloseCode::TooManyConnections) => Failure::Final(Error::TooManyConnections {
+            peer: Some(link.peer().fmt_short().to_string()),
+            max: None,
+        }),
+        _ => Failure::Final(err),
+    }
+}
+
+/// Runs `attempt` on a link from `links`, and once more on a fresh link when the peer closed
+/// the first gracefully before answering ([`after_failure`]). `attempt` gets the link and
+/// hands it back with its error; it must fail only before any answer arrived, or be safe to
+/// repeat.
+pub(crate) async fn with_redial<T, L, LF, A, AF>(links: L, mut attempt: A) -> Result<T>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+    A: FnMut(LinkGuard) -> AF,
+    AF: Future<Output = Result<T, (LinkGuard, Error)>>,
+{
+    let mut redials = 0;
+    loop {
+        let (link, err) = match attempt(links().await?).await {
+            Ok(value) => return Ok(value),
+            Err(failed) => failed,
+        };
+        match after_failure(&link, err) {
+            Failure::Redial(err) if redials < REDIALS => {
+                redials += 1;
+                let peer = link.peer().fmt_short();
+                debug!(%peer, %err, "the peer closed the link under a request: redialing");
+            }
+            Failure::Redial(err) | Failure::Final(err) => return Err(err),
+        }
+    }
 }
 
 pub(crate) async fn open(ctx: &NodeCtx, link: &LinkGuard) -> Result<(SendStream, RecvStream)> {
@@ -54,10 +122,11 @@ pub(crate) async fn read_response(
     }
 }
 
-/// Pulls `name` from the link's peer into the buffer `alloc` returns for the metadata.
-pub(crate) async fn pull_into<B, F>(
+/// Pulls `name` from the peer of the links `links` gives into the buffer `alloc` returns
+/// for the metadata.
+pub(crate) async fn pull_into<B, F, L, LF>(
     ctx: &NodeCtx,
-    link: &LinkGuard,
+    links: L,
     name: TensorName,
     version: Option<u64>,
     alloc: F,
@@ -65,14 +134,16 @@ pub(crate) async fn pull_into<B, F>(
 where
     B: AsMut<[u8]>,
     F: FnOnce(&TensorMeta) -> Result<B>,
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
 {
-    let pull = pull_into_untimed(ctx, link, name, version, alloc);
+    let pull = pull_into_untimed(ctx, links, name, version, alloc);
     ctx.timed(TransferKind::Pull, pull).await
 }
 
-async fn pull_into_untimed<B, F>(
+async fn pull_into_untimed<B, F, L, LF>(
     ctx: &NodeCtx,
-    link: &LinkGuard,
+    links: L,
     name: TensorName,
     version: Option<u64>,
     alloc: F,
@@ -80,66 +151,112 @@ async fn pull_into_untimed<B, F>(
 where
     B: AsMut<[u8]>,
     F: FnOnce(&TensorMeta) -> Result<B>,
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
 {
-    let what = describe(&name, version, link);
-    let (_send, mut recv, meta, version) = start_pull(ctx, link, &name, version, &what).await?;
-    let mut buffer = alloc(&meta)?;
+    let mut started = start_pull(ctx, links, &name, version).await?;
+    let mut buffer = alloc(&started.meta)?;
     let dest = buffer.as_mut();
-    check_len(&what, dest.len(), &meta)?;
-    let hash = wire::recv_payload(&mut recv, dest, ctx.config.stall_timeout).await?;
-    verify(ctx, &what, &meta, hash)?;
+    check_len(&started.what, dest.len(), &started.meta)?;
+    let stall = ctx.config.stall_timeout;
+    let hash = wire::recv_payload(&mut started.recv, dest, stall).await?;
+    verify(ctx, &started.what, &started.meta, hash)?;
     Ok(Pulled {
         name,
-        version,
-        meta,
+        version: started.version,
+        meta: started.meta,
         buffer,
     })
 }
 
-/// Pulls `name` from the link's peer into the device buffer `alloc` returns for the
-/// metadata, through pinned staging.
-pub(crate) async fn pull_into_device<F>(
+/// Pulls `name` from the peer of the links `links` gives into the device buffer `alloc`
+/// returns for the metadata, through pinned staging.
+pub(crate) async fn pull_into_device<F, L, LF>(
     ctx: &NodeCtx,
-    link: &LinkGuard,
+    links: L,
     name: TensorName,
     version: Option<u64>,
     alloc: F,
 ) -> Result<Pulled<DeviceBuffer>>
 where
     F: FnOnce(&TensorMeta) -> Result<DeviceBuffer>,
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
 {
-    let pull = pull_into_device_untimed(ctx, link, name, version, alloc);
+    let pull = pull_into_device_untimed(ctx, links, name, version, alloc);
     ctx.timed(TransferKind::Pull, pull).await
 }
 
-async fn pull_into_device_untimed<F>(
+async fn pull_into_device_untimed<F, L, LF>(
     ctx: &NodeCtx,
-    link: &LinkGuard,
+    links: L,
     name: TensorName,
     version: Option<u64>,
     alloc: F,
 ) -> Result<Pulled<DeviceBuffer>>
 where
     F: FnOnce(&TensorMeta) -> Result<DeviceBuffer>,
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
 {
-    let what = describe(&name, version, link);
-    let (_send, mut recv, meta, version) = start_pull(ctx, link, &name, version, &what).await?;
-    let mut buffer = alloc(&meta)?;
-    check_len(&what, buffer.len(), &meta)?;
+    let mut started = start_pull(ctx, links, &name, version).await?;
+    let mut buffer = alloc(&started.meta)?;
+    check_len(&started.what, buffer.len(), &started.meta)?;
     let stall = ctx.config.stall_timeout;
-    let hash = device::recv_payload(&mut recv, &mut buffer, stall, &ctx.config.cuda).await?;
-    verify(ctx, &what, &meta, hash)?;
+    let cuda = &ctx.config.cuda;
+    let hash = device::recv_payload(&mut started.recv, &mut buffer, stall, cuda).await?;
+    verify(ctx, &started.what, &started.meta, hash)?;
     Ok(Pulled {
         name,
-        version,
-        meta,
+        version: started.version,
+        meta: started.meta,
         buffer,
     })
 }
 
-/// Sends a `Pull` and reads the answer up to the payload: the streams, the validated
-/// metadata and the version.
-async fn start_pull(
+/// A pull whose header arrived: the payload follows on `recv`.
+struct Started {
+    /// Held until the payload is in: the stream is open on this link.
+    _link: LinkGuard,
+    _send: SendStream,
+    recv: RecvStream,
+    meta: TensorMeta,
+    version: u64,
+    what: String,
+}
+
+/// Sends a `Pull` and reads the answer up to the payload, redialing once if the peer closed
+/// the link before answering.
+async fn start_pull<L, LF>(
+    ctx: &NodeCtx,
+    links: L,
+    name: &TensorName,
+    version: Option<u64>,
+) -> Result<Started>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+{
+    with_redial(links, |link| async move {
+        let what = describe(name, version, &link);
+        match request_pull(ctx, &link, name, version, &what).await {
+            Ok((send, recv, meta, version)) => Ok(Started {
+                _link: link,
+                _send: send,
+                recv,
+                meta,
+                version,
+                what,
+            }),
+            Err(err) => Err((link, err)),
+        }
+    })
+    .await
+}
+
+/// Sends a `Pull` on a new stream of `link` and reads the answer up to the payload: the
+/// streams, the validated metadata and the version.
+async fn request_pull(
     ctx: &NodeCtx,
     link: &LinkGuard,
     name: &TensorName,
@@ -185,16 +302,27 @@ fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Re
     Ok(())
 }
 
-/// Pushes `tensor` to the link's peer as `name` and waits for its `Ack`; the payload bytes
-/// handed to QUIC so far go to `progress`.
-pub(crate) async fn push(
+/// Pushes `tensor` as `name` to the peer of the links `links` gives and waits for its `Ack`
+/// (sent again on a fresh link if the peer closed the first before serving it); the payload
+/// bytes handed to QUIC so far go to `progress`.
+pub(crate) async fn push<L, LF>(
     ctx: &NodeCtx,
-    link: &LinkGuard,
+    links: L,
     name: TensorName,
     tensor: &Tensor,
     progress: Option<&TransferProgress>,
-) -> Result<()> {
-    let push = push_untimed(ctx, link, name, tensor, progress);
+) -> Result<()>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+{
+    let name = &name;
+    let push = with_redial(links, |link| async move {
+        match push_untimed(ctx, &link, name.clone(), tensor, progress).await {
+            Ok(()) => Ok(()),
+            Err(err) => Err((link, err)),
+        }
+    });
     ctx.timed(TransferKind::Push, push).await
 }
 

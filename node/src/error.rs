@@ -59,11 +59,14 @@ pub enum Error {
     /// The peer refused us (reserved for cluster auth).
     #[error("unauthorized: {0}")]
     Unauthorized(String),
-    /// The pool is at its maximum size and every link is in use.
-    #[error("too many connections: all {max} pooled links are in use")]
+    /// A pool is at its maximum size with every link in use: this node's, or the peer's,
+    /// which refused our connection before serving any request on it. Retry later.
+    #[error("too many connections: {}", too_many(peer.as_deref(), *max))]
     TooManyConnections {
-        /// The configured maximum number of links.
-        max: usize,
+        /// The short id of the peer whose pool is full; `None` when it is this node's.
+        peer: Option<String>,
+        /// The full pool's maximum number of links, when known (a peer does not say).
+        max: Option<usize>,
     },
     /// The peer answered with an error this node has no more specific variant for.
     #[error("peer {peer} refused: {code:?}: {message}")]
@@ -130,6 +133,15 @@ impl Error {
             what: what.into(),
             after,
         }
+    }
+}
+
+/// The message of [`Error::TooManyConnections`].
+fn too_many(peer: Option<&str>, max: Option<usize>) -> String {
+    match (peer, max) {
+        (Some(peer), _) => format!("{peer} refused the connection: its pool is full"),
+        (None, Some(max)) => format!("all {max} pooled links are in use"),
+        (None, None) => "all pooled links are in use".into(),
     }
 }
 

@@ -20,9 +20,11 @@
 //! ## Supervision tree
 //! ```text
 //! Node (handle) ── NodeActor            owns the pool: peer id -> PeerActor
-//!                   ├── PeerActor        one per pooled QUIC link (dialed or adopted)
+//!                   ├── PeerActor        one per QUIC link: pooled (dialed or adopted), or
+//!                   │                    superseded by another and kept until unused
 //!                   └── PeerActor        stops on idle timeout, eviction, or link loss
-//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them
+//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them (or
+//!                                       refuses them when the pool is full of busy links)
 //! TaskTracker ──── dial / serve tasks   every spawned task, joined at shutdown
 //!              ├── heartbeats           to the current broker, every `heartbeat_interval`
 //!              ├── eviction announcer   `RemoveHolder` for versions retention dropped

@@ -223,11 +223,9 @@ impl Node {
         if let Some(p) = progress {
             p.set_total(tensor.byte_len());
         }
-        self.guarded(async {
-            let link = self.link(addr).await?;
-            client::push(&self.inner.ctx, &link, name, tensor, progress).await
-        })
-        .await
+        let links = || self.link(addr);
+        self.guarded(client::push(&self.inner.ctx, links, name, tensor, progress))
+            .await
     }
 
     /// Holds `tensor` as the next version of `name` so peers can pull it; returns the version.
@@ -277,10 +275,14 @@ impl Node {
         F: FnOnce(&TensorMeta) -> Result<B> + Send,
     {
         let name = TensorName::new(name)?;
-        self.guarded(async {
-            let link = self.link(addr).await?;
-            client::pull_into(&self.inner.ctx, &link, name, version, alloc).await
-        })
+        let links = || self.link(addr);
+        self.guarded(client::pull_into(
+            &self.inner.ctx,
+            links,
+            name,
+            version,
+            alloc,
+        ))
         .await
     }
 
@@ -337,11 +339,9 @@ impl Node {
         F: FnOnce(&TensorMeta) -> Result<DeviceBuffer> + Send,
     {
         let name = TensorName::new(name)?;
-        self.guarded(async {
-            let link = self.link(addr).await?;
-            client::pull_into_device(&self.inner.ctx, &link, name, version, alloc).await
-        })
-        .await
+        let links = || self.link(addr);
+        let pull = client::pull_into_device(&self.inner.ctx, links, name, version, alloc);
+        self.guarded(pull).await
     }
 
     /// How many pulls to a device went by CUDA IPC rather than the network.

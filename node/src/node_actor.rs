@@ -18,22 +18,15 @@ use crate::{
     endpoint::PeerAddr,
     error::{Error, Result},
     pool::{
-        LinkGuard,
+        self, LinkGuard,
         book::{Acquire, Insert, PoolBook},
-        link::LinkShared,
+        link::{Link, LinkShared},
         peer::{self, PeerActor, PeerArgs, PeerMsg},
     },
     serve,
 };
 
 type Waiter = RpcReplyPort<Result<LinkGuard>>;
-
-/// What the pool keeps per ready link.
-#[derive(Debug, Clone)]
-pub(crate) struct LinkHandle {
-    conn: Connection,
-    actor: ActorRef<PeerMsg>,
-}
 
 /// Messages the `NodeActor` handles.
 pub(crate) enum NodeMsg {
@@ -45,13 +38,19 @@ pub(crate) enum NodeMsg {
         generation: u64,
         result: Result<Connection>,
     },
-    /// A peer connected to us; pool the link if we have none to that peer.
-    Adopt { conn: Connection },
+    /// A peer connected to us and passed the hello: pool the link if we have none to that
+    /// peer (else keep it, unpooled, until unused). The answer is the link its streams are
+    /// served under, or `None` when it was refused: the pool is full of links in use, and
+    /// the connection is closed with `TooManyConnections` before anything is served on it.
+    Adopt {
+        conn: Connection,
+        reply: RpcReplyPort<Option<Link>>,
+    },
 }
 
 pub(crate) struct NodeState {
     ctx: Arc<NodeCtx>,
-    book: PoolBook<Waiter, LinkHandle>,
+    book: PoolBook<Waiter, Link>,
     /// Ready links by actor id, to match a stopped child with its pool slot.
     children: std::collections::HashMap<ractor::ActorId, (EndpointId, u64, Arc<LinkShared>)>,
 }
@@ -90,7 +89,11 @@ impl Actor for NodeActor {
                 generation,
                 result,
             } => on_dialed(&myself, state, peer, generation, result).await,
-            NodeMsg::Adopt { conn } => on_adopt(&myself, state, conn).await,
+            NodeMsg::Adopt { conn, reply } => {
+                let peer = conn.remote_id();
+                let link = insert_link(&myself, state, peer, None, conn).await;
+                let _ = reply.send(link);
+            }
         }
         Ok(())
     }
@@ -118,43 +121,69 @@ impl Actor for NodeActor {
 
     async fn post_stop(
         &self,
-        _myself: ActorRef<NodeMsg>,
+        myself: ActorRef<NodeMsg>,
         state: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
         state.ctx.ready.clear();
-        let (handles, waiters) = state.book.drain();
-        for handle in handles {
-            let _ = handle.actor.cast(PeerMsg::Close(CloseCode::Shutdown));
+        let (links, waiters) = state.book.drain();
+        for link in links {
+            let _ = link.actor.cast(PeerMsg::Close(CloseCode::Shutdown));
         }
         for waiter in waiters {
             let _ = waiter.send(Err(Error::Shutdown));
         }
+        // Superseded links are children outside the book: they close as they stop.
+        myself.stop_children(Some("node shut down".into()));
         Ok(())
     }
 }
 
 fn on_acquire(myself: &ActorRef<NodeMsg>, state: &mut NodeState, peer: PeerAddr, reply: Waiter) {
+    let acquired = state.book.acquire(peer.id, reply);
+    let Some(waiter) = answer_acquire(myself, state, &peer, acquired) else {
+        return;
+    };
+    // The ready link was closed by the peer (an idle close racing with this request) before
+    // its actor heard of it; `answer_acquire` marked it dead, so asking again dials.
+    let acquired = state.book.acquire(peer.id, waiter);
+    if let Some(waiter) = answer_acquire(myself, state, &peer, acquired) {
+        let _ = waiter.send(Err(closed_link_error(peer.id, None)));
+    }
+}
+
+/// Acts on what the book decided; gives the waiter back when the ready link it was to reuse
+/// turned out closed (and marks that link dead).
+fn answer_acquire(
+    myself: &ActorRef<NodeMsg>,
+    state: &NodeState,
+    peer: &PeerAddr,
+    acquired: Acquire<Waiter, Link>,
+) -> Option<Waiter> {
     let ctx = &state.ctx;
-    match state.book.acquire(peer.id, reply) {
-        Acquire::Reuse {
-            waiter,
-            handle,
-            link,
-        } => {
-            ctx.metrics.pool_reuses.inc();
-            let _ = waiter.send(guard(&handle, &link, peer.id));
-        }
+    match acquired {
+        Acquire::Reuse { waiter, handle, .. } => match handle.guard() {
+            Some(guard) => {
+                ctx.metrics.pool_reuses.inc();
+                let _ = waiter.send(Ok(guard));
+            }
+            None => {
+                handle.shared.mark_dead();
+                return Some(waiter);
+            }
+        },
         Acquire::Full { waiter } => {
             let _ = waiter.send(Err(Error::TooManyConnections {
-                max: ctx.config.max_links,
+                peer: None,
+                max: Some(ctx.config.max_links),
             }));
         }
         Acquire::Queued => {}
         Acquire::Dial { generation } => {
             ctx.metrics.pool_dials.inc();
-            spawn_dial(myself.clone(), ctx, peer, generation);
+            spawn_dial(myself.clone(), ctx, peer.clone(), generation);
         }
     }
+    None
 }
 
 /// Dials in a task, with the connect timeout, and casts the result back.
@@ -173,7 +202,14 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 .await
                 .map_err(|e| unreachable(&peer, e.to_string()))?;
             auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout, max_streams)
-                .await?;
+                .await
+                .map_err(|err| match pool::link::peer_close(&conn) {
+                    // Refused by a full pool, perhaps before its welcome was read.
+                    Some(code @ CloseCode::TooManyConnections) => {
+                        closed_link_error(peer.id, Some(code))
+                    }
+                    _ => err,
+                })?;
             Ok(conn)
         });
         let result = tokio::select! {
@@ -219,38 +255,29 @@ async fn on_dialed(
             return;
         }
     };
-    // Either way the peer may open streams on this connection: serve them.
-    serve::spawn_serve(&state.ctx, conn.clone());
-    insert_link(myself, state, peer, Some(generation), conn).await;
-}
-
-async fn on_adopt(myself: &ActorRef<NodeMsg>, state: &mut NodeState, conn: Connection) {
-    let peer = conn.remote_id();
-    if state.book.wants_inbound(&peer) {
-        insert_link(myself, state, peer, None, conn).await;
+    // Pooled or superseded, the peer may open streams on this link too: serve them.
+    if let Some(link) = insert_link(myself, state, peer, Some(generation), conn).await {
+        serve::spawn_serve(&state.ctx, link);
     }
 }
 
-/// Puts a connection in the pool under a new `PeerActor` and answers whoever waited for it.
+/// Puts a connection (a finished dial of `generation`, or an inbound one when `None`) under a
+/// new `PeerActor`: pooled, or superseded (the peer has a usable link already; kept unpooled
+/// until unused), and answers whoever waited for it. Returns the link to serve the peer's
+/// streams under, or `None` when the connection was refused (a pool full of links in use) or
+/// could not be set up — closed before anything was served on it.
 async fn insert_link(
     myself: &ActorRef<NodeMsg>,
     state: &mut NodeState,
     peer: EndpointId,
     generation: Option<u64>,
     conn: Connection,
-) {
-    let current = match generation {
-        Some(g) => state.book.is_current_dial(&peer, g),
-        None => state.book.wants_inbound(&peer),
-    };
-    if !current {
-        return; // superseded: the connection stays open, unpooled, while the peer uses it
-    }
-    let link = Arc::new(LinkShared::new(Instant::now()));
+) -> Option<Link> {
+    let shared = Arc::new(LinkShared::new(Instant::now()));
     let args = PeerArgs {
         peer,
         conn: conn.clone(),
-        link: link.clone(),
+        link: shared.clone(),
         idle_timeout: state.ctx.config.idle_timeout,
         metrics: state.ctx.metrics.clone(),
     };
@@ -263,48 +290,75 @@ async fn insert_link(
                     let _ = waiter.send(Err(err.clone()));
                 }
             }
-            return;
+            peer::close(&conn, CloseCode::Normal);
+            return None;
         }
     };
-    let handle = LinkHandle {
+    let link = Link {
         conn,
-        actor: actor.clone(),
+        shared,
+        actor,
     };
+    // A dial nobody waits for any more (its slot was dropped) is offered to the pool like an
+    // inbound link; only one that a usable link supersedes is kept unpooled.
+    let generation = generation
+        .filter(|&g| state.book.is_current_dial(&peer, g) || !state.book.wants_inbound(&peer));
     match state
         .book
-        .insert_ready(peer, generation, handle.clone(), link.clone())
+        .insert_ready(peer, generation, link.clone(), link.shared.clone())
     {
         Insert::Inserted { waiters, evicted } => {
             if let Some(g) = state.book.ready_generation(&peer) {
-                state
-                    .children
-                    .insert(actor.get_id(), (peer, g, link.clone()));
+                let entry = (peer, g, link.shared.clone());
+                state.children.insert(link.actor.get_id(), entry);
             }
-            state.ctx.ready.insert(peer, &handle.conn, &link, &actor);
+            state.ctx.ready.insert(peer, &link);
             if let Some((old_peer, old)) = evicted {
                 debug!(peer = %old_peer.fmt_short(), "evicting least recently used idle link");
                 state.ctx.metrics.pool_evictions_lru.inc();
                 let _ = old.actor.cast(PeerMsg::Close(CloseCode::LruEvicted));
             }
             for waiter in waiters {
-                let _ = waiter.send(guard(&handle, &link, peer));
+                let _ = waiter.send(guard(&link, peer));
             }
+            Some(link)
         }
         Insert::Full { waiters } => {
-            let _ = actor.cast(PeerMsg::Close(CloseCode::Normal));
+            let max = state.ctx.config.max_links;
+            debug!(peer = %peer.fmt_short(), max, "pool full of links in use: refusing a link");
+            let _ = link
+                .actor
+                .cast(PeerMsg::Close(CloseCode::TooManyConnections));
             for waiter in waiters {
                 let _ = waiter.send(Err(Error::TooManyConnections {
-                    max: state.ctx.config.max_links,
+                    peer: None,
+                    max: Some(max),
                 }));
             }
+            None
         }
-        Insert::Stale => actor.stop(None),
+        // Superseded: kept, unpooled, while the peer uses it; its actor closes it once idle.
+        Insert::Stale => Some(link),
     }
 }
 
-fn guard(handle: &LinkHandle, link: &Arc<LinkShared>, peer: EndpointId) -> Result<LinkGuard> {
-    LinkGuard::try_new(&handle.conn, link, &handle.actor).ok_or_else(|| Error::PeerUnreachable {
-        peer: peer.fmt_short().to_string(),
-        reason: "link closed while being handed out".into(),
-    })
+fn guard(link: &Link, peer: EndpointId) -> Result<LinkGuard> {
+    link.guard()
+        .ok_or_else(|| closed_link_error(peer, pool::link::peer_close(&link.conn)))
+}
+
+/// The error for a link that closed while being handed out: the peer refused it for a full
+/// pool, or it is gone.
+fn closed_link_error(peer: EndpointId, code: Option<CloseCode>) -> Error {
+    let peer = peer.fmt_short().to_string();
+    match code {
+        Some(CloseCode::TooManyConnections) => Error::TooManyConnections {
+            peer: Some(peer),
+            max: None,
+        },
+        _ => Error::PeerUnreachable {
+            peer,
+            reason: "link closed while being handed out".into(),
+        },
+    }
 }

@@ -4,7 +4,7 @@
 //! A malformed or oversize request gets an `Error` frame and ends that stream only; the
 //! connection keeps serving others.
 
-use std::{ops::Range, sync::Arc};
+use std::{ops::Range, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use iroh::{
@@ -12,7 +12,7 @@ use iroh::{
     endpoint::{Connection, RecvStream, SendStream, VarInt},
     protocol::{AcceptError, ProtocolHandler},
 };
-use ractor::ActorRef;
+use ractor::{ActorRef, rpc::CallResult};
 use tb_dashboard::TransferKind;
 use tb_proto::{
     ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode, FrameError,
@@ -28,6 +28,7 @@ use crate::{
     inbox::Received,
     inflight::Incoming,
     node_actor::NodeMsg,
+    pool::{self, link::Link},
     store::Lookup,
     tensor::Tensor,
     upload::{self, InflightError},
@@ -67,26 +68,50 @@ impl ProtocolHandler for DataProtocol {
             debug!(%err, "hello failed");
             return Ok(());
         }
-        // Pool the inbound link (if we have none to this peer) so replies to it reuse it.
-        let _ = self.node.cast(NodeMsg::Adopt { conn: conn.clone() });
-        serve_connection(self.ctx.clone(), conn).await;
+        // Pool the inbound link (if we have none to this peer) so replies to it reuse it; a
+        // pool full of links in use refuses it (closed with `TooManyConnections`) before any
+        // request on it is read.
+        let bound = ctx.config.connect_timeout;
+        let adopt = |reply| NodeMsg::Adopt {
+            conn: conn.clone(),
+            reply,
+        };
+        match self.node.call(adopt, Some(bound)).await {
+            Ok(CallResult::Success(Some(link))) => serve_connection(self.ctx.clone(), link).await,
+            Ok(CallResult::Success(None)) => {}
+            _ => pool::peer::close(&conn, CloseCode::Shutdown),
+        }
         Ok(())
     }
 }
 
 /// Serves the streams a peer opens on a connection we dialed.
-pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, conn: Connection) {
-    ctx.tracker.spawn(serve_connection(ctx.clone(), conn));
+pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, link: Link) {
+    ctx.tracker.spawn(serve_connection(ctx.clone(), link));
 }
 
-async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
-    let peer = conn.remote_id();
+/// How long a stream accepted on a link that is closing is held for the close to land, so
+/// its peer reads the close code (idle: redial) rather than an empty answer.
+const CLOSING_WAIT: Duration = Duration::from_secs(1);
+
+/// Serves the streams the peer opens on `link`. Each holds a guard on the link while it is
+/// served, so the link counts as in use (never idle- or LRU-closed) while the peer has a
+/// stream open on it, as it does while we have one.
+async fn serve_connection(ctx: Arc<NodeCtx>, link: Link) {
+    let peer = link.conn.remote_id();
     loop {
         let accepted = tokio::select! {
             _ = ctx.cancel.cancelled() => break,
-            accepted = conn.accept_bi() => accepted,
+            accepted = link.conn.accept_bi() => accepted,
         };
         let Ok((send, recv)) = accepted else { break };
+        let Some(guard) = link.guard() else {
+            // Closing (idle, evicted, shut down), which it does only with no stream open: this
+            // one is not served. It dies with the connection, whose close code tells the peer.
+            let _ = tokio::time::timeout(CLOSING_WAIT, link.conn.closed()).await;
+            drop((send, recv));
+            break;
+        };
         let span = debug_span!(
             "serve",
             me = %ctx.endpoint.id().fmt_short(),
@@ -98,12 +123,21 @@ async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
             async move {
                 tokio::select! {
                     _ = task_ctx.cancel.cancelled() => {}
-                    () = serve_stream(&task_ctx, peer, send, recv) => {}
+                    () = serve_stream_held(&task_ctx, peer, send, recv) => {}
                 }
+                drop(guard);
             }
             .instrument(span),
         );
     }
+}
+
+/// Serves one stream, then waits (within the stall timeout) until the peer has received the
+/// whole answer: until then the stream is open, and the caller's guard keeps the link in use.
+async fn serve_stream_held(ctx: &NodeCtx, peer: EndpointId, send: SendStream, recv: RecvStream) {
+    let received = send.stopped();
+    serve_stream(ctx, peer, send, recv).await;
+    let _ = tokio::time::timeout(ctx.config.stall_timeout, received).await;
 }
 
 async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut recv: RecvStream) {

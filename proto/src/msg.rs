@@ -134,9 +134,12 @@ pub enum CloseCode {
     Normal = 0,
     /// The node is shutting down.
     Shutdown = 1,
-    /// The link was idle past the idle timeout.
+    /// The link was idle past the idle timeout. Sent only while no stream is open on the link
+    /// in either direction: a request that raced with it was never served, so the peer
+    /// redials and sends it again.
     IdleEvicted = 2,
-    /// The link was evicted to make room in the pool.
+    /// The link was evicted to make room in the pool. Like `IdleEvicted`, sent only while no
+    /// stream is open on the link: the peer redials.
     LruEvicted = 3,
     /// The peer broke the protocol.
     ProtocolError = 4,
@@ -147,11 +150,14 @@ pub enum CloseCode {
     SourceAborted = 6,
     /// The node is at its limit of connections waiting to authenticate: try again later.
     TooManyHandshakes = 7,
+    /// The node's pool is full of links in use: it refuses this connection before serving
+    /// any request on it (the dialer's request fails with `TooManyConnections`).
+    TooManyConnections = 8,
 }
 
 impl CloseCode {
     /// Every close code.
-    pub const ALL: [CloseCode; 8] = [
+    pub const ALL: [CloseCode; 9] = [
         CloseCode::Normal,
         CloseCode::Shutdown,
         CloseCode::IdleEvicted,
@@ -160,6 +166,7 @@ impl CloseCode {
         CloseCode::Unauthorized,
         CloseCode::SourceAborted,
         CloseCode::TooManyHandshakes,
+        CloseCode::TooManyConnections,
     ];
 
     /// The numeric code.
@@ -178,6 +185,7 @@ impl CloseCode {
             5 => CloseCode::Unauthorized,
             6 => CloseCode::SourceAborted,
             7 => CloseCode::TooManyHandshakes,
+            8 => CloseCode::TooManyConnections,
             _ => return None,
         })
     }
@@ -193,6 +201,7 @@ impl CloseCode {
             CloseCode::Unauthorized => b"unauthorized",
             CloseCode::SourceAborted => b"source aborted",
             CloseCode::TooManyHandshakes => b"too many handshakes",
+            CloseCode::TooManyConnections => b"too many connections",
         }
     }
 }

@@ -529,6 +529,115 @@ async fn lru_link_is_evicted_at_max_links() {
     }
 }
 
+/// Regression: a node that adopted a peer's link closed it after its *own* idle timeout (the
+/// streams it served took no use of the link), cutting the pulls the peer was still making
+/// through it ("receiving tensor bytes: connection lost", "link closed while being handed
+/// out").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continuous_pulls_outlive_the_serving_sides_idle_timeout() {
+    const IDLE: Duration = Duration::from_millis(500);
+    const PULLING: Duration = Duration::from_secs(4);
+    const MAX_PULLS: usize = 2000;
+    let server = node(Config {
+        idle_timeout: IDLE,
+        ..test_config()
+    })
+    .await;
+    let puller = node(test_config()).await;
+    let tensor = f32_tensor(4 << 20, 5); // 16 MiB
+    server.publish_local("w", tensor.clone()).expect("publish");
+    let started = std::time::Instant::now();
+    let (mut pulls, mut failures) = (0, Vec::new());
+    while started.elapsed() < PULLING && pulls < MAX_PULLS {
+        pulls += 1;
+        match within(LIMIT, "pull", puller.pull(server.addr(), "w", None)).await {
+            Ok(pulled) => assert!(
+                pulled.buffer.data() == tensor.data(),
+                "pull {pulls} differs"
+            ),
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    let (served, pulled) = (server.pool_stats(), puller.pool_stats());
+    eprintln!(
+        "{pulls} pulls, {} failed; serving side: {} idle evictions; pulling side: {} dials",
+        failures.len(),
+        served.evictions_idle,
+        pulled.dials
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {pulls} failed: {failures:?}",
+        failures.len()
+    );
+    assert_eq!(
+        served.evictions_idle, 0,
+        "the link in use was never idle-closed"
+    );
+    assert_eq!(pulled.dials, 1, "one link for all {pulls} pulls");
+    // Once the pulls stop, the serving side does close the link, gracefully: the next pull
+    // redials.
+    let closed = || server.pool_stats().evictions_idle == 1;
+    assert!(eventually(Duration::from_secs(10), closed).await);
+    let again = within(LIMIT, "pull", puller.pull(server.addr(), "w", None)).await;
+    assert!(again.expect("pull after the idle close").buffer.data() == tensor.data());
+    assert_eq!(puller.pool_stats().dials, 2, "the closed link was redialed");
+    puller.shutdown().await;
+    server.shutdown().await;
+}
+
+/// Regression: a full pool adopted an inbound link and closed it at once, dropping the
+/// request the dialer had sent on it ("connection lost").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_refuses_an_inbound_dial_with_too_many_connections() {
+    let server = node(Config {
+        max_links: 1,
+        ..test_config()
+    })
+    .await;
+    server
+        .publish_local("small", f32_tensor(1024, 2))
+        .expect("publish");
+    // The server's one link is busy for seconds: it pulls from an upload-limited holder.
+    let holder = node(Config {
+        max_upload_rate: 4 << 20,
+        ..test_config()
+    })
+    .await;
+    let slow = f32_tensor(4 << 20, 1); // 16 MiB at 4 MiB/s
+    holder.publish_local("slow", slow.clone()).expect("publish");
+    let busy = tokio::spawn({
+        let (server, at) = (server.clone(), holder.addr().clone());
+        async move { server.pull(&at, "slow", None).await }
+    });
+    let link_busy = || server.pool_stats().links_active == 1;
+    assert!(eventually(Duration::from_secs(10), link_busy).await);
+
+    let dialer = node(test_config()).await;
+    match within(LIMIT, "pull", dialer.pull(server.addr(), "small", None)).await {
+        Err(Error::TooManyConnections { peer: Some(p), .. }) => {
+            assert_eq!(p, server.id().fmt_short().to_string());
+        }
+        other => panic!("expected TooManyConnections, got {other:?}"),
+    }
+    // The busy transfer is untouched; once it is over its idle link makes room.
+    let pulled = within(LIMIT, "busy pull", busy).await.expect("join");
+    assert!(pulled.expect("the busy pull").buffer.data() == slow.data());
+    let pulled = within(LIMIT, "pull", dialer.pull(server.addr(), "small", None)).await;
+    assert_eq!(
+        pulled.expect("pull once a link is idle").buffer.data(),
+        f32_tensor(1024, 2).data()
+    );
+    assert_eq!(
+        server.pool_stats().evictions_lru,
+        1,
+        "the idle link made room"
+    );
+    for n in [dialer, holder, server] {
+        n.shutdown().await;
+    }
+}
+
 fn with_secret(secret: &[u8]) -> Config {
     Config {
         cluster_key: tb_proto::ClusterKey::from_secret(secret).expect("secret"),

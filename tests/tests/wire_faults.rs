@@ -2,17 +2,23 @@
 //! purpose. The node must refuse bad input with typed errors, never allocate what a frame
 //! merely claims, and keep serving everyone else.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use bytes::Bytes;
 use iroh::{
     Endpoint, SecretKey,
-    endpoint::{Connection, RecvStream, SendStream},
+    endpoint::{Connection, RecvStream, SendStream, VarInt},
     protocol::{AcceptError, ProtocolHandler, Router},
 };
 use tb_node::{
     Config, ContentHash, Error, Node, PeerAddr,
-    proto::{DATA_ALPN, DataRequest, DataResponse, ErrorCode, TensorName, frame},
+    proto::{CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode, TensorName, frame},
 };
 use tb_tests::{
     f32_tensor, node, pattern, raw_client_hello, raw_server_hello, test_config, within,
@@ -275,6 +281,97 @@ async fn a_silent_peer_times_out() {
         Err(Error::Timeout { .. }) => {}
         other => panic!("expected Timeout, got {other:?}"),
     }
+    a.shutdown().await;
+    let _ = router.shutdown().await;
+}
+
+/// A peer whose idle close races with our first request: it closes its first link with
+/// `IdleEvicted` the moment that request arrives, unanswered (as a node does that closed an
+/// idle link just as the request was on its way), and serves later links honestly.
+#[derive(Debug, Clone)]
+struct IdleRacingServer {
+    me: iroh::EndpointId,
+    closed_one: Arc<AtomicBool>,
+}
+
+impl ProtocolHandler for IdleRacingServer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        if !raw_server_hello(&conn, self.me).await {
+            return Ok(());
+        }
+        let race = !self.closed_one.swap(true, Ordering::SeqCst);
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            if race {
+                let code = CloseCode::IdleEvicted;
+                conn.close(VarInt::from_u32(code.code()), code.reason());
+                break;
+            }
+            let mut prefix = [0u8; 4];
+            if recv.read_exact(&mut prefix).await.is_err() {
+                break;
+            }
+            let mut body = vec![0u8; frame::body_len(prefix).unwrap_or(0)];
+            let _ = recv.read_exact(&mut body).await;
+            let answer = match frame::decode_body::<DataRequest>(&body) {
+                Ok(DataRequest::Pull { .. }) => {
+                    let truth = f32_tensor(4096, 1);
+                    let header = DataResponse::Header {
+                        meta: truth.meta().clone(),
+                        version: 1,
+                    };
+                    let mut bytes = frame::encode(&header).expect("encode");
+                    bytes.extend_from_slice(truth.data());
+                    bytes
+                }
+                Ok(DataRequest::Push { meta, .. }) => {
+                    let mut payload = vec![0u8; meta.byte_len as usize];
+                    let _ = recv.read_exact(&mut payload).await;
+                    frame::encode(&DataResponse::Ack).expect("encode")
+                }
+                Err(_) => break,
+            };
+            let _ = send.write_all(&answer).await;
+            let _ = send.finish();
+            let _ = send.stopped().await;
+        }
+        Ok(())
+    }
+}
+
+/// A node and an [`IdleRacingServer`] it can reach.
+async fn idle_racing_server() -> (Node, PeerAddr, Router) {
+    let ep = raw_endpoint().await;
+    let at = PeerAddr {
+        id: ep.id(),
+        addr: ep.bound_sockets()[0],
+    };
+    let server = IdleRacingServer {
+        me: ep.id(),
+        closed_one: Arc::default(),
+    };
+    let router = Router::builder(ep).accept(DATA_ALPN, server).spawn();
+    (node(test_config()).await, at, router)
+}
+
+/// Regression: a pull whose link the peer closed as idle just as the request was on its way
+/// failed ("connection lost") instead of being sent again on a fresh link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_racing_the_peers_idle_close_is_redialed_not_failed() {
+    let (a, at, router) = idle_racing_server().await;
+    let pulled = within(LIMIT, "pull", a.pull(&at, "w", None)).await;
+    let pulled = pulled.expect("the pull is redialed, not failed");
+    assert_eq!(pulled.buffer.data(), f32_tensor(4096, 1).data());
+    assert_eq!(a.pool_stats().dials, 2, "one redial");
+    a.shutdown().await;
+    let _ = router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_racing_the_peers_idle_close_is_redialed_not_failed() {
+    let (a, at, router) = idle_racing_server().await;
+    let pushed = within(LIMIT, "push", a.push(&at, "w", &f32_tensor(4096, 2))).await;
+    pushed.expect("the push is redialed, not failed");
+    assert_eq!(a.pool_stats().dials, 2, "one redial");
     a.shutdown().await;
     let _ = router.shutdown().await;
 }

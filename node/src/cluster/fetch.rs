@@ -23,11 +23,12 @@ use tracing::{debug, warn};
 
 use super::{Cluster, calls::Holders, resume};
 use crate::{
-    client::Pulled,
+    client::{self, Failure, Pulled},
     endpoint::PeerAddr,
     error::{Error, Result},
     inflight::Receiving,
     node::Node,
+    pool::LinkGuard,
     progress::TransferProgress,
     store::{Inserted, Lookup},
     tensor::Tensor,
@@ -252,15 +253,46 @@ async fn from_holder(
         .iter()
         .filter_map(|a| a.parse::<SocketAddr>().ok())
     {
-        match node.link(&PeerAddr { id, addr }).await {
+        let peer = PeerAddr { id, addr };
+        match node.link(&peer).await {
             Ok(link) => {
-                let pull = resume::pull_rest(node.ctx(), &link, name, version, meta, into);
+                let pull = pull_from(node, &peer, link, name, version, meta, into);
                 return node.ctx().timed(TransferKind::Pull, pull).await;
             }
             Err(e) => last = Some(e),
         }
     }
     Err(last.unwrap_or_else(|| unreachable("no address to dial".into())))
+}
+
+/// Pulls the rest of the version on `link`; when the holder closed the link gracefully before
+/// serving the request (an idle close racing with it), once more on a fresh link, from where
+/// it got.
+async fn pull_from(
+    node: &Node,
+    peer: &PeerAddr,
+    mut link: LinkGuard,
+    name: &TensorName,
+    version: u64,
+    meta: &TensorMeta,
+    mut into: resume::Into<'_>,
+) -> Result<()> {
+    let mut redials = 0;
+    loop {
+        let pull = resume::pull_rest(node.ctx(), &link, name, version, meta, into.reborrow());
+        let err = match pull.await {
+            Ok(()) => return Ok(()),
+            Err(err) => err,
+        };
+        match client::after_failure(&link, err) {
+            Failure::Redial(err) if redials < client::REDIALS => {
+                redials += 1;
+                debug!(%name, version, %err, "the holder closed the link under a request: redialing");
+                link = node.link(peer).await?;
+            }
+            Failure::Redial(err) | Failure::Final(err) => return Err(err),
+        }
+    }
 }
 
 #[cfg(test)]

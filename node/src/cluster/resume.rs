@@ -72,6 +72,18 @@ pub(crate) struct Into<'a> {
     pub(crate) progress: Option<&'a TransferProgress>,
 }
 
+impl Into<'_> {
+    /// The same destination, borrowed again for one more attempt.
+    pub(crate) fn reborrow(&mut self) -> Into<'_> {
+        Into {
+            dest: &mut *self.dest,
+            resume: &mut *self.resume,
+            feed: self.feed,
+            progress: self.progress,
+        }
+    }
+}
+
 /// Pulls the rest of `version` of `name` (described by `expected`) from the link's peer into
 /// `into.dest`, from where `into.resume` got to, and checks the whole buffer's hash. On error,
 /// the resume state says how far it got; a hash mismatch is `Corrupt` (start over), a holder

@@ -4,9 +4,11 @@
 //!
 //! Rules (learned by iroh's own pool): concurrent requests for a new peer share one dial
 //! (`Connecting { waiters }`); generation numbers make events from an old dial harmless;
-//! dials in flight do not count toward the cap; only idle links are evicted, least recently
-//! used first, and a link is closed by a compare-and-swap on its use count, so a link that
-//! is being closed is never handed out.
+//! dials in flight do not count toward the cap; only idle links (no stream open in either
+//! direction: served streams count as uses) are evicted, least recently used first, and a
+//! link is closed by a compare-and-swap on its use count, so a link that is being closed is
+//! never handed out and never serves another stream. An inbound link that finds the pool
+//! full of busy links is refused (`Insert::Full`) before anything is served on it.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -32,11 +34,7 @@ enum Slot<W, H> {
 #[derive(Debug)]
 pub(crate) enum Acquire<W, H> {
     /// A ready link: reply to the waiter with a guard on it.
-    Reuse {
-        waiter: W,
-        handle: H,
-        link: Arc<LinkShared>,
-    },
+    Reuse { waiter: W, handle: H },
     /// A dial is already in flight; the waiter was queued on it.
     Queued,
     /// Start a dial with this generation; the waiter was queued on it.
@@ -83,7 +81,6 @@ impl<W, H: Clone> PoolBook<W, H> {
                 return Acquire::Reuse {
                     waiter,
                     handle: handle.clone(),
-                    link: link.clone(),
                 };
             }
             Some(Slot::Connecting { waiters, .. }) => {
@@ -382,6 +379,70 @@ mod tests {
         let link = ready(&mut book, p, Instant::now());
         assert!(link.try_close());
         assert!(matches!(book.acquire(p, 1), Acquire::Dial { .. }));
+    }
+
+    /// Regression: streams a node *serves* took no use of the link, so a link the peer was
+    /// pulling through looked idle and was evicted under it.
+    #[test]
+    fn a_link_with_served_streams_is_not_evictable() {
+        let mut book = Book::new(1);
+        let link = ready(&mut book, peer(1), Instant::now());
+        // The serving side takes a use per stream it serves, as our own requests do.
+        assert!(link.try_acquire(), "a served stream holds the link");
+        assert!(book.make_room().is_err(), "nothing to evict");
+        assert!(matches!(
+            book.acquire(peer(2), 9),
+            Acquire::Full { waiter: 9 }
+        ));
+        assert!(!link.try_close(), "the idle close fails too");
+        assert!(link.release(Instant::now()));
+        assert!(matches!(book.make_room(), Ok(Some((p, _))) if p == peer(1)));
+        assert!(!link.is_usable(), "evicted once the stream ended");
+    }
+
+    #[test]
+    fn lru_skips_links_in_use_by_either_side() {
+        let mut book = Book::new(3);
+        let t0 = Instant::now();
+        let ours = ready(&mut book, peer(1), t0);
+        let theirs = ready(&mut book, peer(2), t0 + Duration::from_secs(1));
+        let idle = ready(&mut book, peer(3), t0 + Duration::from_secs(2));
+        assert!(ours.try_acquire(), "a request of ours");
+        assert!(
+            theirs.try_acquire(),
+            "a stream the peer opened, being served"
+        );
+        let Acquire::Dial { generation } = book.acquire(peer(4), 7) else {
+            panic!("an idle link makes room")
+        };
+        let new = Arc::new(LinkShared::new(t0));
+        let Insert::Inserted { evicted, waiters } =
+            book.insert_ready(peer(4), Some(generation), "h4", new)
+        else {
+            panic!("expected insert")
+        };
+        assert_eq!(waiters, vec![7]);
+        assert_eq!(
+            evicted.map(|(p, _)| p),
+            Some(peer(3)),
+            "the newest but only idle link goes, not the older busy ones"
+        );
+        assert!(ours.is_usable() && theirs.is_usable());
+        assert!(!idle.is_usable());
+    }
+
+    #[test]
+    fn a_full_pool_refuses_an_inbound_link() {
+        let mut book = Book::new(1);
+        let busy = ready(&mut book, peer(1), Instant::now());
+        assert!(busy.try_acquire());
+        let inbound = Arc::new(LinkShared::new(Instant::now()));
+        match book.insert_ready(peer(2), None, "in", inbound) {
+            Insert::Full { waiters } => assert!(waiters.is_empty()),
+            other => panic!("expected Full, got {other:?}"),
+        }
+        assert_eq!(book.ready_count(), 1, "the busy link stays, alone");
+        assert!(busy.is_usable());
     }
 
     #[test]

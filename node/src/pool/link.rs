@@ -1,9 +1,12 @@
-//! One pooled link's shared bookkeeping and the guard that marks it in use.
+//! One link's shared bookkeeping and the guard that marks it in use.
 //!
 //! "In use" is a fact of the type system: a [`LinkGuard`] exists exactly while a stream on
-//! the link may be open. The count lives in an atomic shared by the guards, the link's
-//! `PeerActor` and the pool, so handing out a guard never waits on an actor, and a guard's
-//! `Drop` only does a non-blocking `cast`.
+//! the link may be open, in either direction — a request of ours holds one, and so does each
+//! stream the peer opened that we serve. The count lives in an atomic shared by the guards,
+//! the link's `PeerActor` and the pool, so handing out a guard never waits on an actor, and a
+//! guard's `Drop` only does a non-blocking `cast`. A link is closed (idle, LRU) only by a
+//! compare-and-swap of that count from zero, so a link with an open stream is never closed
+//! that way, and no stream is taken on a link once it is.
 
 use std::{
     sync::{
@@ -13,8 +16,12 @@ use std::{
     time::Instant,
 };
 
-use iroh::{EndpointId, endpoint::Connection};
+use iroh::{
+    EndpointId,
+    endpoint::{Connection, ConnectionError},
+};
 use ractor::ActorRef;
+use tb_proto::CloseCode;
 
 use super::peer::PeerMsg;
 
@@ -83,7 +90,22 @@ impl LinkShared {
     }
 }
 
-/// A pooled connection, held for the duration of one or more streams.
+/// One link as the pool and the serving side hold it: its connection, use count and actor.
+#[derive(Debug, Clone)]
+pub(crate) struct Link {
+    pub(crate) conn: Connection,
+    pub(crate) shared: Arc<LinkShared>,
+    pub(crate) actor: ActorRef<PeerMsg>,
+}
+
+impl Link {
+    /// A guard on this link, or `None` once it is closed or dead.
+    pub(crate) fn guard(&self) -> Option<LinkGuard> {
+        LinkGuard::try_new(&self.conn, &self.shared, &self.actor)
+    }
+}
+
+/// A connection, held for the duration of one or more streams (ours or the peer's).
 ///
 /// While any guard is alive the link is "active" and is never idle-evicted or LRU-evicted.
 #[derive(Debug)]
@@ -118,6 +140,21 @@ impl LinkGuard {
     /// The peer's node id.
     pub fn peer(&self) -> EndpointId {
         self.conn.remote_id()
+    }
+
+    /// The close code the peer closed the connection with, if it did with one of ours.
+    pub(crate) fn peer_close(&self) -> Option<CloseCode> {
+        peer_close(&self.conn)
+    }
+}
+
+/// The close code the peer closed `conn` with, if it did with one of ours.
+pub(crate) fn peer_close(conn: &Connection) -> Option<CloseCode> {
+    match conn.close_reason()? {
+        ConnectionError::ApplicationClosed(close) => u32::try_from(close.error_code.into_inner())
+            .ok()
+            .and_then(CloseCode::from_code),
+        _ => None,
     }
 }
 

@@ -1,5 +1,6 @@
-//! The connection pool: one `PeerActor` per pooled iroh QUIC link, supervised by the
-//! `NodeActor`, with guards that make "in use" a fact of the type system.
+//! The connection pool: one `PeerActor` per iroh QUIC link (pooled, or superseded and kept
+//! until unused), supervised by the `NodeActor`, with guards that make "in use" a fact of the
+//! type system — for the streams we open and for those we serve.
 
 pub(crate) mod book;
 pub(crate) mod link;
@@ -10,13 +11,11 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-use iroh::{EndpointId, endpoint::Connection};
-use ractor::ActorRef;
+use iroh::EndpointId;
 use tb_dashboard::Metrics;
 
 pub use link::LinkGuard;
-use link::LinkShared;
-use peer::PeerMsg;
+use link::{Link, LinkShared};
 
 /// A read replica of the pool's ready links, written only by the `NodeActor`.
 ///
@@ -24,39 +23,21 @@ use peer::PeerMsg;
 /// round trip through the actor's mailbox (that hop is a sizeable part of a 4 KiB pull).
 /// Every other case — a miss, a closed or dead link — goes to the actor, which decides.
 #[derive(Debug, Default)]
-pub(crate) struct ReadyLinks(RwLock<HashMap<EndpointId, ReadyLink>>);
-
-#[derive(Debug, Clone)]
-struct ReadyLink {
-    conn: Connection,
-    link: Arc<LinkShared>,
-    actor: ActorRef<PeerMsg>,
-}
+pub(crate) struct ReadyLinks(RwLock<HashMap<EndpointId, Link>>);
 
 impl ReadyLinks {
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<EndpointId, ReadyLink>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<EndpointId, Link>> {
         self.0.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn insert(
-        &self,
-        peer: EndpointId,
-        conn: &Connection,
-        link: &Arc<LinkShared>,
-        actor: &ActorRef<PeerMsg>,
-    ) {
-        let entry = ReadyLink {
-            conn: conn.clone(),
-            link: link.clone(),
-            actor: actor.clone(),
-        };
-        self.write().insert(peer, entry);
+    pub(crate) fn insert(&self, peer: EndpointId, link: &Link) {
+        self.write().insert(peer, link.clone());
     }
 
     /// Forgets `peer`'s entry if it still is `link`.
     pub(crate) fn remove(&self, peer: &EndpointId, link: &Arc<LinkShared>) {
         let mut map = self.write();
-        if map.get(peer).is_some_and(|e| Arc::ptr_eq(&e.link, link)) {
+        if map.get(peer).is_some_and(|e| Arc::ptr_eq(&e.shared, link)) {
             map.remove(peer);
         }
     }
@@ -70,8 +51,8 @@ impl ReadyLinks {
     pub(crate) fn counts(&self) -> (usize, usize) {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
         map.values()
-            .filter(|e| e.link.is_usable())
-            .fold((0, 0), |(active, idle), e| match e.link.idle_since() {
+            .filter(|e| e.shared.is_usable())
+            .fold((0, 0), |(active, idle), e| match e.shared.idle_since() {
                 Some(_) => (active, idle + 1),
                 None => (active + 1, idle),
             })
@@ -80,8 +61,7 @@ impl ReadyLinks {
     /// A guard on `peer`'s pooled link, if it has a usable one.
     pub(crate) fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
-        let e = map.get(peer)?;
-        LinkGuard::try_new(&e.conn, &e.link, &e.actor)
+        map.get(peer)?.guard()
     }
 }
 
@@ -102,15 +82,16 @@ pub(crate) fn snapshot(metrics: &Metrics, ready: &ReadyLinks) -> PoolStats {
 /// A snapshot of the pool's state and lifetime counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolStats {
-    /// Pooled links with at least one stream in use.
+    /// Pooled links with at least one stream open, ours or the peer's.
     pub links_active: usize,
-    /// Pooled links with no stream in use.
+    /// Pooled links with no stream open in either direction.
     pub links_idle: usize,
     /// Dials started (concurrent requests for one new peer share one).
     pub dials: u64,
     /// Requests served by an already pooled link.
     pub reuses: u64,
-    /// Links closed after the idle timeout.
+    /// Links closed after the idle timeout with no stream open in either direction (pooled
+    /// ones, and superseded ones kept until unused).
     pub evictions_idle: u64,
     /// Idle links closed to make room at the maximum pool size.
     pub evictions_lru: u64,

@@ -1,8 +1,11 @@
-//! `PeerActor`: owns one pooled QUIC connection to one peer.
+//! `PeerActor`: owns one QUIC connection to one peer — a pooled link, or a superseded one
+//! (a second link to a peer that already has one) kept until it is unused.
 //!
 //! It watches the connection and stops when it dies, closes it after the idle timeout once no
-//! guard is alive, and closes it when the pool evicts it. Its parent `NodeActor` supervises it
-//! and drops it from the pool when it stops. It never waits on its parent.
+//! guard is alive (no stream open in either direction: the streams we serve hold guards too),
+//! and closes it when the pool evicts it. Idle closes use [`CloseCode::IdleEvicted`], which
+//! the peer reads as "redial". Its parent `NodeActor` supervises it and drops it from the pool
+//! when it stops. It never waits on its parent.
 
 use std::{sync::Arc, time::Duration};
 
@@ -50,9 +53,11 @@ pub(crate) struct PeerState {
 /// The actor for one pooled link.
 pub(crate) struct PeerActor;
 
-/// Closes a connection with one of our close codes.
+/// Closes a connection with one of our close codes (unless it is closed already).
 pub(crate) fn close(conn: &Connection, code: CloseCode) {
-    conn.close(VarInt::from_u32(code.code()), code.reason());
+    if conn.close_reason().is_none() {
+        conn.close(VarInt::from_u32(code.code()), code.reason());
+    }
 }
 
 impl Actor for PeerActor {
@@ -116,6 +121,8 @@ impl Actor for PeerActor {
     ) -> Result<(), ActorProcessingErr> {
         state.watcher.abort();
         state.args.link.mark_dead();
+        // Stopped from outside (the node shuts down): nothing serves the link any more.
+        close(&state.args.conn, CloseCode::Shutdown);
         Ok(())
     }
 }
