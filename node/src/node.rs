@@ -25,6 +25,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
+    budget::ByteBudget,
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
@@ -127,7 +128,8 @@ impl Node {
             store,
             inflight: Inflight::default(),
             upload: RateLimiter::new(config.max_upload_rate),
-            inbox: Inbox::new(config.inbox_capacity),
+            inbox: Inbox::new(config.inbox_capacity, config.max_push_memory),
+            device_pushes: ByteBudget::new(config.push_device_budget()),
             metrics,
             ready: ReadyLinks::default(),
             inflight_bytes_sent: Default::default(),
@@ -420,6 +422,12 @@ impl Node {
     /// Pushed tensors waiting in the inbox.
     pub fn inbox_len(&self) -> usize {
         self.inner.ctx.inbox.len()
+    }
+
+    /// Host bytes held by pushes being received or waiting in the inbox (at most
+    /// `Config::max_push_memory`).
+    pub fn push_bytes_held(&self) -> u64 {
+        self.inner.ctx.inbox.bytes()
     }
 
     /// Stops the node: in-flight calls end with `Shutdown`, links close, the endpoint closes.
