@@ -10,6 +10,7 @@ use tb_dashboard::{AppState, Metrics, Role as MetricsRole};
 use tb_node::{
     Node, PeerAddr, Ticket,
     auth::{self, node_id},
+    budget::ByteBudget,
 };
 use tb_proto::{CTL_ALPN, Member, Role};
 use tokio::sync::{Notify, mpsc};
@@ -88,6 +89,8 @@ pub struct Broker {
     /// The dashboard's figures of workers that heartbeat to other brokers.
     relay: Arc<PeerStatsRelay>,
     join: Vec<PeerAddr>,
+    /// What anti-entropy conversations hold (`BrokerConfig::max_sync_bytes`).
+    sync_budget: ByteBudget,
 }
 
 impl Broker {
@@ -144,6 +147,8 @@ impl Broker {
         let gossip = Gossip::builder()
             .broadcast_config(gossip_broadcast_config())
             .spawn(endpoint.clone());
+        // One budget for every anti-entropy conversation, asked or answered.
+        let sync_budget = ByteBudget::new(opts.state.max_sync_bytes);
         let ctl = CtlProtocol {
             actor: actor.clone(),
             key: opts.node.cluster_key.clone(),
@@ -151,6 +156,7 @@ impl Broker {
             request_timeout: opts.node.request_timeout,
             admission: auth::Admission::new(&opts.node),
             max_tensor_bytes: opts.node.max_tensor_bytes,
+            sync_budget: sync_budget.clone(),
             cancel: cancel.clone(),
             tracker: tracker.clone(),
             counters: counters.clone(),
@@ -202,6 +208,7 @@ impl Broker {
                 cancel,
             )),
             join: opts.join.clone(),
+            sync_budget: sync_budget.clone(),
         };
         broker.announce_self(epoch, &opts).await?;
         let sync = SyncLoop {
@@ -218,6 +225,7 @@ impl Broker {
             interval: opts.sync_interval,
             request_timeout: opts.node.request_timeout,
             max_tensor_bytes: opts.node.max_tensor_bytes,
+            sync_budget,
             sync_now,
             counters: broker.counters.clone(),
             cancel: broker.cancel.clone(),
@@ -273,6 +281,12 @@ impl Broker {
             }
         }
         Ticket { brokers }
+    }
+
+    /// Bytes of anti-entropy messages held now, all conversations together (at most
+    /// `BrokerConfig::max_sync_bytes`).
+    pub fn sync_bytes_held(&self) -> u64 {
+        self.sync_budget.in_use()
     }
 
     /// The broker's counters.
@@ -371,6 +385,7 @@ struct SyncLoop {
     interval: Duration,
     request_timeout: Duration,
     max_tensor_bytes: u64,
+    sync_budget: ByteBudget,
     sync_now: Arc<Notify>,
     counters: Arc<BrokerCounters>,
     cancel: CancellationToken,
@@ -414,7 +429,13 @@ impl SyncLoop {
         };
         let pulled = tokio::select! {
             _ = self.cancel.cancelled() => return,
-            r = pull_from(&conn, &self.actor, self.request_timeout, self.max_tensor_bytes) => r,
+            r = pull_from(
+                &conn,
+                &self.actor,
+                self.request_timeout,
+                self.max_tensor_bytes,
+                &self.sync_budget,
+            ) => r,
         };
         match pulled {
             Ok(stats) => {

@@ -1,5 +1,8 @@
 //! [`BrokerConfig`]: every knob of the broker's decisions, with offline single-machine defaults.
 
+/// Default of [`BrokerConfig::max_sync_bytes`]: 256 MiB.
+pub const DEFAULT_MAX_SYNC_BYTES: u64 = 256 << 20;
+
 /// How a broker decides: version retention, liveness, fan-out, limits. `Default` is the
 /// offline single-machine setup.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +28,13 @@ pub struct BrokerConfig {
     /// A fetch in flight, and the fan-out slot it holds at its source, is forgotten after this
     /// long without news (a `Fetching` refresh, its completion, or its end).
     pub fetch_timeout_ms: u64,
+    /// Most bytes of anti-entropy messages (encoded) this broker holds at once, all
+    /// conversations together: the names an asker sends before its last frame, and the rows
+    /// and entries a peer sends back before they are merged. A conversation that would go
+    /// over ends with `Busy` (`TooLarge` when it alone exceeds the budget), holding nothing,
+    /// and the next round tries again. Default 256 MiB, enough for about a million names;
+    /// raise it for larger registries, or anti-entropy cannot complete.
+    pub max_sync_bytes: u64,
 }
 
 impl Default for BrokerConfig {
@@ -37,6 +47,7 @@ impl Default for BrokerConfig {
             max_chain_depth: 16,
             max_tensor_bytes: 64 << 30,
             fetch_timeout_ms: 120_000,
+            max_sync_bytes: DEFAULT_MAX_SYNC_BYTES,
         }
     }
 }

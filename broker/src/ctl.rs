@@ -45,6 +45,8 @@ pub(crate) struct CtlProtocol {
     /// data plane's are separate).
     pub(crate) admission: auth::Admission,
     pub(crate) max_tensor_bytes: u64,
+    /// What anti-entropy conversations may buffer, all together.
+    pub(crate) sync_budget: tb_node::budget::ByteBudget,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     pub(crate) counters: Arc<BrokerCounters>,
@@ -170,6 +172,7 @@ impl CtlProtocol {
                     actor: &self.actor,
                     timeout: self.request_timeout,
                     max_tensor_bytes: self.max_tensor_bytes,
+                    budget: &self.sync_budget,
                 };
                 if let Err(e) = conversation
                     .run(buckets, members, &mut send, &mut recv)

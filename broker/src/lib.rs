@@ -17,7 +17,8 @@
 //!   [`expire`](BrokerState::expire).
 //! - [`Changes`]: what one of those calls changed: ops to gossip, names and members to persist,
 //!   [`Event`](tb_proto::Event)s for subscribers ([`matching`] picks the subscriptions).
-//! - [`BrokerConfig`]: retention, liveness timeout, fan-out width, size limit.
+//! - [`BrokerConfig`]: retention, liveness timeout, fan-out width, size limit, anti-entropy
+//!   byte budget.
 //! - [`BrokerError`]: why a request or op was refused, with its wire code.
 //! - [`RegistryStore`]: the replica in sled, reloaded on restart, and the broker's epoch.
 //!
@@ -64,7 +65,7 @@ mod state;
 mod sync;
 
 pub use broker::{Broker, BrokerOptions, StartError};
-pub use config::BrokerConfig;
+pub use config::{BrokerConfig, DEFAULT_MAX_SYNC_BYTES};
 pub use error::BrokerError;
 pub use events::{event_for, event_name, matching};
 pub use metrics::{BrokerCounters, Counter, MemberStatsBook};

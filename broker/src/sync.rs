@@ -10,6 +10,11 @@
 //!
 //! It is pull-only: B learns A's news when B asks A, which every broker does every round. A
 //! round in which nothing differs costs two small frames each way.
+//!
+//! What one side buffers from the other (A's names at B until A's last frame; B's rows and
+//! entries at A until they are merged) is reserved, frame by frame, from the broker's sync
+//! budget (`BrokerConfig::max_sync_bytes`, shared by all conversations): a conversation that
+//! would go over ends at once, and B tells A why (`Busy`, or `TooLarge`).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -22,13 +27,15 @@ use iroh::{
     endpoint::{Connection, RecvStream, SendStream},
 };
 use ractor::ActorRef;
+use serde::Serialize;
 use tb_node::{
     PeerAddr, auth,
+    budget::{BudgetError, ByteBudget, Reservation},
     framing::{read_frame, write_frame},
 };
 use tb_proto::{
-    CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, Entry, MAX_CHUNK_BYTES, MAX_SYNC_MEMBERS,
-    Member, MemberStatus, NodeId, Registry, TensorName, chunk_by_size,
+    CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, Entry, ErrorCode, MAX_CHUNK_BYTES,
+    MAX_SYNC_MEMBERS, Member, MemberStatus, NodeId, Registry, TensorName, chunk_by_size,
 };
 
 use crate::{actor::BrokerMsg, ctl::ask};
@@ -45,6 +52,8 @@ pub(crate) struct Responder<'a> {
     pub(crate) actor: &'a ActorRef<BrokerMsg>,
     pub(crate) timeout: Duration,
     pub(crate) max_tensor_bytes: u64,
+    /// What the asker's names may hold of this broker's memory, with every other conversation.
+    pub(crate) budget: &'a ByteBudget,
 }
 
 impl Responder<'_> {
@@ -68,9 +77,19 @@ impl Responder<'_> {
             write(send, frame).await?;
         }
         let mut names = BTreeMap::new();
+        let mut held = self.budget.empty();
         for _ in 0..MAX_STEP_FRAMES {
             match read(recv, self.timeout, self.max_tensor_bytes).await? {
                 CtlRequest::SyncNames { names: part, last } => {
+                    if let Err(err) = held.try_grow(encoded_len(&part)) {
+                        let code = match err {
+                            BudgetError::TooLarge { .. } => ErrorCode::TooLarge,
+                            BudgetError::Busy { .. } => ErrorCode::Busy,
+                        };
+                        let message = format!("anti-entropy names: {err} of the sync budget");
+                        let _ = write(send, &CtlResponse::Error { code, message }).await;
+                        return Err(format!("refused the asker's names: {err}"));
+                    }
                     names.extend(part);
                     if last {
                         let entries = snapshot.entries_to_send(&names, &differing);
@@ -96,13 +115,16 @@ pub struct SyncStats {
     pub members: usize,
 }
 
-/// Asks `conn`'s broker for what this broker lacks and hands it to the actor to merge.
+/// Asks `conn`'s broker for what this broker lacks and hands it to the actor to merge; what
+/// the peer sends is held against `budget` until then.
 pub(crate) async fn pull_from(
     conn: &Connection,
     actor: &ActorRef<BrokerMsg>,
     timeout: Duration,
     max_tensor_bytes: u64,
+    budget: &ByteBudget,
 ) -> Result<SyncStats, SyncError> {
+    let mut held = budget.empty();
     let snapshot = snapshot(actor, timeout).await?;
     let (mut send, mut recv) = tokio::time::timeout(timeout, conn.open_bi())
         .await
@@ -115,7 +137,7 @@ pub(crate) async fn pull_from(
         members,
     };
     write_request(&mut send, &buckets).await?;
-    let (rows, differing) = read_diff(&mut recv, timeout, max_tensor_bytes).await?;
+    let (rows, differing) = read_diff(&mut recv, timeout, max_tensor_bytes, &mut held).await?;
     let names = snapshot.names_in_buckets(&differing);
     let chunks = chunk_by_size(names.into_iter().collect(), MAX_CHUNK_BYTES);
     let count = chunks.len();
@@ -124,7 +146,7 @@ pub(crate) async fn pull_from(
         write_request(&mut send, &CtlRequest::SyncNames { names, last }).await?;
     }
     let _ = send.finish();
-    let entries = read_entries(&mut recv, timeout, max_tensor_bytes).await?;
+    let entries = read_entries(&mut recv, timeout, max_tensor_bytes, &mut held).await?;
     let stats = SyncStats {
         entries: entries.len(),
         members: rows.len(),
@@ -157,6 +179,13 @@ pub(crate) async fn ask_members(
     for _ in 0..MAX_STEP_FRAMES {
         match read_response(&mut recv, timeout, max_tensor_bytes).await? {
             CtlResponse::Members { members, last } => {
+                // Rows are validated (bounded in size) and one per member: a peer sending
+                // more than a membership table holds is not answering honestly.
+                if rows.len() + members.len() > MAX_SYNC_MEMBERS {
+                    return Err(format!(
+                        "peer sent more than {MAX_SYNC_MEMBERS} member rows"
+                    ));
+                }
                 rows.extend(members);
                 if last {
                     return Ok(rows);
@@ -174,6 +203,7 @@ async fn read_diff(
     recv: &mut RecvStream,
     timeout: Duration,
     max: u64,
+    held: &mut Reservation,
 ) -> Result<(Vec<Member>, Vec<u8>), SyncError> {
     let (mut rows, mut differing) = (Vec::new(), Vec::new());
     for _ in 0..MAX_STEP_FRAMES {
@@ -183,6 +213,11 @@ async fn read_diff(
                 buckets,
                 last,
             } => {
+                hold(
+                    held,
+                    encoded_len(&members) + encoded_len(&buckets),
+                    "member rows",
+                )?;
                 rows.extend(members);
                 differing.extend(buckets);
                 if last {
@@ -199,11 +234,13 @@ async fn read_entries(
     recv: &mut RecvStream,
     timeout: Duration,
     max: u64,
+    held: &mut Reservation,
 ) -> Result<Vec<(TensorName, Entry)>, SyncError> {
     let mut all = Vec::new();
     for _ in 0..MAX_STEP_FRAMES {
         match read_response(recv, timeout, max).await? {
             CtlResponse::SyncEntries { entries, last } => {
+                hold(held, encoded_len(&entries), "entries")?;
                 all.extend(entries);
                 if last {
                     return Ok(all);
@@ -213,6 +250,19 @@ async fn read_entries(
         }
     }
     Err("too many SyncEntries frames".into())
+}
+
+/// Holds `bytes` more of what a peer sent against the sync budget, or ends the conversation.
+fn hold(held: &mut Reservation, bytes: u64, what: &str) -> Result<(), SyncError> {
+    held.try_grow(bytes)
+        .map_err(|err| format!("the peer's {what}: {err} of the sync budget"))
+}
+
+/// A message's encoded size: what it is charged against the sync budget.
+fn encoded_len<T: Serialize + ?Sized>(value: &T) -> u64 {
+    // Measuring plain data cannot fail; if it did, "too large" is the safe answer.
+    postcard::serialize_with_flavor(value, postcard::ser_flavors::Size::default())
+        .map_or(u64::MAX, |n| n as u64)
 }
 
 fn member_frames(rows: Vec<Member>) -> Vec<CtlResponse> {

@@ -351,6 +351,14 @@ async fn push_untimed(
             ctx.metrics.bytes_out.inc_by(tensor.byte_len());
             Ok(())
         }
+        // A receiver whose push budget or inbox is full kept nothing: the caller may retry.
+        (
+            Ok(DataResponse::Error {
+                code: ErrorCode::Busy,
+                message,
+            }),
+            _,
+        ) => Err(Error::Busy(format!("{what}: {message}"))),
         (Ok(DataResponse::Error { code, message }), _) => Err(remote_error(link, code, message)),
         (_, Err(e)) => Err(e),
         (Ok(other), Ok(())) => Err(Error::Io(format!("{what}: unexpected answer {other:?}"))),

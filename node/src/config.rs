@@ -1,6 +1,11 @@
 //! Node configuration. `Config::default()` is the offline single-machine setup.
 
-use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use tb_dashboard::Metrics;
 use tb_proto::{ClusterKey, NamePattern};
@@ -18,6 +23,14 @@ pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Default [`Config::max_pending_handshakes`].
 pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 64;
+/// The share of the machine's memory that pushes may hold by default: a quarter.
+pub const PUSH_MEMORY_SHARE: u64 = 4;
+/// The push budget where the machine's memory cannot be read: 4 GiB.
+pub const FALLBACK_PUSH_MEMORY: u64 = 4 << 30;
+/// The share of a device's memory that pushes to it may hold by default: a half.
+pub const PUSH_DEVICE_MEMORY_SHARE: u64 = 2;
+/// The device push budget where the device's memory cannot be read: 4 GiB.
+pub const FALLBACK_PUSH_DEVICE_MEMORY: u64 = 4 << 30;
 
 /// Everything a [`crate::Node`] can be tuned with.
 #[derive(Debug, Clone)]
@@ -98,6 +111,16 @@ pub struct Config {
     /// [`CloseCode::TooManyHandshakes`](tb_proto::CloseCode::TooManyHandshakes) and counted
     /// as `too_many_pending` (0 counts as 1).
     pub max_pending_handshakes: usize,
+    /// Most host bytes that pushes to this node may hold at once: those being received and
+    /// those waiting in the inbox until `recv()` takes them. A push reserves its length when
+    /// its header arrives, before anything is allocated; one that does not fit is refused at
+    /// once, with `Busy` (or `TooLarge` when it exceeds the whole budget), and nothing of it is
+    /// kept. Default: [`default_max_push_memory`], a quarter of the machine's memory.
+    pub max_push_memory: u64,
+    /// The same for pushes placed on a CUDA device (see `push_placement`), in device bytes.
+    /// `None` (the default): half of that device's memory, read when the node starts, or
+    /// [`FALLBACK_PUSH_DEVICE_MEMORY`] when it cannot be read.
+    pub max_push_device_memory: Option<u64>,
 }
 
 impl Default for Config {
@@ -129,6 +152,80 @@ impl Default for Config {
             max_upload_rate: 0,
             hello_timeout: DEFAULT_HELLO_TIMEOUT,
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
+            max_push_memory: default_max_push_memory(),
+            max_push_device_memory: None,
         }
+    }
+}
+
+impl Config {
+    /// The device push budget in bytes: `max_push_device_memory`, else a share of the push
+    /// device's memory (probing it opens the device, sizing its staging pool with `cuda`).
+    pub(crate) fn push_device_budget(&self) -> u64 {
+        if let Some(limit) = self.max_push_device_memory {
+            return limit;
+        }
+        let probed = match self.push_placement {
+            Device::Host => None,
+            Device::Cuda(ordinal) => crate::device::ensure(ordinal, &self.cuda)
+                .and_then(|()| crate::device::probe(ordinal))
+                .ok(),
+        };
+        probed.map_or(FALLBACK_PUSH_DEVICE_MEMORY, |info| {
+            info.total_bytes / PUSH_DEVICE_MEMORY_SHARE
+        })
+    }
+}
+
+/// The default push budget: a quarter of the memory this process may use — the machine's
+/// (`MemTotal` in `/proc/meminfo`) or its cgroup's limit (`memory.max`), whichever is less —
+/// or [`FALLBACK_PUSH_MEMORY`] where neither can be read. Read once per process.
+pub fn default_max_push_memory() -> u64 {
+    static DEFAULT: OnceLock<u64> = OnceLock::new();
+    *DEFAULT.get_or_init(|| {
+        let read = |path| std::fs::read_to_string(path).ok();
+        let machine = read("/proc/meminfo").and_then(|s| meminfo_total(&s));
+        let cgroup = read("/sys/fs/cgroup/memory.max").and_then(|s| cgroup_limit(&s));
+        let memory = match (machine, cgroup) {
+            (Some(m), Some(c)) => Some(m.min(c)),
+            (m, c) => m.or(c),
+        };
+        memory.map_or(FALLBACK_PUSH_MEMORY, |m| m / PUSH_MEMORY_SHARE)
+    })
+}
+
+/// `MemTotal` from the text of `/proc/meminfo`, in bytes.
+fn meminfo_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let mut words = line["MemTotal:".len()..].split_whitespace();
+    let kib: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => kib.checked_mul(1024),
+        _ => None,
+    }
+}
+
+/// A cgroup v2 `memory.max` in bytes; `None` for `max` (no limit) or anything unreadable.
+fn cgroup_limit(text: &str) -> Option<u64> {
+    text.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn machine_memory_is_read_from_meminfo_and_cgroup_limits() {
+        let meminfo = "MemTotal:       24567890 kB\nMemFree:         1234 kB\n";
+        assert_eq!(meminfo_total(meminfo), Some(24_567_890 * 1024));
+        assert_eq!(meminfo_total("MemFree: 12 kB\n"), None);
+        assert_eq!(meminfo_total("MemTotal: lots kB\n"), None);
+        assert_eq!(meminfo_total("MemTotal: 12 MB\n"), None);
+        assert_eq!(meminfo_total(""), None);
+        assert_eq!(cgroup_limit("max\n"), None);
+        assert_eq!(cgroup_limit("2147483648\n"), Some(2 << 30));
+        let default = default_max_push_memory();
+        assert!(default > 0);
+        assert_eq!(Config::default().max_push_memory, default);
     }
 }

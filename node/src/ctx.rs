@@ -9,9 +9,8 @@ use tb_dashboard::{Metrics, TransferKind};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    auth::Admission,
-    config::Config, error::Result, inbox::Inbox, inflight::Inflight, pool::ReadyLinks,
-    rate::RateLimiter, store::Store,
+    auth::Admission, budget::ByteBudget, config::Config, error::Result, inbox::Inbox,
+    inflight::Inflight, pool::ReadyLinks, rate::RateLimiter, store::Store,
 };
 
 /// Shared, immutable-after-start context of one node.
@@ -24,7 +23,10 @@ pub(crate) struct NodeCtx {
     pub(crate) inflight: Inflight,
     /// The upload limit every serving stream draws from; `None`: unlimited.
     pub(crate) upload: Option<RateLimiter>,
+    /// Pushed tensors waiting for `recv()`; it also keeps the host push budget.
     pub(crate) inbox: Inbox,
+    /// Device bytes of pushes received to a device (`Config::push_placement`) or queued.
+    pub(crate) device_pushes: ByteBudget,
     /// The process's metrics: pool, transfer and auth counters are its counters (the one
     /// source of truth; `Node::pool_stats` reads them).
     pub(crate) metrics: Arc<Metrics>,

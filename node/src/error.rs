@@ -50,6 +50,10 @@ pub enum Error {
     /// The tensor (or a frame) is larger than the configured or the peer's maximum.
     #[error("too large: {0}")]
     TooLarge(String),
+    /// The peer cannot take it now (its push budget or inbox is full): nothing was kept.
+    /// Retry later, or send to another peer.
+    #[error("busy: {0}")]
+    Busy(String),
     /// Tensor metadata and data disagree (shape, dtype, byte length, rank).
     #[error("invalid tensor: {0}")]
     InvalidTensor(String),

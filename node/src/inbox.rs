@@ -1,7 +1,10 @@
 //! [`Inbox`]: tensors pushed to this node, queued until `recv()` or `wait_for()` takes them.
 //!
-//! Bounded: when full, the stream that delivers a push waits for room (so the pusher sees
-//! back-pressure, and nothing is dropped); every wait is bounded by a timeout.
+//! Bounded in count and in bytes. Bytes: a push reserves its length from the inbox's budget
+//! ([`Inbox::reserve`]) when its header arrives, before anything is allocated, and the
+//! reservation stays with the tensor until `recv()` takes it; a push that does not fit is
+//! refused at once. Count: when full, the stream that delivers a push waits for room (so the
+//! pusher sees back-pressure, and nothing is dropped); every wait is bounded by a timeout.
 
 use std::{
     collections::VecDeque,
@@ -14,6 +17,7 @@ use tb_proto::TensorName;
 use tokio::sync::Notify;
 
 use crate::{
+    budget::{BudgetError, ByteBudget, Reservation},
     error::{Error, Result},
     tensor::Tensor,
 };
@@ -29,12 +33,17 @@ pub struct Received {
     pub tensor: Tensor,
 }
 
+/// A queued tensor and the bytes it holds against a budget (host or device).
+type Queued = (Received, Reservation);
+
 #[derive(Debug)]
 struct Inner {
-    queue: Mutex<VecDeque<Received>>,
+    queue: Mutex<VecDeque<Queued>>,
     arrived: Notify,
     taken: Notify,
     capacity: usize,
+    /// Host bytes of pushes being received or queued here.
+    bytes: ByteBudget,
 }
 
 /// The queue of pushed tensors. Cloning is cheap.
@@ -42,22 +51,42 @@ struct Inner {
 pub struct Inbox(Arc<Inner>);
 
 impl Inbox {
-    /// An empty inbox holding at most `capacity` (at least 1) tensors.
-    pub fn new(capacity: usize) -> Self {
+    /// An empty inbox holding at most `capacity` (at least 1) tensors, and at most
+    /// `max_bytes` host bytes of pushes being received or queued.
+    pub fn new(capacity: usize, max_bytes: u64) -> Self {
         Inbox(Arc::new(Inner {
             queue: Mutex::default(),
             arrived: Notify::new(),
             taken: Notify::new(),
             capacity: capacity.max(1),
+            bytes: ByteBudget::new(max_bytes),
         }))
     }
 
-    fn lock(&self) -> MutexGuard<'_, VecDeque<Received>> {
+    fn lock(&self) -> MutexGuard<'_, VecDeque<Queued>> {
         self.0.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues a received tensor, waiting up to `timeout` for room.
-    pub async fn deliver(&self, item: Received, timeout: Duration) -> Result<()> {
+    /// Reserves host memory for a push of `bytes` about to be received, if it fits now (never
+    /// waits). Hand the reservation to [`Inbox::deliver`] with the tensor.
+    pub fn reserve(&self, bytes: u64) -> Result<Reservation, BudgetError> {
+        self.0.bytes.try_reserve(bytes)
+    }
+
+    /// Host bytes held by pushes being received or queued.
+    pub fn bytes(&self) -> u64 {
+        self.0.bytes.in_use()
+    }
+
+    /// Queues a received tensor with the reservation that holds its bytes (released when it
+    /// is taken), waiting up to `timeout` for room.
+    pub async fn deliver(
+        &self,
+        item: Received,
+        held: Reservation,
+        timeout: Duration,
+    ) -> Result<()> {
+        let item = (item, held);
         let wait = async {
             loop {
                 let notified = self.0.taken.notified();
@@ -101,9 +130,10 @@ impl Inbox {
         let mut queue = self.lock();
         let index = match name {
             None => 0,
-            Some(n) => queue.iter().position(|r| &r.name == n)?,
+            Some(n) => queue.iter().position(|(r, _)| &r.name == n)?,
         };
-        let item = queue.remove(index)?;
+        // The reservation drops here: from now on the bytes are the caller's.
+        let (item, _held) = queue.remove(index)?;
         self.0.taken.notify_waiters();
         Some(item)
     }
@@ -126,12 +156,18 @@ mod tests {
         }
     }
 
+    /// Reserves an item's bytes and delivers it.
+    async fn deliver(inbox: &Inbox, name: &str, timeout: Duration) -> Result<()> {
+        let held = inbox.reserve(name.len() as u64).expect("room");
+        inbox.deliver(item(name), held, timeout).await
+    }
+
     #[tokio::test]
     async fn take_by_name_skips_others_and_keeps_order() {
-        let inbox = Inbox::new(8);
+        let inbox = Inbox::new(8, 1 << 20);
         let t = Duration::from_secs(1);
         for n in ["a", "b", "a2"] {
-            inbox.deliver(item(n), t).await.expect("deliver");
+            deliver(&inbox, n, t).await.expect("deliver");
         }
         let b = TensorName::new("b").expect("name");
         assert_eq!(inbox.take(Some(&b), t).await.expect("b").name, b);
@@ -145,19 +181,56 @@ mod tests {
 
     #[tokio::test]
     async fn full_inbox_applies_back_pressure() {
-        let inbox = Inbox::new(1);
+        let inbox = Inbox::new(1, 1 << 20);
         let t = Duration::from_secs(2);
-        inbox.deliver(item("a"), t).await.expect("first");
+        deliver(&inbox, "a", t).await.expect("first");
         assert!(matches!(
-            inbox.deliver(item("b"), Duration::from_millis(20)).await,
+            deliver(&inbox, "b", Duration::from_millis(20)).await,
             Err(Error::Timeout { .. })
         ));
         let waiting = {
             let inbox = inbox.clone();
-            tokio::spawn(async move { inbox.deliver(item("c"), t).await })
+            tokio::spawn(async move { deliver(&inbox, "c", t).await })
         };
         assert_eq!(inbox.take(None, t).await.expect("a").name.as_str(), "a");
         waiting.await.expect("join").expect("delivered after room");
         assert_eq!(inbox.take(None, t).await.expect("c").name.as_str(), "c");
+    }
+
+    /// Regression: the inbox was bounded by count only, so a thousand large pushes nobody
+    /// took could fill the node's memory.
+    #[tokio::test]
+    async fn inbox_refuses_pushes_by_bytes_until_recv_takes_them() {
+        let inbox = Inbox::new(1024, 100);
+        let t = Duration::from_secs(1);
+        let held = inbox.reserve(60).expect("60 of 100 bytes fit");
+        inbox.deliver(item("a"), held, t).await.expect("queued");
+        assert_eq!(inbox.bytes(), 60, "a queued push keeps its bytes");
+        assert_eq!(
+            inbox.reserve(41).expect_err("full"),
+            BudgetError::Busy {
+                bytes: 41,
+                in_use: 60,
+                limit: 100
+            }
+        );
+        assert!(matches!(
+            inbox.reserve(101),
+            Err(BudgetError::TooLarge { .. })
+        ));
+        let refused = inbox.reserve(41);
+        assert!(refused.is_err());
+        drop(refused);
+        assert_eq!(inbox.len(), 1, "a refused push leaves nothing behind");
+        assert_eq!(inbox.bytes(), 60);
+        assert_eq!(inbox.take(None, t).await.expect("a").name.as_str(), "a");
+        assert_eq!(inbox.bytes(), 0, "taking a push releases its bytes");
+        let whole = inbox.reserve(100).expect("the whole budget once empty");
+        drop(whole);
+        assert_eq!(
+            inbox.bytes(),
+            0,
+            "a push that ends early releases its bytes"
+        );
     }
 }

@@ -16,6 +16,8 @@
 //! - [`PeerAddr`]: a peer's `<node-id>@<ip:port>`, the string users copy around.
 //! - [`Config`]: every knob; `Config::default()` is the offline single-machine setup.
 //! - [`Error`]: one variant per thing a caller can act on.
+//! - [`budget::ByteBudget`]: the bytes peers may make a node hold (pushes being received or
+//!   waiting in the inbox), reserved before anything is allocated.
 //!
 //! ## Supervision tree
 //! ```text
@@ -67,6 +69,7 @@
 //! extra ALPN and its unpooled connection.
 
 pub mod auth;
+pub mod budget;
 mod client;
 mod cluster;
 mod config;
@@ -100,6 +103,8 @@ pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
     Config, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_PENDING_HANDSHAKES, DEFAULT_MAX_TENSOR_BYTES,
+    FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY, PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE,
+    default_max_push_memory,
 };
 #[cfg(feature = "cuda")]
 pub use cudarc;

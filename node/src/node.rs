@@ -26,6 +26,7 @@ use tracing::debug;
 
 use crate::{
     auth,
+    budget::ByteBudget,
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
@@ -128,7 +129,8 @@ impl Node {
             store,
             inflight: Inflight::default(),
             upload: RateLimiter::new(config.max_upload_rate),
-            inbox: Inbox::new(config.inbox_capacity),
+            inbox: Inbox::new(config.inbox_capacity, config.max_push_memory),
+            device_pushes: ByteBudget::new(config.push_device_budget()),
             metrics,
             ready: ReadyLinks::default(),
             inflight_bytes_sent: Default::default(),
@@ -423,6 +425,12 @@ impl Node {
     /// Pushed tensors waiting in the inbox.
     pub fn inbox_len(&self) -> usize {
         self.inner.ctx.inbox.len()
+    }
+
+    /// Host bytes held by pushes being received or waiting in the inbox (at most
+    /// `Config::max_push_memory`).
+    pub fn push_bytes_held(&self) -> u64 {
+        self.inner.ctx.inbox.bytes()
     }
 
     /// Stops the node: in-flight calls end with `Shutdown`, links close, the endpoint closes.

@@ -22,6 +22,7 @@ use tracing::{Instrument, debug, debug_span};
 
 use crate::{
     auth,
+    budget::BudgetError,
     ctx::NodeCtx,
     device::{self, Device, DeviceBuffer},
     error::Error,
@@ -331,7 +332,28 @@ async fn serve_push(
         .await;
         return;
     };
-    let received = match ctx.config.push_placement {
+    // The bytes are reserved before any is allocated, and stay reserved until `recv()` takes
+    // the tensor: a push that does not fit now is refused at once, not queued (a waiting
+    // stream would hold its window and its peer for nothing while the inbox may never drain).
+    let placement = ctx.config.push_placement;
+    let reserved = match placement {
+        Device::Host => ctx.inbox.reserve(meta.byte_len),
+        Device::Cuda(_) => ctx.device_pushes.try_reserve(meta.byte_len),
+    };
+    let held = match reserved {
+        Ok(held) => held,
+        Err(err) => {
+            let (code, hint) = match err {
+                BudgetError::TooLarge { .. } => (ErrorCode::TooLarge, "never fits"),
+                BudgetError::Busy { .. } => (ErrorCode::Busy, "retry later"),
+            };
+            let msg =
+                format!("push of \"{name}\" refused by the {placement} push budget: {err}; {hint}");
+            refuse(&mut send, &mut recv, code, msg).await;
+            return;
+        }
+    };
+    let received = match placement {
         Device::Host => recv_push_to_host(ctx, &mut recv, len).await,
         Device::Cuda(ordinal) => match DeviceBuffer::alloc(ordinal, len) {
             Ok(buf) => recv_push_to_device(ctx, &mut recv, buf).await,
@@ -377,7 +399,8 @@ async fn serve_push(
         name,
         tensor,
     };
-    let (reply, delivered) = match ctx.inbox.deliver(item, ctx.config.request_timeout).await {
+    let queued = ctx.inbox.deliver(item, held, ctx.config.request_timeout);
+    let (reply, delivered) = match queued.await {
         Ok(()) => (DataResponse::Ack, true),
         Err(err) => {
             let busy = DataResponse::Error {

@@ -50,6 +50,11 @@ struct Args {
     /// `200MB/s`, `1.5GiB/s` (decimal kB/MB/GB or binary KiB/MiB/GiB). 0: unlimited.
     #[arg(long, env = "TB_MAX_UPLOAD_RATE", default_value = "0", value_parser = parse_upload_rate)]
     max_upload_rate: u64,
+    /// Most memory that pushes to this worker may hold at once, being received or waiting to
+    /// be published, e.g. `2GiB`. A push that does not fit now is refused with Busy (with
+    /// TooLarge when it exceeds the whole budget). [default: a quarter of the machine's memory]
+    #[arg(long, env = "TB_MAX_PUSH_MEMORY", value_parser = tb_node::rate::parse_size)]
+    max_push_memory: Option<u64>,
     /// Log format: text (human-readable) or json.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -70,6 +75,9 @@ async fn main() -> Result<()> {
         keep_versions: args.keep_versions.max(1),
         advertise_addrs: args.advertise.into_iter().collect(),
         max_upload_rate: args.max_upload_rate,
+        max_push_memory: args
+            .max_push_memory
+            .unwrap_or_else(tb_node::default_max_push_memory),
         ..Config::default()
     };
     let node = Node::spawn(config)

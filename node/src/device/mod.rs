@@ -20,6 +20,8 @@
 //! drops it). Receiving: the payload is read straight into a pinned buffer, hashed as it lands,
 //! and copied to the device asynchronously while the next chunk is read into another buffer.
 //! Pinned buffers are allocated once per device and reused: pinning costs milliseconds.
+//! A transfer holds at most `max_staging_per_transfer` of them (`quota.rs`), so one whose
+//! peer reads slowly cannot take every buffer and stall the others.
 
 use std::{fmt, ops::Range, str::FromStr};
 
@@ -30,6 +32,8 @@ use crate::{config::Config, error::Result, progress::TransferProgress, tensor::T
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod quota;
 pub mod route;
 #[cfg(not(feature = "cuda"))]
 mod stub;
@@ -115,13 +119,19 @@ pub struct CudaConfig {
     /// Most pinned staging buffers per device, shared by all transfers of the process. They
     /// are pinned on first use and kept. The first node to use a device sizes its pool.
     pub staging_buffers: usize,
-    /// Device-to-host copies a sending transfer keeps in flight ahead of the network.
+    /// Device-to-host copies a sending transfer keeps in flight ahead of the network (at
+    /// most `max_staging_per_transfer` of them, counting chunks QUIC still holds).
     pub pipeline_depth: usize,
     /// Offer CUDA IPC to pullers on the same host (and try it when pulling to a device).
     pub ipc: bool,
     /// Tensors smaller than this always go over the network: opening an IPC mapping costs
     /// more than sending them.
     pub ipc_min_bytes: u64,
+    /// Most staging buffers one transfer may hold at once (clamped to 1..=`staging_buffers`);
+    /// a sent chunk counts until QUIC drops it, i.e. until the receiver acknowledged it.
+    /// Default 2 of the 8: a transfer to a slow receiver holds at most 2, so the others keep
+    /// moving unless four transfers are stuck at once.
+    pub max_staging_per_transfer: usize,
 }
 
 impl Default for CudaConfig {
@@ -132,6 +142,7 @@ impl Default for CudaConfig {
             pipeline_depth: 3,
             ipc: true,
             ipc_min_bytes: 1 << 20,
+            max_staging_per_transfer: 2,
         }
     }
 }

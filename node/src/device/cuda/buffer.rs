@@ -182,12 +182,13 @@ impl DeviceBuffer {
             .map_err(|e| driver_error("creating a stream", e))?;
         let slice = self.cuda_slice();
         let (total, chunk) = (slice.len(), gpu.staging.slot_bytes());
+        let share = gpu.staging.share();
         let mut queued = VecDeque::with_capacity(2);
         let mut next = 0;
         loop {
             while next < total && queued.len() < 2 {
                 let end = (next + chunk).min(total);
-                let mut lease = gpu.staging.acquire_blocking()?;
+                let mut lease = gpu.staging.acquire_blocking(&share)?;
                 let len = lease.stage_range(&stream, slice, next..end)?;
                 queued.push_back((lease, len));
                 next = end;

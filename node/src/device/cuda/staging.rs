@@ -1,6 +1,7 @@
 //! Pinned (page-locked) host buffers that device bytes pass through on their way to or from
 //! the network. Pinning costs milliseconds, so buffers are pinned once per device and reused:
-//! a [`Lease`] hands one out and gives it back on drop.
+//! a [`Lease`] hands one out and gives it back on drop. Each transfer leases through its own
+//! [`TransferShare`], which caps how many buffers it holds at once (see `device/quota.rs`).
 //!
 //! Each buffer carries a fence event recorded after the last device copy that used it. A
 //! buffer may go back to the pool with that copy still running; the next user either orders
@@ -20,7 +21,10 @@ use tokio::sync::Notify;
 
 use super::{blocking_event, driver_error, wait_event};
 use crate::{
-    device::CudaConfig,
+    device::{
+        CudaConfig,
+        quota::{Permit, StagingQuota, TransferShare},
+    },
     error::{Error, Result},
 };
 
@@ -88,21 +92,28 @@ struct PoolState {
 pub(crate) struct StagingPool {
     ctx: Arc<CudaContext>,
     slot_bytes: usize,
-    max_slots: usize,
+    /// How many buffers there may be, and how many one transfer may hold.
+    quota: Arc<StagingQuota>,
     state: Mutex<PoolState>,
     returned: Notify,
 }
 
 impl StagingPool {
     pub(crate) fn new(ctx: Arc<CudaContext>, cfg: &CudaConfig) -> Arc<StagingPool> {
+        // Two at least: one filling while the other copies.
+        let total = cfg.staging_buffers.max(2);
         Arc::new(StagingPool {
             ctx,
             slot_bytes: cfg.chunk_bytes.max(64 << 10),
-            // Two at least: one filling while the other copies.
-            max_slots: cfg.staging_buffers.max(2),
+            quota: StagingQuota::new(total, cfg.max_staging_per_transfer),
             state: Mutex::default(),
             returned: Notify::new(),
         })
+    }
+
+    /// The share of a new transfer: what it leases goes through it.
+    pub(crate) fn share(&self) -> TransferShare {
+        self.quota.share()
     }
 
     /// Bytes per buffer: the chunk size of every staged transfer.
@@ -114,15 +125,20 @@ impl StagingPool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A free buffer: one whose last copy is done, else a newly pinned one while under the
-    /// cap, else one whose copy is still running. `None` when all are leased. The buffer may
-    /// still be `pending`: use it for a device copy (ordered after its fence) or wait with
-    /// [`Lease::ready`].
-    pub(crate) fn try_acquire(self: &Arc<Self>) -> Result<Option<Lease>> {
+    /// A free buffer for the transfer of `share`: one whose last copy is done, else a newly
+    /// pinned one while under the cap, else one whose copy is still running. `None` when the
+    /// transfer holds its share or all buffers are leased. The buffer may still be `pending`:
+    /// use it for a device copy (ordered after its fence) or wait with [`Lease::ready`].
+    pub(crate) fn try_acquire(self: &Arc<Self>, share: &TransferShare) -> Result<Option<Lease>> {
+        // The permit first: leased buffers never outnumber permits, so with a permit in hand
+        // a buffer is free or may be pinned.
+        let Some(permit) = share.try_take() else {
+            return Ok(None);
+        };
         let mut state = self.lock();
         let slot = if let Some(i) = state.free.iter_mut().position(Slot::idle) {
             state.free.swap_remove(i)
-        } else if state.pinned < self.max_slots {
+        } else if state.pinned < self.quota.total() {
             state.pinned += 1;
             drop(state);
             match Slot::pin(&self.ctx, self.slot_bytes) {
@@ -140,22 +156,33 @@ impl StagingPool {
         Ok(Some(Lease {
             slot: Some(slot),
             pool: Some(self.clone()),
+            permit: Some(permit),
         }))
     }
 
-    /// A buffer the CPU may write now, waiting up to `stall` for one to come back.
-    pub(crate) async fn acquire(self: &Arc<Self>, stall: Duration) -> Result<Lease> {
+    /// A buffer the CPU may write now for the transfer of `share`, waiting up to `stall` for
+    /// one to come back (to the pool, or to this transfer's share).
+    pub(crate) async fn acquire(
+        self: &Arc<Self>,
+        share: &TransferShare,
+        stall: Duration,
+    ) -> Result<Lease> {
         let deadline = tokio::time::Instant::now() + stall;
         loop {
             let returned = self.returned.notified();
-            if let Some(lease) = self.try_acquire()? {
+            if let Some(lease) = self.try_acquire(share)? {
                 return lease.ready().await;
             }
             if tokio::time::timeout_at(deadline, returned).await.is_err() {
                 return Err(Error::timeout(
                     format!(
-                        "a free pinned staging buffer on cuda:{}",
-                        self.ctx.ordinal()
+                        "a free pinned staging buffer on cuda:{} (this transfer holds {} of \
+                         its {}, all transfers {} of {})",
+                        self.ctx.ordinal(),
+                        share.held(),
+                        self.quota.per_transfer(),
+                        self.quota.in_use(),
+                        self.quota.total(),
                     ),
                     stall,
                 ));
@@ -163,22 +190,28 @@ impl StagingPool {
         }
     }
 
-    /// A buffer for blocking code: from the pool when one is free, else a temporary one
-    /// (pinned now, freed after use) so blocking callers never wait on async transfers.
-    pub(crate) fn acquire_blocking(self: &Arc<Self>) -> Result<Lease> {
-        let lease = match self.try_acquire()? {
+    /// A buffer for blocking code: from the pool when one is free (and `share` is under its
+    /// cap), else a temporary one (pinned now, freed after use) so blocking callers never
+    /// wait on async transfers.
+    pub(crate) fn acquire_blocking(self: &Arc<Self>, share: &TransferShare) -> Result<Lease> {
+        let lease = match self.try_acquire(share)? {
             Some(lease) => lease,
             None => Lease {
                 slot: Some(Slot::pin(&self.ctx, self.slot_bytes)?),
                 pool: None,
+                permit: None,
             },
         };
         lease.ready_blocking()
     }
 
-    fn give_back(&self, slot: Slot) {
+    /// Puts `slot` back and then lets `permit` go, before waking the waiters: a waiter that
+    /// wakes finds both the buffer and the count it needs.
+    fn give_back(&self, slot: Slot, permit: Option<Permit>) {
         self.lock().free.push(slot);
-        self.returned.notify_one();
+        drop(permit);
+        // Every waiter: the first one woken may be at its share and unable to use it.
+        self.returned.notify_waiters();
     }
 }
 
@@ -188,12 +221,14 @@ pub(crate) struct Lease {
     slot: Option<Slot>,
     /// `None` for a temporary buffer, freed on drop.
     pool: Option<Arc<StagingPool>>,
+    /// Counts the buffer against the pool and its transfer's share; `None` when temporary.
+    permit: Option<Permit>,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         match (self.slot.take(), self.pool.as_ref()) {
-            (Some(slot), Some(pool)) => pool.give_back(slot),
+            (Some(slot), Some(pool)) => pool.give_back(slot, self.permit.take()),
             (Some(slot), None) if slot.pending => {
                 // A temporary buffer is freed now: not under a copy still using it.
                 let _ = slot.fence.synchronize();

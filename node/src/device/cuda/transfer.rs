@@ -51,6 +51,9 @@ pub(crate) async fn send_payload(
 ) -> Result<()> {
     let gpu = gpu(src.ordinal(), cfg)?;
     let stream = transfer_stream(&gpu)?;
+    // Chunks handed to QUIC keep counting against the share until they are acknowledged:
+    // a slow receiver slows this transfer only, not the others on the device.
+    let share = gpu.staging.share();
     let slice = src.cuda_slice();
     let (chunk, depth) = (gpu.staging.slot_bytes(), cfg.pipeline_depth.max(1));
     let total = range.len();
@@ -62,9 +65,9 @@ pub(crate) async fn send_payload(
         // never holds idle buffers while waiting for more.
         while next < range.end && queued.len() < depth {
             let mut lease = if queued.is_empty() {
-                gpu.staging.acquire(stall).await?
+                gpu.staging.acquire(&share, stall).await?
             } else {
-                match gpu.staging.try_acquire()? {
+                match gpu.staging.try_acquire(&share)? {
                     Some(lease) => lease,
                     None => break,
                 }
@@ -96,6 +99,7 @@ pub(crate) async fn recv_payload(
 ) -> Result<ContentHash> {
     let gpu = gpu(dest.ordinal(), cfg)?;
     let stream = transfer_stream(&gpu)?;
+    let share = gpu.staging.share();
     let chunk = gpu.staging.slot_bytes();
     let slice = dest.slice_mut()?;
     let total = slice.len();
@@ -106,7 +110,7 @@ pub(crate) async fn recv_payload(
         let len = chunk.min(total - offset);
         // A buffer whose copy to the device is done: the previous chunk's copy is usually
         // still running in another one.
-        let mut lease = gpu.staging.acquire(stall).await?;
+        let mut lease = gpu.staging.acquire(&share, stall).await?;
         let buf = lease.bytes_mut(len);
         let (mut filled, mut hashed) = (0, 0);
         while filled < len {
