@@ -50,7 +50,7 @@ pub(crate) struct PeerState {
     check_scheduled: bool,
 }
 
-/// The actor for one pooled link.
+/// The actor for one link, pooled or superseded.
 pub(crate) struct PeerActor;
 
 /// Closes a connection with one of our close codes (unless it is closed already).
