@@ -172,8 +172,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 .connect(peer.to_endpoint_addr(), DATA_ALPN)
                 .await
                 .map_err(|e| unreachable(&peer, e.to_string()))?;
-            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout, max_streams)
-                .await?;
+            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout, max_streams).await?;
             Ok(conn)
         });
         let result = tokio::select! {
