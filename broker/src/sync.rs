@@ -351,9 +351,16 @@ impl PeerLinks {
                 .connect(peer.to_endpoint_addr(), CTL_ALPN)
                 .await
                 .map_err(|e| format!("dialing {}: {e}", peer.id.fmt_short()))?;
-            auth::client_hello(&conn, self.endpoint.id(), &self.key, CTL_ALPN, self.timeout, 0)
-                .await
-                .map_err(|e| e.to_string())?;
+            auth::client_hello(
+                &conn,
+                self.endpoint.id(),
+                &self.key,
+                CTL_ALPN,
+                self.timeout,
+                0,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
             Ok::<_, SyncError>(conn)
         };
         let conn = tokio::time::timeout(self.timeout, dial)

@@ -50,7 +50,9 @@ impl Admission {
     pub fn new(config: &Config) -> Self {
         Admission {
             waiting: Arc::new(Semaphore::new(
-                config.max_pending_handshakes.clamp(1, Semaphore::MAX_PERMITS),
+                config
+                    .max_pending_handshakes
+                    .clamp(1, Semaphore::MAX_PERMITS),
             )),
             hello_timeout: config.hello_timeout,
             max_streams: config.max_concurrent_streams,

@@ -352,7 +352,10 @@ mod tests {
         #[cfg(feature = "cuda")]
         assert!(crate::device::IPC_ALPN.starts_with(HELLO_ALPN_PREFIX));
         // A hello frame and its length prefix fit the pre-auth window.
-        assert!(tb_proto::MAX_HELLO_FRAME as usize + tb_proto::LEN_PREFIX <= PREAUTH_RECEIVE_WINDOW as usize);
+        assert!(
+            tb_proto::MAX_HELLO_FRAME as usize + tb_proto::LEN_PREFIX
+                <= PREAUTH_RECEIVE_WINDOW as usize
+        );
         // IROH-NOTES: stream windows above ~1.4 MB abort connections.
         assert!(STREAM_RECEIVE_WINDOW <= 1_400_000);
         assert_eq!(LINK_RECEIVE_WINDOW, 10_000_000);

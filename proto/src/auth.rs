@@ -316,7 +316,10 @@ mod tests {
         };
         let frame = crate::frame::encode(&hello).expect("encode");
         let body = frame.len() - crate::LEN_PREFIX;
-        assert!(body <= MAX_HELLO_FRAME as usize / 4, "{body} bytes: keep headroom");
+        assert!(
+            body <= MAX_HELLO_FRAME as usize / 4,
+            "{body} bytes: keep headroom"
+        );
     }
 
     #[test]
