@@ -22,18 +22,22 @@
 //! state (pool links, store size, registry size, cluster liveness), then encodes. This crate
 //! depends on neither `tb-node` nor `tb-broker`: they implement [`Source`].
 
+mod access;
 pub mod api;
 mod assets;
 mod metrics;
 mod server;
 mod window;
 
+pub use access::{
+    DEFAULT_MAX_IN_FLIGHT, HttpOptions, HttpToken, MIN_TOKEN_LEN, TOKEN_RECIPE, TokenError,
+};
 pub use metrics::{
     Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind, TransferTimer, VERSION,
 };
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
 pub use prometheus::{IntCounter, IntGauge};
-pub use server::{AppState, ClusterFuture, RefreshFuture, Source, bind, router, serve};
+pub use server::{AppState, RefreshFuture, Source, bind, router, serve};
 pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
 
 /// Default `--metrics-addr` of `tb-broker`.
