@@ -419,6 +419,15 @@ mod tests {
 
     const LIMIT: Duration = Duration::from_secs(30);
 
+    /// Opens a flush gate when dropped.
+    struct OpenOnDrop(Arc<crate::persist::test_gate::FlushGate>);
+
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.open();
+        }
+    }
+
     /// Polls `check` every 5 ms for up to [`LIMIT`].
     async fn eventually(mut check: impl FnMut() -> bool) -> bool {
         let start = std::time::Instant::now();
@@ -436,8 +445,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = RegistryStore::open(dir.path()).expect("store");
         let gate = store.gate.clone();
-        // The disk takes its time: every flush waits until the gate opens.
+        // The disk takes its time: every flush waits until the gate opens (and it opens when
+        // the test ends, even by a failed assertion, so the runtime can stop).
         gate.close();
+        let _open_at_end = OpenOnDrop(gate.clone());
         let me = NodeId([7; 32]);
         let state = BrokerState::new(me, BrokerConfig::default(), Registry::new(), now_ms());
         let (gossip_out, _outbox) = mpsc::unbounded_channel();

@@ -11,7 +11,9 @@
 //!   counters — bytes per second over the last 10 s (the process samples once a second with
 //!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
 //!   buckets.
-//! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster`.
+//! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster` (paged: [`api::Page`]).
+//! - [`HttpOptions`] (`access.rs`): the server's guards: a bearer token ([`HttpToken`]) on
+//!   `/api/v1/*`, and a concurrency limit beyond which requests are shed with 503.
 //! - The server (`server.rs`): [`serve`] runs axum on a bound listener with the routes
 //!   `/metrics` (text format), `/healthz`, `/readyz`, `/api/v1/status`, `/api/v1/cluster`
 //!   (brokers; 404 elsewhere), and the web dashboard at `/` with its files under `/assets/`
@@ -19,7 +21,9 @@
 //!
 //! Data flow: the process increments counters as it works; on each scrape or API call the
 //! server asks the process's [`Source`] to [`refresh`](Source::refresh) the gauges that mirror
-//! state (pool links, store size, registry size, cluster liveness), then encodes. This crate
+//! state (pool links, store size, registry size, cluster liveness), then encodes. A source
+//! answers from what it already holds (a broker: the registry snapshot its actor publishes),
+//! never by asking an actor per request. This crate
 //! depends on neither `tb-node` nor `tb-broker`: they implement [`Source`].
 
 mod access;
