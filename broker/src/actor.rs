@@ -5,6 +5,11 @@
 //! the [`Changes`] it returns: persist the changed entries and members (sled), hand the ops
 //! to the gossip task, and offer the events to matching subscriptions. No handler waits on
 //! the network: gossip goes out through an unbounded channel, events through `try_send`.
+//!
+//! Nor does it serve HTTP or wait on the disk: at most every [`SNAPSHOT_PERIOD`] it publishes
+//! the registry, if it changed, on a `watch` channel the metrics server reads (a flood of
+//! HTTP requests never reaches its mailbox), and its periodic flush (an fsync) runs on a
+//! blocking thread, one at a time.
 
 use std::{
     collections::HashMap,
@@ -16,14 +21,23 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tb_proto::{
     Event, ListedEntry, Member, NamePattern, NodeId, Registry, RegistryOp, Role, TensorName,
 };
-use tokio::sync::mpsc;
+use tokio::{
+    sync::{mpsc, watch},
+    task::JoinHandle,
+};
 use tracing::{debug, warn};
 
-use crate::{BrokerError, BrokerState, Changes, Holders, RegistryStore, matching};
+use crate::{
+    BrokerError, BrokerState, Changes, Holders, RegistryStore, matching, observe::RegistryView,
+};
 
 /// Events buffered per subscription before it counts as lagging (its client then sees a
 /// version gap, which it reports as `Skipped`).
 pub const SUBSCRIPTION_BUFFER: usize = 1024;
+
+/// Default of `BrokerOptions::snapshot_period`: how often, at most, the actor publishes its
+/// registry for the HTTP side (the dashboard polls every second; Prometheus every 15 s or so).
+pub const SNAPSHOT_PERIOD: Duration = Duration::from_millis(250);
 
 /// The wall clock in milliseconds, the only time `BrokerState` is fed.
 pub fn now_ms() -> u64 {
@@ -131,6 +145,8 @@ pub enum BrokerMsg {
     },
     /// Periodic: expire silent workers, flush the store.
     Tick,
+    /// Periodic: publish the registry for the HTTP side if it changed since the last time.
+    Publish,
 }
 
 /// Start-up input of the broker actor.
@@ -143,6 +159,10 @@ pub struct BrokerArgs {
     pub gossip_out: mpsc::UnboundedSender<RegistryOp>,
     /// How often `Tick` comes.
     pub tick: Duration,
+    /// Where the registry is published for the HTTP side.
+    pub published: watch::Sender<Arc<RegistryView>>,
+    /// How often `Publish` comes.
+    pub snapshot_period: Duration,
 }
 
 /// The broker actor's state.
@@ -152,6 +172,10 @@ pub struct BrokerActorState {
     next_subscription: u64,
     /// The registry as of the last change, shared with anti-entropy without copying per ask.
     snapshot: Option<Arc<Registry>>,
+    /// Whether the registry changed since it was last published.
+    dirty: bool,
+    /// The flush under way, if any.
+    flush: Option<JoinHandle<()>>,
 }
 
 /// The actor owning one broker's registry replica.
@@ -168,12 +192,18 @@ impl Actor for BrokerActor {
         args: BrokerArgs,
     ) -> Result<BrokerActorState, ActorProcessingErr> {
         myself.send_interval(args.tick, || BrokerMsg::Tick);
-        Ok(BrokerActorState {
+        myself.send_interval(args.snapshot_period, || BrokerMsg::Publish);
+        let mut st = BrokerActorState {
             args,
             subscriptions: HashMap::new(),
             next_subscription: 0,
             snapshot: None,
-        })
+            dirty: true,
+            flush: None,
+        };
+        // The registry as loaded, before the metrics server starts.
+        publish(&mut st);
+        Ok(st)
     }
 
     async fn handle(
@@ -257,10 +287,7 @@ impl Actor for BrokerActor {
                 Err(e) => debug!(%e, "dropping a gossiped op"),
             },
             BrokerMsg::Snapshot { reply } => {
-                let snapshot = st
-                    .snapshot
-                    .get_or_insert_with(|| Arc::new(st.args.state.registry().clone()));
-                let _ = reply.send(snapshot.clone());
+                let _ = reply.send(snapshot(st));
             }
             BrokerMsg::Merge { entries, members } => {
                 let changes = state.merge_entries(&entries, &members, now);
@@ -269,10 +296,9 @@ impl Actor for BrokerActor {
             BrokerMsg::Tick => {
                 let changes = state.expire(now);
                 carry_out(st, changes);
-                if let Err(e) = st.args.store.flush() {
-                    warn!(%e, "flushing the registry store");
-                }
+                start_flush(st);
             }
+            BrokerMsg::Publish => publish(st),
         }
         Ok(())
     }
@@ -282,11 +308,48 @@ impl Actor for BrokerActor {
         _myself: ActorRef<BrokerMsg>,
         st: &mut BrokerActorState,
     ) -> Result<(), ActorProcessingErr> {
-        if let Err(e) = st.args.store.flush() {
-            warn!(%e, "flushing the registry store at shutdown");
+        if let Some(flush) = st.flush.take() {
+            let _ = flush.await;
+        }
+        let store = st.args.store.clone();
+        match tokio::task::spawn_blocking(move || store.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(%e, "flushing the registry store at shutdown"),
+            Err(e) => warn!(%e, "flushing the registry store at shutdown"),
         }
         Ok(())
     }
+}
+
+/// The registry as of now, copied once per change.
+fn snapshot(st: &mut BrokerActorState) -> Arc<Registry> {
+    st.snapshot
+        .get_or_insert_with(|| Arc::new(st.args.state.registry().clone()))
+        .clone()
+}
+
+/// Publishes the registry for the HTTP side, if it changed since the last time.
+fn publish(st: &mut BrokerActorState) {
+    if !st.dirty {
+        return;
+    }
+    st.dirty = false;
+    let view = Arc::new(RegistryView::new(snapshot(st)));
+    st.args.published.send_replace(view);
+}
+
+/// Flushes the store on a blocking thread, unless the last flush is still under way: an
+/// fsync must not hold up the actor, and flushes must not pile up behind a slow disk.
+fn start_flush(st: &mut BrokerActorState) {
+    if st.flush.as_ref().is_some_and(|f| !f.is_finished()) {
+        return;
+    }
+    let store = st.args.store.clone();
+    st.flush = Some(tokio::task::spawn_blocking(move || {
+        if let Err(e) = store.flush() {
+            warn!(%e, "flushing the registry store");
+        }
+    }));
 }
 
 fn answer_with_changes(
@@ -311,6 +374,7 @@ fn carry_out(st: &mut BrokerActorState, changes: Changes) {
         return;
     }
     st.snapshot = None;
+    st.dirty = true;
     let registry = st.args.state.registry();
     if let Err(e) = st
         .args
@@ -341,5 +405,104 @@ fn carry_out(st: &mut BrokerActorState, changes: Changes) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use tb_proto::Role;
+
+    use super::*;
+    use crate::{BrokerConfig, ctl::ask};
+
+    const LIMIT: Duration = Duration::from_secs(30);
+
+    /// Opens a flush gate when dropped.
+    struct OpenOnDrop(Arc<crate::persist::test_gate::FlushGate>);
+
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.open();
+        }
+    }
+
+    /// Polls `check` every 5 ms for up to [`LIMIT`].
+    async fn eventually(mut check: impl FnMut() -> bool) -> bool {
+        let start = std::time::Instant::now();
+        while start.elapsed() < LIMIT {
+            if check() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        check()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_actor_keeps_answering_while_a_flush_is_in_flight() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = RegistryStore::open(dir.path()).expect("store");
+        let gate = store.gate.clone();
+        // The disk takes its time: every flush waits until the gate opens (and it opens when
+        // the test ends, even by a failed assertion, so the runtime can stop).
+        gate.close();
+        let _open_at_end = OpenOnDrop(gate.clone());
+        let me = NodeId([7; 32]);
+        let state = BrokerState::new(me, BrokerConfig::default(), Registry::new(), now_ms());
+        let (gossip_out, _outbox) = mpsc::unbounded_channel();
+        let (published, view) = watch::channel(Arc::new(RegistryView::default()));
+        let period = Duration::from_millis(10);
+        let (actor, done) = Actor::spawn(
+            None,
+            BrokerActor,
+            BrokerArgs {
+                state,
+                store,
+                gossip_out,
+                tick: period,
+                published,
+                snapshot_period: period,
+            },
+        )
+        .await
+        .expect("actor");
+        assert!(
+            eventually(|| gate.arrived.load(Ordering::SeqCst) >= 1).await,
+            "a tick started a flush"
+        );
+        // A flush sits at the gate. The actor still answers every request, and still
+        // publishes what they changed.
+        const WORKERS: u8 = 20;
+        for i in 0..WORKERS {
+            let hb = ask(&actor, LIMIT, |reply| BrokerMsg::Heartbeat {
+                from: NodeId([i; 32]),
+                role: Role::Worker,
+                addrs: vec![format!("127.0.0.1:{}", 1000 + u16::from(i))],
+                epoch: 1,
+                reply,
+            })
+            .await;
+            assert!(matches!(hb, Ok(Ok(()))), "heartbeat {i} answered");
+        }
+        let members = ask(&actor, LIMIT, |reply| BrokerMsg::Members { reply }).await;
+        assert_eq!(members.expect("members").len(), usize::from(WORKERS));
+        assert!(
+            eventually(|| view.borrow().registry.members().count() == usize::from(WORKERS)).await,
+            "the registry was published while the flush waited"
+        );
+        // Ticks kept coming, and none started a second flush while the first was under way.
+        assert_eq!(gate.arrived.load(Ordering::SeqCst), 1);
+        gate.open();
+        assert!(
+            eventually(|| gate.arrived.load(Ordering::SeqCst) >= 2).await,
+            "the next tick flushed again"
+        );
+        actor.stop(None);
+        tokio::time::timeout(LIMIT, done)
+            .await
+            .expect("the actor stops")
+            .expect("joined");
     }
 }

@@ -13,17 +13,17 @@ use tb_node::{
     budget::ByteBudget,
 };
 use tb_proto::{CTL_ALPN, Member, Role};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, info, warn};
 
 use crate::{
     BrokerConfig, BrokerState, RegistryStore,
-    actor::{BrokerActor, BrokerArgs, BrokerMsg, now_ms},
+    actor::{BrokerActor, BrokerArgs, BrokerMsg, SNAPSHOT_PERIOD, now_ms},
     ctl::{CtlProtocol, ask},
     gossip::GossipLoop,
     metrics::{BrokerCounters, MemberStatsBook},
-    observe::{BrokerSource, PeerStatsRelay},
+    observe::{BrokerSource, PeerStatsRelay, RegistryView},
     sync::{PeerLinks, pull_from},
 };
 
@@ -42,6 +42,9 @@ pub struct BrokerOptions {
     pub sync_interval: Duration,
     /// How often to expire silent workers and flush the store.
     pub tick: Duration,
+    /// How often, at most, the registry is published for the metrics server (it answers
+    /// from that copy, never by asking the broker's actor). Default [`SNAPSHOT_PERIOD`].
+    pub snapshot_period: Duration,
 }
 
 impl BrokerOptions {
@@ -54,6 +57,7 @@ impl BrokerOptions {
             join: Vec::new(),
             sync_interval: Duration::from_secs(5),
             tick: Duration::from_secs(1),
+            snapshot_period: SNAPSHOT_PERIOD,
         }
     }
 }
@@ -88,6 +92,8 @@ pub struct Broker {
     stats: Arc<MemberStatsBook>,
     /// The dashboard's figures of workers that heartbeat to other brokers.
     relay: Arc<PeerStatsRelay>,
+    /// The registry as the actor last published it.
+    registry_view: watch::Receiver<Arc<RegistryView>>,
     join: Vec<PeerAddr>,
     /// What anti-entropy conversations hold (`BrokerConfig::max_sync_bytes`).
     sync_budget: ByteBudget,
@@ -127,6 +133,7 @@ impl Broker {
         }
         let state = BrokerState::new(node_id(&me), opts.state.clone(), registry, now_ms());
         let (gossip_out, outbox) = mpsc::unbounded_channel();
+        let (published, registry_view) = watch::channel(Arc::new(RegistryView::default()));
         let (actor, actor_done) = Actor::spawn(
             None,
             BrokerActor,
@@ -135,6 +142,8 @@ impl Broker {
                 store,
                 gossip_out,
                 tick: opts.tick,
+                published,
+                snapshot_period: opts.snapshot_period.max(Duration::from_millis(1)),
             },
         )
         .await
@@ -209,6 +218,7 @@ impl Broker {
             )),
             join: opts.join.clone(),
             sync_budget: sync_budget.clone(),
+            registry_view,
         };
         broker.announce_self(epoch, &opts).await?;
         let sync = SyncLoop {
@@ -304,7 +314,7 @@ impl Broker {
     pub fn dashboard(&self) -> AppState {
         let source = BrokerSource {
             node: self.node.clone(),
-            actor: self.actor.clone(),
+            registry: self.registry_view.clone(),
             stats: self.stats.clone(),
             relay: self.relay.clone(),
         };

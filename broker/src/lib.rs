@@ -64,12 +64,12 @@ mod persist;
 mod state;
 mod sync;
 
+pub use actor::SNAPSHOT_PERIOD;
 pub use broker::{Broker, BrokerOptions, StartError};
 pub use config::{BrokerConfig, DEFAULT_MAX_SYNC_BYTES};
 pub use error::BrokerError;
 pub use events::{event_for, event_name, matching};
 pub use metrics::{BrokerCounters, Counter, MemberStatsBook};
-pub use observe::MAX_DASHBOARD_ENTRIES;
 pub use persist::{FORMAT_VERSION, LOCK_WAIT, PersistError, RegistryStore};
 pub use state::{BrokerState, Changes, Holders, MAX_VERSION_SKIP};
 pub use sync::SyncStats;

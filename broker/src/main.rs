@@ -60,6 +60,8 @@ struct Args {
     /// Log format: human-readable text, or JSON lines for machines.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
+    #[command(flatten)]
+    http: daemon::HttpArgs,
 }
 
 #[tokio::main]
@@ -67,7 +69,8 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
     let data_dir = daemon::data_dir(args.data_dir, "broker")?;
-    let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
+    let mut metrics =
+        daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
     let mut opts = BrokerOptions::new(&data_dir);
     opts.node.bind_addr = args.listen;
     opts.node.advertise_addrs = args.advertise.into_iter().collect();

@@ -1,48 +1,86 @@
 //! What a broker shows on its metrics server: [`BrokerSource`] implements the dashboard's
-//! [`Source`] from the broker's node, its actor's registry snapshot, the heartbeat stats book
-//! and, for the workers that heartbeat to other brokers, the figures [`PeerStatsRelay`] asks
-//! those brokers for while someone watches.
+//! [`Source`] from the broker's node, the [`RegistryView`] its actor publishes, the heartbeat
+//! stats book and, for the workers that heartbeat to other brokers, the figures
+//! [`PeerStatsRelay`] asks those brokers for while someone watches. No HTTP request asks the
+//! actor anything: a flood of them costs the registry nothing but CPU, which the server's
+//! concurrency limit bounds.
 
 use std::{
-    sync::Arc,
+    sync::{Arc, OnceLock},
     time::{Duration, Instant},
 };
 
 use iroh::Endpoint;
-use ractor::ActorRef;
 use tb_dashboard::{
     Metrics, RefreshFuture, Source,
-    api::{ClusterData, EntryView, MemberStats, MemberView},
+    api::{ClusterData, EntryView, MemberStats, MemberView, Page, RegistryTotals},
 };
 use tb_node::{Node, PeerAddr, auth::node_id};
 use tb_proto::{ClusterKey, NodeStats, Registry, Role};
+use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
-    actor::BrokerMsg,
     broker::broker_addr,
-    ctl::ask,
     metrics::MemberStatsBook,
     sync::{PeerLinks, ask_members},
 };
-
-/// Most registry entries `/api/v1/cluster` lists (the page is for people; `tb ls` pages
-/// through the rest).
-pub const MAX_DASHBOARD_ENTRIES: usize = 10_000;
-
-/// Longest wait for the actor's registry snapshot during a scrape.
-const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often, at most, the dashboard's peer figures are asked for again.
 const RELAY_INTERVAL: Duration = Duration::from_secs(1);
 /// Longest wait for a link to a peer broker, and for each frame of its answer.
 const RELAY_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The registry as the broker actor last published it (at most every
+/// [`SNAPSHOT_PERIOD`](crate::SNAPSHOT_PERIOD)), with its totals, counted once by the first
+/// reader that needs them.
+#[derive(Debug, Default)]
+pub(crate) struct RegistryView {
+    pub(crate) registry: Arc<Registry>,
+    summary: OnceLock<Summary>,
+}
+
+/// What the gauges and the dashboard's summary show.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Summary {
+    totals: RegistryTotals,
+    alive: usize,
+    dead: usize,
+}
+
+impl RegistryView {
+    pub(crate) fn new(registry: Arc<Registry>) -> Self {
+        RegistryView {
+            registry,
+            summary: OnceLock::new(),
+        }
+    }
+
+    fn summary(&self) -> Summary {
+        *self.summary.get_or_init(|| {
+            let mut totals = RegistryTotals::default();
+            for (_, e) in self.registry.list("") {
+                totals.names += 1;
+                totals.copies += e.holders_of(e.version).count() as u64;
+                totals.bytes = totals.bytes.saturating_add(e.meta.byte_len);
+            }
+            let alive = self.registry.members().filter(|m| m.alive).count();
+            let dead = self.registry.members().count() - alive;
+            Summary {
+                totals,
+                alive,
+                dead,
+            }
+        })
+    }
+}
+
 /// The broker's side of the dashboard.
 pub(crate) struct BrokerSource {
     pub(crate) node: Node,
-    pub(crate) actor: ActorRef<BrokerMsg>,
+    /// What the actor publishes.
+    pub(crate) registry: watch::Receiver<Arc<RegistryView>>,
     pub(crate) stats: Arc<MemberStatsBook>,
     pub(crate) relay: Arc<PeerStatsRelay>,
 }
@@ -134,12 +172,9 @@ impl PeerStatsRelay {
 }
 
 impl BrokerSource {
-    async fn snapshot(&self) -> Option<Arc<Registry>> {
-        ask(&self.actor, SNAPSHOT_TIMEOUT, |reply| BrokerMsg::Snapshot {
-            reply,
-        })
-        .await
-        .ok()
+    /// The registry as last published.
+    fn view(&self) -> Arc<RegistryView> {
+        self.registry.borrow().clone()
     }
 }
 
@@ -159,27 +194,29 @@ impl Source for BrokerSource {
     }
 
     fn refresh<'a>(&'a self, metrics: &'a Metrics) -> RefreshFuture<'a> {
-        Box::pin(async move {
-            self.node.refresh_metrics();
-            if let Some(registry) = self.snapshot().await {
-                set_registry_gauges(metrics, &registry);
-            }
-        })
+        self.node.refresh_metrics();
+        set_registry_gauges(metrics, &self.view());
+        Box::pin(async {})
     }
 
-    fn cluster(&self) -> tb_dashboard::ClusterFuture<'_> {
-        Box::pin(async move {
-            let registry = self.snapshot().await?;
-            let now = Instant::now();
-            let me = node_id(&self.node.id());
-            let peers = registry
-                .members()
-                .filter(|m| m.node != me)
-                .filter_map(|m| broker_addr(m, true))
-                .collect();
-            self.relay.refresh(peers, now);
-            Some(cluster_data(&registry, &self.stats, &self.relay.book, now))
-        })
+    fn cluster(&self, page: &Page) -> Option<ClusterData> {
+        let view = self.view();
+        let now = Instant::now();
+        let me = node_id(&self.node.id());
+        let peers = view
+            .registry
+            .members()
+            .filter(|m| m.node != me)
+            .filter_map(|m| broker_addr(m, true))
+            .collect();
+        self.relay.refresh(peers, now);
+        Some(cluster_data(
+            &view,
+            page,
+            &self.stats,
+            &self.relay.book,
+            now,
+        ))
     }
 }
 
@@ -187,27 +224,27 @@ fn gauge(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// `tb_registry_names`, `tb_registry_holders` and `tb_cluster_nodes` from a snapshot.
-pub(crate) fn set_registry_gauges(metrics: &Metrics, registry: &Registry) {
-    let (names, holders) = registry.list("").fold((0, 0), |(names, holders), (_, e)| {
-        (names + 1, holders + e.holders_of(e.version).count())
-    });
-    let alive = registry.members().filter(|m| m.alive).count();
-    let dead = registry.members().count() - alive;
-    metrics.registry_names.set(gauge(names));
-    metrics.registry_holders.set(gauge(holders));
-    metrics.cluster_alive.set(gauge(alive));
-    metrics.cluster_dead.set(gauge(dead));
+/// `tb_registry_names`, `tb_registry_holders` and `tb_cluster_nodes` from a published view.
+pub(crate) fn set_registry_gauges(metrics: &Metrics, view: &RegistryView) {
+    let summary = view.summary();
+    let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    metrics.registry_names.set(count(summary.totals.names));
+    metrics.registry_holders.set(count(summary.totals.copies));
+    metrics.cluster_alive.set(gauge(summary.alive));
+    metrics.cluster_dead.set(gauge(summary.dead));
 }
 
 /// Members (with the freshest stats of those that heartbeat here, in `book`, or to a peer
-/// broker, in `relayed`) and live entries, for `/api/v1/cluster`.
+/// broker, in `relayed`), the registry's totals and one `page` of its live entries, for
+/// `/api/v1/cluster`.
 pub(crate) fn cluster_data(
-    registry: &Registry,
+    view: &RegistryView,
+    page: &Page,
     book: &MemberStatsBook,
     relayed: &MemberStatsBook,
     now: Instant,
 ) -> ClusterData {
+    let registry = &view.registry;
     let members = registry
         .members()
         .map(|m| MemberView {
@@ -224,9 +261,10 @@ pub(crate) fn cluster_data(
                 .map(|(s, age)| MemberStats::from_heartbeat(&s, age.as_secs_f64())),
         })
         .collect();
-    let entries = registry
-        .list("")
-        .take(MAX_DASHBOARD_ENTRIES)
+    let mut listed = registry.list_after(page.after.as_ref());
+    let entries: Vec<EntryView> = listed
+        .by_ref()
+        .take(page.limit)
         .map(|(name, e)| EntryView {
             name: name.as_str().to_string(),
             version: e.version,
@@ -237,7 +275,16 @@ pub(crate) fn cluster_data(
             publisher: e.publisher.to_string(),
         })
         .collect();
-    ClusterData { members, entries }
+    let next = match listed.next() {
+        Some(_) => entries.last().map(|e| e.name.clone()),
+        None => None,
+    };
+    ClusterData {
+        members,
+        entries,
+        next,
+        registry: view.summary().totals,
+    }
 }
 
 /// The younger of two figures.
@@ -304,7 +351,18 @@ mod tests {
         };
         relayed.record(w2, relayed_stats(7), now - Duration::from_millis(1_500));
         relayed.record(w1, relayed_stats(9), now - Duration::from_secs(1));
-        let view = cluster_data(&reg, &book, &relayed, now + Duration::from_millis(500));
+        let reg = RegistryView::new(Arc::new(reg));
+        let page = Page {
+            after: None,
+            limit: tb_dashboard::api::DEFAULT_PAGE_LIMIT,
+        };
+        let view = cluster_data(
+            &reg,
+            &page,
+            &book,
+            &relayed,
+            now + Duration::from_millis(500),
+        );
         assert_eq!(view.members.len(), 2);
         let m1 = &view.members[0];
         assert_eq!(
@@ -331,6 +389,15 @@ mod tests {
         );
         assert_eq!((e.shape.clone(), e.byte_len), (vec![2, 3], 24));
         assert_eq!(e.holders, vec![w1.to_string()]);
+        assert_eq!(view.next, None);
+        assert_eq!(
+            view.registry,
+            RegistryTotals {
+                names: 1,
+                copies: 1,
+                bytes: 24
+            }
+        );
 
         let metrics = Metrics::new(tb_dashboard::Role::Broker).expect("metrics");
         set_registry_gauges(&metrics, &reg);
@@ -340,5 +407,61 @@ mod tests {
             (metrics.cluster_alive.get(), metrics.cluster_dead.get()),
             (1, 1)
         );
+    }
+
+    #[test]
+    fn paging_the_cluster_view_lists_every_live_name_exactly_once() {
+        let stamp = |wall| Stamp {
+            wall_ms: wall,
+            logical: 0,
+            node: NodeId([9; 32]),
+        };
+        let mut reg = Registry::new();
+        let mut live = Vec::new();
+        for i in 0..95u32 {
+            let name = TensorName::new(format!("m/{i:03}")).expect("name");
+            let meta = TensorMeta::new(DType::U8, vec![u64::from(i) + 1], ContentHash([1; 32]))
+                .expect("meta");
+            reg.apply(&RegistryOp::Publish {
+                name: name.clone(),
+                version: 1,
+                meta,
+                publisher: NodeId([1; 32]),
+                stamp: stamp(1),
+            });
+            // Every seventh name is deleted again: never listed, never a page's end.
+            if i % 7 == 3 {
+                reg.apply(&RegistryOp::Delete {
+                    name,
+                    stamp: stamp(2),
+                });
+            } else {
+                live.push(name.as_str().to_string());
+            }
+        }
+        let view = RegistryView::new(Arc::new(reg));
+        let (book, relayed) = (MemberStatsBook::default(), MemberStatsBook::default());
+        for limit in [1, 10, live.len(), live.len() + 1] {
+            let mut page = Page { after: None, limit };
+            let mut seen = Vec::new();
+            for _ in 0..=live.len() {
+                let data = cluster_data(&view, &page, &book, &relayed, Instant::now());
+                assert!(data.entries.len() <= limit);
+                assert_eq!(data.registry.names, live.len() as u64);
+                seen.extend(data.entries.into_iter().map(|e| e.name));
+                match data.next {
+                    Some(next) => {
+                        assert_eq!(
+                            seen.last(),
+                            Some(&next),
+                            "the cursor is the page's last name"
+                        );
+                        page.after = Some(TensorName::new(next).expect("cursor"));
+                    }
+                    None => break,
+                }
+            }
+            assert_eq!(seen, live, "limit {limit}");
+        }
     }
 }

@@ -75,6 +75,9 @@ pub struct RegistryStore {
     entries: sled::Tree,
     members: sled::Tree,
     meta: sled::Tree,
+    /// Tests close it to hold flushes up (a slow disk).
+    #[cfg(test)]
+    pub(crate) gate: std::sync::Arc<test_gate::FlushGate>,
 }
 
 impl RegistryStore {
@@ -96,6 +99,8 @@ impl RegistryStore {
             members: db.open_tree("members")?,
             meta: db.open_tree("meta")?,
             db,
+            #[cfg(test)]
+            gate: Default::default(),
         };
         match store.meta.get(FORMAT_KEY)? {
             None => {
@@ -208,8 +213,55 @@ impl RegistryStore {
 
     /// Writes everything to disk now.
     pub fn flush(&self) -> Result<(), PersistError> {
+        #[cfg(test)]
+        self.gate.pass();
         self.db.flush()?;
         Ok(())
+    }
+}
+
+/// A gate tests close to make flushes wait, as on a disk that takes its time to sync.
+#[cfg(test)]
+pub(crate) mod test_gate {
+    use std::{
+        sync::{
+            Condvar, Mutex,
+            atomic::{AtomicUsize, Ordering},
+        },
+        time::Duration,
+    };
+
+    /// Longest a flush waits at a closed gate (a failing test must not hang).
+    const MAX_HOLD: Duration = Duration::from_secs(60);
+
+    /// Flushes that reached the gate, and whether it is closed.
+    #[derive(Debug, Default)]
+    pub(crate) struct FlushGate {
+        closed: Mutex<bool>,
+        opened: Condvar,
+        pub(crate) arrived: AtomicUsize,
+    }
+
+    impl FlushGate {
+        /// Makes flushes wait until [`open`](Self::open).
+        pub(crate) fn close(&self) {
+            *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        }
+
+        /// Lets flushes through.
+        pub(crate) fn open(&self) {
+            *self.closed.lock().unwrap_or_else(|p| p.into_inner()) = false;
+            self.opened.notify_all();
+        }
+
+        /// Counts a flush and waits while the gate is closed.
+        pub(super) fn pass(&self) {
+            self.arrived.fetch_add(1, Ordering::SeqCst);
+            let closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = self
+                .opened
+                .wait_timeout_while(closed, MAX_HOLD, |closed| *closed);
+        }
     }
 }
 

@@ -2,6 +2,12 @@
 // renders the summary, the nodes table, a throughput chart (uPlot), transfer latency and the
 // registry. Plain JS, no build step, nothing fetched from outside the broker.
 //
+// The API may require a bearer token (the broker's --http-token-file). The page takes it from
+// its address (`#token=TOKEN`, removed from the address bar at once and kept in this tab's
+// sessionStorage), or asks for it once when the API answers 401, and sends it as
+// `Authorization: Bearer TOKEN`. Only the first page of registry entries is fetched; the
+// summary counts come from the API's totals for the whole registry.
+//
 // Everything that comes from the API is untrusted (tensor names, addresses, URLs): the DOM is
 // built with createElement/textContent only, never innerHTML, and links are checked to be
 // http(s) before they are used.
@@ -9,6 +15,8 @@
 
 (function () {
   const API = "api/v1/cluster";
+  const PAGE_LIMIT = 1000; // registry entries fetched per poll (the first page)
+  const TOKEN_KEY = "tb-http-token";
   const POLL_MS = 1000;
   const RETRY_MAX_MS = 5000;
   const FETCH_TIMEOUT_MS = 4000;
@@ -192,7 +200,16 @@
     }
     entries.sort((a, b2) => (a.name < b2.name ? -1 : a.name > b2.name ? 1 :
       (b2.version || 0) - (a.version || 0)));
-    return { broker: b, self, nodes, entries };
+    // Totals of the whole registry (the entries are its first page only); an older broker
+    // without them: count the entries listed.
+    const reg = obj(root.registry);
+    const totals = reg ? { names: num(reg.names), copies: num(reg.copies), bytes: num(reg.bytes) } :
+      { names: null, copies: null, bytes: null };
+    if (totals.names === null) totals.names = new Set(entries.map((e) => e.name)).size;
+    if (totals.copies === null) totals.copies = entries.reduce((t, e) => t + e.holders.length, 0);
+    if (totals.bytes === null) totals.bytes = entries.reduce((t, e) => t + (e.byte_len || 0), 0);
+    const more = typeof root.next === "string" && root.next !== "";
+    return { broker: b, self, nodes, entries, totals, more };
   }
 
   // ---- summary ---------------------------------------------------------------------------
@@ -215,17 +232,10 @@
     $("sum-brokers").classList.toggle("warn", count("broker", false) > 0);
     $("sum-workers").classList.toggle("warn", count("worker", false) > 0);
 
-    const names = new Set(m.entries.map((e) => e.name));
-    let copies = 0;
-    let unique = 0;
-    for (const e of m.entries) {
-      copies += e.holders.length;
-      unique += e.byte_len || 0;
-    }
-    setText('[data-sum="names"]', names.size);
-    setText('[data-sum="copies"]', copies);
+    setText('[data-sum="names"]', m.totals.names);
+    setText('[data-sum="copies"]', m.totals.copies);
     setText('[data-sum="bytes_held"]', bytes(sum(m.nodes, "store_bytes")));
-    setText('[data-sum="bytes_unique"]', bytes(unique));
+    setText('[data-sum="bytes_unique"]', bytes(m.totals.bytes));
     setText('[data-sum="in_bytes_per_s"]', rate(sum(m.nodes, "in_bytes_per_s")));
     setText('[data-sum="out_bytes_per_s"]', rate(sum(m.nodes, "out_bytes_per_s")));
     setText('[data-sum="in_bytes_total"]', bytes(sum(m.nodes, "in_bytes_total")));
@@ -369,6 +379,7 @@
       empty.hidden = true;
     }
     $("registry-count").textContent = "· " + (filter ? matches.length + " of " : "") + m.entries.length +
+      (m.more ? " listed of " + m.totals.names + " names" : "") +
       (matches.length > shown.length ? " (first " + shown.length + " shown)" : "");
   }
 
@@ -521,16 +532,76 @@
     return retryMs;
   }
 
+  // ---- the API's bearer token -------------------------------------------------------------
+  function storedToken() {
+    try {
+      return window.sessionStorage.getItem(TOKEN_KEY) || "";
+    } catch (_) {
+      return "";
+    }
+  }
+
+  function storeToken(t) {
+    try {
+      if (t) window.sessionStorage.setItem(TOKEN_KEY, t);
+      else window.sessionStorage.removeItem(TOKEN_KEY);
+    } catch (_) {
+      // No storage (a sandboxed page): the token lives as long as this page.
+    }
+  }
+
+  // `#token=...` (alone, or with `per-node`: `#per-node&token=...`): taken, then removed from
+  // the address bar so it is neither shown, bookmarked nor shared along with a link. Parsed
+  // by hand: a base64 token's `+` must stay a `+` (URLSearchParams would make it a space).
+  const hashParts = window.location.hash.replace(/^#/, "").split("&").filter(Boolean);
+  const tokenPart = hashParts.find((p) => p.startsWith("token="));
+  let token = storedToken();
+  if (tokenPart !== undefined) {
+    const raw = tokenPart.slice("token=".length);
+    try {
+      token = decodeURIComponent(raw).trim();
+    } catch (_) {
+      token = raw.trim();
+    }
+    storeToken(token);
+    const rest = hashParts.filter((p) => !p.startsWith("token=")).join("&");
+    history.replaceState(null, "", window.location.pathname + window.location.search +
+      (rest ? "#" + rest : ""));
+  }
+  let asked = false; // the page asks for a token at most once per 401 streak
+
+  function askToken() {
+    if (asked || typeof window.prompt !== "function") return false;
+    asked = true;
+    const t = (window.prompt("This broker's API needs its HTTP token (the file given to " +
+      "--http-token-file). Token:") || "").trim();
+    if (!t) return false;
+    token = t;
+    storeToken(t);
+    return true;
+  }
+
   async function poll() {
     const ctrl = new AbortController();
     const timer = setTimeout(() => ctrl.abort(), FETCH_TIMEOUT_MS);
     let next = POLL_MS;
     try {
-      const resp = await fetch(API, { cache: "no-store", signal: ctrl.signal,
-        headers: { Accept: "application/json" } });
+      const headers = { Accept: "application/json" };
+      if (token) headers.Authorization = "Bearer " + token;
+      const resp = await fetch(API + "?limit=" + PAGE_LIMIT, { cache: "no-store", signal: ctrl.signal,
+        headers });
       if (resp.status === 404) {
         throw new Error("HTTP 404: this process has no cluster view, only brokers do; open a broker's dashboard");
       }
+      if (resp.status === 401) {
+        if (askToken()) {
+          next = 0; // at once, with the token just given
+          return;
+        }
+        throw new Error("HTTP 401: this broker's API needs its token; open the page as " +
+          window.location.pathname + "#token=TOKEN");
+      }
+      asked = false;
       if (!resp.ok) throw new Error("HTTP " + resp.status);
       const data = await resp.json();
       try {
@@ -545,8 +616,8 @@
       next = onFailure(err && err.name === "AbortError" ? new Error("timed out") : err);
     } finally {
       clearTimeout(timer);
+      setTimeout(poll, next);
     }
-    setTimeout(poll, next);
   }
 
   $("registry-filter").addEventListener("input", () => {
@@ -561,6 +632,6 @@
   });
 
   // `#per-node` in the address opens the chart per node (a link people can share).
-  if (window.location.hash === "#per-node") setMode("nodes");
+  if (hashParts.includes("per-node")) setMode("nodes");
   poll();
 })();

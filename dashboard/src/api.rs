@@ -95,15 +95,47 @@ pub struct Latency {
     pub p99: Option<f64>,
 }
 
-/// `GET /api/v1/cluster` (brokers): the broker, the members and the registry.
+/// `GET /api/v1/cluster` (brokers): the broker, the members, the registry's totals and one
+/// page of its entries. `?after=<name>` starts the page after that name (the previous page's
+/// `next`), `?limit=<n>` sets its length (default [`DEFAULT_PAGE_LIMIT`], at most
+/// [`MAX_PAGE_LIMIT`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Cluster {
     /// The broker's own status.
     pub broker: Status,
     /// Every member the broker knows, alive or dead.
     pub members: Vec<MemberView>,
-    /// Live registry entries (newest version of each name).
+    /// One page of the live registry entries (newest version of each name), in name order.
     pub entries: Vec<EntryView>,
+    /// The cursor of the next page (its `after`), `null` on the last page.
+    pub next: Option<String>,
+    /// The whole registry's totals, whatever the page.
+    pub registry: RegistryTotals,
+}
+
+/// Entries per `/api/v1/cluster` page when the request names no `limit`.
+pub const DEFAULT_PAGE_LIMIT: usize = 1_000;
+/// Most entries one `/api/v1/cluster` page lists (a larger `limit` is cut to this).
+pub const MAX_PAGE_LIMIT: usize = 10_000;
+
+/// Which page of the registry a request wants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    /// List names after this one (`None`: from the first).
+    pub after: Option<tb_proto::TensorName>,
+    /// At most this many entries (1..=[`MAX_PAGE_LIMIT`]).
+    pub limit: usize,
+}
+
+/// The registry at a glance: what the dashboard's summary shows without every page.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistryTotals {
+    /// Live names.
+    pub names: u64,
+    /// Holders of the newest versions, all names together (copies in the cluster).
+    pub copies: u64,
+    /// Bytes of the newest versions, one copy each.
+    pub bytes: u64,
 }
 
 /// One member of the cluster.
@@ -168,6 +200,10 @@ pub struct EntryView {
 pub struct ClusterData {
     /// Members.
     pub members: Vec<MemberView>,
-    /// Registry entries.
+    /// The page's registry entries.
     pub entries: Vec<EntryView>,
+    /// The next page's cursor, if there are more entries.
+    pub next: Option<String>,
+    /// The whole registry's totals.
+    pub registry: RegistryTotals,
 }

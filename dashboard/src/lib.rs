@@ -11,7 +11,9 @@
 //!   counters — bytes per second over the last 10 s (the process samples once a second with
 //!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
 //!   buckets.
-//! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster`.
+//! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster` (paged: [`api::Page`]).
+//! - [`HttpOptions`] (`access.rs`): the server's guards: a bearer token ([`HttpToken`]) on
+//!   `/api/v1/*`, and a concurrency limit beyond which requests are shed with 503.
 //! - The server (`server.rs`): [`serve`] runs axum on a bound listener with the routes
 //!   `/metrics` (text format), `/healthz`, `/readyz`, `/api/v1/status`, `/api/v1/cluster`
 //!   (brokers; 404 elsewhere), and the web dashboard at `/` with its files under `/assets/`
@@ -19,22 +21,28 @@
 //!
 //! Data flow: the process increments counters as it works; on each scrape or API call the
 //! server asks the process's [`Source`] to [`refresh`](Source::refresh) the gauges that mirror
-//! state (pool links, store size, registry size, cluster liveness), then encodes. This crate
+//! state (pool links, store size, registry size, cluster liveness), then encodes. A source
+//! answers from what it already holds (a broker: the registry snapshot its actor publishes),
+//! never by asking an actor per request. This crate
 //! depends on neither `tb-node` nor `tb-broker`: they implement [`Source`].
 
+mod access;
 pub mod api;
 mod assets;
 mod metrics;
 mod server;
 mod window;
 
+pub use access::{
+    DEFAULT_MAX_IN_FLIGHT, HttpOptions, HttpToken, MIN_TOKEN_LEN, TOKEN_RECIPE, TokenError,
+};
 pub use metrics::{
     AuthFailure, AuthFailures, Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind,
     TransferTimer, VERSION,
 };
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
 pub use prometheus::{IntCounter, IntGauge};
-pub use server::{AppState, ClusterFuture, RefreshFuture, Source, bind, router, serve};
+pub use server::{AppState, RefreshFuture, Source, bind, router, serve};
 pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
 
 /// Default `--metrics-addr` of `tb-broker`.

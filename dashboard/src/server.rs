@@ -1,30 +1,37 @@
 //! The axum server every process runs on `--metrics-addr`: `/metrics`, `/healthz`, `/readyz`,
-//! `/api/v1/status`, `/api/v1/cluster` (brokers) and the web dashboard's files.
+//! `/api/v1/status`, `/api/v1/cluster` (brokers) and the web dashboard's files, behind the
+//! guards of [`HttpOptions`] (a concurrency limit with load shedding; a bearer token on
+//! `/api/v1/*` when one is set).
 
 use std::{future::Future, net::SocketAddr, pin::Pin, sync::Arc};
 
 use axum::{
     Json, Router,
-    extract::State,
+    error_handling::HandleErrorLayer,
+    extract::{Query, State},
     http::{StatusCode, header},
+    middleware,
     response::{IntoResponse, Response},
     routing::get,
 };
+use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tower::{ServiceBuilder, limit::GlobalConcurrencyLimitLayer, load_shed::LoadShedLayer};
 
 use crate::{
-    api::{Cluster, ClusterData},
+    access::{self, HttpOptions},
+    api::{Cluster, ClusterData, DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT, Page},
     metrics::Metrics,
 };
-
-/// The future [`Source::cluster`] returns.
-pub type ClusterFuture<'a> = Pin<Box<dyn Future<Output = Option<ClusterData>> + Send + 'a>>;
 
 /// The future [`Source::refresh`] returns.
 pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 
 /// What only the process knows (the dashboard crate depends on neither node nor broker).
+/// Every answer comes from what the process already holds (a broker: the registry snapshot its
+/// actor publishes), never from a request to an actor: an HTTP request must not compete with
+/// the process's own work.
 pub trait Source: Send + Sync + 'static {
     /// The node id in hex.
     fn node_id(&self) -> String;
@@ -33,11 +40,12 @@ pub trait Source: Send + Sync + 'static {
     /// Whether it has joined (see `/readyz`).
     fn ready(&self) -> bool;
     /// Sets the gauges that mirror state (pool links, store, registry, cluster nodes); awaited
-    /// before every scrape and status answer (a broker asks its actor, so it is async).
+    /// before every scrape and status answer.
     fn refresh<'a>(&'a self, metrics: &'a Metrics) -> RefreshFuture<'a>;
-    /// Members and registry entries: brokers only. `None` (the default) answers 404.
-    fn cluster(&self) -> ClusterFuture<'_> {
-        Box::pin(async { None })
+    /// Members, registry totals and one `page` of registry entries: brokers only. `None` (the
+    /// default) answers 404.
+    fn cluster(&self, _page: &Page) -> Option<ClusterData> {
+        None
     }
 }
 
@@ -70,14 +78,31 @@ impl AppState {
     }
 }
 
-/// The routes of the contract.
-pub fn router(state: AppState) -> Router {
+/// The routes of the contract, guarded as `options` says: `/healthz` and `/readyz` are never
+/// limited nor guarded (an orchestrator's probes must not fail because the dashboard is
+/// busy), `/api/v1/*` takes the token, everything else counts toward the concurrency limit.
+pub fn router(state: AppState, options: &HttpOptions) -> Router {
+    let mut api = Router::new()
+        .route("/api/v1/status", get(status))
+        .route("/api/v1/cluster", get(cluster));
+    if let Some(token) = &options.token {
+        api = api.route_layer(middleware::from_fn_with_state(
+            token.clone(),
+            access::require_token,
+        ));
+    }
+    // One semaphore for every route (a plain `ConcurrencyLimitLayer` would make one per
+    // route); when it is taken, `LoadShed` fails the request at once and `HandleError` turns
+    // that into a 503.
+    let limit = ServiceBuilder::new()
+        .layer(HandleErrorLayer::new(access::overloaded))
+        .layer(LoadShedLayer::new())
+        .layer(GlobalConcurrencyLimitLayer::new(
+            options.max_in_flight.max(1),
+        ));
     Router::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/api/v1/status", get(status))
-        .route("/api/v1/cluster", get(cluster))
+        .merge(api)
         .route("/", get(|| asset(crate::assets::INDEX_HTML, HTML)))
         .route(
             "/index.html",
@@ -96,6 +121,10 @@ pub fn router(state: AppState) -> Router {
             "/assets/vendor/uPlot.min.css",
             get(|| asset(crate::assets::UPLOT_CSS, CSS)),
         )
+        .layer(limit)
+        // Added after the layer: outside it.
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
         .with_state(state)
 }
 
@@ -104,14 +133,15 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves the routes on `listener` until `shutdown` fires, then finishes the requests under
-/// way.
+/// Serves the routes on `listener`, guarded by `options`, until `shutdown` fires, then
+/// finishes the requests under way.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
+    options: HttpOptions,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
+    axum::serve(listener, router(state, &options))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
 }
@@ -148,17 +178,56 @@ async fn status(State(state): State<AppState>) -> Response {
     Json(state.status().await).into_response()
 }
 
-async fn cluster(State(state): State<AppState>) -> Response {
-    let broker = state.status().await;
-    match state.source.cluster().await {
-        Some(ClusterData { members, entries }) => Json(Cluster {
-            broker,
-            members,
-            entries,
+/// The query of `/api/v1/cluster`.
+#[derive(Debug, Deserialize)]
+struct PageQuery {
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+impl PageQuery {
+    /// The page asked for, or why it cannot be served.
+    fn page(self) -> Result<Page, &'static str> {
+        let limit = self.limit.unwrap_or(DEFAULT_PAGE_LIMIT);
+        if limit == 0 {
+            return Err("limit must be at least 1");
+        }
+        let after = match self.after {
+            None => None,
+            Some(name) => Some(
+                tb_proto::TensorName::new(&name)
+                    .map_err(|_| "after must be a tensor name (a page's `next`)")?,
+            ),
+        };
+        Ok(Page {
+            after,
+            limit: limit.min(MAX_PAGE_LIMIT),
         })
-        .into_response(),
-        None => (StatusCode::NOT_FOUND, "no cluster view: not a broker").into_response(),
     }
+}
+
+async fn cluster(State(state): State<AppState>, Query(query): Query<PageQuery>) -> Response {
+    let page = match query.page() {
+        Ok(page) => page,
+        Err(why) => return (StatusCode::BAD_REQUEST, why).into_response(),
+    };
+    let Some(ClusterData {
+        members,
+        entries,
+        next,
+        registry,
+    }) = state.source.cluster(&page)
+    else {
+        return (StatusCode::NOT_FOUND, "no cluster view: not a broker").into_response();
+    };
+    Json(Cluster {
+        broker: state.status().await,
+        members,
+        entries,
+        next,
+        registry,
+    })
+    .into_response()
 }
 
 #[cfg(test)]
@@ -175,6 +244,23 @@ mod tests {
 
     struct Fake {
         ready: AtomicBool,
+        /// When set, `refresh` says it started and waits to be released (a slow request).
+        gate: Option<Gate>,
+    }
+
+    #[derive(Default)]
+    struct Gate {
+        entered: tokio::sync::Notify,
+        release: tokio::sync::Notify,
+    }
+
+    impl Fake {
+        fn new(ready: bool) -> Fake {
+            Fake {
+                ready: AtomicBool::new(ready),
+                gate: None,
+            }
+        }
     }
 
     impl Source for Fake {
@@ -189,14 +275,46 @@ mod tests {
         }
         fn refresh<'a>(&'a self, metrics: &'a Metrics) -> crate::RefreshFuture<'a> {
             metrics.store_tensors.set(7);
-            Box::pin(async {})
+            Box::pin(async {
+                if let Some(gate) = &self.gate {
+                    gate.entered.notify_one();
+                    gate.release.notified().await;
+                }
+            })
         }
+    }
+
+    /// Serves `fake` with `options` on a free loopback port.
+    async fn start(
+        fake: Arc<Fake>,
+        options: HttpOptions,
+    ) -> (
+        SocketAddr,
+        CancellationToken,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    ) {
+        let state = AppState {
+            metrics: Metrics::new(Role::Worker).expect("metrics"),
+            source: fake,
+        };
+        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, state, options, stop.clone()));
+        (addr, stop, server)
     }
 
     /// One HTTP/1.0 GET over a raw socket: (status line, headers, body).
     async fn raw_get(addr: SocketAddr, path: &str) -> (String, String, String) {
+        raw_get_with(addr, path, "").await
+    }
+
+    /// [`raw_get`] with extra header lines (each ending in `\r\n`).
+    async fn raw_get_with(addr: SocketAddr, path: &str, headers: &str) -> (String, String, String) {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let req = format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
+        let req = format!("GET {path} HTTP/1.0\r\nHost: x\r\n{headers}\r\n");
         s.write_all(req.as_bytes()).await.expect("write");
         let mut buf = Vec::new();
         let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await;
@@ -209,20 +327,8 @@ mod tests {
 
     #[tokio::test]
     async fn routes_answer_with_their_types_and_the_server_stops() {
-        let metrics = Metrics::new(Role::Worker).expect("metrics");
-        let fake = Arc::new(Fake {
-            ready: AtomicBool::new(false),
-        });
-        let state = AppState {
-            metrics,
-            source: fake.clone(),
-        };
-        let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let stop = CancellationToken::new();
-        let server = tokio::spawn(serve(listener, state, stop.clone()));
+        let fake = Arc::new(Fake::new(false));
+        let (addr, stop, server) = start(fake.clone(), HttpOptions::default()).await;
 
         let (status, headers, body) = raw_get(addr, "/metrics").await;
         assert!(status.contains("200"), "{status}");
@@ -266,5 +372,104 @@ mod tests {
         stop.cancel();
         let stopped = tokio::time::timeout(Duration::from_secs(10), server).await;
         assert!(matches!(stopped, Ok(Ok(Ok(())))), "graceful stop");
+    }
+
+    #[tokio::test]
+    async fn the_api_wants_the_bearer_token_when_one_is_set() {
+        const TOKEN: &str = "0123456789abcdef-token";
+        let options = HttpOptions {
+            token: Some(crate::HttpToken::new(TOKEN).expect("token")),
+            ..HttpOptions::default()
+        };
+        let (addr, stop, server) = start(Arc::new(Fake::new(true)), options).await;
+        for path in ["/api/v1/status", "/api/v1/cluster"] {
+            let (status, headers, _) = raw_get(addr, path).await;
+            assert!(status.contains("401"), "{path} without a token: {status}");
+            assert!(
+                headers.contains("www-authenticate: bearer"),
+                "{path}: {headers}"
+            );
+            let wrong = "Authorization: Bearer 0123456789abcdef-tokeN\r\n";
+            let (status, headers, _) = raw_get_with(addr, path, wrong).await;
+            assert!(
+                status.contains("401"),
+                "{path} with a wrong token: {status}"
+            );
+            assert!(headers.contains("invalid_token"), "{path}: {headers}");
+        }
+        let right = format!("Authorization: Bearer {TOKEN}\r\n");
+        let (status, _, body) = raw_get_with(addr, "/api/v1/status", &right).await;
+        assert!(status.contains("200"), "{status}");
+        let parsed: crate::api::Status = serde_json::from_str(&body).expect("status json");
+        assert_eq!(parsed.node_id, "ab");
+        // A worker has no cluster view: with the token, the answer says so.
+        let (status, _, _) = raw_get_with(addr, "/api/v1/cluster", &right).await;
+        assert!(status.contains("404"), "{status}");
+        // Prometheus, the probes and the page itself need no token.
+        for path in ["/metrics", "/healthz", "/readyz", "/", "/assets/app.js"] {
+            let (status, _, _) = raw_get(addr, path).await;
+            assert!(status.contains("200"), "{path}: {status}");
+        }
+        stop.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(10), server).await;
+        assert!(matches!(stopped, Ok(Ok(Ok(())))), "graceful stop");
+    }
+
+    #[tokio::test]
+    async fn requests_beyond_the_limit_are_shed_with_503_and_probes_still_answer() {
+        let fake = Arc::new(Fake {
+            ready: AtomicBool::new(true),
+            gate: Some(Gate::default()),
+        });
+        let options = HttpOptions {
+            max_in_flight: 1,
+            ..HttpOptions::default()
+        };
+        let (addr, stop, server) = start(fake.clone(), options).await;
+        let gate = fake.gate.as_ref().expect("gate");
+        // The first request takes the only slot and waits inside the handler.
+        let slow = tokio::spawn(async move { raw_get(addr, "/metrics").await });
+        tokio::time::timeout(Duration::from_secs(10), gate.entered.notified())
+            .await
+            .expect("the first request reached its handler");
+        for path in ["/metrics", "/api/v1/status", "/"] {
+            let (status, headers, _) = raw_get(addr, path).await;
+            assert!(status.contains("503"), "{path} while busy: {status}");
+            assert!(headers.contains("retry-after: 1"), "{path}: {headers}");
+        }
+        assert!(raw_get(addr, "/healthz").await.0.contains("200"));
+        assert!(raw_get(addr, "/readyz").await.0.contains("200"));
+        gate.release.notify_one();
+        let (status, _, body) = tokio::time::timeout(Duration::from_secs(10), slow)
+            .await
+            .expect("the slow request finishes")
+            .expect("task");
+        assert!(status.contains("200") && body.contains("tb_store_tensors 7"));
+        // The slot is free again.
+        let next = tokio::spawn(async move { raw_get(addr, "/api/v1/status").await });
+        tokio::time::timeout(Duration::from_secs(10), gate.entered.notified())
+            .await
+            .expect("the next request reached its handler");
+        gate.release.notify_one();
+        let (status, _, _) = next.await.expect("task");
+        assert!(status.contains("200"), "{status}");
+        stop.cancel();
+        let stopped = tokio::time::timeout(Duration::from_secs(10), server).await;
+        assert!(matches!(stopped, Ok(Ok(Ok(())))), "graceful stop");
+    }
+
+    #[tokio::test]
+    async fn bad_page_requests_are_refused_with_400() {
+        let (addr, stop, server) = start(Arc::new(Fake::new(true)), HttpOptions::default()).await;
+        for path in [
+            "/api/v1/cluster?limit=0",
+            "/api/v1/cluster?limit=-3",
+            "/api/v1/cluster?after=no%20spaces",
+        ] {
+            let (status, _, body) = raw_get(addr, path).await;
+            assert!(status.contains("400"), "{path}: {status} {body}");
+        }
+        stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
     }
 }

@@ -3,7 +3,7 @@
 
 use std::{fmt, net::SocketAddr, path::Path, path::PathBuf, str::FromStr, time::Duration};
 
-use tb_dashboard::AppState;
+use tb_dashboard::{AppState, HttpOptions, HttpToken};
 use tb_proto::{AuthError, ClusterKey};
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
@@ -33,6 +33,9 @@ pub enum SetupError {
     /// The secret is unusable (too short, too long).
     #[error("cluster secret: {0}")]
     Secret(#[from] AuthError),
+    /// The HTTP token file is unreadable or holds an unusable token.
+    #[error("--http-token-file: {0}")]
+    HttpToken(#[from] tb_dashboard::TokenError),
     /// The metrics server's address could not be bound.
     #[error("binding the metrics server to {addr}: {source}")]
     MetricsAddr {
@@ -53,13 +56,22 @@ const METRICS_STOP_GRACE: Duration = Duration::from_secs(2);
 pub struct MetricsServer {
     listener: Option<TcpListener>,
     addr: SocketAddr,
+    options: HttpOptions,
     stop: CancellationToken,
     task: Option<JoinHandle<std::io::Result<()>>>,
 }
 
 impl MetricsServer {
-    /// Binds `addr` (port 0: any free port).
+    /// Binds `addr` (port 0: any free port), with the default guards (no token).
     pub async fn bind(addr: SocketAddr) -> Result<MetricsServer, SetupError> {
+        Self::bind_with(addr, HttpOptions::default()).await
+    }
+
+    /// Binds `addr`; the server will be guarded as `options` say (token, concurrency limit).
+    pub async fn bind_with(
+        addr: SocketAddr,
+        options: HttpOptions,
+    ) -> Result<MetricsServer, SetupError> {
         let bound = tb_dashboard::bind(addr)
             .await
             .and_then(|l| Ok((l.local_addr()?, l)));
@@ -67,6 +79,7 @@ impl MetricsServer {
         Ok(MetricsServer {
             listener: Some(listener),
             addr,
+            options,
             stop: CancellationToken::new(),
             task: None,
         })
@@ -86,6 +99,7 @@ impl MetricsServer {
         self.task = Some(tokio::spawn(tb_dashboard::serve(
             listener,
             state,
+            self.options.clone(),
             self.stop.clone(),
         )));
         println!("metrics: {}", self.url());
@@ -163,6 +177,31 @@ impl SecretArgs {
             self.cluster_secret.as_deref(),
             self.cluster_secret_file.as_deref(),
         )
+    }
+}
+
+/// The HTTP server's flags every daemon takes (with env fallbacks).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// File holding a bearer token that /api/v1/* then requires (`Authorization: Bearer
+    /// <token>`; at least 16 printable ASCII characters, a trailing newline ignored). Make one
+    /// with `head -c 32 /dev/urandom | base64 > http_token`. /metrics, /healthz, /readyz and
+    /// the page's files stay open; open the dashboard as http://HOST:PORT/#token=TOKEN.
+    #[arg(long, env = "TB_HTTP_TOKEN_FILE")]
+    pub http_token_file: Option<PathBuf>,
+}
+
+impl HttpArgs {
+    /// The server's guards these flags give.
+    pub fn options(&self) -> Result<HttpOptions, SetupError> {
+        let token = match &self.http_token_file {
+            Some(path) => Some(HttpToken::from_file(path)?),
+            None => None,
+        };
+        Ok(HttpOptions {
+            token,
+            ..HttpOptions::default()
+        })
     }
 }
 

@@ -1,7 +1,8 @@
-//! The web dashboard in a real browser: a cluster of `tb-broker` and two `tb-worker`
-//! processes on loopback, a tensor published with `tb put`, and the broker's page loaded in
-//! headless Chromium. The page must list the tensor in its registry table, show a node's
-//! throughput figures move after `tb get` pulls the tensor, and render to a PNG screenshot.
+//! The web dashboard in a real browser: a cluster of `tb-broker` (its API behind a bearer
+//! token, which the page takes from its address) and two `tb-worker` processes on loopback, a
+//! tensor published with `tb put`, and the broker's page loaded in headless Chromium. The
+//! page must list the tensor in its registry table, show a node's throughput figures move
+//! after `tb get` pulls the tensor, and render to a PNG screenshot.
 //!
 //! The driver is Chromium's own command line, nothing else: `--dump-dom` prints the page's DOM
 //! once `--virtual-time-budget` has elapsed. Virtual time stands still while a fetch is in
@@ -30,6 +31,9 @@ const BROWSER_LIMIT: Duration = Duration::from_secs(60);
 /// worker figures reach the broker with heartbeats, at most every 2 s).
 const ATTEMPTS: usize = 20;
 const SECRET: &str = "dashboard-browser-test-secret";
+/// The broker's HTTP token (as `head -c 32 /dev/urandom | base64` makes them: `+`, `/`, `=`);
+/// the page gets it from its address, `#token=...`.
+const HTTP_TOKEN: &str = "ZGFzaGJv+YXJkL/Rva2VuL+Rlc3Qvc2VjcmV0LXRva2Vu==";
 const TENSOR: &str = "dash/layer0.weight";
 const TENSOR_LEN: usize = 8 << 20;
 const SCREEN: (u32, u32) = (1440, 1100);
@@ -221,8 +225,11 @@ impl Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let secret_file = dir.path().join("secret");
         std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
+        let token_file = dir.path().join("http_token");
+        std::fs::write(&token_file, format!("{HTTP_TOKEN}\n")).expect("token");
         let mut cmd = broker_command(dir.path(), "broker", &secret_file);
         cmd.args(["--liveness-timeout", "5"]);
+        cmd.arg("--http-token-file").arg(&token_file);
         let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
         let ticket = broker.wait_line("ticket:", START);
         let dashboard = broker.wait_line("metrics:", START);
@@ -241,7 +248,7 @@ impl Cluster {
             dir,
             secret_file,
             ticket,
-            dashboard: format!("{}/", dashboard.trim_end_matches('/')),
+            dashboard: format!("{}/#token={HTTP_TOKEN}", dashboard.trim_end_matches('/')),
             workers,
             _procs: procs,
         }

@@ -613,6 +613,10 @@ fn entrypoint_builds_tickets_from_brokers_status_api() {
     let dir = tempfile::tempdir().expect("tempdir");
     let secret_file = dir.path().join("secret");
     std::fs::write(&secret_file, format!("{SECRET}\n")).expect("secret");
+    // As in the shipped manifests, the API wants a bearer token, which the entrypoint sends
+    // (a base64 token: `+` and `/` must survive the header).
+    let token_file = dir.path().join("http_token");
+    std::fs::write(&token_file, "deploy+test/http+token==\n").expect("token");
     let broker_bin = bin("tb-broker", "tb-broker");
     let worker_bin = bin("tb-worker", "tb-node");
     let bin_dir = broker_bin.parent().expect("bin dir").to_path_buf();
@@ -634,6 +638,7 @@ fn entrypoint_builds_tickets_from_brokers_status_api() {
             .env("TB_METRICS_PORT", metrics_port.to_string())
             .env("TB_DATA_DIR", dir.path().join(name))
             .env("TB_CLUSTER_SECRET_FILE", &secret_file)
+            .env("TB_HTTP_TOKEN_FILE", &token_file)
             .env("TB_JOIN_WAIT", "30")
             .env_remove("TB_JOIN")
             .env_remove("TB_LISTEN")
@@ -660,6 +665,9 @@ fn entrypoint_builds_tickets_from_brokers_status_api() {
         .and_then(|t| t.split('@').next())
         .expect("ticket names a broker")
         .to_string();
+    // Without the token the status is refused: discovery below works only with it.
+    let refused = http::get(&format!("http://{first_http}/api/v1/status"));
+    assert!(matches!(refused, Ok((401, _))), "{refused:?}");
 
     // A broker that is gone by now: its URL answers nothing and is left out of tickets.
     let (mut gone, gone_port) = start("tb-broker", "broker-1", None);

@@ -58,6 +58,8 @@ struct Args {
     /// Log format: text (human-readable) or json.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
+    #[command(flatten)]
+    http: daemon::HttpArgs,
 }
 
 #[tokio::main]
@@ -65,7 +67,8 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
     let data_dir = daemon::data_dir(args.data_dir, "worker")?;
-    let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
+    let mut metrics =
+        daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
     let config = Config {
         metrics_url: Some(metrics.url()),
         bind_addr: args.listen,

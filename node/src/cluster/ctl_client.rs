@@ -6,9 +6,17 @@
 //! before use. A call starts at the broker that worked last and moves on to the next one when a
 //! broker is unusable (see `failover`); a broker's `Error` answer ends the call. Ctl links stay
 //! out of the data pool, which holds `tb/data/1` links only.
+//!
+//! Each broker's link is a small state machine (`Idle`, `Dialing`, `Ready`) behind a lock that
+//! is held only to read or change it, never across a dial: a dial runs in a task of its own,
+//! every call that needs that broker meanwhile waits for the same dial's outcome, and calls to
+//! other brokers, discarding a dead link and closing the client never wait for it.
 
 use std::{
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -17,7 +25,8 @@ use iroh::{
     endpoint::{Connection, RecvStream, SendStream},
 };
 use tb_proto::{CTL_ALPN, CloseCode, ClusterKey, CtlRequest, CtlResponse, MAX_LIST_LIMIT};
-use tokio::sync::Mutex;
+use tokio::sync::watch;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use super::failover::{self, Failure};
@@ -33,45 +42,123 @@ use crate::{
 /// the final one): a bound on a broker that never says `last`.
 const MAX_ANSWER_FRAMES: usize = MAX_LIST_LIMIT as usize + 1;
 
-/// One broker and the ctl connection to it, if one is open.
+/// One broker and the state of the ctl link to it.
 #[derive(Debug)]
 struct BrokerLink {
     addr: PeerAddr,
-    /// Held across a dial, so concurrent calls to one broker share it.
-    conn: Mutex<Option<Connection>>,
+    /// Locked only to read or change the state, never across an await.
+    link: Mutex<Link>,
+}
+
+impl BrokerLink {
+    fn link(&self) -> MutexGuard<'_, Link> {
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The ctl link to one broker.
+#[derive(Debug, Default)]
+enum Link {
+    /// No connection, no dial.
+    #[default]
+    Idle,
+    /// A dial is under way; every call that needs this broker waits for its outcome.
+    Dialing(Dial),
+    /// A connection (it may have closed since: checked at use).
+    Ready(Connection),
+}
+
+/// A dial under way.
+#[derive(Debug)]
+struct Dial {
+    /// Tells this dial from a later one to the same broker.
+    id: u64,
+    /// Its outcome once it has one; the sender is dropped unanswered when it is cancelled.
+    outcome: watch::Receiver<Option<Result<Connection>>>,
+    /// Stops it (when the client closes).
+    cancel: CancellationToken,
+}
+
+/// What a dial needs: shared with the dial tasks.
+#[derive(Debug, Clone)]
+struct Dialer {
+    endpoint: Endpoint,
+    key: ClusterKey,
+    timeout: Duration,
 }
 
 /// The node's client side of `tb/ctl/1`.
 #[derive(Debug)]
 pub(crate) struct CtlClient {
-    endpoint: Endpoint,
-    key: ClusterKey,
-    connect_timeout: Duration,
+    dialer: Dialer,
     max_tensor_bytes: u64,
-    brokers: Vec<BrokerLink>,
+    brokers: Vec<Arc<BrokerLink>>,
     /// Index of the broker that worked last.
     current: AtomicUsize,
+    next_dial: AtomicU64,
+    /// Owns the dial tasks; `cancel` stops them (the node's shutdown).
+    tracker: TaskTracker,
+    cancel: CancellationToken,
 }
 
 impl CtlClient {
     /// A client for the brokers in `ctx`'s config; dials nothing yet.
     pub(crate) fn new(ctx: &NodeCtx) -> Self {
-        let brokers = ctx
-            .config
-            .brokers
+        let dialer = Dialer {
+            endpoint: ctx.endpoint.clone(),
+            key: ctx.config.cluster_key.clone(),
+            timeout: ctx.config.connect_timeout,
+        };
+        CtlClient::with(
+            dialer,
+            ctx.config.max_tensor_bytes,
+            &ctx.config.brokers,
+            ctx.tracker.clone(),
+            ctx.cancel.clone(),
+        )
+    }
+
+    /// A client of `brokers` on `endpoint` with its own task tracker, for tests.
+    #[cfg(test)]
+    pub(super) fn standalone(
+        endpoint: Endpoint,
+        key: ClusterKey,
+        connect_timeout: Duration,
+        brokers: &[PeerAddr],
+    ) -> Self {
+        let dialer = Dialer {
+            endpoint,
+            key,
+            timeout: connect_timeout,
+        };
+        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
+        CtlClient::with(dialer, 1 << 30, brokers, tracker, cancel)
+    }
+
+    fn with(
+        dialer: Dialer,
+        max_tensor_bytes: u64,
+        brokers: &[PeerAddr],
+        tracker: TaskTracker,
+        cancel: CancellationToken,
+    ) -> Self {
+        let brokers = brokers
             .iter()
-            .map(|addr| BrokerLink {
-                addr: addr.clone(),
-                conn: Mutex::new(None),
+            .map(|addr| {
+                Arc::new(BrokerLink {
+                    addr: addr.clone(),
+                    link: Mutex::new(Link::Idle),
+                })
             })
             .collect();
         CtlClient {
-            endpoint: ctx.endpoint.clone(),
-            key: ctx.config.cluster_key.clone(),
-            connect_timeout: ctx.config.connect_timeout,
-            max_tensor_bytes: ctx.config.max_tensor_bytes,
+            dialer,
+            max_tensor_bytes,
             brokers,
             current: AtomicUsize::new(0),
+            next_dial: AtomicU64::new(0),
+            tracker,
+            cancel,
         }
     }
 
@@ -104,17 +191,11 @@ impl CtlClient {
         let lost: Vec<bool> = self
             .brokers
             .iter()
-            .map(|b| {
-                b.conn.try_lock().is_ok_and(|slot| {
-                    slot.as_ref()
-                        .is_some_and(|c: &Connection| c.close_reason().is_some())
-                })
-            })
+            .map(|b| matches!(&*b.link(), Link::Ready(c) if c.close_reason().is_some()))
             .collect();
         let start = self.current.load(Ordering::Relaxed);
         failover::order_avoiding(start, self.brokers.len(), &lost)
     }
-
     /// Sends `request` and returns every frame of the answer (the last one final, none an
     /// `Error`), failing over across brokers; each read waits at most `timeout`.
     #[tracing::instrument(name = "ctl", skip_all, fields(request = request.kind(), tensor = request.tensor().map(|n| n.as_str())))]
@@ -190,7 +271,7 @@ impl CtlClient {
                     return Ok(streams);
                 }
                 Err(e) => {
-                    self.discard(i, &conn).await;
+                    self.discard(i, &conn);
                     errors.push(e);
                 }
             }
@@ -210,7 +291,7 @@ impl CtlClient {
         match exchange(&conn, request, timeout, max).await {
             Err(Failure::Unusable(e)) => {
                 let was_closed = conn.close_reason().is_some();
-                self.discard(i, &conn).await;
+                self.discard(i, &conn);
                 // A cached link may have died unnoticed (the broker restarted): dial once more.
                 if fresh || !was_closed {
                     return Err(Failure::Unusable(e));
@@ -218,7 +299,7 @@ impl CtlClient {
                 let (conn, _) = self.connection(i).await.map_err(Failure::Unusable)?;
                 let again = exchange(&conn, request, timeout, max).await;
                 if matches!(again, Err(Failure::Unusable(_))) {
-                    self.discard(i, &conn).await;
+                    self.discard(i, &conn);
                 }
                 again
             }
@@ -226,22 +307,103 @@ impl CtlClient {
         }
     }
 
-    /// The open connection to broker `i`, dialing (and saying hello) if there is none; the flag
-    /// says whether it was dialed just now.
+    /// The open connection to broker `i`, dialing (and saying hello) if there is none, or
+    /// waiting for the dial under way; the flag says whether it was dialed just now.
     async fn connection(&self, i: usize) -> Result<(Connection, bool)> {
-        let broker = &self.brokers[i];
-        let mut slot = broker.conn.lock().await;
-        if let Some(conn) = slot.as_ref().filter(|c| c.close_reason().is_none()) {
-            return Ok((conn.clone(), false));
+        let mut outcome = {
+            let mut link = self.brokers[i].link();
+            match &*link {
+                Link::Ready(conn) if conn.close_reason().is_none() => {
+                    return Ok((conn.clone(), false));
+                }
+                Link::Dialing(dial) => dial.outcome.clone(),
+                Link::Idle | Link::Ready(_) => {
+                    let dial = self.start_dial(i);
+                    let outcome = dial.outcome.clone();
+                    *link = Link::Dialing(dial);
+                    outcome
+                }
+            }
+        };
+        // The dial is bounded by the connect timeout; the sender goes away (an error here)
+        // only when the dial is cancelled.
+        match outcome.wait_for(Option::is_some).await {
+            Ok(done) => match &*done {
+                Some(result) => result.clone().map(|conn| (conn, true)),
+                None => Err(Error::Shutdown),
+            },
+            Err(_) => Err(Error::Shutdown),
         }
-        let conn = self.dial(&broker.addr).await?;
-        *slot = Some(conn.clone());
-        Ok((conn, true))
     }
 
+    /// Starts dialing broker `i` in a task of its own, which installs the connection (or
+    /// clears the state, on failure) and then tells the waiters.
+    fn start_dial(&self, i: usize) -> Dial {
+        let id = self.next_dial.fetch_add(1, Ordering::Relaxed);
+        let (tell, outcome) = watch::channel(None);
+        let cancel = self.cancel.child_token();
+        let (broker, dialer, stop) = (self.brokers[i].clone(), self.dialer.clone(), cancel.clone());
+        self.tracker.spawn(async move {
+            let result = tokio::select! {
+                _ = stop.cancelled() => return,
+                result = dialer.dial(&broker.addr) => result,
+            };
+            let superseded = {
+                let mut link = broker.link();
+                let ours = matches!(&*link, Link::Dialing(d) if d.id == id);
+                if ours {
+                    *link = match &result {
+                        Ok(conn) => Link::Ready(conn.clone()),
+                        Err(_) => Link::Idle,
+                    };
+                }
+                !ours
+            };
+            if let (true, Ok(conn)) = (superseded, &result) {
+                // The client closed while this dial ran: nobody will use the connection.
+                close_shutdown(conn);
+            }
+            tell.send_replace(Some(result));
+        });
+        Dial {
+            id,
+            outcome,
+            cancel,
+        }
+    }
+
+    /// Closes `conn`, a connection to broker `i` that failed a request, and drops it so the
+    /// next call dials afresh. A link that let a request time out is taken for dead (it can
+    /// stall without closing until the QUIC idle timeout), so everything on it, subscriptions
+    /// included, fails over now rather than waiting on it.
+    fn discard(&self, i: usize, conn: &Connection) {
+        {
+            let mut link = self.brokers[i].link();
+            if matches!(&*link, Link::Ready(c) if c.stable_id() == conn.stable_id()) {
+                *link = Link::Idle;
+            }
+        }
+        conn.close(CloseCode::Normal.code().into(), b"unresponsive");
+    }
+
+    /// Closes every ctl connection and cancels every dial under way (at shutdown); the calls
+    /// waiting for a dial fail with `Shutdown`.
+    pub(crate) async fn close(&self) {
+        for broker in &self.brokers {
+            let old = std::mem::take(&mut *broker.link());
+            match old {
+                Link::Ready(conn) => close_shutdown(&conn),
+                Link::Dialing(dial) => dial.cancel.cancel(),
+                Link::Idle => {}
+            }
+        }
+    }
+}
+
+impl Dialer {
     /// Dials `addr` on `tb/ctl/1` and runs the hello, both within the connect timeout.
     async fn dial(&self, addr: &PeerAddr) -> Result<Connection> {
-        let timeout = self.connect_timeout;
+        let timeout = self.timeout;
         let unreachable = |reason: String| Error::PeerUnreachable {
             peer: format!("broker {}@{}", addr.id.fmt_short(), addr.addr),
             reason,
@@ -260,35 +422,13 @@ impl CtlClient {
             Err(_) => Err(unreachable(format!("no connection within {timeout:?}"))),
         }
     }
+}
 
-    /// Closes `conn`, a connection to broker `i` that failed a request, and drops it so the
-    /// next call dials afresh. A link that let a request time out is taken for dead (it can
-    /// stall without closing until the QUIC idle timeout), so everything on it, subscriptions
-    /// included, fails over now rather than waiting on it.
-    async fn discard(&self, i: usize, conn: &Connection) {
-        {
-            let mut slot = self.brokers[i].conn.lock().await;
-            if slot
-                .as_ref()
-                .is_some_and(|c| c.stable_id() == conn.stable_id())
-            {
-                slot.take();
-            }
-        }
-        conn.close(CloseCode::Normal.code().into(), b"unresponsive");
-    }
-
-    /// Closes every ctl connection (at shutdown).
-    pub(crate) async fn close(&self) {
-        for broker in &self.brokers {
-            if let Some(conn) = broker.conn.lock().await.take() {
-                conn.close(
-                    CloseCode::Shutdown.code().into(),
-                    CloseCode::Shutdown.reason(),
-                );
-            }
-        }
-    }
+fn close_shutdown(conn: &Connection) {
+    conn.close(
+        CloseCode::Shutdown.code().into(),
+        CloseCode::Shutdown.reason(),
+    );
 }
 
 async fn open_bi(conn: &Connection, timeout: Duration) -> Result<(SendStream, RecvStream)> {

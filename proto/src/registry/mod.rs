@@ -394,6 +394,19 @@ impl Registry {
             .filter(|(_, e)| e.is_live())
     }
 
+    /// Live entries whose names come after `after` (`None`: from the first), in name order:
+    /// a page of a listing resumes where the previous one stopped, found in O(log n).
+    pub fn list_after<'a>(
+        &'a self,
+        after: Option<&TensorName>,
+    ) -> impl Iterator<Item = (&'a TensorName, &'a Entry)> + 'a {
+        use std::ops::Bound;
+        let start = after.map_or(Bound::Unbounded, |name| Bound::Excluded(name.clone()));
+        self.entries
+            .range((start, Bound::Unbounded))
+            .filter(|(_, e)| e.is_live())
+    }
+
     /// The membership row for `node`.
     pub fn member(&self, node: &NodeId) -> Option<&Member> {
         self.members.get(node)

@@ -148,6 +148,30 @@ fn list_respects_level_boundaries_and_hides_dead_names() {
 }
 
 #[test]
+fn listing_after_a_name_resumes_past_it_and_hides_dead_names() {
+    let r = registry(&[
+        publish("a", 1, 1, at(1, 1)),
+        publish("b/gone", 1, 1, at(1, 1)),
+        delete("b/gone", at(2, 1)),
+        publish("b/x", 1, 1, at(1, 1)),
+        holder("b/y", 1, 1, at(1, 1), true),
+        publish("c", 1, 1, at(1, 1)),
+    ]);
+    let after = |a: Option<&str>| {
+        let a = a.map(name);
+        r.list_after(a.as_ref())
+            .map(|(n, _)| n.as_str().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(after(None), ["a", "b/x", "c"]);
+    assert_eq!(after(Some("a")), ["b/x", "c"]);
+    // A cursor need not be a live name (it may have been deleted since).
+    assert_eq!(after(Some("b/gone")), ["b/x", "c"]);
+    assert_eq!(after(Some("b")), ["b/x", "c"]);
+    assert!(after(Some("c")).is_empty());
+}
+
+#[test]
 fn prune_keeps_the_newest_versions_holders() {
     let mut r = registry(&[
         publish("m/w", 3, 1, at(1, 1)),
