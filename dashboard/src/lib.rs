@@ -12,7 +12,7 @@
 //!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
 //!   buckets.
 //! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster`.
-//! - The server (`server.rs`): [`serve`] runs axum on a bound listener with the routes
+//! - The server (`server.rs`, feature `server`, on by default): [`serve`] runs axum on a bound listener with the routes
 //!   `/metrics` (text format), `/healthz`, `/readyz`, `/api/v1/status`, `/api/v1/cluster`
 //!   (brokers; 404 elsewhere), and the web dashboard at `/` with its files under `/assets/`
 //!   (embedded from `dashboard/assets/`, so the page works with no internet).
@@ -23,8 +23,10 @@
 //! depends on neither `tb-node` nor `tb-broker`: they implement [`Source`].
 
 pub mod api;
+#[cfg(feature = "server")]
 mod assets;
 mod metrics;
+#[cfg(feature = "server")]
 mod server;
 mod window;
 
@@ -33,6 +35,7 @@ pub use metrics::{
 };
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
 pub use prometheus::{IntCounter, IntGauge};
+#[cfg(feature = "server")]
 pub use server::{AppState, ClusterFuture, RefreshFuture, Source, bind, router, serve};
 pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
 
