@@ -330,9 +330,10 @@ mod tests {
 
     #[test]
     fn nesting_is_bounded() {
+        // (Python reads `(())` as `()` in parentheses, not as a tuple in a tuple: lists.)
         assert!(matches!(
-            ok(&format!("{}{}", "(".repeat(8), ")".repeat(8))),
-            Lit::Tuple(_)
+            ok(&format!("{}{}", "[".repeat(8), "]".repeat(8))),
+            Lit::List(_)
         ));
         // A value inside the eighth level is a ninth.
         let ninth = format!("{}1{}", "(".repeat(8), ",)".repeat(8));
