@@ -144,7 +144,7 @@ impl RegistryStore {
                     registry.merge_member(&member);
                 }
                 Err(error) => tracing::warn!(
-                    key = %hex(&key),
+                    key = %hex::encode(&key),
                     %error,
                     "registry store: skipped a member row"
                 ),
@@ -325,10 +325,6 @@ fn encode<T: serde::Serialize>(
         what: what(),
         source,
     })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

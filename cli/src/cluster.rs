@@ -303,11 +303,7 @@ fn ensure_secret(path: &Path) -> Result<()> {
         return Ok(());
     }
     use std::io::Write;
-    let secret: String = iroh::SecretKey::generate()
-        .to_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let secret = hex::encode(iroh::SecretKey::generate().to_bytes());
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create_new(true);
     #[cfg(unix)]

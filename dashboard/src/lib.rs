@@ -12,9 +12,11 @@
 //!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
 //!   buckets.
 //! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster` (paged: [`api::Page`]).
-//! - [`HttpOptions`] (`access.rs`): the server's guards: a bearer token ([`HttpToken`]) on
-//!   `/api/v1/*`, and a concurrency limit beyond which requests are shed with 503.
-//! - The server (`server.rs`): [`serve`] runs axum on a bound listener with the routes
+//! - [`HttpOptions`] (`access.rs`, feature `server`): the server's guards: a bearer token
+//!   ([`HttpToken`]) on `/api/v1/*`, and a concurrency limit beyond which requests are shed
+//!   with 503.
+//! - The server (`server.rs`, feature `server`, on by default): [`serve`] runs axum on a
+//!   bound listener with the routes
 //!   `/metrics` (text format), `/healthz`, `/readyz`, `/api/v1/status`, `/api/v1/cluster`
 //!   (brokers; 404 elsewhere), and the web dashboard at `/` with its files under `/assets/`
 //!   (embedded from `dashboard/assets/`, so the page works with no internet).
@@ -26,13 +28,17 @@
 //! never by asking an actor per request. This crate
 //! depends on neither `tb-node` nor `tb-broker`: they implement [`Source`].
 
+#[cfg(feature = "server")]
 mod access;
 pub mod api;
+#[cfg(feature = "server")]
 mod assets;
 mod metrics;
+#[cfg(feature = "server")]
 mod server;
 mod window;
 
+#[cfg(feature = "server")]
 pub use access::{
     DEFAULT_MAX_IN_FLIGHT, HttpOptions, HttpToken, MIN_TOKEN_LEN, TOKEN_RECIPE, TokenError,
 };
@@ -42,6 +48,7 @@ pub use metrics::{
 };
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
 pub use prometheus::{IntCounter, IntGauge};
+#[cfg(feature = "server")]
 pub use server::{AppState, RefreshFuture, Source, bind, router, serve};
 pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
 

@@ -67,6 +67,13 @@
 //! `DataResponse::IpcHandle { meta, version, handle: [u8; 64] }` (plus golden-byte tests and
 //! a fuzz corpus entry), then serving both on the pooled `tb/data/1` link and dropping the
 //! extra ALPN and its unpooled connection.
+//!
+//! ## The process around a node (feature `daemon`, on by default)
+//! `daemon` (flags shared by the daemons, logging set-up, signals, the metrics HTTP server),
+//! [`Node::dashboard`] and the `tb-worker` binary are process concerns. With default features
+//! off this crate is the data plane and the cluster client only, for a program that embeds a
+//! node: no clap, tracing-subscriber or HTTP server is compiled (CI checks it). [`rate`]'s
+//! size and rate parsers stay outside the feature: they are pure and have no dependencies.
 
 pub mod auth;
 pub mod budget;
@@ -74,6 +81,7 @@ mod client;
 mod cluster;
 mod config;
 mod ctx;
+#[cfg(feature = "daemon")]
 pub mod daemon;
 pub mod device;
 mod endpoint;
@@ -82,6 +90,7 @@ mod inbox;
 mod inflight;
 mod node;
 mod node_actor;
+#[cfg(feature = "daemon")]
 mod observe;
 mod pool;
 mod progress;
@@ -106,6 +115,10 @@ pub use config::{
     FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY, PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE,
     default_max_push_memory,
 };
+/// The cudarc this crate is built against: [`DeviceBuffer::from_cuda_slice`] and
+/// [`DeviceBuffer::cuda_slice`] take and give its `CudaSlice`, so an embedder that hands
+/// device memory in or out names these types through this re-export (same version, no
+/// second copy of cudarc).
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};

@@ -229,6 +229,8 @@ fn scale(rate: u64, time: Duration) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -382,5 +384,25 @@ mod tests {
             limiter.acquire(1 << 20).await;
         }
         assert_eq!(Instant::now() - t0, Duration::from_secs(3));
+    }
+
+    proptest! {
+        /// Flags are user input: any string is a rate or size in range, or an error; never
+        /// a panic (the number and unit are split at a character boundary).
+        #[test]
+        fn arbitrary_rates_and_sizes_never_panic(
+            s in prop_oneof![
+                any::<String>(),
+                "[ 0-9.eE+-]{0,12}[ kKmMgGtTiIbB/sSpéµ]{0,6}",
+            ]
+        ) {
+            if let Ok(rate) = parse_rate(&s) {
+                prop_assert!(rate <= MAX_RATE);
+                let _ = format_rate(rate);
+            }
+            if let Ok(size) = parse_size(&s) {
+                prop_assert!(size <= MAX_RATE);
+            }
+        }
     }
 }

@@ -84,6 +84,8 @@ impl FromStr for Ticket {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn addr(seed: u8, port: u16) -> PeerAddr {
@@ -109,5 +111,50 @@ mod tests {
         ));
         let many = format!("tbc1:{}", vec![addr(3, 1).to_string(); 65].join(","));
         assert_eq!(many.parse::<Ticket>(), Err(TicketError::TooMany(65)));
+    }
+
+    /// Pieces of tickets and peer addresses, well-formed and not, so that random strings
+    /// reach every branch of the parsers and not only the prefix check.
+    fn ticket_like() -> impl Strategy<Value = String> {
+        let id = addr(9, 1).id.to_string();
+        let piece = prop_oneof![
+            Just(TICKET_PREFIX.to_owned()),
+            Just(id.clone()),
+            Just(id[..63].to_owned()),
+            Just("@".to_owned()),
+            Just(",".to_owned()),
+            Just(" ".to_owned()),
+            Just("127.0.0.1:4000".to_owned()),
+            Just("[::1]:0".to_owned()),
+            Just("[fe80::1%2]:7".to_owned()),
+            Just(":".to_owned()),
+            Just("é".to_owned()),
+            Just("\u{0}".to_owned()),
+            "[0-9a-f]{1,3}",
+            any::<String>(),
+        ];
+        proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
+    }
+
+    proptest! {
+        /// A ticket or peer address string is parsed or refused, never a panic; what parses
+        /// prints back to itself.
+        #[test]
+        fn arbitrary_tickets_and_addresses_never_panic(s in ticket_like()) {
+            if let Ok(t) = s.parse::<Ticket>() {
+                prop_assert!(!t.brokers.is_empty() && t.brokers.len() <= MAX_TICKET_BROKERS);
+                prop_assert_eq!(t.to_string().parse::<Ticket>(), Ok(t));
+            }
+            if let Ok(a) = s.parse::<PeerAddr>() {
+                prop_assert_ne!(a.addr.port(), 0);
+                prop_assert_eq!(a.to_string().parse::<PeerAddr>().ok(), Some(a));
+            }
+        }
+
+        #[test]
+        fn valid_tickets_round_trip(seeds in proptest::collection::vec((1u8..=255, 1u16..), 1..=MAX_TICKET_BROKERS)) {
+            let t = Ticket { brokers: seeds.iter().map(|&(seed, port)| addr(seed, port)).collect() };
+            prop_assert_eq!(t.to_string().parse::<Ticket>(), Ok(t));
+        }
     }
 }

@@ -171,9 +171,7 @@ impl PartialEq for AuthProof {
 
 impl fmt::Debug for AuthProof {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("AuthProof(")?;
-        self.0[..4].iter().try_for_each(|b| write!(f, "{b:02x}"))?;
-        f.write_str("…)")
+        write!(f, "AuthProof({}…)", hex::encode(&self.0[..4]))
     }
 }
 
@@ -217,7 +215,7 @@ mod tests {
     }
 
     fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
+        hex::encode(bytes)
     }
 
     #[test]

@@ -17,7 +17,7 @@ impl ContentHash {
 
     /// Lower-case hex, 64 characters.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        hex::encode(self.0)
     }
 }
 
@@ -35,7 +35,7 @@ impl fmt::Display for ContentHash {
 
 impl fmt::Debug for ContentHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}…", &self.to_hex()[..10])
+        write!(f, "{}…", hex::encode(&self.0[..5]))
     }
 }
 

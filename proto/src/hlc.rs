@@ -21,7 +21,7 @@ pub struct NodeId(pub [u8; 32]);
 impl NodeId {
     /// Lower-case hex, 64 characters.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        hex::encode(self.0)
     }
 }
 
@@ -33,7 +33,7 @@ impl fmt::Display for NodeId {
 
 impl fmt::Debug for NodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0[..5].iter().try_for_each(|b| write!(f, "{b:02x}"))
+        f.write_str(&hex::encode(&self.0[..5]))
     }
 }
 

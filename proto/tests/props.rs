@@ -491,6 +491,28 @@ proptest! {
         check_round_trip(&pat)?;
     }
 
+    /// Names, patterns and dtypes typed by users (`tb get`, `tb watch`, `--dtype`): any
+    /// string is accepted or refused, never a panic; what is accepted prints back to itself.
+    #[test]
+    fn arbitrary_names_patterns_and_dtypes_never_panic(
+        s in prop_oneof![
+            any::<String>(),
+            "[a-z/.*:_é -]{0,12}",
+            vec(prop_oneof![Just("a"), Just("/"), Just("*"), Just("é"), Just("."), Just("")], 0..300)
+                .prop_map(|v| v.concat()),
+        ]
+    ) {
+        if let Ok(name) = TensorName::new(s.clone()) {
+            prop_assert_eq!(name.as_str(), s.as_str());
+        }
+        if let Ok(pat) = s.parse::<NamePattern>() {
+            prop_assert_eq!(pat.to_string().parse::<NamePattern>(), Ok(pat));
+        }
+        if let Ok(d) = s.parse::<DType>() {
+            prop_assert_eq!(d.name().parse::<DType>(), Ok(d));
+        }
+    }
+
     #[test]
     fn dtypes_and_codes_round_trip(d in dtype(), code in error_code()) {
         prop_assert_eq!(d.name().parse::<DType>(), Ok(d));

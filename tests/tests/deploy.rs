@@ -22,9 +22,9 @@ use std::{
 mod queries;
 
 use queries::{
-    Exported, Json, Selector, all_panels, dashboard_queries, parse_exposition, rule_exprs,
-    selectors,
+    Exported, Selector, all_panels, dashboard_queries, parse_exposition, rule_exprs, selectors,
 };
+use serde_json::Value;
 use tb_tests::{
     http,
     procs::{Proc, bin, broker_command, free_udp_addr, worker_command},
@@ -197,29 +197,32 @@ fn unexported(queries: &[(String, Vec<Selector>)], exported: &Exported) -> Vec<S
 
 #[test]
 fn grafana_dashboard_is_valid_json_with_unique_panel_ids() {
-    let dashboard = Json::parse(&read(&deploy_file("grafana/tensor-broker.json")))
+    let dashboard: Value = serde_json::from_str(&read(&deploy_file("grafana/tensor-broker.json")))
         .expect("deploy/grafana/tensor-broker.json is valid JSON");
     assert_eq!(
-        dashboard.get("uid"),
-        Some(&Json::Str("tensor-broker".into()))
+        dashboard.get("uid").and_then(Value::as_str),
+        Some("tensor-broker")
     );
     let mut panels = Vec::new();
-    if let Some(Json::Arr(top)) = dashboard.get("panels") {
+    if let Some(Value::Array(top)) = dashboard.get("panels") {
         all_panels(top, &mut panels);
     }
     assert!(panels.len() >= 20, "only {} panels", panels.len());
     let mut ids = BTreeSet::new();
     for p in &panels {
-        match p.get("id") {
-            Some(Json::Num(id)) if *id >= 1.0 && id.fract() == 0.0 => {
-                assert!(ids.insert(*id as u64), "panel id {id} is used twice");
+        match p.get("id").and_then(Value::as_u64) {
+            Some(id) if id >= 1 => {
+                assert!(ids.insert(id), "panel id {id} is used twice");
             }
             other => panic!("panel {:?} has id {other:?}", p.get("title")),
         }
         let Some(pos) = p.get("gridPos") else {
             panic!("panel {:?} has no gridPos", p.get("title"));
         };
-        let (Some(Json::Num(x)), Some(Json::Num(w))) = (pos.get("x"), pos.get("w")) else {
+        let (Some(x), Some(w)) = (
+            pos.get("x").and_then(Value::as_f64),
+            pos.get("w").and_then(Value::as_f64),
+        ) else {
             panic!("panel {:?}: bad gridPos", p.get("title"));
         };
         assert!(
@@ -238,8 +241,8 @@ fn grafana_dashboard_is_valid_json_with_unique_panel_ids() {
 
 #[test]
 fn every_queried_metric_is_exported() {
-    let dashboard =
-        Json::parse(&read(&deploy_file("grafana/tensor-broker.json"))).expect("dashboard JSON");
+    let dashboard: Value = serde_json::from_str(&read(&deploy_file("grafana/tensor-broker.json")))
+        .expect("dashboard JSON");
     let mut queries = dashboard_queries(&dashboard);
     for expr in rule_exprs(&read(&deploy_file("prometheus/alerts.yml"))) {
         queries.push((format!("alert rule: {expr}"), selectors(&expr)));
@@ -425,17 +428,16 @@ fn query_value(prom: &str, promql_urlencoded: &str) -> Option<f64> {
     if status != 200 {
         return None;
     }
-    let json = Json::parse(&body).ok()?;
-    let Some(Json::Arr(results)) = json.get("data").and_then(|d| d.get("result")) else {
-        return None;
-    };
-    match results.first()?.get("value")? {
-        Json::Arr(pair) => match pair.get(1)? {
-            Json::Str(v) => v.parse().ok(),
-            _ => None,
-        },
-        _ => None,
-    }
+    let json: Value = serde_json::from_str(&body).ok()?;
+    let results = json.get("data")?.get("result")?.as_array()?;
+    // `"value": [<ts>, "<v>"]`
+    results
+        .first()?
+        .get("value")?
+        .get(1)?
+        .as_str()?
+        .parse()
+        .ok()
 }
 
 /// Active targets' `(job, health)`.
@@ -443,24 +445,18 @@ fn target_health(prom: &str) -> Vec<(String, String)> {
     let Ok((200, body)) = http::get(&format!("http://{prom}/api/v1/targets?state=active")) else {
         return Vec::new();
     };
-    let Ok(json) = Json::parse(&body) else {
+    let Ok(json) = serde_json::from_str::<Value>(&body) else {
         return Vec::new();
     };
-    let Some(Json::Arr(active)) = json.get("data").and_then(|d| d.get("activeTargets")) else {
+    let Some(Value::Array(active)) = json.get("data").and_then(|d| d.get("activeTargets")) else {
         return Vec::new();
     };
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or_default().to_owned();
     active
         .iter()
         .map(|t| {
-            let job = match t.get("labels").and_then(|l| l.get("job")) {
-                Some(Json::Str(j)) => j.clone(),
-                _ => String::new(),
-            };
-            let health = match t.get("health") {
-                Some(Json::Str(h)) => h.clone(),
-                _ => String::new(),
-            };
-            (job, health)
+            let job = text(t.get("labels").and_then(|l| l.get("job")));
+            (job, text(t.get("health")))
         })
         .collect()
 }

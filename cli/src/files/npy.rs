@@ -3,10 +3,10 @@
 //! `{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }` padded with spaces to a
 //! multiple of 64 bytes and ending in `\n`, then the array's bytes.
 //!
-//! The header parser is written here rather than taken from a crate: it is a few Python
-//! literals under three known keys, and the crates that read `.npy` (`npyz`, `ndarray-npy`)
-//! bring an array model of their own while this needs its own limits (header size, nesting,
-//! rank, exact data length) and errors that say what to do.
+//! The header's Python literal is parsed by the `py_literal` crate (what `ndarray-npy` and
+//! `npyz` use) behind this tool's own limits (`pylit.rs`); the rest is here rather than taken
+//! from those crates: they bring an array model of their own while this needs its own limits
+//! (header size, nesting, rank, exact data length) and errors that say what to do.
 
 use std::path::Path;
 

@@ -1,15 +1,23 @@
-//! A parser for the few Python literals a `.npy` header is made of: strings, integers,
-//! `True`/`False`/`None`, tuples, lists and dicts. Bounded: its input is the header (at most
-//! [`MAX_HEADER_LEN`](super::npy::MAX_HEADER_LEN) bytes) and the nesting depth is capped.
+//! The Python literals a `.npy` header is made of (strings, integers, `True`/`False`/`None`,
+//! tuples, lists and dicts), parsed by the `py_literal` crate behind the limits this tool
+//! keeps: its input is the header (at most [`MAX_HEADER_LEN`](super::npy::MAX_HEADER_LEN)
+//! bytes, checked before), the nesting depth is capped *before* the crate sees the text (its
+//! parser recurses once per level), and errors say where, in the header's own terms.
+//!
+//! A light scan ahead of the crate ([`scan`]) follows strings and brackets only: it enforces
+//! the depth, reports unclosed strings and brackets, and writes what NumPy's own reader
+//! tolerates in the form the crate reads (line breaks outside strings become spaces, and
+//! Python 2's `L` after an integer is dropped), byte for byte in place so positions hold.
+
+use py_literal::Value;
 
 /// Parses `text` as one literal followed only by whitespace, nested at most `max_depth` deep.
 pub(super) fn parse(text: &str, max_depth: usize) -> Result<Lit, String> {
-    Parser {
-        text,
-        pos: 0,
-        max_depth,
-    }
-    .document()
+    let scanned = scan(text, max_depth)?;
+    let value: Value = scanned
+        .parse()
+        .map_err(|e: py_literal::ParseError| syntax_error(&scanned, &e.to_string()))?;
+    lit(value)
 }
 
 impl Lit {
@@ -39,203 +47,199 @@ pub(super) enum Lit {
     Dict(Vec<(Lit, Lit)>),
 }
 
-/// A recursive-descent parser over `text`, at byte `pos`.
-struct Parser<'a> {
-    text: &'a str,
-    pos: usize,
-    max_depth: usize,
-}
-
-impl Parser<'_> {
-    /// The whole header: one literal, then only whitespace (the padding).
-    fn document(&mut self) -> Result<Lit, String> {
-        let lit = self.value(0)?;
-        self.skip_space();
-        match self.peek() {
-            None => Ok(lit),
-            Some(_) => Err(format!("unexpected {} after its header dict", self.here())),
-        }
-    }
-
-    fn peek(&self) -> Option<u8> {
-        self.text.as_bytes().get(self.pos).copied()
-    }
-
-    /// The character at the cursor, for errors.
-    fn here(&self) -> String {
-        match self.text.get(self.pos..).and_then(|s| s.chars().next()) {
-            Some(c) => format!("{c:?} at byte {}", self.pos),
-            None => "end".to_owned(),
-        }
-    }
-
-    fn skip_space(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.pos += 1;
-        }
-    }
-
-    fn value(&mut self, depth: usize) -> Result<Lit, String> {
-        if depth >= self.max_depth {
+/// The crate's value as a [`Lit`]; the literals a header never holds are errors.
+fn lit(value: Value) -> Result<Lit, String> {
+    let items = |items: Vec<Value>| items.into_iter().map(lit).collect::<Result<Vec<_>, _>>();
+    Ok(match value {
+        Value::String(s) => Lit::Str(s),
+        Value::Integer(n) => Lit::Int(
+            i128::try_from(&n)
+                .map_err(|_| "a number in its header is too large (over 38 digits)".to_owned())?,
+        ),
+        Value::Boolean(b) => Lit::Bool(b),
+        Value::None => Lit::None,
+        Value::Tuple(v) => Lit::Tuple(items(v)?),
+        Value::List(v) => Lit::List(items(v)?),
+        Value::Dict(entries) => Lit::Dict(
+            entries
+                .into_iter()
+                .map(|(k, v)| Ok((lit(k)?, lit(v)?)))
+                .collect::<Result<_, String>>()?,
+        ),
+        Value::Float(x) => {
             return Err(format!(
-                "its header nests deeper than {} levels",
-                self.max_depth
+                "unexpected number {x} in its header: sizes are integers (expected ',' or a \
+                 closing bracket after the digits)"
             ));
         }
-        self.skip_space();
-        match self.peek() {
-            Some(quote @ (b'\'' | b'"')) => self.string(quote).map(Lit::Str),
-            Some(b'(') => self.items(b')', depth).map(Lit::Tuple),
-            Some(b'[') => self.items(b']', depth).map(Lit::List),
-            Some(b'{') => self.dict(depth),
-            Some(c) if c.is_ascii_digit() || c == b'-' || c == b'+' => self.int(),
-            Some(c) if c.is_ascii_alphabetic() => self.word(),
-            _ => Err(format!("unexpected {} of its header", self.here())),
-        }
-    }
+        Value::Complex(_) => return Err("unexpected complex number in its header".to_owned()),
+        Value::Bytes(_) => return Err("unexpected bytes literal in its header".to_owned()),
+        Value::Set(_) => return Err("unexpected set in its header".to_owned()),
+    })
+}
 
-    /// A quoted string; a backslash keeps the character after it.
-    fn string(&mut self, quote: u8) -> Result<String, String> {
-        let start = self.pos;
-        self.pos += 1;
-        let mut out = String::new();
-        loop {
-            let rest = self.text.get(self.pos..).unwrap_or("");
-            let mut chars = rest.chars();
-            match chars.next() {
-                None => {
-                    return Err(format!(
-                        "a string at byte {start} of its header is never closed"
-                    ));
-                }
-                Some(c) if c == char::from(quote) => {
-                    self.pos += 1;
-                    return Ok(out);
-                }
-                Some('\\') => match chars.next() {
-                    Some(c) => {
-                        out.push(c);
-                        self.pos += 1 + c.len_utf8();
-                    }
-                    None => self.pos += 1,
-                },
-                Some(c) => {
-                    out.push(c);
-                    self.pos += c.len_utf8();
-                }
+/// Checks nesting, strings and brackets, and returns the text the crate parses: the same
+/// bytes except line breaks outside strings (spaces) and Python 2's `L` suffix of integers
+/// (a space).
+fn scan(text: &str, max_depth: usize) -> Result<String, String> {
+    let bytes = text.as_bytes();
+    let mut out = bytes.to_vec();
+    // The closing bracket of each open one, innermost last.
+    let mut open: Vec<u8> = Vec::new();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        let starts_value = matches!(b, b'\'' | b'"' | b'(' | b'[' | b'{' | b'+' | b'-')
+            || b.is_ascii_alphanumeric();
+        if starts_value && open.len() >= max_depth {
+            return Err(format!("its header nests deeper than {max_depth} levels"));
+        }
+        match b {
+            b'\'' | b'"' => {
+                i = string_end(bytes, i)?;
+                continue;
             }
-        }
-    }
-
-    /// An integer, with Python 2's `L` suffix allowed.
-    fn int(&mut self) -> Result<Lit, String> {
-        let start = self.pos;
-        let negative = self.peek() == Some(b'-');
-        if matches!(self.peek(), Some(b'-' | b'+')) {
-            self.pos += 1;
-        }
-        let digits_start = self.pos;
-        let mut n: i128 = 0;
-        while let Some(c) = self.peek().filter(u8::is_ascii_digit) {
-            n = n
-                .checked_mul(10)
-                .and_then(|n| n.checked_add(i128::from(c - b'0')))
-                .ok_or_else(|| format!("the number at byte {start} of its header is too large"))?;
-            self.pos += 1;
-        }
-        if self.pos == digits_start {
-            return Err(format!("unexpected {} of its header", self.here()));
-        }
-        if matches!(self.peek(), Some(b'L' | b'l')) {
-            self.pos += 1;
-        }
-        Ok(Lit::Int(if negative { -n } else { n }))
-    }
-
-    /// `True`, `False` or `None`.
-    fn word(&mut self) -> Result<Lit, String> {
-        let start = self.pos;
-        while self
-            .peek()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_')
-        {
-            self.pos += 1;
-        }
-        match &self.text[start..self.pos] {
-            "True" => Ok(Lit::Bool(true)),
-            "False" => Ok(Lit::Bool(false)),
-            "None" => Ok(Lit::None),
-            word => Err(format!(
-                "unexpected name {:?} at byte {start} of its header",
-                word.chars().take(32).collect::<String>()
-            )),
-        }
-    }
-
-    /// The items of a tuple or list up to `close`, a trailing comma allowed.
-    fn items(&mut self, close: u8, depth: usize) -> Result<Vec<Lit>, String> {
-        self.pos += 1;
-        let mut items = Vec::new();
-        loop {
-            self.skip_space();
-            if self.peek() == Some(close) {
-                self.pos += 1;
-                return Ok(items);
+            b'(' => open.push(b')'),
+            b'[' => open.push(b']'),
+            b'{' => open.push(b'}'),
+            // A mismatched bracket is the crate's to report, with its position.
+            b')' | b']' | b'}' => {
+                open.pop();
             }
-            items.push(self.value(depth + 1)?);
-            self.skip_space();
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(c) if c == close => {}
-                _ => {
-                    return Err(format!(
-                        "expected ',' or '{}', found {} of its header",
-                        char::from(close),
-                        self.here()
-                    ));
-                }
-            }
+            b'\n' | b'\r' => out[i] = b' ',
+            b'L' | b'l' if i > 0 && bytes[i - 1].is_ascii_digit() => out[i] = b' ',
+            _ => {}
         }
+        i += 1;
     }
+    if let Some(&close) = open.last() {
+        return Err(format!(
+            "expected ',' or '{}', found end of its header",
+            char::from(close)
+        ));
+    }
+    // Only ASCII bytes were replaced, by ASCII: still UTF-8.
+    String::from_utf8(out).map_err(|e| format!("its header is not text: {e}"))
+}
 
-    /// `{key: value, ...}`, a trailing comma allowed.
-    fn dict(&mut self, depth: usize) -> Result<Lit, String> {
-        self.pos += 1;
-        let mut entries = Vec::new();
-        loop {
-            self.skip_space();
-            if self.peek() == Some(b'}') {
-                self.pos += 1;
-                return Ok(Lit::Dict(entries));
-            }
-            let key = self.value(depth + 1)?;
-            self.skip_space();
-            if self.peek() != Some(b':') {
+/// Where the string opening at `start` ends (after its closing quote); a backslash escapes
+/// the byte after it.
+fn string_end(bytes: &[u8], start: usize) -> Result<usize, String> {
+    let quote = bytes[start];
+    let mut i = start + 1;
+    loop {
+        match bytes.get(i) {
+            None => {
                 return Err(format!(
-                    "expected ':' after a dict key, found {} of its header",
-                    self.here()
+                    "a string at byte {start} of its header is never closed"
                 ));
             }
-            self.pos += 1;
-            let value = self.value(depth + 1)?;
-            entries.push((key, value));
-            self.skip_space();
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(b'}') => {}
-                _ => {
-                    return Err(format!(
-                        "expected ',' or '}}', found {} of its header",
-                        self.here()
-                    ));
-                }
-            }
+            Some(b'\\') => i += 2,
+            Some(&b) if b == quote => return Ok(i + 1),
+            Some(_) => i += 1,
         }
     }
+}
+
+/// The crate's syntax error as this tool says it: what was found where. The crate gives the
+/// position as `--> line:column` (columns in characters, from 1) in its message.
+fn syntax_error(text: &str, message: &str) -> String {
+    let Some(pos) = error_position(text, message) else {
+        let first = message.lines().next().unwrap_or_default();
+        return format!("its header is not a Python literal ({first})");
+    };
+    // A string's body is the last thing the crate tried when the error follows it: name what
+    // comes after the string instead.
+    let pos = match string_ending_at(text.as_bytes(), pos) {
+        Some(end) => end + count_spaces(&text.as_bytes()[end..]),
+        None => pos,
+    };
+    let rest = text.get(pos..).unwrap_or_default();
+    let Some(c) = rest.chars().next() else {
+        return "unexpected end of its header".to_owned();
+    };
+    let found = match c.is_ascii_alphabetic() {
+        true => {
+            let word: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .take(32)
+                .collect();
+            format!("name {word:?}")
+        }
+        false => format!("{c:?}"),
+    };
+    match depth_at(text.as_bytes(), pos) {
+        0 if text.get(..pos).is_some_and(|s| s.trim_start().is_empty()) => {
+            format!("unexpected {found} at byte {pos} of its header")
+        }
+        0 => format!("unexpected {found} at byte {pos} after its header dict"),
+        _ => format!("unexpected {found} at byte {pos} of its header"),
+    }
+}
+
+/// The byte offset of the crate's `--> line:column`, if the message has one inside `text`.
+fn error_position(text: &str, message: &str) -> Option<usize> {
+    let (_, at) = message.split_once("--> ")?;
+    let at = at.split_whitespace().next()?;
+    let (line, column) = at.split_once(':')?;
+    let (line, column): (usize, usize) = (line.parse().ok()?, column.parse().ok()?);
+    let start: usize = text
+        .split_inclusive('\n')
+        .take(line.checked_sub(1)?)
+        .map(str::len)
+        .sum();
+    let line_text = text.get(start..)?;
+    let offset = match line_text.char_indices().nth(column.checked_sub(1)?) {
+        Some((offset, _)) => offset,
+        None => line_text.len(),
+    };
+    Some(start + offset)
+}
+
+/// If a string (outside any other) closes with the quote at `pos`, the byte after it.
+fn string_ending_at(bytes: &[u8], pos: usize) -> Option<usize> {
+    let mut i = 0;
+    while i < pos {
+        match bytes[i] {
+            b'\'' | b'"' => {
+                let end = string_end(bytes, i).ok()?;
+                if end == pos + 1 {
+                    return Some(end);
+                }
+                i = end;
+            }
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// How many brackets are open (outside strings) before `pos`.
+fn depth_at(bytes: &[u8], pos: usize) -> usize {
+    let (mut depth, mut i) = (0usize, 0);
+    while i < pos {
+        match bytes[i] {
+            b'\'' | b'"' => {
+                i = string_end(bytes, i).unwrap_or(bytes.len());
+                continue;
+            }
+            b'(' | b'[' | b'{' => depth += 1,
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        i += 1;
+    }
+    depth
+}
+
+fn count_spaces(bytes: &[u8]) -> usize {
+    bytes.iter().take_while(|b| b.is_ascii_whitespace()).count()
 }
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn ok(text: &str) -> Lit {
@@ -279,11 +283,25 @@ mod tests {
         );
     }
 
+    /// NumPy's reader takes a header over several lines, and Python 2's `3L` (files written
+    /// by Python 2 NumPy); so does this one.
+    #[test]
+    fn line_breaks_and_python2_longs_are_tolerated() {
+        assert_eq!(
+            ok("{'shape':\r\n (3L, 4L),\n}\n"),
+            Lit::Dict(vec![(
+                Lit::Str("shape".into()),
+                Lit::Tuple(vec![Lit::Int(3), Lit::Int(4)])
+            )])
+        );
+    }
+
     #[test]
     fn strings_keep_escaped_characters() {
         assert_eq!(ok(r#"'a\'b'"#), Lit::Str("a'b".into()));
         assert_eq!(ok(r#""a'b\"c""#), Lit::Str("a'b\"c".into()));
         assert_eq!(ok("'é'"), Lit::Str("é".into()));
+        assert_eq!(ok("'[(('"), Lit::Str("[((".into()));
         assert_eq!(ok("None"), Lit::None);
     }
 
@@ -291,23 +309,65 @@ mod tests {
     fn bad_input_says_where() {
         assert!(err("'abc").contains("never closed"));
         assert!(err("'abc\\").contains("never closed"));
-        assert!(err("(1 2)").contains("expected ',' or ')'"));
-        assert!(err("{'a' 1}").contains("expected ':'"));
-        assert!(err("{'a': 1} 2").contains("after its header dict"));
-        assert!(err("true").contains("unexpected name \"true\""));
-        assert!(err("-").contains("unexpected"));
-        assert!(err("").contains("unexpected end of its header"));
-        assert!(err("(,)").contains("unexpected ','"));
+        assert_eq!(err("(1 2)"), "unexpected '2' at byte 3 of its header");
+        assert_eq!(err("{'a' 1}"), "unexpected '1' at byte 5 of its header");
+        assert_eq!(
+            err("{'a': 1} 2"),
+            "unexpected '2' at byte 9 after its header dict"
+        );
+        assert_eq!(
+            err("true"),
+            "unexpected name \"true\" at byte 0 of its header"
+        );
+        assert_eq!(err("-"), "unexpected end of its header");
+        assert_eq!(err(""), "unexpected end of its header");
+        assert_eq!(err("(,)"), "unexpected ',' at byte 1 of its header");
+        assert_eq!(err("(1,"), "expected ',' or ')', found end of its header");
+        assert!(err("(1.5,)").contains("expected ','"));
+        assert!(err("{1, 2}").contains("set"));
         assert!(err(&"9".repeat(40)).contains("too large"));
     }
 
     #[test]
     fn nesting_is_bounded() {
+        // (Python reads `(())` as `()` in parentheses, not as a tuple in a tuple: lists.)
         assert!(matches!(
-            ok(&format!("{}{}", "(".repeat(8), ")".repeat(8))),
-            Lit::Tuple(_)
+            ok(&format!("{}{}", "[".repeat(8), "]".repeat(8))),
+            Lit::List(_)
         ));
-        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        // A value inside the eighth level is a ninth.
+        let ninth = format!("{}1{}", "(".repeat(8), ",)".repeat(8));
+        assert!(err(&ninth).contains("deeper than 8"));
+        // Deep enough to overflow the crate's recursive parser, were it let in.
+        let deep = format!("{}{}", "[".repeat(60_000), "]".repeat(60_000));
         assert!(err(&deep).contains("deeper than 8"));
+        let strings = format!("['{}']", "[".repeat(100));
+        assert_eq!(ok(&strings), Lit::List(vec![Lit::Str("[".repeat(100))]));
+    }
+
+    proptest! {
+        /// Any text up to a header's size, of the characters headers are made of and others:
+        /// a literal or an error, never a panic or a stack overflow.
+        #[test]
+        fn arbitrary_text_never_panics(
+            tokens in proptest::collection::vec(
+                prop_oneof![
+                    Just("{"), Just("}"), Just("("), Just(")"), Just("["), Just("]"),
+                    Just(","), Just(":"), Just("'"), Just("\""), Just("\\"), Just(" "),
+                    Just("\n"), Just("L"), Just("1"), Just("-"), Just("."), Just("e"),
+                    Just("j"), Just("b"), Just("0x"), Just("True"), Just("None"),
+                    Just("é"), Just("\u{0}"), Just("'''"),
+                ],
+                0..200,
+            ),
+            depth in 1usize..12,
+        ) {
+            let _ = parse(&tokens.concat(), depth);
+        }
+
+        #[test]
+        fn arbitrary_strings_never_panic(text in any::<String>()) {
+            let _ = parse(&text, 8);
+        }
     }
 }

@@ -290,3 +290,19 @@ fn long_name_lists_are_cut_at_twenty() {
     assert!(list.ends_with("\"t19\" and 5 more"), "{list}");
     assert_eq!(list_names(&names[..2]), "\"t00\", \"t01\"");
 }
+
+proptest::proptest! {
+    /// `--shape` is user input: any string is a shape of at most MAX_RANK sizes or an error,
+    /// never a panic.
+    #[test]
+    fn arbitrary_shapes_never_panic(
+        input in proptest::prop_oneof![
+            proptest::prelude::any::<String>(),
+            "[ \\[\\]()0-9xX,é+-]{0,40}",
+        ]
+    ) {
+        if let Ok(shape) = parse_shape(&input) {
+            proptest::prop_assert!(shape.len() <= MAX_RANK);
+        }
+    }
+}

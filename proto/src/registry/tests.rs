@@ -443,7 +443,7 @@ fn ops_have_golden_bytes() {
     ];
     for (op, expected) in cases {
         let bytes = postcard::to_stdvec(&op).expect("encode");
-        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let hex = hex::encode(&bytes);
         assert_eq!(hex, expected.replace(' ', ""), "{op:?}");
         assert_eq!(op.encoded_len(), bytes.len());
         let back: RegistryOp = crate::frame::decode_body(&bytes).expect("decode");

@@ -1,38 +1,33 @@
-//! Reading what `deploy/` queries and what the processes export, without dependencies: the
-//! Prometheus text format, the metric selectors of PromQL expressions (dashboard panels,
-//! template variables, alert rules), and just enough JSON for the Grafana dashboard and
-//! Prometheus' HTTP API.
+//! Reading what `deploy/` queries and what the processes export: the Prometheus text format
+//! (`prometheus-parse`), the metric selectors of PromQL expressions (dashboard panels, template
+//! variables, alert rules; a small scanner: no crate parses PromQL), and the Grafana dashboard
+//! (`serde_json`).
 
 use std::collections::BTreeMap;
+
+use serde_json::Value;
 
 // ---- The exposition format ----------------------------------------------------------------
 
 /// Series names in a `/metrics` text, each with the label sets its samples carry.
 pub type Exported = BTreeMap<String, Vec<BTreeMap<String, String>>>;
 
+/// Adds the series of `text` to `into`. A histogram's buckets count as the `<name>_bucket`
+/// series PromQL names them by (their `_sum` and `_count` come as series of their own).
 pub fn parse_exposition(text: &str, into: &mut Exported) {
-    for line in text.lines().map(str::trim) {
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-        let name = &line[..name_end];
-        let mut labels = BTreeMap::new();
-        if line[name_end..].starts_with('{') {
-            let body = &line[name_end + 1..];
-            let mut p = Lexer::new(body);
-            while let Some(label) = p.ident() {
-                assert!(p.eat("="), "bad label in {line:?}");
-                let value = p
-                    .string()
-                    .unwrap_or_else(|| panic!("bad value in {line:?}"));
-                labels.insert(label, value);
-                if !p.eat(",") {
-                    break;
-                }
-            }
-        }
-        into.entry(name.to_string()).or_default().push(labels);
+    let lines = text.lines().map(|line| Ok(line.to_owned()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("lines of a string always read");
+    for sample in scrape.samples {
+        let labels: BTreeMap<String, String> = sample
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let name = match sample.value {
+            prometheus_parse::Value::Histogram(_) => format!("{}_bucket", sample.metric),
+            _ => sample.metric,
+        };
+        into.entry(name).or_default().push(labels);
     }
 }
 
@@ -89,7 +84,7 @@ const LABEL_LIST_WORDS: &[&str] = &[
     "group_right",
 ];
 
-/// A small cursor over PromQL (and exposition label) text.
+/// A small cursor over PromQL text.
 struct Lexer<'a> {
     s: &'a [u8],
     i: usize,
@@ -314,103 +309,13 @@ pub fn variable_selectors(query: &str) -> Vec<Selector> {
     selectors(q)
 }
 
-// ---- Minimal JSON (the Grafana dashboard) ---------------------------------------------------
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum Json {
-    Null,
-    Bool(bool),
-    Num(f64),
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(Vec<(String, Json)>),
-}
-
-impl Json {
-    pub fn get(&self, key: &str) -> Option<&Json> {
-        match self {
-            Json::Obj(fields) => fields.iter().find(|(k, _)| k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-
-    pub fn parse(text: &str) -> Result<Json, String> {
-        let mut lx = Lexer::new(text);
-        let v = Self::value(&mut lx, 0)?;
-        lx.skip_ws();
-        if lx.peek().is_some() {
-            return Err(format!("trailing data at byte {}", lx.i));
-        }
-        Ok(v)
-    }
-
-    fn value(lx: &mut Lexer<'_>, depth: usize) -> Result<Json, String> {
-        if depth > 64 {
-            return Err("nested too deep".into());
-        }
-        lx.skip_ws();
-        let at = lx.i;
-        match lx.peek() {
-            Some(b'{') => {
-                lx.i += 1;
-                let mut fields = Vec::new();
-                if lx.eat("}") {
-                    return Ok(Json::Obj(fields));
-                }
-                loop {
-                    let key = lx.string().ok_or(format!("object key at byte {}", lx.i))?;
-                    if !lx.eat(":") {
-                        return Err(format!("':' after {key:?} at byte {}", lx.i));
-                    }
-                    fields.push((key, Self::value(lx, depth + 1)?));
-                    if lx.eat("}") {
-                        return Ok(Json::Obj(fields));
-                    }
-                    if !lx.eat(",") {
-                        return Err(format!("',' or '}}' at byte {}", lx.i));
-                    }
-                }
-            }
-            Some(b'[') => {
-                lx.i += 1;
-                let mut items = Vec::new();
-                if lx.eat("]") {
-                    return Ok(Json::Arr(items));
-                }
-                loop {
-                    items.push(Self::value(lx, depth + 1)?);
-                    if lx.eat("]") {
-                        return Ok(Json::Arr(items));
-                    }
-                    if !lx.eat(",") {
-                        return Err(format!("',' or ']' at byte {}", lx.i));
-                    }
-                }
-            }
-            Some(b'"') => lx.string().map(Json::Str).ok_or("bad string".into()),
-            _ if lx.eat("null") => Ok(Json::Null),
-            _ if lx.eat("true") => Ok(Json::Bool(true)),
-            _ if lx.eat("false") => Ok(Json::Bool(false)),
-            _ => {
-                while lx.peek().is_some_and(|c| {
-                    c.is_ascii_digit() || matches!(c, b'-' | b'+' | b'.' | b'e' | b'E')
-                }) {
-                    lx.i += 1;
-                }
-                let s = String::from_utf8_lossy(&lx.s[at..lx.i]).into_owned();
-                s.parse()
-                    .map(Json::Num)
-                    .map_err(|_| format!("bad value at byte {at}: {s:?}"))
-            }
-        }
-    }
-}
+// ---- The Grafana dashboard -----------------------------------------------------------------
 
 /// Every panel (rows' nested panels included), depth first.
-pub fn all_panels<'a>(panels: &'a [Json], out: &mut Vec<&'a Json>) {
+pub fn all_panels<'a>(panels: &'a [Value], out: &mut Vec<&'a Value>) {
     for p in panels {
         out.push(p);
-        if let Some(Json::Arr(inner)) = p.get("panels") {
+        if let Some(Value::Array(inner)) = p.get("panels") {
             all_panels(inner, out);
         }
     }
@@ -418,34 +323,31 @@ pub fn all_panels<'a>(panels: &'a [Json], out: &mut Vec<&'a Json>) {
 
 /// The PromQL of the dashboard: each panel target's `expr`, and the template variables'
 /// queries, labelled with where they are.
-pub fn dashboard_queries(dashboard: &Json) -> Vec<(String, Vec<Selector>)> {
+pub fn dashboard_queries(dashboard: &Value) -> Vec<(String, Vec<Selector>)> {
     let mut out = Vec::new();
     let mut panels = Vec::new();
-    if let Some(Json::Arr(top)) = dashboard.get("panels") {
+    if let Some(Value::Array(top)) = dashboard.get("panels") {
         all_panels(top, &mut panels);
     }
     for p in panels {
-        let title = match p.get("title") {
-            Some(Json::Str(t)) => t.clone(),
-            _ => "?".into(),
-        };
-        if let Some(Json::Arr(targets)) = p.get("targets") {
+        let title = p.get("title").and_then(Value::as_str).unwrap_or("?");
+        if let Some(Value::Array(targets)) = p.get("targets") {
             for t in targets {
-                if let Some(Json::Str(expr)) = t.get("expr") {
+                if let Some(expr) = t.get("expr").and_then(Value::as_str) {
                     out.push((format!("panel {title:?}: {expr}"), selectors(expr)));
                 }
             }
         }
     }
-    if let Some(Json::Arr(vars)) = dashboard.get("templating").and_then(|t| t.get("list")) {
+    if let Some(Value::Array(vars)) = dashboard.get("templating").and_then(|t| t.get("list")) {
         for v in vars {
-            if v.get("type") != Some(&Json::Str("query".into())) {
+            if v.get("type").and_then(Value::as_str) != Some("query") {
                 continue;
             }
             let query = match v.get("query") {
-                Some(Json::Str(q)) => q.clone(),
-                Some(q @ Json::Obj(_)) => match q.get("query") {
-                    Some(Json::Str(q)) => q.clone(),
+                Some(Value::String(q)) => q.clone(),
+                Some(q @ Value::Object(_)) => match q.get("query") {
+                    Some(Value::String(q)) => q.clone(),
                     _ => continue,
                 },
                 _ => continue,
