@@ -322,7 +322,7 @@ async fn ctl_connect(ep: &iroh::Endpoint, broker: &Broker) -> Connection {
         .connect(broker.addr().to_endpoint_addr(), CTL_ALPN)
         .await
         .expect("connect");
-    auth::client_hello(&conn, ep.id(), &key(), CTL_ALPN, Duration::from_secs(10))
+    auth::client_hello(&conn, ep.id(), &key(), CTL_ALPN, Duration::from_secs(10), 0)
         .await
         .expect("hello");
     conn
