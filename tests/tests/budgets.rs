@@ -261,6 +261,10 @@ async fn a_worker_under_a_push_flood_stays_within_its_push_budget() {
         .map(|i| ("flood/w".to_string(), u8_tensor(LEN, 10 + i as u8)))
         .collect();
     let results = push_all(std::slice::from_ref(&client), &worker_addr, &tensors).await;
+    let huge = u8_tensor((WORKER_BUDGET + MIB) as usize, 2);
+    let huge_push = client.push(&worker_addr, "flood/huge", &huge).await;
+    let peak = peak_rss(worker.pid());
+    let grew = peak.saturating_sub(idle);
     let mut accepted = Vec::new();
     let mut busy = 0;
     for ((_, tensor), result) in tensors.iter().zip(&results) {
@@ -270,15 +274,6 @@ async fn a_worker_under_a_push_flood_stays_within_its_push_budget() {
             Err(other) => panic!("expected Ok or Busy, got {other:?}"),
         }
     }
-    assert!(busy > 0, "256 MiB at once cannot fit a 64 MiB budget");
-    assert!(!accepted.is_empty(), "what fits is accepted");
-    let huge = u8_tensor((WORKER_BUDGET + MIB) as usize, 2);
-    match client.push(&worker_addr, "flood/huge", &huge).await {
-        Err(Error::TooLarge(_)) => {}
-        other => panic!("a push over the whole budget: expected TooLarge, got {other:?}"),
-    }
-    let peak = peak_rss(worker.pid());
-    let grew = peak.saturating_sub(idle);
     println!(
         "worker peak RSS: idle {} MiB, after the flood {} MiB (+{} MiB); budget {} MiB + slack \
          {} MiB; {} pushes accepted, {busy} busy",
@@ -295,6 +290,12 @@ async fn a_worker_under_a_push_flood_stays_within_its_push_budget() {
         grew / MIB,
         WORKER_BUDGET / MIB,
         RSS_SLACK / MIB
+    );
+    assert!(busy > 0, "256 MiB at once cannot fit a 64 MiB budget");
+    assert!(!accepted.is_empty(), "what fits is accepted");
+    assert!(
+        matches!(huge_push, Err(Error::TooLarge(_))),
+        "a push over the whole budget: expected TooLarge, got {huge_push:?}"
     );
 
     // The worker publishes what it accepted: the version it keeps is one of them, intact.
