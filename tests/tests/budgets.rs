@@ -4,7 +4,8 @@
 //!   takes the tensor: the excess of a burst is refused at once with `Busy` (or `TooLarge`),
 //!   the rest arrives byte for byte. Measured on a real `tb-worker` process: its peak RSS
 //!   stays within the push budget plus a stated slack.
-//! - Device pushes reserve against a device budget (skipped without a CUDA device).
+//! - Device pushes reserve against a device budget, and a transfer holds at most its share
+//!   of a device's staging buffers (both skipped without a CUDA device).
 //! - A broker's anti-entropy buffers are bounded in bytes, all conversations together.
 //!
 //! Every wait is bounded, and every process started is killed by PID when the test ends.
@@ -17,14 +18,18 @@ use iroh::{
 };
 use tb_broker::{Broker, BrokerOptions};
 use tb_node::{
-    Config, ContentHash, DType, Device, Error, Node, PeerAddr, Tensor, Ticket, auth, device,
+    Config, ContentHash, CudaConfig, DType, Device, Error, Node, PeerAddr, Tensor, Ticket, auth,
+    device,
     framing::{read_frame, write_frame},
-    proto::{CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, SYNC_BUCKETS, TensorName},
+    proto::{
+        CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, DATA_ALPN, DataRequest, DataResponse,
+        ErrorCode, SYNC_BUCKETS, TensorName,
+    },
 };
 use tb_tests::{
     eventually, node, pattern,
     procs::{Proc, broker_command, worker_command},
-    test_config, within,
+    raw_client_hello, test_config, within,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -190,6 +195,77 @@ async fn device_pushes_over_the_device_budget_are_refused_busy() {
     }
     pusher.shutdown().await;
     receiver.shutdown().await;
+}
+
+/// Regression (GPU): all transfers of a device share 8 pinned staging buffers, and a sender
+/// keeps a chunk's buffer until its receiver takes the bytes. Three receivers that ask for a
+/// device tensor and then read nothing used to hold every buffer (3 + 3 + 2), so a fourth
+/// pull waited for one until its stall timeout. Now each transfer holds at most 2 and the
+/// fourth pull goes through while the three stay stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_receivers_cannot_take_every_staging_buffer() {
+    if let Err(err) = device::probe(0) {
+        let line = format!("SKIPPED: no CUDA driver/device ({err}) [staging fairness]\n");
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        return;
+    }
+    const LEN: usize = 40 << 20;
+    let no_ipc = CudaConfig {
+        ipc: false,
+        ..CudaConfig::default()
+    };
+    // The server waits long for stalled receivers (they keep their buffers all along), the
+    // puller gives up sooner: with every buffer taken its pull would fail.
+    let server = node(Config {
+        stall_timeout: Duration::from_secs(60),
+        cuda: no_ipc.clone(),
+        ..test_config()
+    })
+    .await;
+    let host = u8_tensor(LEN, 7);
+    let on_gpu = host.to_device(Device::Cuda(0)).expect("to device");
+    server.publish_local("slow/w", on_gpu).expect("publish");
+    let ep = tb_node::bind_endpoint(&test_config(), SecretKey::generate())
+        .await
+        .expect("endpoint");
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let conn = ep
+            .connect(server.addr().to_endpoint_addr(), DATA_ALPN)
+            .await
+            .expect("connect");
+        raw_client_hello(&conn, ep.id()).await;
+        let (mut send, mut recv) = conn.open_bi().await.expect("open");
+        let pull = DataRequest::Pull {
+            name: TensorName::new("slow/w").expect("name"),
+            version: None,
+            range: None,
+        };
+        write_frame(&mut send, &pull).await.expect("pull");
+        let header = within(LIMIT, "header", read_frame::<DataResponse>(&mut recv)).await;
+        assert!(
+            matches!(header, Ok(DataResponse::Header { .. })),
+            "{header:?}"
+        );
+        // Read nothing more: the server's sender stalls holding what it staged.
+        stalled.push((conn, send, recv));
+    }
+    // Let the three senders stage ahead (they do so at once; this only orders the pulls).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let puller = node(Config {
+        stall_timeout: Duration::from_secs(15),
+        cuda: no_ipc,
+        ..test_config()
+    })
+    .await;
+    let got = within(LIMIT, "pull", puller.pull(server.addr(), "slow/w", None))
+        .await
+        .expect("a pull beside three stalled receivers");
+    assert_eq!(got.buffer.data(), host.data());
+    drop(stalled);
+    ep.close().await;
+    puller.shutdown().await;
+    server.shutdown().await;
 }
 
 /// `VmHWM` (peak resident set) of process `pid`, in bytes.
