@@ -86,7 +86,8 @@ impl Responder<'_> {
                             BudgetError::TooLarge { .. } => ErrorCode::TooLarge,
                             BudgetError::Busy { .. } => ErrorCode::Busy,
                         };
-                        let message = format!("anti-entropy names: {err} of the sync budget");
+                        let message =
+                            format!("anti-entropy names refused by the sync budget: {err}");
                         let _ = write(send, &CtlResponse::Error { code, message }).await;
                         return Err(format!("refused the asker's names: {err}"));
                     }
@@ -215,7 +216,7 @@ async fn read_diff(
             } => {
                 hold(
                     held,
-                    encoded_len(&members) + encoded_len(&buckets),
+                    encoded_len(&members).saturating_add(encoded_len(&buckets)),
                     "member rows",
                 )?;
                 rows.extend(members);
@@ -255,7 +256,7 @@ async fn read_entries(
 /// Holds `bytes` more of what a peer sent against the sync budget, or ends the conversation.
 fn hold(held: &mut Reservation, bytes: u64, what: &str) -> Result<(), SyncError> {
     held.try_grow(bytes)
-        .map_err(|err| format!("the peer's {what}: {err} of the sync budget"))
+        .map_err(|err| format!("the peer's {what} refused by the sync budget: {err}"))
 }
 
 /// A message's encoded size: what it is charged against the sync budget.

@@ -4,7 +4,8 @@
 //!   takes the tensor: the excess of a burst is refused at once with `Busy` (or `TooLarge`),
 //!   the rest arrives byte for byte. Measured on a real `tb-worker` process: its peak RSS
 //!   stays within the push budget plus a stated slack.
-//! - Device pushes reserve against a device budget (skipped without a CUDA device).
+//! - Device pushes reserve against a device budget, and a transfer holds at most its share
+//!   of a device's staging buffers (both skipped without a CUDA device).
 //! - A broker's anti-entropy buffers are bounded in bytes, all conversations together.
 //!
 //! Every wait is bounded, and every process started is killed by PID when the test ends.
@@ -17,14 +18,18 @@ use iroh::{
 };
 use tb_broker::{Broker, BrokerOptions};
 use tb_node::{
-    Config, ContentHash, DType, Device, Error, Node, PeerAddr, Tensor, Ticket, auth, device,
+    Config, ContentHash, CudaConfig, DType, Device, Error, Node, PeerAddr, Tensor, Ticket, auth,
+    device,
     framing::{read_frame, write_frame},
-    proto::{CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, SYNC_BUCKETS, TensorName},
+    proto::{
+        CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, DATA_ALPN, DataRequest, DataResponse,
+        ErrorCode, SYNC_BUCKETS, TensorName,
+    },
 };
 use tb_tests::{
     eventually, node, pattern,
     procs::{Proc, broker_command, worker_command},
-    test_config, within,
+    raw_client_hello, test_config, within,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -192,6 +197,77 @@ async fn device_pushes_over_the_device_budget_are_refused_busy() {
     receiver.shutdown().await;
 }
 
+/// Regression (GPU): all transfers of a device share 8 pinned staging buffers, and a sender
+/// keeps a chunk's buffer until its receiver takes the bytes. Three receivers that ask for a
+/// device tensor and then read nothing used to hold every buffer (3 + 3 + 2), so a fourth
+/// pull waited for one until its stall timeout. Now each transfer holds at most 2 and the
+/// fourth pull goes through while the three stay stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_receivers_cannot_take_every_staging_buffer() {
+    if let Err(err) = device::probe(0) {
+        let line = format!("SKIPPED: no CUDA driver/device ({err}) [staging fairness]\n");
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        return;
+    }
+    const LEN: usize = 40 << 20;
+    let no_ipc = CudaConfig {
+        ipc: false,
+        ..CudaConfig::default()
+    };
+    // The server waits long for stalled receivers (they keep their buffers all along), the
+    // puller gives up sooner: with every buffer taken its pull would fail.
+    let server = node(Config {
+        stall_timeout: Duration::from_secs(60),
+        cuda: no_ipc.clone(),
+        ..test_config()
+    })
+    .await;
+    let host = u8_tensor(LEN, 7);
+    let on_gpu = host.to_device(Device::Cuda(0)).expect("to device");
+    server.publish_local("slow/w", on_gpu).expect("publish");
+    let ep = tb_node::bind_endpoint(&test_config(), SecretKey::generate())
+        .await
+        .expect("endpoint");
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let conn = ep
+            .connect(server.addr().to_endpoint_addr(), DATA_ALPN)
+            .await
+            .expect("connect");
+        raw_client_hello(&conn, ep.id()).await;
+        let (mut send, mut recv) = conn.open_bi().await.expect("open");
+        let pull = DataRequest::Pull {
+            name: TensorName::new("slow/w").expect("name"),
+            version: None,
+            range: None,
+        };
+        write_frame(&mut send, &pull).await.expect("pull");
+        let header = within(LIMIT, "header", read_frame::<DataResponse>(&mut recv)).await;
+        assert!(
+            matches!(header, Ok(DataResponse::Header { .. })),
+            "{header:?}"
+        );
+        // Read nothing more: the server's sender stalls holding what it staged.
+        stalled.push((conn, send, recv));
+    }
+    // Let the three senders stage ahead (they do so at once; this only orders the pulls).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let puller = node(Config {
+        stall_timeout: Duration::from_secs(15),
+        cuda: no_ipc,
+        ..test_config()
+    })
+    .await;
+    let got = within(LIMIT, "pull", puller.pull(server.addr(), "slow/w", None))
+        .await
+        .expect("a pull beside three stalled receivers");
+    assert_eq!(got.buffer.data(), host.data());
+    drop(stalled);
+    ep.close().await;
+    puller.shutdown().await;
+    server.shutdown().await;
+}
+
 /// `VmHWM` (peak resident set) of process `pid`, in bytes.
 fn peak_rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
@@ -261,6 +337,10 @@ async fn a_worker_under_a_push_flood_stays_within_its_push_budget() {
         .map(|i| ("flood/w".to_string(), u8_tensor(LEN, 10 + i as u8)))
         .collect();
     let results = push_all(std::slice::from_ref(&client), &worker_addr, &tensors).await;
+    let huge = u8_tensor((WORKER_BUDGET + MIB) as usize, 2);
+    let huge_push = client.push(&worker_addr, "flood/huge", &huge).await;
+    let peak = peak_rss(worker.pid());
+    let grew = peak.saturating_sub(idle);
     let mut accepted = Vec::new();
     let mut busy = 0;
     for ((_, tensor), result) in tensors.iter().zip(&results) {
@@ -270,15 +350,6 @@ async fn a_worker_under_a_push_flood_stays_within_its_push_budget() {
             Err(other) => panic!("expected Ok or Busy, got {other:?}"),
         }
     }
-    assert!(busy > 0, "256 MiB at once cannot fit a 64 MiB budget");
-    assert!(!accepted.is_empty(), "what fits is accepted");
-    let huge = u8_tensor((WORKER_BUDGET + MIB) as usize, 2);
-    match client.push(&worker_addr, "flood/huge", &huge).await {
-        Err(Error::TooLarge(_)) => {}
-        other => panic!("a push over the whole budget: expected TooLarge, got {other:?}"),
-    }
-    let peak = peak_rss(worker.pid());
-    let grew = peak.saturating_sub(idle);
     println!(
         "worker peak RSS: idle {} MiB, after the flood {} MiB (+{} MiB); budget {} MiB + slack \
          {} MiB; {} pushes accepted, {busy} busy",
@@ -295,6 +366,12 @@ async fn a_worker_under_a_push_flood_stays_within_its_push_budget() {
         grew / MIB,
         WORKER_BUDGET / MIB,
         RSS_SLACK / MIB
+    );
+    assert!(busy > 0, "256 MiB at once cannot fit a 64 MiB budget");
+    assert!(!accepted.is_empty(), "what fits is accepted");
+    assert!(
+        matches!(huge_push, Err(Error::TooLarge(_))),
+        "a push over the whole budget: expected TooLarge, got {huge_push:?}"
     );
 
     // The worker publishes what it accepted: the version it keeps is one of them, intact.
