@@ -174,11 +174,11 @@ fn cluster_key_derivations() {
     let key = ClusterKey::from_secret(b"0123456789abcdef").expect("secret");
     let proof = key.proof(CTL_ALPN, &id(1), &id(2));
     assert_eq!(
-        hex::encode(&proof.0),
+        hex::encode(proof.0),
         "a480ab4bd3dc187016c62baecb899ddafa47b8449f6640b9bd989fff3966989d"
     );
     assert_eq!(
-        hex::encode(&key.gossip_topic()),
+        hex::encode(key.gossip_topic()),
         "31b43b20dfe5e7258ee2e8753684fcb16fdf36ccc25594cf6d3301489c7f3f47"
     );
     // The same, spelled out for other implementations: each field length-prefixed (u64 LE).
@@ -198,7 +198,7 @@ fn cluster_key_derivations() {
     assert_eq!(topic, key.gossip_topic());
     let open = ClusterKey::open().proof(CTL_ALPN, &id(1), &id(2));
     assert_eq!(
-        hex::encode(&open.0),
+        hex::encode(open.0),
         "6744f28a35150b2c9ba96853951320d82b5e4350721c54d40b67f6c6b348ad2d"
     );
 }
