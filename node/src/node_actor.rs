@@ -163,6 +163,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
     let timeout = ctx.config.connect_timeout;
     let cancel = ctx.cancel.clone();
     let key = ctx.config.cluster_key.clone();
+    let serve_ctx = ctx.clone();
     ctx.tracker.spawn(async move {
         // The connect timeout bounds the dial and the hello together: a peer that accepts but
         // never answers is as unreachable as one that never accepts.
@@ -171,7 +172,10 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 .connect(peer.to_endpoint_addr(), DATA_ALPN)
                 .await
                 .map_err(|e| unreachable(&peer, e.to_string()))?;
-            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout).await?;
+            let welcomed = auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout).await?;
+            // Either way the peer may open streams on this connection: serve them, as far as
+            // the access it proved in its welcome allows.
+            serve::spawn_serve(&serve_ctx, conn.clone(), welcomed.peer);
             Ok(conn)
         });
         let result = tokio::select! {
@@ -217,8 +221,6 @@ async fn on_dialed(
             return;
         }
     };
-    // Either way the peer may open streams on this connection: serve them.
-    serve::spawn_serve(&state.ctx, conn.clone());
     insert_link(myself, state, peer, Some(generation), conn).await;
 }
 

@@ -2,7 +2,9 @@
 //! `Pull` (header + payload from the store) or `Push` (payload into the inbox) on its own task.
 //!
 //! A malformed or oversize request gets an `Error` frame and ends that stream only; the
-//! connection keeps serving others.
+//! connection keeps serving others. So does a request the peer's access (proved at the hello)
+//! does not allow: a push needs read-write access, and a node with only the read-only
+//! credential takes none.
 
 use std::{ops::Range, sync::Arc};
 
@@ -15,8 +17,8 @@ use iroh::{
 use ractor::ActorRef;
 use tb_dashboard::TransferKind;
 use tb_proto::{
-    ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode, FrameError,
-    TensorMeta, TensorName,
+    Access, ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
+    FrameError, TensorMeta, TensorName,
 };
 use tracing::{Instrument, debug, debug_span};
 
@@ -63,23 +65,28 @@ impl ProtocolHandler for DataProtocol {
             ctx.config.max_tensor_bytes,
             || ctx.metrics.auth_failures.inc(),
         );
-        if let Err(err) = hello.await {
-            debug!(%err, "hello failed");
-            return Ok(());
-        }
+        let access = match hello.await {
+            Ok(access) => access,
+            Err(err) => {
+                debug!(%err, "hello failed");
+                return Ok(());
+            }
+        };
         // Pool the inbound link (if we have none to this peer) so replies to it reuse it.
         let _ = self.node.cast(NodeMsg::Adopt { conn: conn.clone() });
-        serve_connection(self.ctx.clone(), conn).await;
+        serve_connection(self.ctx.clone(), conn, access).await;
         Ok(())
     }
 }
 
-/// Serves the streams a peer opens on a connection we dialed.
-pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, conn: Connection) {
-    ctx.tracker.spawn(serve_connection(ctx.clone(), conn));
+/// Serves the streams a peer opens on a connection we dialed; `access` is what the peer
+/// proved in its welcome.
+pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, conn: Connection, access: Access) {
+    ctx.tracker.spawn(serve_connection(ctx.clone(), conn, access));
 }
 
-async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
+/// Serves every stream `conn`'s peer opens, each as far as the peer's `access` allows.
+async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection, access: Access) {
     let peer = conn.remote_id();
     loop {
         let accepted = tokio::select! {
@@ -98,7 +105,7 @@ async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
             async move {
                 tokio::select! {
                     _ = task_ctx.cancel.cancelled() => {}
-                    () = serve_stream(&task_ctx, peer, send, recv) => {}
+                    () = serve_stream(&task_ctx, peer, access, send, recv) => {}
                 }
             }
             .instrument(span),
@@ -106,7 +113,13 @@ async fn serve_connection(ctx: Arc<NodeCtx>, conn: Connection) {
     }
 }
 
-async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut recv: RecvStream) {
+async fn serve_stream(
+    ctx: &NodeCtx,
+    peer: EndpointId,
+    access: Access,
+    mut send: SendStream,
+    mut recv: RecvStream,
+) {
     let request = tokio::time::timeout(
         ctx.config.request_timeout,
         wire::read_frame::<DataRequest>(&mut recv),
@@ -133,6 +146,12 @@ async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut
             return;
         }
     };
+    let mine = ctx.config.cluster_key.access();
+    if let Err(err) = tb_proto::authorize(mine, access, request.write_action()) {
+        debug!(%err, "refusing a request the peer's access does not allow");
+        refuse(&mut send, &mut recv, ErrorCode::Unauthorized, err.to_string()).await;
+        return;
+    }
     if let Err(err) = request.validate(ctx.config.max_tensor_bytes) {
         let code = match err {
             tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,

@@ -29,7 +29,7 @@ const BROWSER_LIMIT: Duration = Duration::from_secs(60);
 /// How many page loads a condition gets before the test gives up (each takes a few seconds:
 /// worker figures reach the broker with heartbeats, at most every 2 s).
 const ATTEMPTS: usize = 20;
-const SECRET: &str = "dashboard-browser-test-secret";
+const SECRET: &str = "dashboard-browser-test-secret-32-bytes";
 const TENSOR: &str = "dash/layer0.weight";
 const TENSOR_LEN: usize = 8 << 20;
 const SCREEN: (u32, u32) = (1440, 1100);
