@@ -67,8 +67,10 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
     // First: without a secret (or --insecure-open) the broker starts nothing.
-    let cluster_key = args.secret.key()?;
-    cluster_key.require_secret("acting as a broker")?;
+    let cluster_key = args.secret.key_or_exit();
+    if let Err(e) = cluster_key.require_secret("acting as a broker") {
+        daemon::exit_with(e);
+    }
     let data_dir = daemon::data_dir(args.data_dir, "broker")?;
     let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
     let mut opts = BrokerOptions::new(&data_dir);

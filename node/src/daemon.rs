@@ -186,6 +186,19 @@ impl SecretArgs {
             (secret, file, _) => cluster_key(secret, file),
         }
     }
+
+    /// [`key`](Self::key) for a daemon's `main`, first thing: an unusable secret ends the
+    /// process with a one-line error ([`exit_with`]).
+    pub fn key_or_exit(&self) -> ClusterKey {
+        self.key().unwrap_or_else(|e| exit_with(e))
+    }
+}
+
+/// Ends a daemon that cannot start: prints `error: <err>` as one line on stderr and exits with
+/// status 1 (no backtrace, whatever `RUST_BACKTRACE` says: the line is the whole story).
+pub fn exit_with(err: impl fmt::Display) -> ! {
+    eprintln!("error: {err}");
+    std::process::exit(1)
 }
 
 /// How logs are written.

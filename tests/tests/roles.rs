@@ -101,7 +101,7 @@ fn assert_needs_secret(err: &Error, action: &str) {
     let shown = err.to_string();
     assert!(matches!(err, Error::Unauthorized(_)), "{shown}");
     assert!(
-        shown.contains(&format!("{action} needs")) && shown.contains("(read-write)"),
+        shown.contains(action) && shown.contains("needs") && shown.contains("(read-write)"),
         "names what needs the secret: {shown}"
     );
 }

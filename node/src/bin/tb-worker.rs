@@ -60,7 +60,7 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
     // First: without a secret (or --insecure-open) the worker starts nothing.
-    let cluster_key = args.secret.key()?;
+    let cluster_key = args.secret.key_or_exit();
     let data_dir = daemon::data_dir(args.data_dir, "worker")?;
     let mut metrics = daemon::MetricsServer::bind(args.metrics_addr).await?;
     let config = Config {
