@@ -19,7 +19,7 @@ use std::{
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tb_proto::{
-    Event, ListedEntry, Member, NamePattern, NodeId, Registry, RegistryOp, Role, TensorName,
+    Access, Event, ListedEntry, Member, NamePattern, NodeId, Registry, RegistryOp, Role, TensorName,
 };
 use tokio::{
     sync::{mpsc, watch},
@@ -65,6 +65,8 @@ pub enum BrokerMsg {
     Announce {
         /// The authenticated sender.
         from: NodeId,
+        /// What its credential allows (read-only senders may only mark what they hold).
+        access: Access,
         /// Its ops.
         ops: Vec<RegistryOp>,
         /// The answer (the first refusal, if any).
@@ -225,11 +227,16 @@ impl Actor for BrokerActor {
                 let result = state.heartbeat(from, role, addrs, epoch, now);
                 answer_with_changes(st, reply, result);
             }
-            BrokerMsg::Announce { from, ops, reply } => {
+            BrokerMsg::Announce {
+                from,
+                access,
+                ops,
+                reply,
+            } => {
                 let mut changes = Changes::default();
                 let mut refused = None;
                 for op in ops {
-                    match state.announce(from, op, now) {
+                    match state.announce_as(from, access, op, now) {
                         Ok(c) => changes.extend(c),
                         Err(e) => {
                             refused.get_or_insert(e);

@@ -79,6 +79,9 @@ pub enum StartError {
     /// Something else failed while starting (actor, gossip).
     #[error("starting the broker: {0}")]
     Start(String),
+    /// The node's key is a read-only credential: brokers need the cluster secret.
+    #[error(transparent)]
+    ReadOnly(#[from] tb_proto::AuthError),
 }
 
 /// A running broker. Cloning is not offered: keep one and call [`Broker::shutdown`].
@@ -103,6 +106,7 @@ impl Broker {
     /// Starts a broker: loads its registry, joins the cluster's gossip topic and starts
     /// serving `tb/ctl/1` and `tb/data/1`.
     pub async fn spawn(mut opts: BrokerOptions) -> Result<Broker, StartError> {
+        opts.node.cluster_key.require_secret("acting as a broker")?;
         opts.node.data_dir = Some(opts.data_dir.clone());
         let metrics = match &opts.node.metrics {
             Some(metrics) => metrics.clone(),

@@ -1,7 +1,11 @@
 //! The serving side of `tb/ctl/1` on a broker: the hello, then one task per request stream
 //! that asks the [`BrokerActor`](crate::actor::BrokerActor) and writes the answer frames.
 //!
-//! Every request is validated before it reaches the actor; multi-frame answers (`Listing`,
+//! Every request is checked against the access its sender proved at the hello (see
+//! [`CtlRequest::write_action`]: publishing, deleting, version allocation, anti-entropy and
+//! joining as a broker need the cluster secret) and validated before it reaches the actor; a
+//! heartbeat's figures are recorded only once the actor accepted the heartbeat. Multi-frame
+//! answers (`Listing`,
 //! `Members`, anti-entropy) are cut with `chunk_by_size` so no frame passes the control-frame
 //! cap. A subscription keeps its stream open and forwards events until either side closes.
 
@@ -20,8 +24,8 @@ use tb_node::{
     framing::{ReadFrameError, read_frame, write_frame},
 };
 use tb_proto::{
-    CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, LastHeartbeat, MAX_CHUNK_BYTES,
-    Member, MemberStatus, chunk_by_size,
+    Access, CTL_ALPN, ClusterKey, CtlRequest, CtlResponse, ErrorCode, LastHeartbeat,
+    MAX_CHUNK_BYTES, Member, MemberStatus, chunk_by_size,
 };
 use tokio::sync::mpsc;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -71,10 +75,13 @@ impl ProtocolHandler for CtlProtocol {
             self.max_tensor_bytes,
             |reason| self.counters.auth_failures.inc(reason),
         );
-        if let Err(err) = hello.await {
-            debug!(%err, "ctl hello failed");
-            return Ok(());
-        }
+        let access = match hello.await {
+            Ok(access) => access,
+            Err(err) => {
+                debug!(%err, "ctl hello failed");
+                return Ok(());
+            }
+        };
         let peer = auth::node_id(&conn.remote_id());
         loop {
             let accepted = tokio::select! {
@@ -94,7 +101,7 @@ impl ProtocolHandler for CtlProtocol {
                 async move {
                     tokio::select! {
                         _ = this.cancel.cancelled() => {}
-                        () = this.serve_stream(peer, send, recv) => {}
+                        () = this.serve_stream(peer, access, send, recv) => {}
                     }
                 }
                 .instrument(span),
@@ -134,6 +141,7 @@ impl CtlProtocol {
     async fn serve_stream(
         &self,
         peer: tb_proto::NodeId,
+        access: Access,
         mut send: SendStream,
         mut recv: RecvStream,
     ) {
@@ -151,6 +159,13 @@ impl CtlProtocol {
                 }
                 Err(_) => return,
             };
+        let allowed = tb_proto::authorize(self.key.access(), access, request.write_action());
+        if let Err(e) = allowed {
+            debug!(%e, request = request.kind(), "refusing a request the peer's access does not allow");
+            let _ = write_frame(&mut send, &error(ErrorCode::Unauthorized, e.to_string())).await;
+            let _ = send.finish();
+            return;
+        }
         if let Err(e) = request.validate(self.max_tensor_bytes) {
             let _ = write_frame(&mut send, &error(ErrorCode::Malformed, e.to_string())).await;
             let _ = send.finish();
@@ -183,7 +198,7 @@ impl CtlProtocol {
                 let _ = send.finish();
                 return;
             }
-            request => self.answer(peer, request).await,
+            request => self.answer(peer, access, request).await,
         };
         for frame in answers {
             if write_frame(&mut send, &frame).await.is_err() {
@@ -195,7 +210,12 @@ impl CtlProtocol {
     }
 
     /// The answer frames to a one-shot request.
-    async fn answer(&self, from: tb_proto::NodeId, request: CtlRequest) -> Vec<CtlResponse> {
+    async fn answer(
+        &self,
+        from: tb_proto::NodeId,
+        access: Access,
+        request: CtlRequest,
+    ) -> Vec<CtlResponse> {
         let (actor, t) = (&self.actor, self.request_timeout);
         let result = match request {
             CtlRequest::Heartbeat {
@@ -204,24 +224,29 @@ impl CtlProtocol {
                 epoch,
                 stats,
             } => {
-                if let Some(stats) = stats {
-                    self.stats.record(from, stats, Instant::now());
-                }
-                ask(actor, t, |reply| BrokerMsg::Heartbeat {
+                let answered = ask(actor, t, |reply| BrokerMsg::Heartbeat {
                     from,
                     role,
                     addrs,
                     epoch,
                     reply,
                 })
-                .await
-                .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok))
+                .await;
+                // Only the figures of a heartbeat the actor accepted: a refused one (a stale
+                // epoch, say) records nothing.
+                if let (Ok(Ok(())), Some(stats)) = (&answered, stats) {
+                    self.stats.record(from, stats, Instant::now());
+                }
+                answered.map(|r| r.map_or_else(refused, |()| CtlResponse::Ok))
             }
-            CtlRequest::Announce { ops } => {
-                ask(actor, t, |reply| BrokerMsg::Announce { from, ops, reply })
-                    .await
-                    .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok))
-            }
+            CtlRequest::Announce { ops } => ask(actor, t, |reply| BrokerMsg::Announce {
+                from,
+                access,
+                ops,
+                reply,
+            })
+            .await
+            .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok)),
             CtlRequest::NextVersion { name } => {
                 ask(actor, t, |reply| BrokerMsg::NextVersion { name, reply })
                     .await

@@ -1,6 +1,6 @@
 //! [`BrokerError`]: why the broker refused a request or an op, with the wire code it answers.
 
-use tb_proto::{ClockError, ErrorCode, MetaError, NodeId, RegistryError, TensorName};
+use tb_proto::{AccessError, ClockError, ErrorCode, MetaError, NodeId, RegistryError, TensorName};
 
 /// Why the broker refused a request or an op. Every variant names what failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,6 +84,10 @@ pub enum BrokerError {
         /// The version the broker would assign.
         next: u64,
     },
+    /// The sender proved only the read-only credential, and the request needs the cluster
+    /// secret; the message names what needs it.
+    #[error(transparent)]
+    Access(#[from] AccessError),
     /// A heartbeat from an earlier life of a node than the membership table knows.
     #[error("heartbeat from node {node:?} at epoch {epoch}, before its known epoch {known}")]
     StaleEpoch {
@@ -109,7 +113,7 @@ impl BrokerError {
                 ..
             }) => ErrorCode::TooLarge,
             BrokerError::Invalid(RegistryError::Meta { .. }) => ErrorCode::InvalidTensor,
-            BrokerError::NotYours { .. } => ErrorCode::Unauthorized,
+            BrokerError::NotYours { .. } | BrokerError::Access(_) => ErrorCode::Unauthorized,
             // The asker lost a race for the version; retrying with a fresh one succeeds.
             BrokerError::StaleVersion { .. } => ErrorCode::Busy,
             BrokerError::Invalid(_)

@@ -174,10 +174,10 @@ mod tests {
 
     #[test]
     fn sealed_ops_open_only_with_the_same_secret() {
-        let key = ClusterKey::from_secret(b"0123456789abcdef").expect("secret");
+        let key = ClusterKey::from_secret(b"0123456789abcdef0123456789abcdef").expect("secret");
         let msg = seal(&key, &op()).expect("small op");
         assert_eq!(open(&key, &msg, 1 << 30), Some(op()));
-        let other = ClusterKey::from_secret(b"another secret!!").expect("secret");
+        let other = ClusterKey::from_secret(b"another secret!!another secret!!").expect("secret");
         assert_eq!(open(&other, &msg, 1 << 30), None);
         let mut flipped = msg.to_vec();
         let last = flipped.len() - 1;

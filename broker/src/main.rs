@@ -13,8 +13,8 @@ use tb_node::daemon::{self, LogFormat};
 ///
 /// The first broker of a cluster starts without --join and prints the cluster ticket; other
 /// brokers and the workers join with that ticket. Every node of a cluster needs the same
-/// cluster secret (--cluster-secret-file or TB_CLUSTER_SECRET); without one the cluster is
-/// open to anyone who can reach it.
+/// cluster secret (--cluster-secret-file or TB_CLUSTER_SECRET_FILE); a broker refuses to start
+/// without one unless --insecure-open asks for a cluster open to anyone who can reach it.
 #[derive(Debug, Parser)]
 #[command(name = "tb-broker", version)]
 struct Args {
@@ -68,6 +68,11 @@ struct Args {
 async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
+    // First: without a secret (or --insecure-open) the broker starts nothing.
+    let cluster_key = args.secret.key_or_exit();
+    if let Err(e) = cluster_key.require_secret("acting as a broker") {
+        daemon::exit_with(e);
+    }
     let data_dir = daemon::data_dir(args.data_dir, "broker")?;
     let mut metrics =
         daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
@@ -76,7 +81,7 @@ async fn main() -> Result<()> {
     opts.node.advertise_addrs = args.advertise.into_iter().collect();
     opts.state.fanout = usize::try_from(args.fanout).unwrap_or(usize::MAX);
     opts.state.chain_min_bytes = args.chain_min_size;
-    opts.node.cluster_key = args.secret.key()?;
+    opts.node.cluster_key = cluster_key;
     opts.join = args.join.map(|t| t.brokers).unwrap_or_default();
     opts.state.liveness_timeout_ms = args.liveness_timeout.saturating_mul(1000);
     opts.sync_interval = Duration::from_secs(args.sync_interval.max(1));

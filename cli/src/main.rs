@@ -5,6 +5,7 @@
 //!   (with a progress bar on a terminal).
 //! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
 //!   members with their pool, store and throughput figures.
+//! - `tb secret derive --read-only`: the read-only credential derived from the cluster secret.
 //! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
 //! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection;
 //!   `tb bench broadcast`: one version to many receivers (fan-out tree, cut-through, upload
@@ -17,6 +18,7 @@ mod demo;
 mod files;
 mod fmt;
 mod progress;
+mod secret;
 mod status;
 mod transfer;
 
@@ -75,6 +77,9 @@ enum Command {
     /// Start two nodes in this process, move tensors of several dtypes and sizes (up to
     /// 256 MiB) by pull and push, verify every byte, and print a summary. Exits 0 on success.
     Demo(demo::DemoArgs),
+    /// Credentials derived from the cluster secret.
+    #[command(subcommand)]
+    Secret(secret::SecretCommand),
     /// Benchmarks; they print a table, or one JSON object with --json.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -108,6 +113,7 @@ fn main() -> std::process::ExitCode {
             Command::Watch { pattern, join } => cluster::watch(&join, &pattern).await,
             Command::Status { args, join } => status::status(&join, &args).await,
             Command::Demo(args) => demo::run(args).await,
+            Command::Secret(cmd) => secret::run(cmd),
             Command::Bench(cmd) => bench::run(cmd).await,
         }
     });

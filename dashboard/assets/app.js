@@ -511,6 +511,7 @@
     lastOk = Date.now();
     document.body.dataset.polls = String(polls);
     $("banner").hidden = true;
+    $("insecure").hidden = !(data.broker && data.broker.insecure_open);
     setConn("live", "live · updated " + new Date(lastOk).toLocaleTimeString());
     record(m);
     renderSummary(m);

@@ -16,6 +16,10 @@ pub struct Status {
     pub uptime_s: f64,
     /// Whether `/readyz` answers 200.
     pub ready: bool,
+    /// Whether the process runs without a cluster secret (`--insecure-open`): anyone who can
+    /// reach it can join the cluster, read, publish and delete. The page shows a banner.
+    #[serde(default)]
+    pub insecure_open: bool,
     /// Where peers reach it (`ip:port`).
     pub addrs: Vec<String>,
     /// The connection pool.

@@ -196,6 +196,8 @@ pub struct Metrics {
     pub store_tensors: IntGauge,
     /// `tb_auth_failures_total{reason}`.
     pub auth_failures: AuthFailures,
+    /// `tb_insecure_open`: 1 while the process runs the open cluster's key (no secret).
+    pub insecure_open: IntGauge,
     throughput: Mutex<ThroughputWindow>,
 }
 
@@ -318,6 +320,12 @@ impl Metrics {
             auth_failures: AuthFailures(
                 AuthFailure::ALL.map(|k| auth_failures.with_label_values(&[k.as_str()])),
             ),
+            insecure_open: gauge(
+                Some(r),
+                "tb_insecure_open",
+                "1 when this process runs without a cluster secret (--insecure-open): anyone \
+                 who can reach it can join, read, publish and delete",
+            )?,
             throughput: Mutex::new(ThroughputWindow::new(window::WINDOW)),
             registry,
             role,
@@ -426,6 +434,7 @@ impl Metrics {
             version: VERSION.to_string(),
             uptime_s: self.uptime().as_secs_f64(),
             ready,
+            insecure_open: self.insecure_open.get() > 0,
             addrs,
             pool: api::PoolStatus {
                 links_active: non_negative(self.pool_links_active.get()),
@@ -623,6 +632,7 @@ mod tests {
         "tb_transfer_duration_seconds",
         "tb_transfers_in_flight",
         "tb_auth_failures_total",
+        "tb_insecure_open",
         "tb_build_info",
     ];
     const BROKER: &[&str] = &[
@@ -665,6 +675,7 @@ mod tests {
             "tb_cluster_nodes{state=\"dead\"} 0",
             "tb_auth_failures_total{reason=\"too_many_pending\"} 0",
             "tb_build_info{role=\"broker\",version=\"0.1.0\"} 1",
+            "tb_insecure_open 0",
         ] {
             assert!(text.contains(series), "missing {series} in\n{text}");
         }
@@ -734,6 +745,10 @@ mod tests {
         assert_eq!(s.pool.links_idle, 2);
         assert_eq!(s.store.tensors, 3);
         assert_eq!(s.transfers.latency_s.p50, None);
+        assert!(!s.insecure_open);
+        m.insecure_open.set(1);
+        let s = m.status("ab".into(), vec![], true);
+        assert!(s.insecure_open, "the status says a process runs open");
         let stats = m.node_stats(Some("http://127.0.0.1:9420".into()));
         assert_eq!(
             (stats.pool_links, stats.tensors, stats.in_bytes_total),

@@ -1,10 +1,12 @@
 //! The cluster-secret handshake that opens every `tb/data/1` and `tb/ctl/1` connection.
 //!
-//! The client opens the connection's first bi-stream and sends [`Hello`] (a proof bound to the
-//! ALPN and both node ids, see [`ClusterKey::proof`]); the server reads nothing else until it
+//! The client opens the connection's first bi-stream and sends [`Hello`] (proofs bound to the
+//! ALPN and both node ids, see [`ClusterKey::prove`]); the server reads nothing else until it
 //! has checked it. A wrong proof closes the connection with [`CloseCode::Unauthorized`] and is
 //! counted; a right one is answered by [`HelloReply::Welcome`] carrying the server's own proof,
 //! so both sides know the other is of the cluster before any request is served either way.
+//! Each side learns the [`Access`] the other proved (read-only or read-write): whoever serves
+//! requests on the connection records it and checks it on every request.
 //! Nodes without a secret use [`ClusterKey::open`]: the same exchange, which any open node
 //! passes and no node with a secret does.
 //!
@@ -21,7 +23,9 @@ use iroh::{
     endpoint::{Connection, ConnectionError, VarInt},
 };
 use tb_dashboard::AuthFailure;
-use tb_proto::{CloseCode, ClusterKey, FrameError, Hello, HelloReply, MAX_HELLO_FRAME, NodeId};
+use tb_proto::{
+    Access, CloseCode, ClusterKey, FrameError, Hello, HelloReply, MAX_HELLO_FRAME, NodeId,
+};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
 
@@ -70,10 +74,19 @@ pub fn node_id(id: &EndpointId) -> NodeId {
     NodeId(*id.as_bytes())
 }
 
-/// Client side: proves knowledge of `key` to the server of `conn` and checks its answer; once
-/// the server is verified, lets it open `max_streams` streams back (0 where servers open
-/// none, as on `tb/ctl/1`) and opens the link's window. Returns the server's maximum tensor
-/// size.
+/// What a client learns from the server's welcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcomed {
+    /// The server's maximum tensor size.
+    pub max_tensor_bytes: u64,
+    /// What the server proved (read-only when this node holds only the read-only credential,
+    /// which cannot check more): what it may ask of this node on the same connection.
+    pub peer: Access,
+}
+
+/// Client side: proves `key` to the server of `conn` and checks its answer; once the server is
+/// verified, lets it open `max_streams` streams back (0 where servers open none, as on
+/// `tb/ctl/1`) and opens the link's window.
 pub async fn client_hello(
     conn: &Connection,
     me: EndpointId,
@@ -81,12 +94,12 @@ pub async fn client_hello(
     alpn: &[u8],
     timeout: Duration,
     max_streams: u32,
-) -> Result<u64> {
+) -> Result<Welcomed> {
     let (me, peer) = (node_id(&me), node_id(&conn.remote_id()));
     let exchange = async {
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| closed_error(conn, e))?;
         let hello = Hello {
-            proof: key.proof(alpn, &me, &peer),
+            proof: key.prove(alpn, &me, &peer),
         };
         wire::write_frame(&mut send, &hello).await?;
         let _ = send.finish();
@@ -110,15 +123,18 @@ pub async fn client_hello(
         max_tensor_bytes,
         proof,
     } = reply;
-    if !key.verify(alpn, &peer, &me, &proof) {
+    let Some(access) = key.verify(alpn, &peer, &me, &proof) else {
         close(conn, CloseCode::Unauthorized);
         return Err(Error::Unauthorized(format!(
             "{} could not prove it knows the cluster secret",
             conn.remote_id().fmt_short()
         )));
-    }
+    };
     endpoint::open_link(conn, max_streams);
-    Ok(max_tensor_bytes)
+    Ok(Welcomed {
+        max_tensor_bytes,
+        peer: access,
+    })
 }
 
 /// How long a client whose hello stream ended waits for the connection's close reason (a
@@ -137,7 +153,8 @@ async fn closing_reason(conn: &Connection) -> Option<ConnectionError> {
 }
 
 /// Server side: reads the client's [`Hello`] from the first stream it opens and checks it,
-/// within `admission`'s limits; once it verifies, opens the link's limits and answers.
+/// within `admission`'s limits; once it verifies, opens the link's limits and answers with
+/// the access the client proved.
 /// On `Err` the connection is already closed (with `Unauthorized` for a wrong proof) and the
 /// caller must serve nothing on it. Every refusal runs `on_refusal` with its reason first, so
 /// a metric counts it before the client can see it; a peer that goes away by itself is no
@@ -150,7 +167,7 @@ pub async fn server_hello(
     admission: &Admission,
     max_tensor_bytes: u64,
     on_refusal: impl FnOnce(AuthFailure),
-) -> Result<()> {
+) -> Result<Access> {
     let who = conn.remote_id().fmt_short().to_string();
     let Some(_waiting) = admission.enter() else {
         debug!(peer = %who, "refusing a connection: too many waiting to authenticate");
@@ -170,24 +187,24 @@ pub async fn server_hello(
         let hello = wire::read_frame_within::<Hello>(&mut recv, MAX_HELLO_FRAME)
             .await
             .map_err(|e| (hello_failure(conn, &e), e.into_error("hello")))?;
-        if !key.verify(alpn, &peer, &me, &hello.proof) {
-            return Ok(false);
-        }
+        let Some(access) = key.verify(alpn, &peer, &me, &hello.proof) else {
+            return Ok(None);
+        };
         endpoint::open_link(conn, admission.max_streams);
         let reply = HelloReply::Welcome {
             max_tensor_bytes,
-            proof: key.proof(alpn, &me, &peer),
+            proof: key.prove(alpn, &me, &peer),
         };
         wire::write_frame(&mut send, &reply)
             .await
             .map_err(|e| (None, e))?;
         let _ = send.finish();
-        Ok::<_, (Option<AuthFailure>, Error)>(true)
+        Ok::<_, (Option<AuthFailure>, Error)>(Some(access))
     };
     let timeout = admission.hello_timeout;
     match tokio::time::timeout(timeout, exchange).await {
-        Ok(Ok(true)) => Ok(()),
-        Ok(Ok(false)) => {
+        Ok(Ok(Some(access))) => Ok(access),
+        Ok(Ok(None)) => {
             debug!(peer = %who, "refusing a peer without the cluster secret");
             on_refusal(AuthFailure::BadProof);
             close(conn, CloseCode::Unauthorized);

@@ -2,13 +2,13 @@
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, OnceLock},
     time::Duration,
 };
 
 use tb_dashboard::Metrics;
-use tb_proto::{ClusterKey, NamePattern};
+use tb_proto::{AuthError, ClusterKey, NamePattern};
 
 use crate::{
     device::{CudaConfig, Device},
@@ -70,8 +70,15 @@ pub struct Config {
     pub push_placement: Device,
     /// Device transfers: staging chunk size and buffers, copies in flight, CUDA IPC.
     pub cuda: CudaConfig,
-    /// The cluster secret's key: every connection proves it in its first frame, and peers that
-    /// cannot are refused. [`ClusterKey::open`] (the default) admits any open node.
+    /// The cluster credential's key: every connection proves it in its first frame, and peers
+    /// that cannot are refused. From the cluster secret it allows everything; from a read-only
+    /// credential (see [`read_secret_file`]) only gets, lists, watches and status, and the node
+    /// takes no pushes.
+    ///
+    /// [`ClusterKey::open`] by default, which admits any open node with full rights: the
+    /// library default suits tests and embedding on one machine, and the process reports it
+    /// (`tb_insecure_open` = 1). The daemons never fall back to it: they need a secret, or an
+    /// explicit `--insecure-open`.
     pub cluster_key: ClusterKey,
     /// The brokers of the cluster this node joins, tried in order when one is unreachable.
     /// Empty (the default): a standalone node, whose cluster calls fail with
@@ -156,6 +163,43 @@ impl Default for Config {
             max_push_device_memory: None,
         }
     }
+}
+
+/// Why a secret file gave no cluster key.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretFileError {
+    /// The file could not be read.
+    #[error("reading the cluster secret from {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Its content is no usable secret or credential.
+    #[error(transparent)]
+    Invalid(#[from] AuthError),
+}
+
+/// The cluster key a secret file's content gives (one trailing newline ignored): a read-only
+/// credential when it starts with [`tb_proto::READ_ONLY_PREFIX`] (what `tb secret derive
+/// --read-only` prints), else the cluster secret.
+pub fn parse_secret(content: &[u8]) -> Result<ClusterKey, AuthError> {
+    let trimmed = content
+        .strip_suffix(b"\n")
+        .map(|b| b.strip_suffix(b"\r").unwrap_or(b))
+        .unwrap_or(content);
+    ClusterKey::parse(trimmed)
+}
+
+/// Reads a secret file as `--cluster-secret-file` does (see [`parse_secret`]), for
+/// [`Config::cluster_key`].
+pub fn read_secret_file(path: &Path) -> Result<ClusterKey, SecretFileError> {
+    let content = std::fs::read(path).map_err(|source| SecretFileError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(parse_secret(&content)?)
 }
 
 impl Config {

@@ -4,7 +4,7 @@
 use std::{fmt, net::SocketAddr, path::Path, path::PathBuf, str::FromStr, time::Duration};
 
 use tb_dashboard::{AppState, HttpOptions, HttpToken};
-use tb_proto::{AuthError, ClusterKey};
+use tb_proto::{AuthError, ClusterKey, HOW_TO_MAKE_A_SECRET};
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 
@@ -30,12 +30,19 @@ pub enum SetupError {
         /// Why.
         source: std::io::Error,
     },
-    /// The secret is unusable (too short, too long).
-    #[error("cluster secret: {0}")]
+    /// The secret is unusable (too short, too long, the example placeholder, a malformed
+    /// read-only credential). Its message says how to make one.
+    #[error(transparent)]
     Secret(#[from] AuthError),
     /// The HTTP token file is unreadable or holds an unusable token.
     #[error("--http-token-file: {0}")]
     HttpToken(#[from] tb_dashboard::TokenError),
+    /// A daemon was started with no secret and without `--insecure-open`.
+    #[error(
+        "no cluster secret: {HOW_TO_MAKE_A_SECRET} (or set TB_CLUSTER_SECRET_FILE); \
+         --insecure-open runs without one, open to anyone who can reach the node"
+    )]
+    NoSecret,
     /// The metrics server's address could not be bound.
     #[error("binding the metrics server to {addr}: {source}")]
     MetricsAddr {
@@ -137,28 +144,28 @@ pub fn data_dir(dir: Option<PathBuf>, role: &str) -> Result<PathBuf, SetupError>
     Ok(path)
 }
 
-/// The cluster key from a secret given inline or in a file (one trailing newline ignored);
-/// the open cluster's key when neither is given.
+/// The cluster key from a secret (or read-only credential) given inline or in a file (one
+/// trailing newline ignored); the open cluster's key when neither is given (the `tb` CLI's
+/// choice: it reaches open clusters; daemons use [`SecretArgs::key`], which refuses that).
 pub fn cluster_key(secret: Option<&str>, file: Option<&Path>) -> Result<ClusterKey, SetupError> {
-    let bytes = match (secret, file) {
-        (Some(s), _) => s.as_bytes().to_vec(),
-        (None, Some(path)) => std::fs::read(path).map_err(|source| SetupError::SecretFile {
-            path: path.to_owned(),
-            source,
-        })?,
-        (None, None) => return Ok(ClusterKey::open()),
-    };
-    let trimmed = bytes
-        .strip_suffix(b"\n")
-        .map(|b| b.strip_suffix(b"\r").unwrap_or(b))
-        .unwrap_or(&bytes);
-    Ok(ClusterKey::from_secret(trimmed)?)
+    match (secret, file) {
+        (Some(s), _) => Ok(crate::parse_secret(s.as_bytes())?),
+        (None, Some(path)) => crate::read_secret_file(path).map_err(|e| match e {
+            crate::SecretFileError::Read { path, source } => {
+                SetupError::SecretFile { path, source }
+            }
+            crate::SecretFileError::Invalid(e) => SetupError::Secret(e),
+        }),
+        (None, None) => Ok(ClusterKey::open()),
+    }
 }
 
 /// The cluster-secret flags every daemon takes (with env fallbacks).
 #[derive(Debug, Clone, clap::Args)]
 pub struct SecretArgs {
-    /// File holding the cluster secret (at least 16 bytes; a trailing newline is ignored).
+    /// File holding the cluster secret (at least 32 bytes; a trailing newline is ignored), or a
+    /// read-only credential from `tb secret derive --read-only` (workers only). Make a secret
+    /// with `head -c 32 /dev/urandom | base64 > secret && chmod 600 secret`.
     #[arg(
         long,
         env = "TB_CLUSTER_SECRET_FILE",
@@ -168,16 +175,46 @@ pub struct SecretArgs {
     /// The cluster secret itself (prefer the file: command lines are visible to other users).
     #[arg(long, env = "TB_CLUSTER_SECRET", hide_env_values = true)]
     pub cluster_secret: Option<String>,
+    /// Run without a cluster secret: anyone who can reach this node can join the cluster, read,
+    /// publish and delete. Only for a trusted network or one machine; the process warns at
+    /// start and reports it (`tb_insecure_open` 1, and on the dashboard).
+    #[arg(long, conflicts_with_all = ["cluster_secret", "cluster_secret_file"])]
+    pub insecure_open: bool,
 }
 
 impl SecretArgs {
-    /// The cluster key these flags give (the open cluster's without either).
+    /// The cluster key these flags give. Without a secret: [`SetupError::NoSecret`], unless
+    /// `--insecure-open` asks for the open cluster's key (then it warns).
     pub fn key(&self) -> Result<ClusterKey, SetupError> {
-        cluster_key(
+        let (secret, file) = (
             self.cluster_secret.as_deref(),
             self.cluster_secret_file.as_deref(),
-        )
+        );
+        match (secret, file, self.insecure_open) {
+            (None, None, false) => Err(SetupError::NoSecret),
+            (None, None, true) => {
+                tracing::warn!(
+                    "--insecure-open: running without a cluster secret; anyone who can reach \
+                     this node can join the cluster, read, publish and delete tensors"
+                );
+                Ok(ClusterKey::open())
+            }
+            (secret, file, _) => cluster_key(secret, file),
+        }
     }
+
+    /// [`key`](Self::key) for a daemon's `main`, first thing: an unusable secret ends the
+    /// process with a one-line error ([`exit_with`]).
+    pub fn key_or_exit(&self) -> ClusterKey {
+        self.key().unwrap_or_else(|e| exit_with(e))
+    }
+}
+
+/// Ends a daemon that cannot start: prints `error: <err>` as one line on stderr and exits with
+/// status 1 (no backtrace, whatever `RUST_BACKTRACE` says: the line is the whole story).
+pub fn exit_with(err: impl fmt::Display) -> ! {
+    eprintln!("error: {err}");
+    std::process::exit(1)
 }
 
 /// The HTTP server's flags every daemon takes (with env fallbacks).
@@ -297,9 +334,10 @@ mod tests {
     fn secrets_come_inline_or_from_a_file_and_are_checked() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("secret");
-        std::fs::write(&file, "0123456789abcdef\n").expect("write");
+        let secret = "0123456789abcdef0123456789abcdef";
+        std::fs::write(&file, format!("{secret}\n")).expect("write");
         let from_file = cluster_key(None, Some(&file)).expect("file");
-        let inline = cluster_key(Some("0123456789abcdef"), None).expect("inline");
+        let inline = cluster_key(Some(secret), None).expect("inline");
         assert_eq!(from_file.gossip_topic(), inline.gossip_topic());
         assert!(cluster_key(None, None).expect("open").is_open());
         assert!(matches!(
@@ -310,6 +348,57 @@ mod tests {
             cluster_key(None, Some(&dir.path().join("missing"))),
             Err(SetupError::SecretFile { .. })
         ));
+    }
+
+    fn secret_args(file: Option<&Path>, insecure_open: bool) -> SecretArgs {
+        SecretArgs {
+            cluster_secret_file: file.map(Path::to_owned),
+            cluster_secret: None,
+            insecure_open,
+        }
+    }
+
+    #[test]
+    fn daemons_without_a_secret_are_refused_with_a_one_line_recipe() {
+        let err = secret_args(None, false).key().expect_err("no secret");
+        assert!(matches!(err, SetupError::NoSecret));
+        let shown = err.to_string();
+        assert!(!shown.contains('\n'), "one line: {shown}");
+        for part in [
+            "head -c 32 /dev/urandom | base64 > secret && chmod 600 secret",
+            "--cluster-secret-file",
+            "--insecure-open",
+        ] {
+            assert!(shown.contains(part), "{part} in {shown}");
+        }
+        let open = secret_args(None, true).key().expect("insecure open");
+        assert!(open.is_open());
+    }
+
+    #[test]
+    fn short_and_example_secrets_are_refused_with_a_recipe() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("secret");
+        for bad in ["0123456789abcdef", tb_proto::EXAMPLE_SECRETS[0]] {
+            std::fs::write(&file, format!("{bad}\n")).expect("write");
+            let err = secret_args(Some(&file), false).key().expect_err("refused");
+            assert!(matches!(err, SetupError::Secret(_)), "{err}");
+            let shown = err.to_string();
+            assert!(shown.contains("head -c 32 /dev/urandom"), "{shown}");
+            assert!(!shown.contains('\n'), "one line: {shown}");
+        }
+    }
+
+    #[test]
+    fn a_read_only_credential_file_is_read_like_a_secret_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("ro");
+        let root = ClusterKey::from_secret(&[9; 32]).expect("secret");
+        let credential = root.read_only_credential().expect("derive");
+        std::fs::write(&file, format!("{credential}\n")).expect("write");
+        let key = secret_args(Some(&file), false).key().expect("credential");
+        assert_eq!(key.access(), tb_proto::Access::ReadOnly);
+        assert_eq!(key.read_only_credential().ok(), None);
     }
 
     #[test]

@@ -124,6 +124,11 @@ impl Node {
             None => Metrics::new(MetricsRole::Worker)
                 .map_err(|e| Error::Io(format!("creating the metrics: {e}")))?,
         };
+        // Shown in `tb_insecure_open` and the status JSON: a node with the open key admits
+        // anyone who can reach it.
+        metrics
+            .insecure_open
+            .set(i64::from(config.cluster_key.is_open()));
         let ctx = Arc::new(NodeCtx {
             endpoint: endpoint.clone(),
             store,

@@ -9,7 +9,7 @@ use std::{sync::Arc, time::Instant};
 
 use iroh::{EndpointId, endpoint::Connection};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
-use tb_proto::{CloseCode, DATA_ALPN};
+use tb_proto::{Access, CloseCode, DATA_ALPN};
 use tracing::{debug, warn};
 
 use crate::{
@@ -36,7 +36,8 @@ pub(crate) enum NodeMsg {
     Dialed {
         peer: EndpointId,
         generation: u64,
-        result: Result<Connection>,
+        /// The connection, and the access its peer proved in its welcome.
+        result: Result<(Connection, Access)>,
     },
     /// A peer connected to us and passed the hello: pool the link if we have none to that
     /// peer (else keep it, unpooled, until unused). The answer is the link its streams are
@@ -201,16 +202,17 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 .connect(peer.to_endpoint_addr(), DATA_ALPN)
                 .await
                 .map_err(|e| unreachable(&peer, e.to_string()))?;
-            auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout, max_streams)
-                .await
-                .map_err(|err| match pool::link::peer_close(&conn) {
-                    // Refused by a full pool, perhaps before its welcome was read.
-                    Some(code @ CloseCode::TooManyConnections) => {
-                        closed_link_error(peer.id, Some(code))
-                    }
-                    _ => err,
-                })?;
-            Ok(conn)
+            let welcomed =
+                auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout, max_streams)
+                    .await
+                    .map_err(|err| match pool::link::peer_close(&conn) {
+                        // Refused by a full pool, perhaps before its welcome was read.
+                        Some(code @ CloseCode::TooManyConnections) => {
+                            closed_link_error(peer.id, Some(code))
+                        }
+                        _ => err,
+                    })?;
+            Ok((conn, welcomed.peer))
         });
         let result = tokio::select! {
             _ = cancel.cancelled() => Err(Error::Shutdown),
@@ -225,7 +227,10 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
             result,
         });
         // If the node is gone, close what we opened.
-        if let Err(ractor::MessagingErr::SendErr(NodeMsg::Dialed { result: Ok(c), .. })) = sent {
+        if let Err(ractor::MessagingErr::SendErr(NodeMsg::Dialed {
+            result: Ok((c, _)), ..
+        })) = sent
+        {
             peer::close(&c, CloseCode::Shutdown);
         }
     });
@@ -243,10 +248,10 @@ async fn on_dialed(
     state: &mut NodeState,
     peer: EndpointId,
     generation: u64,
-    result: Result<Connection>,
+    result: Result<(Connection, Access)>,
 ) {
-    let conn = match result {
-        Ok(conn) => conn,
+    let (conn, access) = match result {
+        Ok(dialed) => dialed,
         Err(err) => {
             state.ctx.metrics.pool_connect_failures.inc();
             for waiter in state.book.dial_failed(&peer, generation) {
@@ -255,9 +260,10 @@ async fn on_dialed(
             return;
         }
     };
-    // Pooled or superseded, the peer may open streams on this link too: serve them.
+    // Pooled or superseded, the peer may open streams on this link too: serve them, as far
+    // as the access it proved in its welcome allows.
     if let Some(link) = insert_link(myself, state, peer, Some(generation), conn).await {
-        serve::spawn_serve(&state.ctx, link);
+        serve::spawn_serve(&state.ctx, link, access);
     }
 }
 

@@ -2,7 +2,9 @@
 //! `Pull` (header + payload from the store) or `Push` (payload into the inbox) on its own task.
 //!
 //! A malformed or oversize request gets an `Error` frame and ends that stream only; the
-//! connection keeps serving others.
+//! connection keeps serving others. So does a request the peer's access (proved at the hello)
+//! does not allow: a push needs read-write access, and a node with only the read-only
+//! credential takes none.
 
 use std::{ops::Range, sync::Arc, time::Duration};
 
@@ -15,8 +17,8 @@ use iroh::{
 use ractor::{ActorRef, rpc::CallResult};
 use tb_dashboard::TransferKind;
 use tb_proto::{
-    ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode, FrameError,
-    TensorMeta, TensorName,
+    Access, ByteRange, CloseCode, ContentHash, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
+    FrameError, TensorMeta, TensorName,
 };
 use tracing::{Instrument, debug, debug_span};
 
@@ -65,10 +67,13 @@ impl ProtocolHandler for DataProtocol {
             ctx.config.max_tensor_bytes,
             |reason| ctx.metrics.auth_failures.inc(reason),
         );
-        if let Err(err) = hello.await {
-            debug!(%err, "hello failed");
-            return Ok(());
-        }
+        let access = match hello.await {
+            Ok(access) => access,
+            Err(err) => {
+                debug!(%err, "hello failed");
+                return Ok(());
+            }
+        };
         // Pool the inbound link (if we have none to this peer) so replies to it reuse it; a
         // pool full of links in use refuses it (closed with `TooManyConnections`) before any
         // request on it is read.
@@ -78,7 +83,9 @@ impl ProtocolHandler for DataProtocol {
             reply,
         };
         match self.node.call(adopt, Some(bound)).await {
-            Ok(CallResult::Success(Some(link))) => serve_connection(self.ctx.clone(), link).await,
+            Ok(CallResult::Success(Some(link))) => {
+                serve_connection(self.ctx.clone(), link, access).await
+            }
             Ok(CallResult::Success(None)) => {}
             _ => pool::peer::close(&conn, CloseCode::Shutdown),
         }
@@ -86,9 +93,11 @@ impl ProtocolHandler for DataProtocol {
     }
 }
 
-/// Serves the streams a peer opens on a connection we dialed.
-pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, link: Link) {
-    ctx.tracker.spawn(serve_connection(ctx.clone(), link));
+/// Serves the streams a peer opens on a connection we dialed; `access` is what the peer
+/// proved in its welcome.
+pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, link: Link, access: Access) {
+    ctx.tracker
+        .spawn(serve_connection(ctx.clone(), link, access));
 }
 
 /// How long a stream accepted on a link that is closing is held for the close to land, so
@@ -97,8 +106,9 @@ const CLOSING_WAIT: Duration = Duration::from_secs(1);
 
 /// Serves the streams the peer opens on `link`. Each holds a guard on the link while it is
 /// served, so the link counts as in use (never idle- or LRU-closed) while the peer has a
-/// stream open on it, as it does while we have one.
-async fn serve_connection(ctx: Arc<NodeCtx>, link: Link) {
+/// stream open on it, as it does while we have one; each as far as the peer's `access`
+/// allows.
+async fn serve_connection(ctx: Arc<NodeCtx>, link: Link, access: Access) {
     let peer = link.conn.remote_id();
     loop {
         let accepted = tokio::select! {
@@ -124,7 +134,7 @@ async fn serve_connection(ctx: Arc<NodeCtx>, link: Link) {
             async move {
                 tokio::select! {
                     _ = task_ctx.cancel.cancelled() => {}
-                    () = serve_stream_held(&task_ctx, peer, send, recv) => {}
+                    () = serve_stream_held(&task_ctx, peer, access, send, recv) => {}
                 }
                 drop(guard);
             }
@@ -135,13 +145,25 @@ async fn serve_connection(ctx: Arc<NodeCtx>, link: Link) {
 
 /// Serves one stream, then waits (within the stall timeout) until the peer has received the
 /// whole answer: until then the stream is open, and the caller's guard keeps the link in use.
-async fn serve_stream_held(ctx: &NodeCtx, peer: EndpointId, send: SendStream, recv: RecvStream) {
+async fn serve_stream_held(
+    ctx: &NodeCtx,
+    peer: EndpointId,
+    access: Access,
+    send: SendStream,
+    recv: RecvStream,
+) {
     let received = send.stopped();
-    serve_stream(ctx, peer, send, recv).await;
+    serve_stream(ctx, peer, access, send, recv).await;
     let _ = tokio::time::timeout(ctx.config.stall_timeout, received).await;
 }
 
-async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut recv: RecvStream) {
+async fn serve_stream(
+    ctx: &NodeCtx,
+    peer: EndpointId,
+    access: Access,
+    mut send: SendStream,
+    mut recv: RecvStream,
+) {
     let request = tokio::time::timeout(
         ctx.config.request_timeout,
         wire::read_frame::<DataRequest>(&mut recv),
@@ -168,6 +190,18 @@ async fn serve_stream(ctx: &NodeCtx, peer: EndpointId, mut send: SendStream, mut
             return;
         }
     };
+    let mine = ctx.config.cluster_key.access();
+    if let Err(err) = tb_proto::authorize(mine, access, request.write_action()) {
+        debug!(%err, "refusing a request the peer's access does not allow");
+        refuse(
+            &mut send,
+            &mut recv,
+            ErrorCode::Unauthorized,
+            err.to_string(),
+        )
+        .await;
+        return;
+    }
     if let Err(err) = request.validate(ctx.config.max_tensor_bytes) {
         let code = match err {
             tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,

@@ -11,8 +11,9 @@
 //!   ALPN constants, and the one enum of QUIC close codes ([`CloseCode`]).
 //! - [`ctl`]: the `tb/ctl/1` messages ([`CtlRequest`], [`CtlResponse`], [`Event`]) between
 //!   nodes and brokers and between brokers, with their limits and [`CtlError`].
-//! - [`ClusterKey`], [`Hello`], [`HelloReply`]: cluster-secret authentication, the first frame
-//!   exchange of every connection, and the gossip topic the secret names.
+//! - [`ClusterKey`], [`Access`], [`Hello`], [`HelloReply`]: the cluster secret and the
+//!   read-only credential derived from it, what each allows, the first frame exchange of every
+//!   connection that proves them, and the gossip topic the secret names.
 //! - [`frame`]: length-prefixed postcard framing with the control-frame cap checked before any
 //!   allocation.
 //! - [`Registry`]: the replicated registry CRDT (entries per name with LWW heads, add-wins
@@ -22,7 +23,7 @@
 //!   orders its writes.
 //!
 //! Data flow: a client opens a connection, sends a [`Hello`] carrying its
-//! [`ClusterKey::proof`] and waits for the [`HelloReply`]. Then, on a stream per request, a
+//! [`ClusterKey::prove`] and waits for the [`HelloReply`]. Then, on a stream per request, a
 //! sender builds a message, [`frame::encode`]s it and writes the bytes (then the raw payload,
 //! for tensors); a receiver reads 4 bytes, asks [`frame::body_len`] whether to read on, reads
 //! the body, [`frame::decode_body`]s it and `validate`s what it got before trusting any length
@@ -52,8 +53,9 @@ mod name;
 mod registry;
 
 pub use auth::{
-    AuthError, AuthProof, ClusterKey, Hello, HelloReply, MAX_HELLO_FRAME, MAX_SECRET_LEN,
-    MIN_SECRET_LEN,
+    Access, AccessError, AccessProof, AuthError, AuthProof, ClusterKey, EXAMPLE_SECRETS,
+    HOW_TO_MAKE_A_SECRET, Hello, HelloReply, MAX_HELLO_FRAME, MAX_SECRET_LEN, MIN_SECRET_LEN,
+    READ_ONLY_PREFIX, authorize,
 };
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, ListedEntry,

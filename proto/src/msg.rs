@@ -52,6 +52,15 @@ impl DataRequest {
         }
     }
 
+    /// What the request does that needs read-write access, named for the refusal: a push
+    /// (the receiver may publish it); a pull needs read-only access only.
+    pub fn write_action(&self) -> Option<&'static str> {
+        match self {
+            DataRequest::Push { .. } => Some("pushing a tensor (a publish)"),
+            DataRequest::Pull { .. } => None,
+        }
+    }
+
     /// Checks what can be checked before acting on the request: a push's metadata (rank,
     /// byte length, size limit), and that a pull's range end fits in 64 bits.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
@@ -256,6 +265,8 @@ mod tests {
             Err(MetaError::TooLarge { len: 16, max: 15 })
         );
         assert_eq!(push.name().as_str(), "b");
+        assert_eq!(push.write_action(), Some("pushing a tensor (a publish)"));
+        assert_eq!(pull(None).write_action(), None);
         let lie = DataRequest::Push {
             name: name("b"),
             meta: TensorMeta {

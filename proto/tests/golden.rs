@@ -11,10 +11,10 @@
 use std::collections::BTreeMap;
 
 use tb_proto::{
-    AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse, DType,
-    DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr, HolderMark,
-    LastHeartbeat, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats, RegistryOp,
-    Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
+    AccessProof, AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse,
+    DType, DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr,
+    HolderMark, LastHeartbeat, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats,
+    RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
 };
 
 fn name(s: &str) -> TensorName {
@@ -150,58 +150,79 @@ fn patterns_are_strings() {
 
 #[test]
 fn hello() {
-    // len 32 | proof (32 raw bytes)
+    let root = AccessProof {
+        read: AuthProof([0xab; 32]),
+        write: Some(AuthProof([0x11; 32])),
+    };
+    let read_only = AccessProof {
+        read: AuthProof([0xab; 32]),
+        write: None,
+    };
+    // len 65 | read proof (32 raw bytes) | Some | write proof (32 raw bytes)
     golden(
-        &Hello {
-            proof: AuthProof([0xab; 32]),
-        },
-        &format!("20000000 {H_AB}"),
+        &Hello { proof: root },
+        &format!("41000000 {H_AB} 01 {H_11}"),
     );
-    // len 39 | Welcome=0 | 64 GiB = 2^36 as a varint | proof (32 raw bytes)
+    // len 33 | read proof | None
+    golden(&Hello { proof: read_only }, &format!("21000000 {H_AB} 00"));
+    // len 72 | Welcome=0 | 64 GiB = 2^36 as a varint | read proof | Some | write proof
     golden(
         &HelloReply::Welcome {
             max_tensor_bytes: 64 << 30,
-            proof: AuthProof([0xab; 32]),
+            proof: root,
         },
-        &format!("27000000 00 808080808002 {H_AB}"),
+        &format!("48000000 00 808080808002 {H_AB} 01 {H_11}"),
     );
 }
 
 #[test]
 fn cluster_key_derivations() {
-    // Pins the key derivation, the proof's encoding and the gossip topic: nodes of two builds
-    // must agree on all three to form one cluster.
-    let key = ClusterKey::from_secret(b"0123456789abcdef").expect("secret");
-    let proof = key.proof(CTL_ALPN, &id(1), &id(2));
+    // Pins the key derivations, the proofs' encoding and the gossip topic: nodes of two builds
+    // must agree on all of them to form one cluster.
+    let secret = b"0123456789abcdef0123456789abcdef";
+    let key = ClusterKey::from_secret(secret).expect("secret");
+    let proof = key.prove(CTL_ALPN, &id(1), &id(2));
+    let write = proof.write.expect("the secret proves write access");
+    assert_eq!(hex::encode(&proof.read.0), READ_PROOF);
+    assert_eq!(hex::encode(&write.0), WRITE_PROOF);
+    assert_eq!(hex::encode(&key.gossip_topic()), TOPIC);
     assert_eq!(
-        hex::encode(proof.0),
-        "a480ab4bd3dc187016c62baecb899ddafa47b8449f6640b9bd989fff3966989d"
+        key.read_only_credential().expect("derive"),
+        format!("tbro1-{READ_KEY}")
     );
+    // The same, spelled out for other implementations: K from the secret, R from K, each proof
+    // a keyed hash over its domain, the ALPN and both ids, each length-prefixed (u64 LE).
+    let k = blake3::derive_key("tensor-broker cluster key v1", secret);
+    let r = blake3::derive_key("tensor-broker read-only key v1", &k);
+    assert_eq!(hex::encode(&r), READ_KEY);
+    let keyed = |key: &[u8; 32], domain: &[u8]| {
+        let mut input = Vec::new();
+        for field in [domain, CTL_ALPN, &[1; 32], &[2; 32]] {
+            input.extend((field.len() as u64).to_le_bytes());
+            input.extend(field);
+        }
+        *blake3::keyed_hash(key, &input).as_bytes()
+    };
     assert_eq!(
-        hex::encode(key.gossip_topic()),
-        "31b43b20dfe5e7258ee2e8753684fcb16fdf36ccc25594cf6d3301489c7f3f47"
+        keyed(&r, b"tensor-broker hello read proof v2"),
+        proof.read.0
     );
-    // The same, spelled out for other implementations: each field length-prefixed (u64 LE).
-    let k = blake3::derive_key("tensor-broker cluster key v1", b"0123456789abcdef");
-    let mut input = Vec::new();
-    for field in [
-        &b"tensor-broker hello proof v1"[..],
-        CTL_ALPN,
-        &[1; 32],
-        &[2; 32],
-    ] {
-        input.extend((field.len() as u64).to_le_bytes());
-        input.extend(field);
-    }
-    assert_eq!(blake3::keyed_hash(&k, &input).as_bytes(), &proof.0);
+    assert_eq!(keyed(&k, b"tensor-broker hello write proof v2"), write.0);
     let topic = blake3::derive_key("tensor-broker gossip topic v1", &k);
     assert_eq!(topic, key.gossip_topic());
-    let open = ClusterKey::open().proof(CTL_ALPN, &id(1), &id(2));
-    assert_eq!(
-        hex::encode(open.0),
-        "6744f28a35150b2c9ba96853951320d82b5e4350721c54d40b67f6c6b348ad2d"
-    );
+    let open = ClusterKey::open().prove(CTL_ALPN, &id(1), &id(2));
+    assert_eq!(hex::encode(&open.read.0), OPEN_READ_PROOF);
+    // The read-only credential proves the same read proof, and no write proof.
+    let ro = ClusterKey::parse(format!("tbro1-{READ_KEY}\n").as_bytes()).expect("credential");
+    let ro_proof = ro.prove(CTL_ALPN, &id(1), &id(2));
+    assert_eq!((ro_proof.read, ro_proof.write), (proof.read, None));
 }
+
+const READ_KEY: &str = "0f2830a9bfa486bb8f0ff6506cef3f4f534192a8c5c76893f6318e564c0098ad";
+const READ_PROOF: &str = "dbf410e507ff3c0006bf2824feb06b79d129a22649193a9fca6cce5e747949e5";
+const WRITE_PROOF: &str = "44da34954d4b8735a124366638b2099c39723d3d1b92e46b657e2f055ed15eab";
+const TOPIC: &str = "b99967fdb16172d53fca09c15de520267aa0a3881cc4312d43a38d5e3a7983ad";
+const OPEN_READ_PROOF: &str = "486a7f31cd4de1c6bf01f0d3d11d089d9fda40489462bf3e1c6406958f05b284";
 
 #[test]
 fn ctl_heartbeat_and_announce() {

@@ -7,10 +7,10 @@ use proptest::{
     prelude::*,
 };
 use tb_proto::{
-    AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest, DataResponse,
-    Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark, LastHeartbeat,
-    ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern, NodeId, NodeStats,
-    RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
+    AccessProof, AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest,
+    DataResponse, Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark,
+    LastHeartbeat, ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern,
+    NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
 
@@ -210,16 +210,24 @@ fn entry() -> impl Strategy<Value = Entry> {
         )
 }
 
-fn hello() -> impl Strategy<Value = Hello> {
-    any::<[u8; 32]>().prop_map(|p| Hello {
-        proof: AuthProof(p),
+/// A read proof, and a write proof or none.
+fn access_proof() -> impl Strategy<Value = AccessProof> {
+    (any::<[u8; 32]>(), proptest::option::of(any::<[u8; 32]>())).prop_map(|(read, write)| {
+        AccessProof {
+            read: AuthProof(read),
+            write: write.map(AuthProof),
+        }
     })
 }
 
+fn hello() -> impl Strategy<Value = Hello> {
+    access_proof().prop_map(|proof| Hello { proof })
+}
+
 fn hello_reply() -> impl Strategy<Value = HelloReply> {
-    (any::<u64>(), any::<[u8; 32]>()).prop_map(|(max_tensor_bytes, proof)| HelloReply::Welcome {
+    (any::<u64>(), access_proof()).prop_map(|(max_tensor_bytes, proof)| HelloReply::Welcome {
         max_tensor_bytes,
-        proof: AuthProof(proof),
+        proof,
     })
 }
 

@@ -15,7 +15,7 @@ use tb_tests::{
 };
 
 const LIMIT: Duration = Duration::from_secs(60);
-const SECRET: &[u8] = b"cluster tests share this secret";
+const SECRET: &[u8] = b"cluster tests share this secret, 32+ bytes";
 
 fn key() -> ClusterKey {
     ClusterKey::from_secret(SECRET).expect("secret")
@@ -318,7 +318,8 @@ async fn a_node_with_the_wrong_secret_is_refused_by_brokers() {
     let brokers = Brokers::start(1).await;
     let outsider = node(Config {
         brokers: brokers.addrs_from(0),
-        cluster_key: ClusterKey::from_secret(b"not the cluster secret at all").expect("secret"),
+        cluster_key: ClusterKey::from_secret(b"not the cluster secret at all, 32+ bytes")
+            .expect("secret"),
         ..test_config()
     })
     .await;

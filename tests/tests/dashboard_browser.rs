@@ -30,7 +30,7 @@ const BROWSER_LIMIT: Duration = Duration::from_secs(60);
 /// How many page loads a condition gets before the test gives up (each takes a few seconds:
 /// worker figures reach the broker with heartbeats, at most every 2 s).
 const ATTEMPTS: usize = 20;
-const SECRET: &str = "dashboard-browser-test-secret";
+const SECRET: &str = "dashboard-browser-test-secret-32-bytes";
 /// The broker's HTTP token (as `head -c 32 /dev/urandom | base64` makes them: `+`, `/`, `=`);
 /// the page gets it from its address, `#token=...`.
 const HTTP_TOKEN: &str = "ZGFzaGJv+YXJkL/Rva2VuL+Rlc3Qvc2VjcmV0LXRva2Vu==";

@@ -34,7 +34,7 @@ use tb_tests::{
 const START: Duration = Duration::from_secs(30);
 /// How long Prometheus may take to become ready, find its targets up, or see a change.
 const PROM_WAIT: Duration = Duration::from_secs(60);
-const SECRET: &str = "deploy-test-cluster-secret";
+const SECRET: &str = "deploy-test-cluster-secret-of-32-bytes";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

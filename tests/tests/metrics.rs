@@ -18,7 +18,7 @@ use tb_tests::{
 const START: Duration = Duration::from_secs(30);
 /// Longest poll for something that should happen within a few heartbeats.
 const SETTLE: Duration = Duration::from_secs(30);
-const SECRET: &str = "metrics-test-cluster-secret";
+const SECRET: &str = "metrics-test-cluster-secret-of-32-bytes";
 
 /// One broker and two workers; worker 1 subscribes to `model/*`, so it pulls what worker 0
 /// is given.
@@ -273,7 +273,7 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
     // A worker with the wrong secret is refused and counted; it never becomes ready.
     let before = metric(&c.broker_url, BAD_PROOF);
     let wrong = c.dir.path().join("wrong-secret");
-    std::fs::write(&wrong, "not-the-cluster-secret-at-all\n").expect("secret");
+    std::fs::write(&wrong, "not-the-cluster-secret-at-all-of-32-bytes\n").expect("secret");
     let (mut intruder, _, intruder_url) = c.spawn_worker("intruder", &wrong, &[]);
     assert!(
         poll(SETTLE, || metric(&c.broker_url, BAD_PROOF)

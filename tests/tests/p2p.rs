@@ -647,7 +647,7 @@ fn with_secret(secret: &[u8]) -> Config {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_without_the_cluster_secret_is_refused() {
-    let secret = b"correct horse battery staple";
+    let secret = b"correct horse battery staple, 32 bytes";
     let (a, b) = (
         node(with_secret(secret)).await,
         node(with_secret(secret)).await,
@@ -661,7 +661,7 @@ async fn a_node_without_the_cluster_secret_is_refused() {
 
     // A node with another secret, and one with none, are refused before any request is read,
     // whichever side dials.
-    let wrong = node(with_secret(b"another secret of some length")).await;
+    let wrong = node(with_secret(b"another secret of some length, 32+")).await;
     let open = node(test_config()).await;
     for outsider in [&wrong, &open] {
         match within(LIMIT, "pull", outsider.pull(b.addr(), "model/w", None)).await {

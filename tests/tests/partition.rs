@@ -24,7 +24,7 @@ use tb_tests::{
 
 const LIMIT: Duration = Duration::from_secs(60);
 const START: Duration = Duration::from_secs(30);
-const SECRET: &str = "partition-test-cluster-secret";
+const SECRET: &str = "partition-test-cluster-secret-32-bytes";
 /// How long the link stays down: past QUIC's idle timeout (30 s).
 const PARTITION: Duration = Duration::from_secs(33);
 

@@ -17,7 +17,7 @@ use tb_tests::{
 
 const LIMIT: Duration = Duration::from_secs(90);
 const START: Duration = Duration::from_secs(30);
-const SECRET: &str = "processes-test-cluster-secret";
+const SECRET: &str = "processes-test-cluster-secret-32-bytes";
 
 struct Cluster {
     dir: tempfile::TempDir,

@@ -31,8 +31,8 @@ mod tests;
 use std::collections::BTreeMap;
 
 use tb_proto::{
-    Entry, Event, Hlc, ListedEntry, Member, NodeId, Registry, RegistryOp, Stamp, TensorMeta,
-    TensorName,
+    Access, AccessError, Entry, Event, Hlc, ListedEntry, Member, NodeId, Registry, RegistryOp,
+    Stamp, TensorMeta, TensorName,
 };
 
 pub use self::lookup::Holders;
@@ -286,6 +286,44 @@ impl BrokerState {
                 }),
             },
         }
+    }
+
+    /// [`announce`](Self::announce) for a sender whose credential allows `access`. A read-only
+    /// sender may only mark what it holds: no publish, delete or membership row
+    /// ([`BrokerError::Access`]), and holder marks only of versions whose holders the registry
+    /// keeps ([`BrokerError::NotFound`] otherwise), so it cannot make up names or versions.
+    pub fn announce_as(
+        &mut self,
+        sender: NodeId,
+        access: Access,
+        op: RegistryOp,
+        now_ms: u64,
+    ) -> Result<Changes, BrokerError> {
+        if access == Access::ReadOnly {
+            self.check_read_only(&op)?;
+        }
+        self.announce(sender, op, now_ms)
+    }
+
+    /// Refuses what a read-only sender may not announce.
+    fn check_read_only(&self, op: &RegistryOp) -> Result<(), BrokerError> {
+        if let Some(action) = op.write_action() {
+            return Err(AccessError::PeerReadOnly { action }.into());
+        }
+        if let RegistryOp::AddHolder { name, version, .. } = op {
+            let keep = self.config.keep_versions;
+            let kept = self
+                .registry
+                .entry(name)
+                .is_some_and(|e| (oldest_kept(e.version, keep)..=e.version).contains(version));
+            if !kept {
+                return Err(BrokerError::NotFound {
+                    name: name.clone(),
+                    version: Some(*version),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Applies an op another broker gossiped: validates it, observes its stamp (refusing one

@@ -66,6 +66,8 @@ struct Args {
 async fn main() -> Result<()> {
     let args = Args::parse();
     daemon::init_logging(args.log_format);
+    // First: without a secret (or --insecure-open) the worker starts nothing.
+    let cluster_key = args.secret.key_or_exit();
     let data_dir = daemon::data_dir(args.data_dir, "worker")?;
     let mut metrics =
         daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
@@ -73,7 +75,7 @@ async fn main() -> Result<()> {
         metrics_url: Some(metrics.url()),
         bind_addr: args.listen,
         data_dir: Some(data_dir.clone()),
-        cluster_key: args.secret.key()?,
+        cluster_key,
         brokers: args.join.brokers,
         keep_versions: args.keep_versions.max(1),
         advertise_addrs: args.advertise.into_iter().collect(),

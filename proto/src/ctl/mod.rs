@@ -153,6 +153,32 @@ impl CtlRequest {
         }
     }
 
+    /// What the request does that needs read-write access (the cluster secret), named for the
+    /// refusal; `None` when read-only access is enough. Read-only: `Lookup`, `Fetching`,
+    /// `List`, `Subscribe`, `Members`, a worker's `Heartbeat`, an `Announce` of holder marks.
+    /// Read-write: `NextVersion`, a broker's `Heartbeat`, anti-entropy, and an `Announce` of a
+    /// publish, a delete or a membership row.
+    pub fn write_action(&self) -> Option<&'static str> {
+        match self {
+            CtlRequest::NextVersion { .. } => Some("publishing (allocating a version)"),
+            CtlRequest::Heartbeat {
+                role: Role::Broker, ..
+            } => Some("joining as a broker"),
+            CtlRequest::Announce { ops } => ops.iter().find_map(RegistryOp::write_action),
+            CtlRequest::SyncBuckets { .. } | CtlRequest::SyncNames { .. } => {
+                Some("anti-entropy between brokers")
+            }
+            CtlRequest::Heartbeat {
+                role: Role::Worker, ..
+            }
+            | CtlRequest::Lookup { .. }
+            | CtlRequest::Fetching { .. }
+            | CtlRequest::List { .. }
+            | CtlRequest::Subscribe { .. }
+            | CtlRequest::Members => None,
+        }
+    }
+
     /// The one tensor the request is about, if it names one.
     pub fn tensor(&self) -> Option<&TensorName> {
         match self {

@@ -552,3 +552,91 @@ fn errors_name_what_failed() {
     let e = CtlError::from(RegistryError::ZeroVersion { name: name("m/w") });
     assert!(e.to_string().contains("\"m/w\""), "{e}");
 }
+
+#[test]
+fn every_request_names_the_access_it_needs() {
+    let stamp = Stamp::ZERO;
+    let n = || name("m/w");
+    let hb = |role| CtlRequest::Heartbeat {
+        role,
+        addrs: vec![],
+        epoch: 1,
+        stats: None,
+    };
+    let announce = |ops| CtlRequest::Announce { ops };
+    let holder = RegistryOp::AddHolder {
+        name: n(),
+        version: 1,
+        node: id(1),
+        stamp,
+    };
+    let dropped = RegistryOp::RemoveHolder {
+        name: n(),
+        version: 1,
+        node: id(1),
+        stamp,
+    };
+    let publish = RegistryOp::Publish {
+        name: n(),
+        version: 1,
+        meta: meta(4),
+        publisher: id(1),
+        stamp,
+    };
+    let delete = RegistryOp::Delete { name: n(), stamp };
+    let read_only = [
+        hb(Role::Worker),
+        announce(vec![holder.clone(), dropped.clone()]),
+        announce(vec![]),
+        CtlRequest::Lookup {
+            name: n(),
+            version: None,
+        },
+        CtlRequest::Fetching {
+            name: n(),
+            version: 1,
+            active: true,
+        },
+        CtlRequest::List {
+            prefix: String::new(),
+            limit: 1,
+        },
+        CtlRequest::Subscribe {
+            pattern: "m/*".parse().expect("pattern"),
+        },
+        CtlRequest::Members,
+    ];
+    for request in read_only {
+        assert_eq!(request.write_action(), None, "{request:?}");
+    }
+    let read_write = [
+        (hb(Role::Broker), "joining as a broker"),
+        (
+            CtlRequest::NextVersion { name: n() },
+            "publishing (allocating a version)",
+        ),
+        (announce(vec![holder.clone(), publish]), "publishing"),
+        (announce(vec![dropped, delete]), "deleting"),
+        (
+            announce(vec![RegistryOp::Member(fat_member(1))]),
+            "writing membership",
+        ),
+        (
+            CtlRequest::SyncBuckets {
+                buckets: vec![],
+                members: vec![],
+            },
+            "anti-entropy between brokers",
+        ),
+        (
+            CtlRequest::SyncNames {
+                names: vec![],
+                last: true,
+            },
+            "anti-entropy between brokers",
+        ),
+    ];
+    for (request, action) in read_write {
+        assert_eq!(request.write_action(), Some(action), "{request:?}");
+    }
+}

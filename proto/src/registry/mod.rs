@@ -130,6 +130,18 @@ pub enum RegistryOp {
 }
 
 impl RegistryOp {
+    /// What the op does that needs read-write access, named for the refusal: a publish, a
+    /// delete, a membership row. Holder marks (a node saying what it holds) need read-only
+    /// access only: readers verify every byte against the registered hash.
+    pub fn write_action(&self) -> Option<&'static str> {
+        match self {
+            RegistryOp::Publish { .. } => Some("publishing"),
+            RegistryOp::Delete { .. } => Some("deleting"),
+            RegistryOp::Member(_) => Some("writing membership"),
+            RegistryOp::AddHolder { .. } | RegistryOp::RemoveHolder { .. } => None,
+        }
+    }
+
     /// Checks an op that came from the network before applying it: metadata (against
     /// `max_tensor_bytes`), versions at least 1, member address limits. Names are checked when
     /// they are decoded.

@@ -8,6 +8,8 @@
 //! declined request, a handle that does not open — makes the caller fall back to the network.
 //! The bytes never leave device memory, so no hash is checked on this path: the metadata
 //! (hash included) comes from the server, whose bytes were hashed when it published them.
+//! An IPC handle maps the server's memory writable, so it is exported only to peers that
+//! proved read-write access (the cluster secret); read-only peers use the network.
 
 use std::sync::{Arc, OnceLock};
 
@@ -17,7 +19,7 @@ use iroh::{
     protocol::{AcceptError, ProtocolHandler},
 };
 use serde::{Deserialize, Serialize};
-use tb_proto::{TensorMeta, TensorName};
+use tb_proto::{Access, TensorMeta, TensorName};
 use tracing::debug;
 
 use super::{
@@ -92,10 +94,13 @@ impl ProtocolHandler for IpcProtocol {
             ctx.config.max_tensor_bytes,
             |reason| ctx.metrics.auth_failures.inc(reason),
         );
-        if let Err(e) = hello.await {
-            debug!(%e, "CUDA IPC hello failed");
-            return Ok(());
-        }
+        let access = match hello.await {
+            Ok(access) => access,
+            Err(e) => {
+                debug!(%e, "CUDA IPC hello failed");
+                return Ok(());
+            }
+        };
         loop {
             let accepted = tokio::select! {
                 _ = self.ctx.cancel.cancelled() => break,
@@ -106,7 +111,7 @@ impl ProtocolHandler for IpcProtocol {
             self.ctx.tracker.spawn(async move {
                 tokio::select! {
                     _ = ctx.cancel.cancelled() => {}
-                    () = serve(&ctx, send, recv) => {}
+                    () = serve(&ctx, access, send, recv) => {}
                 }
             });
         }
@@ -114,7 +119,10 @@ impl ProtocolHandler for IpcProtocol {
     }
 }
 
-async fn serve(ctx: &NodeCtx, mut send: SendStream, mut recv: RecvStream) {
+/// What CUDA IPC does that needs read-write access.
+const IPC_ACTION: &str = "CUDA IPC (a writable mapping of this node's device memory)";
+
+async fn serve(ctx: &NodeCtx, access: Access, mut send: SendStream, mut recv: RecvStream) {
     let timeout = ctx.config.request_timeout;
     let request = tokio::time::timeout(timeout, wire::read_frame::<IpcRequest>(&mut recv)).await;
     let Ok(Ok(IpcRequest::Open {
@@ -126,8 +134,15 @@ async fn serve(ctx: &NodeCtx, mut send: SendStream, mut recv: RecvStream) {
     else {
         return;
     };
-    let (answer, hold) = match ctx.store.get(&name, version) {
-        Lookup::Found(version, tensor) => match export(ctx, &host, &tensor, min_bytes) {
+    let allowed = tb_proto::authorize(ctx.config.cluster_key.access(), access, Some(IPC_ACTION));
+    let (answer, hold) = match (allowed, ctx.store.get(&name, version)) {
+        (Err(e), _) => (
+            IpcResponse::Declined {
+                reason: e.to_string(),
+            },
+            None,
+        ),
+        (Ok(()), Lookup::Found(version, tensor)) => match export(ctx, &host, &tensor, min_bytes) {
             Ok(handle) => {
                 let meta = tensor.meta().clone();
                 (
@@ -204,7 +219,9 @@ pub(crate) async fn ipc_pull(
     version: Option<u64>,
     ordinal: usize,
 ) -> Result<Option<Pulled<DeviceBuffer>>> {
-    let Some(host) = my_host() else {
+    // A read-only node is never exported to: go straight to the network.
+    let Some(host) = my_host().filter(|_| ctx.config.cluster_key.access() == Access::ReadWrite)
+    else {
         return Ok(None);
     };
     let connect = ctx.endpoint.connect(peer.to_endpoint_addr(), IPC_ALPN);
