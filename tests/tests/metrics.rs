@@ -312,6 +312,7 @@ const FAMILIES: &[(&str, &[&str])] = &[
     ("tb_store_bytes", &["worker"]),
     ("tb_store_tensors", &["worker"]),
     ("tb_auth_failures_total", &["broker", "worker"]),
+    ("tb_insecure_open", &["broker", "worker"]),
     ("tb_build_info", &["broker", "worker"]),
     ("process_cpu_seconds_total", &["broker", "worker"]),
     ("process_resident_memory_bytes", &["broker", "worker"]),
@@ -322,11 +323,15 @@ const FAMILIES: &[(&str, &[&str])] = &[
 #[test]
 fn every_contract_family_is_exported_at_zero_by_its_role() {
     let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
     let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
     cmd.arg("--data-dir")
         .arg(dir.path().join("broker"))
         .arg("--listen")
         .arg(free_udp_addr().to_string())
+        .arg("--cluster-secret-file")
+        .arg(&secret)
         .args(["--metrics-addr", "127.0.0.1:0"]);
     let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
     let ticket = broker.wait_line("ticket:", START);
@@ -338,6 +343,8 @@ fn every_contract_family_is_exported_at_zero_by_its_role() {
         .arg(dir.path().join("worker"))
         .arg("--listen")
         .arg(free_udp_addr().to_string())
+        .arg("--cluster-secret-file")
+        .arg(&secret)
         .args(["--metrics-addr", "127.0.0.1:0"]);
     let mut worker = Proc::start("worker", cmd, &dir.path().join("worker.log"));
     let worker_url = worker.wait_line("metrics:", START);
@@ -362,6 +369,7 @@ fn every_contract_family_is_exported_at_zero_by_its_role() {
             "tb_pool_links{state=\"active\"} 0",
             "tb_pool_evictions_total{reason=\"idle\"} 0",
             "tb_transfers_total{kind=\"push\",result=\"error\"} 0",
+            "tb_insecure_open 0",
         ] {
             assert!(page.contains(series), "{role} lacks {series}");
         }
