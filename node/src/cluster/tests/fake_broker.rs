@@ -5,7 +5,6 @@
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex, MutexGuard},
-    time::Duration,
 };
 
 use iroh::{
