@@ -35,7 +35,8 @@ pub const FALLBACK_PUSH_DEVICE_MEMORY: u64 = 4 << 30;
 /// Everything a [`crate::Node`] can be tuned with.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// UDP address the endpoint binds. `127.0.0.1:0` (any free port) by default; daemons use a
+    /// UDP address the endpoint binds, and the only one it listens on (no IPv6 socket unless
+    /// this is an IPv6 address). `127.0.0.1:0` (any free port) by default; daemons use a
     /// fixed port so their address survives restarts.
     pub bind_addr: SocketAddr,
     /// Where the identity key (`node.key`, mode 0600) is kept. `None`: a fresh key per run.

@@ -171,6 +171,19 @@ pub const OPEN_PROTOCOL_UNI_STREAMS: u32 = 8;
 /// the endpoint (gossip) gets the open-protocol limits when its QUIC handshake ends.
 pub const HELLO_ALPN_PREFIX: &[u8] = b"tb/";
 
+// The rules above, checked when the crate compiles.
+const _: () = {
+    assert!(
+        STREAM_RECEIVE_WINDOW <= 1_400_000,
+        "IROH-NOTES: larger stream windows break"
+    );
+    let hello = tb_proto::MAX_HELLO_FRAME as usize + tb_proto::LEN_PREFIX;
+    assert!(
+        hello <= PREAUTH_RECEIVE_WINDOW as usize,
+        "a hello must fit the pre-auth window"
+    );
+};
+
 /// The QUIC settings every tensor-broker endpoint uses: the pre-auth limits every connection
 /// starts with (see the module doc), explicit stream windows (IROH-NOTES: keep them at
 /// iroh's default), MTU discovery capped at the largest UDP payload iroh sends.
@@ -351,13 +364,6 @@ mod tests {
         }
         #[cfg(feature = "cuda")]
         assert!(crate::device::IPC_ALPN.starts_with(HELLO_ALPN_PREFIX));
-        // A hello frame and its length prefix fit the pre-auth window.
-        assert!(
-            tb_proto::MAX_HELLO_FRAME as usize + tb_proto::LEN_PREFIX
-                <= PREAUTH_RECEIVE_WINDOW as usize
-        );
-        // IROH-NOTES: stream windows above ~1.4 MB abort connections.
-        assert!(STREAM_RECEIVE_WINDOW <= 1_400_000);
         assert_eq!(LINK_RECEIVE_WINDOW, 10_000_000);
     }
 }
