@@ -14,8 +14,7 @@ use std::{
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tb_proto::{
-    Access, Event, ListedEntry, Member, NamePattern, NodeId, Registry, RegistryOp, Role,
-    TensorName,
+    Access, Event, ListedEntry, Member, NamePattern, NodeId, Registry, RegistryOp, Role, TensorName,
 };
 use tokio::sync::mpsc;
 use tracing::{debug, warn};

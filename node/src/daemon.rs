@@ -137,7 +137,9 @@ pub fn cluster_key(secret: Option<&str>, file: Option<&Path>) -> Result<ClusterK
     match (secret, file) {
         (Some(s), _) => Ok(crate::parse_secret(s.as_bytes())?),
         (None, Some(path)) => crate::read_secret_file(path).map_err(|e| match e {
-            crate::SecretFileError::Read { path, source } => SetupError::SecretFile { path, source },
+            crate::SecretFileError::Read { path, source } => {
+                SetupError::SecretFile { path, source }
+            }
             crate::SecretFileError::Invalid(e) => SetupError::Secret(e),
         }),
         (None, None) => Ok(ClusterKey::open()),

@@ -96,7 +96,9 @@ pub mod framing {
 
 pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
-pub use config::{Config, DEFAULT_MAX_TENSOR_BYTES, SecretFileError, parse_secret, read_secret_file};
+pub use config::{
+    Config, DEFAULT_MAX_TENSOR_BYTES, SecretFileError, parse_secret, read_secret_file,
+};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};

@@ -172,7 +172,8 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 .connect(peer.to_endpoint_addr(), DATA_ALPN)
                 .await
                 .map_err(|e| unreachable(&peer, e.to_string()))?;
-            let welcomed = auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout).await?;
+            let welcomed =
+                auth::client_hello(&conn, endpoint.id(), &key, DATA_ALPN, timeout).await?;
             // Either way the peer may open streams on this connection: serve them, as far as
             // the access it proved in its welcome allows.
             serve::spawn_serve(&serve_ctx, conn.clone(), welcomed.peer);

@@ -82,7 +82,8 @@ impl ProtocolHandler for DataProtocol {
 /// Serves the streams a peer opens on a connection we dialed; `access` is what the peer
 /// proved in its welcome.
 pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, conn: Connection, access: Access) {
-    ctx.tracker.spawn(serve_connection(ctx.clone(), conn, access));
+    ctx.tracker
+        .spawn(serve_connection(ctx.clone(), conn, access));
 }
 
 /// Serves every stream `conn`'s peer opens, each as far as the peer's `access` allows.
@@ -149,7 +150,13 @@ async fn serve_stream(
     let mine = ctx.config.cluster_key.access();
     if let Err(err) = tb_proto::authorize(mine, access, request.write_action()) {
         debug!(%err, "refusing a request the peer's access does not allow");
-        refuse(&mut send, &mut recv, ErrorCode::Unauthorized, err.to_string()).await;
+        refuse(
+            &mut send,
+            &mut recv,
+            ErrorCode::Unauthorized,
+            err.to_string(),
+        )
+        .await;
         return;
     }
     if let Err(err) = request.validate(ctx.config.max_tensor_bytes) {

@@ -86,7 +86,9 @@ pub enum AuthError {
         len: usize,
     },
     /// The secret is one of the [`EXAMPLE_SECRETS`].
-    #[error("the cluster secret is the example placeholder, which everyone knows: {HOW_TO_MAKE_A_SECRET}")]
+    #[error(
+        "the cluster secret is the example placeholder, which everyone knows: {HOW_TO_MAKE_A_SECRET}"
+    )]
     ExampleSecret,
     /// Text that starts like a read-only credential but is not one.
     #[error(
@@ -153,7 +155,11 @@ pub enum AccessError {
 
 /// Whether a node with access `mine` serves `action` (which needs read-write access when
 /// `action` is `Some`) to a peer granted `peer` at its hello.
-pub fn authorize(mine: Access, peer: Access, action: Option<&'static str>) -> Result<(), AccessError> {
+pub fn authorize(
+    mine: Access,
+    peer: Access,
+    action: Option<&'static str>,
+) -> Result<(), AccessError> {
     match (action, mine, peer) {
         (None, _, _) | (Some(_), Access::ReadWrite, Access::ReadWrite) => Ok(()),
         (Some(action), Access::ReadOnly, _) => Err(AccessError::ServerReadOnly { action }),
@@ -191,7 +197,10 @@ impl ClusterKey {
         {
             return Err(AuthError::ExampleSecret);
         }
-        Ok(ClusterKey::root(blake3::derive_key(KEY_CONTEXT, secret), false))
+        Ok(ClusterKey::root(
+            blake3::derive_key(KEY_CONTEXT, secret),
+            false,
+        ))
     }
 
     /// The key of a read-only credential's text ([`READ_ONLY_PREFIX`] and 64 hex digits,

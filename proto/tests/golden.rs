@@ -11,10 +11,10 @@
 use std::collections::BTreeMap;
 
 use tb_proto::{
-    AccessProof, AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse, DType,
-    DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr, HolderMark,
-    LastHeartbeat, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats, RegistryOp,
-    Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
+    AccessProof, AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse,
+    DType, DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr,
+    HolderMark, LastHeartbeat, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats,
+    RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
 };
 
 fn hex(bytes: &[u8]) -> String {
@@ -163,7 +163,10 @@ fn hello() {
         write: None,
     };
     // len 65 | read proof (32 raw bytes) | Some | write proof (32 raw bytes)
-    golden(&Hello { proof: root }, &format!("41000000 {H_AB} 01 {H_11}"));
+    golden(
+        &Hello { proof: root },
+        &format!("41000000 {H_AB} 01 {H_11}"),
+    );
     // len 33 | read proof | None
     golden(&Hello { proof: read_only }, &format!("21000000 {H_AB} 00"));
     // len 72 | Welcome=0 | 64 GiB = 2^36 as a varint | read proof | Some | write proof
@@ -204,7 +207,10 @@ fn cluster_key_derivations() {
         }
         *blake3::keyed_hash(key, &input).as_bytes()
     };
-    assert_eq!(keyed(&r, b"tensor-broker hello read proof v2"), proof.read.0);
+    assert_eq!(
+        keyed(&r, b"tensor-broker hello read proof v2"),
+        proof.read.0
+    );
     assert_eq!(keyed(&k, b"tensor-broker hello write proof v2"), write.0);
     let topic = blake3::derive_key("tensor-broker gossip topic v1", &k);
     assert_eq!(topic, key.gossip_topic());

@@ -7,10 +7,10 @@ use proptest::{
     prelude::*,
 };
 use tb_proto::{
-    AccessProof, AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest, DataResponse,
-    Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark, LastHeartbeat,
-    ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern, NodeId, NodeStats,
-    RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
+    AccessProof, AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest,
+    DataResponse, Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark,
+    LastHeartbeat, ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern,
+    NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
 

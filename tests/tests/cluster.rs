@@ -316,7 +316,8 @@ async fn a_node_with_the_wrong_secret_is_refused_by_brokers() {
     let brokers = Brokers::start(1).await;
     let outsider = node(Config {
         brokers: brokers.addrs_from(0),
-        cluster_key: ClusterKey::from_secret(b"not the cluster secret at all, 32+ bytes").expect("secret"),
+        cluster_key: ClusterKey::from_secret(b"not the cluster secret at all, 32+ bytes")
+            .expect("secret"),
         ..test_config()
     })
     .await;

@@ -62,7 +62,11 @@ async fn raw_ctl(broker: &PeerAddr, key: &ClusterKey) -> (Endpoint, Connection) 
     let welcomed = auth::client_hello(&conn, ep.id(), key, CTL_ALPN, LIMIT)
         .await
         .expect("hello");
-    assert_eq!(welcomed.peer, key.access(), "what we can check of the broker");
+    assert_eq!(
+        welcomed.peer,
+        key.access(),
+        "what we can check of the broker"
+    );
     (ep, conn)
 }
 
@@ -122,7 +126,9 @@ async fn a_read_only_node_gets_lists_and_watches_but_cannot_publish_or_delete() 
         Some(Ok(SubEvent::Version { version, .. })) => assert_eq!(version, v),
         other => panic!("expected the new version, got {other:?}"),
     }
-    let listed = within(LIMIT, "list", reader.list("m/")).await.expect("list");
+    let listed = within(LIMIT, "list", reader.list("m/"))
+        .await
+        .expect("list");
     assert_eq!(listed.len(), 1);
     let got = within(LIMIT, "get", reader.get("m/w")).await.expect("get");
     assert_eq!(got.buffer.data(), f32_tensor(64, 1).data());
@@ -139,7 +145,9 @@ async fn a_read_only_node_gets_lists_and_watches_but_cannot_publish_or_delete() 
         .await
         .expect_err("a read-only node cannot delete");
     assert_needs_secret(&err, "deleting");
-    let still = within(LIMIT, "list", writer.list("m/")).await.expect("list");
+    let still = within(LIMIT, "list", writer.list("m/"))
+        .await
+        .expect("list");
     assert_eq!(
         (still.len(), still[0].version),
         (1, v),
@@ -192,20 +200,31 @@ async fn pushes_need_the_secret_on_both_ends() {
         .await
         .expect_err("refused");
     assert_needs_secret(&err, "pushing a tensor");
-    assert!(err.to_string().contains("the requesting node has a read-only credential"));
+    assert!(
+        err.to_string()
+            .contains("the requesting node has a read-only credential")
+    );
     assert_eq!(worker.inbox_len(), 0, "nothing reached the worker's inbox");
     // A read-only worker takes no pushes, even from the secret's holders.
     let err = within(LIMIT, "push", writer.push(ro.addr(), "m/p", &tensor))
         .await
         .expect_err("refused");
     assert_needs_secret(&err, "pushing a tensor");
-    assert!(err.to_string().contains("this node has a read-only credential"));
+    assert!(
+        err.to_string()
+            .contains("this node has a read-only credential")
+    );
     assert_eq!(ro.inbox_len(), 0);
     // Pulls are reads: they work both ways, and pushes between secret holders still do.
     ro.publish_local("held", f32_tensor(8, 5)).expect("local");
-    worker.publish_local("held", f32_tensor(8, 6)).expect("local");
+    worker
+        .publish_local("held", f32_tensor(8, 6))
+        .expect("local");
     let from_ro = within(LIMIT, "pull", writer.pull(ro.addr(), "held", None)).await;
-    assert_eq!(from_ro.expect("pull").buffer.data(), f32_tensor(8, 5).data());
+    assert_eq!(
+        from_ro.expect("pull").buffer.data(),
+        f32_tensor(8, 5).data()
+    );
     let by_ro = within(LIMIT, "pull", ro.pull(worker.addr(), "held", None)).await;
     assert_eq!(by_ro.expect("pull").buffer.data(), f32_tensor(8, 6).data());
     within(LIMIT, "push", writer.push(worker.addr(), "m/p", &tensor))
@@ -338,7 +357,10 @@ async fn a_refused_heartbeat_records_no_figures() {
     };
     let seen = row(ask(&conn, &CtlRequest::Members).await);
     assert_eq!(seen.member.epoch, 5);
-    assert_eq!(seen.heartbeat, None, "the refused heartbeat's figures were recorded");
+    assert_eq!(
+        seen.heartbeat, None,
+        "the refused heartbeat's figures were recorded"
+    );
     // An accepted heartbeat's figures do show.
     assert_eq!(
         ask(&conn, &heartbeat(5, Some(figures.clone()))).await,
@@ -391,7 +413,10 @@ mod procs {
         }
         let _ = child.kill();
         let _ = child.wait();
-        panic!("{label} kept running: {}", std::fs::read_to_string(&log).unwrap_or_default());
+        panic!(
+            "{label} kept running: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
     }
 
     fn daemon(name: &str, package: &str, dir: &Path, ticket: &str) -> Command {
@@ -420,8 +445,15 @@ mod procs {
     }
 
     fn assert_one_line_refusal(code: Option<i32>, stderr: &str, expect: &[&str], what: &str) {
-        assert!(matches!(code, Some(c) if c != 0), "{what}: exit {code:?}, {stderr}");
-        assert_eq!(stderr.trim().lines().count(), 1, "{what}: one line: {stderr:?}");
+        assert!(
+            matches!(code, Some(c) if c != 0),
+            "{what}: exit {code:?}, {stderr}"
+        );
+        assert_eq!(
+            stderr.trim().lines().count(),
+            1,
+            "{what}: one line: {stderr:?}"
+        );
         for part in expect {
             assert!(stderr.contains(part), "{what}: {part:?} in {stderr:?}");
         }
@@ -442,7 +474,10 @@ mod procs {
             let (code, stderr) = run_to_exit(cmd, dir.path(), &format!("{name}-none"));
             let expect = [recipe, "--cluster-secret-file", "--insecure-open"];
             assert_one_line_refusal(code, &stderr, &expect, &format!("{name} without a secret"));
-            for (file, why) in [(&short, "16 bytes, under the minimum of 32"), (&example, "example")] {
+            for (file, why) in [
+                (&short, "16 bytes, under the minimum of 32"),
+                (&example, "example"),
+            ] {
                 let mut cmd = daemon(name, package, dir.path(), &ticket);
                 cmd.arg("--cluster-secret-file").arg(file);
                 let (code, stderr) = run_to_exit(cmd, dir.path(), &format!("{name}-bad"));
@@ -524,7 +559,10 @@ mod procs {
         let (stdout, stderr) = text(&out);
         assert!(out.status.success(), "tb secret derive: {stderr}");
         assert_eq!(stdout.lines().count(), 1, "{stdout}");
-        assert!(stdout.starts_with("tbro1-") && stdout.trim().len() == 6 + 64, "{stdout}");
+        assert!(
+            stdout.starts_with("tbro1-") && stdout.trim().len() == 6 + 64,
+            "{stdout}"
+        );
         let ro = dir.path().join("ro");
         std::fs::write(&ro, &stdout).expect("credential");
 
@@ -555,12 +593,19 @@ mod procs {
             tb(&args, &ticket, key)
         };
         let out = put("t/w", &writer_addr, &secret);
-        assert!(out.status.success(), "tb put with the secret: {}", text(&out).1);
+        assert!(
+            out.status.success(),
+            "tb put with the secret: {}",
+            text(&out).1
+        );
 
         // Reads work with the credential.
         let out = tb(&["ls"], &ticket, &ro);
         let (stdout, stderr) = text(&out);
-        assert!(out.status.success() && stdout.contains("t/w"), "{stdout} {stderr}");
+        assert!(
+            out.status.success() && stdout.contains("t/w"),
+            "{stdout} {stderr}"
+        );
         let back = dir.path().join("back.bin").to_string_lossy().to_string();
         let out = tb(&["get", "t/w", "-o", &back], &ticket, &ro);
         assert!(out.status.success(), "tb get: {}", text(&out).1);
@@ -570,27 +615,42 @@ mod procs {
         // takes no push even from the secret.
         let out = put("t/x", &writer_addr, &ro);
         let stderr = text(&out).1;
-        assert!(!out.status.success(), "tb put with a read-only credential succeeded");
+        assert!(
+            !out.status.success(),
+            "tb put with a read-only credential succeeded"
+        );
         assert!(
             stderr.contains("unauthorized")
-                && stderr.contains("pushing a tensor (a publish) needs the cluster secret (read-write)")
+                && stderr
+                    .contains("pushing a tensor (a publish) needs the cluster secret (read-write)")
                 && stderr.contains("the requesting node has a read-only credential"),
             "{stderr}"
         );
         let out = put("t/y", &reader_addr, &secret);
         let stderr = text(&out).1;
         assert!(!out.status.success(), "a read-only worker took a push");
-        assert!(stderr.contains("this node has a read-only credential"), "{stderr}");
+        assert!(
+            stderr.contains("this node has a read-only credential"),
+            "{stderr}"
+        );
         let out = tb(&["ls"], &ticket, &secret);
         let stdout = text(&out).0;
-        assert!(!stdout.contains("t/x") && !stdout.contains("t/y"), "{stdout}");
+        assert!(
+            !stdout.contains("t/x") && !stdout.contains("t/y"),
+            "{stdout}"
+        );
 
         // A broker needs the secret.
         let mut cmd = daemon("tb-broker", "tb-broker", dir.path(), "");
         cmd.arg("--cluster-secret-file").arg(&ro);
         let (code, stderr) = run_to_exit(cmd, dir.path(), "ro-broker");
         let expect = ["acting as a broker needs the cluster secret (read-write)"];
-        assert_one_line_refusal(code, &stderr, &expect, "tb-broker with a read-only credential");
+        assert_one_line_refusal(
+            code,
+            &stderr,
+            &expect,
+            "tb-broker with a read-only credential",
+        );
 
         for p in [&mut reader, &mut writer, &mut broker] {
             assert!(p.terminate(START), "{} stops on SIGTERM", p.label);

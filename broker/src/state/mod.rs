@@ -312,9 +312,10 @@ impl BrokerState {
         }
         if let RegistryOp::AddHolder { name, version, .. } = op {
             let keep = self.config.keep_versions;
-            let kept = self.registry.entry(name).is_some_and(|e| {
-                (oldest_kept(e.version, keep)..=e.version).contains(version)
-            });
+            let kept = self
+                .registry
+                .entry(name)
+                .is_some_and(|e| (oldest_kept(e.version, keep)..=e.version).contains(version));
             if !kept {
                 return Err(BrokerError::NotFound {
                     name: name.clone(),

@@ -39,7 +39,10 @@ fn a_false_write_claim_is_refused_not_downgraded() {
     let (a, b) = ids();
     let k = key(SECRET);
     let mut proof = k.prove(DATA_ALPN, &a, &b);
-    let write = proof.write.as_mut().expect("the secret proves write access");
+    let write = proof
+        .write
+        .as_mut()
+        .expect("the secret proves write access");
     write.0[0] ^= 1;
     assert_eq!(k.verify(DATA_ALPN, &a, &b, &proof), None);
     // A read-only node that claims write access with the read proof it can make.
@@ -55,14 +58,26 @@ fn read_only_keys_prove_read_access_and_check_only_read_proofs() {
     let (a, b) = ids();
     let root = key(SECRET);
     let ro = root.read_only();
-    assert_eq!((root.access(), ro.access()), (Access::ReadWrite, Access::ReadOnly));
+    assert_eq!(
+        (root.access(), ro.access()),
+        (Access::ReadWrite, Access::ReadOnly)
+    );
     // Root verifies a read-only client as read-only; a read-only server grants a root client
     // read-only access (it cannot check the write claim).
     let from_ro = ro.prove(DATA_ALPN, &a, &b);
-    assert_eq!(root.verify(DATA_ALPN, &a, &b, &from_ro), Some(Access::ReadOnly));
-    assert_eq!(ro.verify(DATA_ALPN, &a, &b, &from_ro), Some(Access::ReadOnly));
+    assert_eq!(
+        root.verify(DATA_ALPN, &a, &b, &from_ro),
+        Some(Access::ReadOnly)
+    );
+    assert_eq!(
+        ro.verify(DATA_ALPN, &a, &b, &from_ro),
+        Some(Access::ReadOnly)
+    );
     let from_root = root.prove(DATA_ALPN, &a, &b);
-    assert_eq!(ro.verify(DATA_ALPN, &a, &b, &from_root), Some(Access::ReadOnly));
+    assert_eq!(
+        ro.verify(DATA_ALPN, &a, &b, &from_root),
+        Some(Access::ReadOnly)
+    );
     // Another cluster's read-only key proves nothing here.
     let stranger = key(b"another cluster's secret, 32 bytes+").read_only();
     let proof = stranger.prove(DATA_ALPN, &a, &b);
@@ -89,7 +104,10 @@ fn read_only_credentials_round_trip_and_never_derive_the_root() {
     );
     assert!(parsed.require_secret("acting as a broker").is_err());
     assert!(root.require_secret("acting as a broker").is_ok());
-    assert_eq!(ClusterKey::open().read_only_credential(), Err(AuthError::OpenCluster));
+    assert_eq!(
+        ClusterKey::open().read_only_credential(),
+        Err(AuthError::OpenCluster)
+    );
     // The credential is not the secret's key, nor its gossip topic.
     assert_ne!(parsed.gossip_topic(), root.gossip_topic());
     assert_eq!(
@@ -110,7 +128,10 @@ fn malformed_credentials_are_refused_with_a_reason() {
     let long = format!("{good}00");
     let cases: [(&[u8], &str); 4] = [
         (b"tbro1-abc", "64 hex digits"),
-        (&[b't', b'b', b'r', b'o', b'1', b'-', 0xff, 0xfe], "not text"),
+        (
+            &[b't', b'b', b'r', b'o', b'1', b'-', 0xff, 0xfe],
+            "not text",
+        ),
         (
             b"tbro1-zz00000000000000000000000000000000000000000000000000000000000000",
             "non-hex",
@@ -121,7 +142,10 @@ fn malformed_credentials_are_refused_with_a_reason() {
         let err = ClusterKey::parse(input).map(|_| ()).expect_err("refused");
         assert!(matches!(err, AuthError::BadCredential { .. }), "{err}");
         assert!(err.to_string().contains(why), "{err}");
-        assert!(err.to_string().contains("tb secret derive --read-only"), "{err}");
+        assert!(
+            err.to_string().contains("tb secret derive --read-only"),
+            "{err}"
+        );
     }
 }
 
@@ -173,7 +197,10 @@ fn secret_lengths_are_checked() {
     ] {
         let shown = e.to_string();
         assert!(shown.contains("cluster secret"), "{shown}");
-        assert!(shown.contains("head -c 32 /dev/urandom"), "says how: {shown}");
+        assert!(
+            shown.contains("head -c 32 /dev/urandom"),
+            "says how: {shown}"
+        );
     }
 }
 
@@ -216,7 +243,9 @@ fn authorize_names_the_role_needed() {
     );
     let server = authorize(ReadOnly, ReadWrite, Some("pushing a tensor")).expect_err("refused");
     assert!(
-        server.to_string().contains("this node has a read-only credential"),
+        server
+            .to_string()
+            .contains("this node has a read-only credential"),
         "{server}"
     );
 }
@@ -226,13 +255,19 @@ fn debug_never_shows_a_key() {
     let k = key(SECRET);
     let ro = k.read_only();
     let shown = format!("{k:?} {ro:?} {:?}", ClusterKey::open());
-    assert_eq!(shown, "ClusterKey(..) ClusterKey(read-only, ..) ClusterKey(open)");
+    assert_eq!(
+        shown,
+        "ClusterKey(..) ClusterKey(read-only, ..) ClusterKey(open)"
+    );
     for bytes in [k.read, k.root.expect("root"), ClusterKey::open().read] {
         assert!(!shown.contains(&hex::encode(&bytes[..4])), "{shown}");
     }
     let proof = k.prove(CTL_ALPN, &NodeId([1; 32]), &NodeId([2; 32]));
     let shown = format!("{:?}", proof.read);
-    assert_eq!(shown, format!("AuthProof({}…)", hex::encode(&proof.read.0[..4])));
+    assert_eq!(
+        shown,
+        format!("AuthProof({}…)", hex::encode(&proof.read.0[..4]))
+    );
 }
 
 #[test]

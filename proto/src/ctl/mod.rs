@@ -162,16 +162,14 @@ impl CtlRequest {
         match self {
             CtlRequest::NextVersion { .. } => Some("publishing (allocating a version)"),
             CtlRequest::Heartbeat {
-                role: Role::Broker,
-                ..
+                role: Role::Broker, ..
             } => Some("joining as a broker"),
             CtlRequest::Announce { ops } => ops.iter().find_map(RegistryOp::write_action),
             CtlRequest::SyncBuckets { .. } | CtlRequest::SyncNames { .. } => {
                 Some("anti-entropy between brokers")
             }
             CtlRequest::Heartbeat {
-                role: Role::Worker,
-                ..
+                role: Role::Worker, ..
             }
             | CtlRequest::Lookup { .. }
             | CtlRequest::Fetching { .. }

@@ -611,10 +611,16 @@ fn every_request_names_the_access_it_needs() {
     }
     let read_write = [
         (hb(Role::Broker), "joining as a broker"),
-        (CtlRequest::NextVersion { name: n() }, "publishing (allocating a version)"),
+        (
+            CtlRequest::NextVersion { name: n() },
+            "publishing (allocating a version)",
+        ),
         (announce(vec![holder.clone(), publish]), "publishing"),
         (announce(vec![dropped, delete]), "deleting"),
-        (announce(vec![RegistryOp::Member(fat_member(1))]), "writing membership"),
+        (
+            announce(vec![RegistryOp::Member(fat_member(1))]),
+            "writing membership",
+        ),
         (
             CtlRequest::SyncBuckets {
                 buckets: vec![],
