@@ -355,11 +355,19 @@ async fn a_refused_heartbeat_records_no_figures() {
             .find(|r| r.member.node == me)
             .expect("our row")
     };
+    // Invalid figures: refused before anything is recorded too.
+    let nan = NodeStats {
+        in_bytes_per_s: f64::NAN,
+        ..figures.clone()
+    };
+    let (code, message) = refused(&conn, &heartbeat(5, Some(nan))).await;
+    assert_eq!(code, ErrorCode::Malformed, "{message}");
+    assert!(message.contains("in_bytes_per_s"), "{message}");
     let seen = row(ask(&conn, &CtlRequest::Members).await);
     assert_eq!(seen.member.epoch, 5);
     assert_eq!(
         seen.heartbeat, None,
-        "the refused heartbeat's figures were recorded"
+        "a refused heartbeat's figures were recorded"
     );
     // An accepted heartbeat's figures do show.
     assert_eq!(
