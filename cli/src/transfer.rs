@@ -82,19 +82,10 @@ struct Put {
 }
 
 async fn put_on(node: &Node, args: &PutArgs, tensor: &Tensor) -> Result<Put> {
-    let worker = match &args.worker {
-        Some(w) => w.clone(),
-        None => live_worker(node).await?,
+    let (worker, seconds) = match &args.worker {
+        Some(w) => (w.clone(), push_to(node, w, args, tensor).await?),
+        None => push_to_a_live_worker(node, args, tensor).await?,
     };
-    let progress = Arc::new(TransferProgress::default());
-    let bar = Bar::follow(format!("put {}", args.name), progress.clone());
-    let started = std::time::Instant::now();
-    let pushed = node
-        .push_with_progress(&worker, &args.name, tensor, &progress)
-        .await;
-    let seconds = started.elapsed().as_secs_f64();
-    progress::finish(bar).await;
-    pushed.with_context(|| format!("sending to worker {worker}"))?;
     // The worker publishes what it is pushed; wait until the cluster lists this content.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(join_timeout(node));
     loop {
@@ -120,17 +111,67 @@ fn join_timeout(node: &Node) -> u64 {
     node.config().request_timeout.as_secs().max(1)
 }
 
-async fn live_worker(node: &Node) -> Result<PeerAddr> {
+/// Pushes `tensor` to `worker`; returns how long sending took.
+async fn push_to(node: &Node, worker: &PeerAddr, args: &PutArgs, tensor: &Tensor) -> Result<f64> {
+    let progress = Arc::new(TransferProgress::default());
+    let bar = Bar::follow(format!("put {}", args.name), progress.clone());
+    let started = std::time::Instant::now();
+    let pushed = node
+        .push_with_progress(worker, &args.name, tensor, &progress)
+        .await;
+    let seconds = started.elapsed().as_secs_f64();
+    progress::finish(bar).await;
+    pushed.with_context(|| format!("sending to worker {worker}"))?;
+    Ok(seconds)
+}
+
+/// Most live workers `tb put` offers a tensor to when none is named.
+const MAX_PUT_TRIES: usize = 8;
+
+/// Pushes to the first live worker that takes it. Workers that run with a read-only
+/// credential take no pushes: their refusal (one round trip, before the payload matters) moves
+/// the put on to the next worker. A node with a read-only credential itself stops at the first
+/// refusal, which names the role it needs.
+async fn push_to_a_live_worker(
+    node: &Node,
+    args: &PutArgs,
+    tensor: &Tensor,
+) -> Result<(PeerAddr, f64)> {
+    let read_write = node.config().cluster_key.access() == tb_node::proto::Access::ReadWrite;
+    let mut refused = None;
+    for worker in live_workers(node).await?.into_iter().take(MAX_PUT_TRIES) {
+        match push_to(node, &worker, args, tensor).await {
+            Ok(seconds) => return Ok((worker, seconds)),
+            Err(e) if read_write && unauthorized(&e) => refused = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(refused.unwrap_or_else(|| {
+        anyhow::anyhow!(
+            "no live worker in the cluster to hold the tensor (start one, or pass --worker)"
+        )
+    }))
+}
+
+fn unauthorized(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<tb_node::Error>(),
+        Some(tb_node::Error::Unauthorized(_))
+    )
+}
+
+/// The cluster's live workers, in the broker's (node id) order.
+async fn live_workers(node: &Node) -> Result<Vec<PeerAddr>> {
     let members = node.members().await.context("asking for the members")?;
-    members
+    Ok(members
         .iter()
         .filter(|m| m.alive && m.role == tb_node::proto::Role::Worker)
-        .find_map(|m| {
+        .filter_map(|m| {
             let id = iroh::EndpointId::from_bytes(&m.node.0).ok()?;
             let addr = m.addrs.iter().find_map(|a| a.parse().ok())?;
             Some(PeerAddr { id, addr })
         })
-        .context("no live worker in the cluster to hold the tensor (start one, or pass --worker)")
+        .collect())
 }
 
 /// Options of `tb get`.

@@ -164,8 +164,13 @@ async fn gpu_child_server() {
 }
 
 async fn pull_from_other_process(ipc: bool) -> (Tensor, u64) {
+    pull_from_other_process_as(ipc, config(ipc)).await
+}
+
+/// Pulls the child's tensor to device 0 with a node of `config`.
+async fn pull_from_other_process_as(ipc: bool, config: Config) -> (Tensor, u64) {
     let (mut child, addr) = spawn_gpu_server(ipc).await;
-    let a = node(config(ipc)).await;
+    let a = node(config).await;
     let pulled = within(
         LIMIT,
         "pull_to",
@@ -204,6 +209,24 @@ async fn ipc_path_maps_the_other_process_memory() {
     let back = tensor.to_device(Device::Host).expect("to host");
     assert_eq!(back.data(), &pattern(BIG, 9));
     assert_eq!(ContentHash::of(back.data()), tensor.hash());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_node_gets_no_cuda_ipc_mapping_and_pulls_over_the_network() {
+    if gpu_or_skip("a_read_only_node_gets_no_cuda_ipc_mapping_and_pulls_over_the_network").is_none()
+    {
+        return;
+    }
+    // An IPC handle maps the server's memory writable: only read-write peers get one.
+    let read_only = Config {
+        cluster_key: tb_node::proto::ClusterKey::open().read_only(),
+        ..config(true)
+    };
+    let (tensor, ipc_pulls) = pull_from_other_process_as(true, read_only).await;
+    assert_eq!(ipc_pulls, 0, "the read-only node pulled over the network");
+    assert_eq!(tensor.device(), Device::Cuda(0));
+    let back = tensor.to_device(Device::Host).expect("to host");
+    assert_eq!(back.data(), &pattern(BIG, 9));
 }
 
 /// A `tb/data/1` server that answers every pull with `meta` and then `payload`.

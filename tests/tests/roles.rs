@@ -355,11 +355,19 @@ async fn a_refused_heartbeat_records_no_figures() {
             .find(|r| r.member.node == me)
             .expect("our row")
     };
+    // Invalid figures: refused before anything is recorded too.
+    let nan = NodeStats {
+        in_bytes_per_s: f64::NAN,
+        ..figures.clone()
+    };
+    let (code, message) = refused(&conn, &heartbeat(5, Some(nan))).await;
+    assert_eq!(code, ErrorCode::Malformed, "{message}");
+    assert!(message.contains("in_bytes_per_s"), "{message}");
     let seen = row(ask(&conn, &CtlRequest::Members).await);
     assert_eq!(seen.member.epoch, 5);
     assert_eq!(
         seen.heartbeat, None,
-        "the refused heartbeat's figures were recorded"
+        "a refused heartbeat's figures were recorded"
     );
     // An accepted heartbeat's figures do show.
     assert_eq!(
@@ -579,8 +587,21 @@ mod procs {
             let addr = p.wait_line("worker:", START);
             (p, addr)
         };
-        let (mut writer, writer_addr) = start_worker("writer", &secret);
-        let (mut reader, reader_addr) = start_worker("reader", &ro);
+        // The read-only worker's node id sorts first, so `tb put` without --worker meets it
+        // first (members come in node id order): keys made up front in the data dirs.
+        let ids: Vec<_> = ["w1", "w2"]
+            .iter()
+            .map(|n| {
+                let key = tb_node::load_or_create_key(&dir.path().join(n)).expect("key");
+                *key.public().as_bytes()
+            })
+            .collect();
+        let (reader_name, writer_name) = match ids[0] < ids[1] {
+            true => ("w1", "w2"),
+            false => ("w2", "w1"),
+        };
+        let (mut writer, writer_addr) = start_worker(writer_name, &secret);
+        let (mut reader, reader_addr) = start_worker(reader_name, &ro);
 
         let input = dir.path().join("in.bin");
         let bytes = pattern(4096, 3);
@@ -638,6 +659,17 @@ mod procs {
         assert!(
             !stdout.contains("t/x") && !stdout.contains("t/y"),
             "{stdout}"
+        );
+        // Without --worker, tb put moves past the read-only worker to one that takes pushes.
+        let args = ["put", "t/z", &input, "--dtype", "u8", "--shape", "4096"];
+        let out = tb(&args, &ticket, &secret);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "tb put to any worker: {stderr}");
+        let writer_id: PeerAddr = writer_addr.parse().expect("address");
+        let short = tb_node::auth::node_id(&writer_id.id).to_hex();
+        assert!(
+            stdout.contains(&format!("-> worker {}", &short[..8])),
+            "held by the worker with the secret: {stdout}"
         );
 
         // A broker needs the secret.

@@ -362,3 +362,62 @@ fn a_restarted_broker_stamps_past_what_it_loaded() {
     assert!(changes.gossip[0].stamp().wall_ms >= 90_000);
     assert!(after.registry().entry(&name("m/w")).is_none());
 }
+
+#[test]
+fn read_only_senders_only_mark_versions_the_registry_keeps() {
+    use tb_proto::{Access, AccessError};
+    let mut b = broker_with(&[1, 2], 0);
+    // keep_versions is 2 by default: v2 and v3 are kept once v3 is out.
+    for v in 1..=3 {
+        b.publish(name("m/w"), meta(v), id(1), 10);
+    }
+    let ro = Access::ReadOnly;
+    for (v, kept) in [(1, false), (2, true), (3, true), (4, false)] {
+        let got = b.announce_as(id(2), ro, add_holder("m/w", v, 2, Stamp::ZERO), 20);
+        match kept {
+            true => assert!(got.is_ok(), "v{v}: {got:?}"),
+            false => assert_eq!(
+                got,
+                Err(BrokerError::NotFound {
+                    name: name("m/w"),
+                    version: Some(v)
+                })
+            ),
+        }
+    }
+    let made_up = b.announce_as(id(2), ro, add_holder("made/up", 1, 2, Stamp::ZERO), 20);
+    assert!(matches!(made_up, Err(BrokerError::NotFound { .. })));
+    assert!(
+        b.registry().entry(&name("made/up")).is_none(),
+        "no placeholder"
+    );
+    let dropped = RegistryOp::RemoveHolder {
+        name: name("m/w"),
+        version: 3,
+        node: id(2),
+        stamp: Stamp::ZERO,
+    };
+    assert!(b.announce_as(id(2), ro, dropped, 30).is_ok());
+    let writes = [
+        (publish_op("m/w", 4, 2, Stamp::ZERO), "publishing"),
+        (
+            RegistryOp::Delete {
+                name: name("m/w"),
+                stamp: Stamp::ZERO,
+            },
+            "deleting",
+        ),
+    ];
+    for (op, action) in writes {
+        let refused = b.announce_as(id(2), ro, op.clone(), 40);
+        let expected = BrokerError::Access(AccessError::PeerReadOnly { action });
+        assert_eq!(refused, Err(expected.clone()));
+        assert_eq!(expected.code(), tb_proto::ErrorCode::Unauthorized);
+        // The same op from a read-write sender goes through the usual checks only.
+        let op = match op {
+            RegistryOp::Publish { .. } => publish_op("m/w", 4, 2, Stamp::ZERO),
+            other => other,
+        };
+        assert!(b.announce_as(id(2), Access::ReadWrite, op, 50).is_ok());
+    }
+}

@@ -1,10 +1,11 @@
 //! Arbitrary bytes as the first frame of a connection: a `Hello` (client side) and a
-//! `HelloReply` (server side), as frames and as bare bodies. Anything may be refused; nothing
-//! may panic, and what decodes must survive a re-encode.
+//! `HelloReply` (server side), as frames and as bare bodies; and as a secret file's content (a
+//! cluster secret or a read-only credential). Anything may be refused; nothing may panic, and
+//! what decodes must survive a re-encode.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tb_proto::{Hello, HelloReply, frame};
+use tb_proto::{ClusterKey, Hello, HelloReply, frame};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(Some((hello, used))) = frame::decode_frame::<Hello>(data) {
@@ -21,4 +22,5 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = frame::decode_body::<Hello>(data);
     let _ = frame::decode_body::<HelloReply>(data);
+    let _ = ClusterKey::parse(data);
 });
