@@ -4,8 +4,8 @@
 //
 // The API may require a bearer token (the broker's --http-token-file). The page takes it from
 // its address (`#token=TOKEN`, removed from the address bar at once and kept in this tab's
-// sessionStorage), or asks for it once when the API answers 401, and sends it as
-// `Authorization: Bearer TOKEN`. Only the first page of registry entries is fetched; the
+// sessionStorage), or from a form it shows in the banner when the API answers 401, and sends
+// it as `Authorization: Bearer TOKEN`. Only the first page of registry entries is fetched; the
 // summary counts come from the API's totals for the whole registry.
 //
 // Everything that comes from the API is untrusted (tensor names, addresses, URLs): the DOM is
@@ -569,20 +569,49 @@
     history.replaceState(null, "", window.location.pathname + window.location.search +
       (rest ? "#" + rest : ""));
   }
-  let asked = false; // the page asks for a token at most once per 401 streak
+  // The token form, made once, shown in the banner while the API answers 401.
+  let tokenForm = null;
 
-  function askToken() {
-    if (asked || typeof window.prompt !== "function") return false;
-    asked = true;
-    const t = (window.prompt("This broker's API needs its HTTP token (the file given to " +
-      "--http-token-file). Token:") || "").trim();
-    if (!t) return false;
-    token = t;
-    storeToken(t);
-    return true;
+  function showTokenForm(show) {
+    if (!show) {
+      if (tokenForm) tokenForm.hidden = true;
+      return;
+    }
+    if (!tokenForm) {
+      const input = el("input", { type: "password", id: "token-input", autocomplete: "off",
+        placeholder: "HTTP token", style: "min-width:22em" });
+      tokenForm = el("form", { id: "token-form", style: "margin-top:8px;display:flex;gap:8px" },
+        input, el("button", { type: "submit" }, "Use token"));
+      tokenForm.addEventListener("submit", (ev) => {
+        ev.preventDefault();
+        const t = input.value.trim();
+        if (!t) return;
+        token = t;
+        storeToken(t);
+        input.value = "";
+        pollNow();
+      });
+      $("banner").append(tokenForm);
+    }
+    tokenForm.hidden = false;
+  }
+
+  let polling = false;
+  let pollSoon = false;
+  let pollTimer = null;
+
+  /** Polls at once (or right after the poll under way). */
+  function pollNow() {
+    if (polling) {
+      pollSoon = true;
+      return;
+    }
+    clearTimeout(pollTimer);
+    poll();
   }
 
   async function poll() {
+    polling = true;
     const ctrl = new AbortController();
     const timer = setTimeout(() => ctrl.abort(), FETCH_TIMEOUT_MS);
     let next = POLL_MS;
@@ -594,15 +623,11 @@
       if (resp.status === 404) {
         throw new Error("HTTP 404: this process has no cluster view, only brokers do; open a broker's dashboard");
       }
+      showTokenForm(resp.status === 401);
       if (resp.status === 401) {
-        if (askToken()) {
-          next = 0; // at once, with the token just given
-          return;
-        }
-        throw new Error("HTTP 401: this broker's API needs its token; open the page as " +
-          window.location.pathname + "#token=TOKEN");
+        throw new Error("HTTP 401: this broker's API needs its token (--http-token-file): " +
+          "enter it below, or open the page as " + window.location.pathname + "#token=TOKEN");
       }
-      asked = false;
       if (!resp.ok) throw new Error("HTTP " + resp.status);
       const data = await resp.json();
       try {
@@ -617,7 +642,9 @@
       next = onFailure(err && err.name === "AbortError" ? new Error("timed out") : err);
     } finally {
       clearTimeout(timer);
-      setTimeout(poll, next);
+      polling = false;
+      pollTimer = setTimeout(poll, pollSoon ? 0 : next);
+      pollSoon = false;
     }
   }
 

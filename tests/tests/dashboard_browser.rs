@@ -325,6 +325,14 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
     });
     assert!(ok, "both workers in the nodes table; last DOM:\n{dom}");
     assert!(dom.contains("data-state=\"live\""), "page is live: {dom}");
+    // Opened without the token, the page says the API wants one and offers a form for it.
+    let bare = url.split('#').next().unwrap_or(&url);
+    let dom = browser.dump_dom(bare, 3000);
+    assert!(
+        dom.contains("id=\"token-form\"") && dom.contains("HTTP 401"),
+        "the page asks for the token: {dom}"
+    );
+    assert!(dom.contains("data-state=\"disconnected\""), "{dom}");
 
     // Publish a tensor on worker 0: the registry table shows it, next to worker 0's figures
     // (from its heartbeats).
