@@ -183,9 +183,9 @@ fn cluster_key_derivations() {
     let key = ClusterKey::from_secret(secret).expect("secret");
     let proof = key.prove(CTL_ALPN, &id(1), &id(2));
     let write = proof.write.expect("the secret proves write access");
-    assert_eq!(hex::encode(&proof.read.0), READ_PROOF);
-    assert_eq!(hex::encode(&write.0), WRITE_PROOF);
-    assert_eq!(hex::encode(&key.gossip_topic()), TOPIC);
+    assert_eq!(hex::encode(proof.read.0), READ_PROOF);
+    assert_eq!(hex::encode(write.0), WRITE_PROOF);
+    assert_eq!(hex::encode(key.gossip_topic()), TOPIC);
     assert_eq!(
         key.read_only_credential().expect("derive"),
         format!("tbro1-{READ_KEY}")
@@ -194,7 +194,7 @@ fn cluster_key_derivations() {
     // a keyed hash over its domain, the ALPN and both ids, each length-prefixed (u64 LE).
     let k = blake3::derive_key("tensor-broker cluster key v1", secret);
     let r = blake3::derive_key("tensor-broker read-only key v1", &k);
-    assert_eq!(hex::encode(&r), READ_KEY);
+    assert_eq!(hex::encode(r), READ_KEY);
     let keyed = |key: &[u8; 32], domain: &[u8]| {
         let mut input = Vec::new();
         for field in [domain, CTL_ALPN, &[1; 32], &[2; 32]] {
@@ -211,7 +211,7 @@ fn cluster_key_derivations() {
     let topic = blake3::derive_key("tensor-broker gossip topic v1", &k);
     assert_eq!(topic, key.gossip_topic());
     let open = ClusterKey::open().prove(CTL_ALPN, &id(1), &id(2));
-    assert_eq!(hex::encode(&open.read.0), OPEN_READ_PROOF);
+    assert_eq!(hex::encode(open.read.0), OPEN_READ_PROOF);
     // The read-only credential proves the same read proof, and no write proof.
     let ro = ClusterKey::parse(format!("tbro1-{READ_KEY}\n").as_bytes()).expect("credential");
     let ro_proof = ro.prove(CTL_ALPN, &id(1), &id(2));
