@@ -274,7 +274,10 @@ async fn request_pull(
     let (meta, version) = match read_response(ctx, &mut recv, what).await? {
         DataResponse::Header { meta, version } => (meta, version),
         DataResponse::Error { code, message } => return Err(remote_error(link, code, message)),
-        DataResponse::Ack => return Err(Error::Io(format!("{what}: peer sent Ack to a Pull"))),
+        other => {
+            let answer = format!("{what}: unexpected answer to a Pull: {other:?}");
+            return Err(Error::Io(answer));
+        }
     };
     meta.validate(ctx.config.max_tensor_bytes)?;
     Ok((send, recv, meta, version))

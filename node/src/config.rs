@@ -8,7 +8,7 @@ use std::{
 };
 
 use tb_dashboard::Metrics;
-use tb_proto::{AuthError, ClusterKey, NamePattern};
+use tb_proto::{AuthError, ChannelKind, ClusterKey, NamePattern};
 
 use crate::{
     device::{CudaConfig, Device},
@@ -129,6 +129,14 @@ pub struct Config {
     /// `None` (the default): half of that device's memory, read when the node starts, or
     /// [`FALLBACK_PUSH_DEVICE_MEMORY`] when it cannot be read.
     pub max_push_device_memory: Option<u64>,
+    /// The data channels this node runs and prefers, best first (see [`tb_proto::channel`]):
+    /// each transfer with a peer uses the first one both run. QUIC is always run (it is
+    /// every channel's fallback) and is added at the end when missing.
+    /// [`ChannelKind::DEFAULT`] (`shm,quic`) by default; `tcp` is opt-in, being unencrypted.
+    pub channels: Vec<ChannelKind>,
+    /// QUIC streams a large transfer is striped over. 0 (the default): the rule in
+    /// `channel::quic` picks it from the tensor's size; 1: never striped.
+    pub quic_stripes: usize,
 }
 
 impl Default for Config {
@@ -162,6 +170,8 @@ impl Default for Config {
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
             max_push_memory: default_max_push_memory(),
             max_push_device_memory: None,
+            channels: ChannelKind::DEFAULT.to_vec(),
+            quic_stripes: 0,
         }
     }
 }
@@ -204,6 +214,11 @@ pub fn read_secret_file(path: &Path) -> Result<ClusterKey, SecretFileError> {
 }
 
 impl Config {
+    /// Whether this node runs `kind` (QUIC always).
+    pub fn runs(&self, kind: ChannelKind) -> bool {
+        kind == ChannelKind::Quic || self.channels.contains(&kind)
+    }
+
     /// The device push budget in bytes: `max_push_device_memory`, else a share of the push
     /// device's memory (probing it opens the device, sizing its staging pool with `cuda`).
     pub(crate) fn push_device_budget(&self) -> u64 {

@@ -9,7 +9,7 @@ use tb_dashboard::{Metrics, TransferKind};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    auth::Admission, budget::ByteBudget, config::Config, error::Result, inbox::Inbox,
+    auth::Admission, budget::ByteBudget, channel::Channels, config::Config, error::Result, inbox::Inbox,
     inflight::Inflight, pool::ReadyLinks, rate::RateLimiter, store::Store,
 };
 
@@ -40,6 +40,8 @@ pub(crate) struct NodeCtx {
     pub(crate) tracker: TaskTracker,
     /// What `tb/data/1` (and CUDA IPC) connections get before their hello is verified.
     pub(crate) admission: Admission,
+    /// The data channels this node runs and what its peers offered.
+    pub(crate) channels: Channels,
 }
 
 impl NodeCtx {

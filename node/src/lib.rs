@@ -77,6 +77,7 @@
 
 pub mod auth;
 pub mod budget;
+mod channel;
 mod client;
 mod cluster;
 mod config;

@@ -25,6 +25,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
+    channel::Channels,
     auth,
     budget::ByteBudget,
     client::{self, Pulled},
@@ -142,6 +143,7 @@ impl Node {
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             admission: auth::Admission::new(&config),
+            channels: Channels::new(config.channels.clone()),
             config,
         });
         let (actor, handle) = Actor::spawn(None, NodeActor, ctx.clone())

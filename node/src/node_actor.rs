@@ -9,7 +9,7 @@ use std::{sync::Arc, time::Instant};
 
 use iroh::{EndpointId, endpoint::Connection};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
-use tb_proto::{Access, CloseCode, DATA_ALPN};
+use tb_proto::{Access, CloseCode, DATA_ALPN, DataRequest, DataResponse};
 use tracing::{debug, warn};
 
 use crate::{
@@ -23,7 +23,7 @@ use crate::{
         link::{Link, LinkShared},
         peer::{self, PeerActor, PeerArgs, PeerMsg},
     },
-    serve,
+    serve, wire,
 };
 
 type Waiter = RpcReplyPort<Result<LinkGuard>>;
@@ -194,6 +194,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
     let cancel = ctx.cancel.clone();
     let key = ctx.config.cluster_key.clone();
     let max_streams = ctx.config.max_concurrent_streams;
+    let dial_ctx = ctx.clone();
     ctx.tracker.spawn(async move {
         // The connect timeout bounds the dial and the hello together: a peer that accepts but
         // never answers is as unreachable as one that never accepts.
@@ -212,6 +213,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                         }
                         _ => err,
                     })?;
+            channel_exchange(&dial_ctx, &conn, welcomed.peer).await;
             Ok((conn, welcomed.peer))
         });
         let result = tokio::select! {
@@ -234,6 +236,37 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
             peer::close(&c, CloseCode::Shutdown);
         }
     });
+}
+
+/// Tells the peer of a new link the channels this node runs and learns its own (the first
+/// request on the link). A peer that does not answer usefully keeps to QUIC: the exchange
+/// never fails the dial.
+async fn channel_exchange(ctx: &NodeCtx, conn: &Connection, access: Access) {
+    let peer = conn.remote_id();
+    let offers = ctx.channels.offers_for(peer, access);
+    let exchange = async {
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let request = DataRequest::Channels { offers };
+        wire::write_frame(&mut send, &request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = send.finish();
+        match wire::read_frame::<DataResponse>(&mut recv).await {
+            Ok(DataResponse::Channels { offers }) => {
+                tb_proto::channel::validate_offers(&offers).map_err(|e| e.to_string())?;
+                Ok(offers)
+            }
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(format!("{e:?}")),
+        }
+    };
+    match exchange.await {
+        Ok(offers) => ctx.channels.learn(peer, offers),
+        Err(reason) => {
+            debug!(peer = %peer.fmt_short(), %reason, "no channel offers: QUIC only");
+            ctx.channels.forget(&peer);
+        }
+    }
 }
 
 fn unreachable(peer: &PeerAddr, reason: String) -> Error {

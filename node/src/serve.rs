@@ -210,7 +210,9 @@ async fn serve_stream(
         refuse(&mut send, &mut recv, code, err.to_string()).await;
         return;
     }
-    tracing::Span::current().record("tensor", request.name().as_str());
+    if let Some(name) = request.name() {
+        tracing::Span::current().record("tensor", name.as_str());
+    }
     match request {
         DataRequest::Pull {
             name,
@@ -218,6 +220,12 @@ async fn serve_stream(
             range,
         } => serve_pull(ctx, send, &name, version, range).await,
         DataRequest::Push { name, meta } => serve_push(ctx, peer, send, recv, name, meta).await,
+        DataRequest::Channels { offers } => {
+            ctx.channels.learn(peer, offers);
+            let offers = ctx.channels.offers_for(peer, access);
+            let _ = wire::write_frame(&mut send, &DataResponse::Channels { offers }).await;
+            let _ = send.finish();
+        }
     }
 }
 

@@ -7,6 +7,8 @@
 //!   checks (`byte_len == product(shape) * itemsize`, rank <= [`MAX_RANK`]).
 //! - [`TensorName`], [`NamePattern`]: validated names (`model/layer1/w`) and patterns
 //!   (`model/*`).
+//! - [`channel`]: the data channels besides QUIC ([`ChannelKind`]: shm, tcp), the offers two
+//!   peers exchange on first contact ([`ChannelOffer`]) and the rule that picks one per pair.
 //! - [`msg`]: the `tb/data/1` messages ([`DataRequest`], [`DataResponse`], [`ErrorCode`]),
 //!   ALPN constants, and the one enum of QUIC close codes ([`CloseCode`]).
 //! - [`ctl`]: the `tb/ctl/1` messages ([`CtlRequest`], [`CtlResponse`], [`Event`]) between
@@ -42,6 +44,7 @@
 //! ```
 
 mod auth;
+pub mod channel;
 pub mod ctl;
 mod dtype;
 pub mod frame;
@@ -62,6 +65,7 @@ pub use ctl::{
     MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN,
     MAX_SYNC_MEMBERS, MemberStatus, NodeStats,
 };
+pub use channel::{ChannelKind, ChannelListError, ChannelOffer};
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};
 pub use hash::{ContentHash, ContentHasher};

@@ -35,6 +35,9 @@ pub enum MetaError {
         /// The limit.
         max: u64,
     },
+    /// A peer's channel offers are malformed (too many, a kind twice).
+    #[error(transparent)]
+    Offers(#[from] crate::channel::OfferError),
 }
 
 /// `product(shape) * itemsize`, overflow-checked; rank 0 is a scalar of one element.

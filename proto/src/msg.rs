@@ -4,10 +4,15 @@
 //! bidirectional stream per transfer:
 //! - `Pull { name, version?, range? }` -> `Header { meta, version }` + payload, or `Error`.
 //! - `Push { name, meta }` + payload -> `Ack` or `Error`.
+//! - `Channels { offers }` -> `Channels { offers }`: the first request on a new link, the
+//!   channels each side runs besides QUIC (see [`crate::channel`]).
 
 use serde::{Deserialize, Serialize};
 
-use crate::{MetaError, TensorMeta, TensorName};
+use crate::{
+    MetaError, TensorMeta, TensorName,
+    channel::{ChannelOffer, validate_offers},
+};
 
 /// ALPN of the node-to-node data protocol.
 pub const DATA_ALPN: &[u8] = b"tb/data/1";
@@ -42,13 +47,20 @@ pub enum DataRequest {
         /// What follows.
         meta: TensorMeta,
     },
+    /// The channels I run besides QUIC, with what you need to open them; answered with yours
+    /// ([`DataResponse::Channels`]). Sent once, first, on each new link.
+    Channels {
+        /// At most [`MAX_CHANNEL_OFFERS`](crate::channel::MAX_CHANNEL_OFFERS), one per kind.
+        offers: Vec<ChannelOffer>,
+    },
 }
 
 impl DataRequest {
-    /// The tensor the request is about.
-    pub fn name(&self) -> &TensorName {
+    /// The tensor the request is about, if it is about one.
+    pub fn name(&self) -> Option<&TensorName> {
         match self {
-            DataRequest::Pull { name, .. } | DataRequest::Push { name, .. } => name,
+            DataRequest::Pull { name, .. } | DataRequest::Push { name, .. } => Some(name),
+            DataRequest::Channels { .. } => None,
         }
     }
 
@@ -57,14 +69,18 @@ impl DataRequest {
     pub fn write_action(&self) -> Option<&'static str> {
         match self {
             DataRequest::Push { .. } => Some("pushing a tensor (a publish)"),
-            DataRequest::Pull { .. } => None,
+            DataRequest::Pull { .. } | DataRequest::Channels { .. } => None,
         }
     }
 
     /// Checks what can be checked before acting on the request: a push's metadata (rank,
-    /// byte length, size limit), and that a pull's range end fits in 64 bits.
+    /// byte length, size limit), that a pull's range end fits in 64 bits, and that channel
+    /// offers are few and one per kind.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
         match self {
+            DataRequest::Channels { offers } => {
+                validate_offers(offers).map_err(MetaError::from)
+            }
             DataRequest::Push { meta, .. } => meta.validate(max_tensor_bytes),
             DataRequest::Pull { range: Some(r), .. } => r
                 .offset
@@ -94,6 +110,11 @@ pub enum DataResponse {
         code: ErrorCode,
         /// A human-readable explanation naming the thing that failed.
         message: String,
+    },
+    /// The answer to [`DataRequest::Channels`]: the channels the serving side runs.
+    Channels {
+        /// At most [`MAX_CHANNEL_OFFERS`](crate::channel::MAX_CHANNEL_OFFERS), one per kind.
+        offers: Vec<ChannelOffer>,
     },
 }
 
@@ -264,7 +285,7 @@ mod tests {
             push.validate(15),
             Err(MetaError::TooLarge { len: 16, max: 15 })
         );
-        assert_eq!(push.name().as_str(), "b");
+        assert_eq!(push.name().map(TensorName::as_str), Some("b"));
         assert_eq!(push.write_action(), Some("pushing a tensor (a publish)"));
         assert_eq!(pull(None).write_action(), None);
         let lie = DataRequest::Push {

@@ -113,6 +113,32 @@ fn ack() {
 }
 
 #[test]
+fn channel_offers() {
+    use tb_proto::ChannelOffer;
+    let offers = vec![
+        ChannelOffer::Shm {
+            socket: [0x5a; 16],
+            token: [0x11; 32],
+        },
+        ChannelOffer::Tcp { port: 7000 },
+    ];
+    let s = "5a".repeat(16);
+    // len 54 | Channels=2 | 2 offers | Shm=0 socket token | Tcp=1 port 7000
+    let offers_hex = format!("02 00 {s} {H_11} 01 d836");
+    golden(
+        &DataRequest::Channels {
+            offers: offers.clone(),
+        },
+        &format!("36000000 02 {offers_hex}"),
+    );
+    // len 54 | Channels=3 | the same offers
+    golden(
+        &DataResponse::Channels { offers },
+        &format!("36000000 03 {offers_hex}"),
+    );
+}
+
+#[test]
 fn error() {
     let msg = DataResponse::Error {
         code: ErrorCode::Corrupt,

@@ -69,7 +69,18 @@ fn request() -> impl Strategy<Value = DataRequest> {
                 range
             }),
         (tensor_name(), meta()).prop_map(|(name, meta)| DataRequest::Push { name, meta }),
+        offers().prop_map(|offers| DataRequest::Channels { offers }),
     ]
+}
+
+fn offers() -> impl Strategy<Value = Vec<tb_proto::ChannelOffer>> {
+    use tb_proto::ChannelOffer;
+    let offer = prop_oneof![
+        (any::<[u8; 16]>(), any::<[u8; 32]>())
+            .prop_map(|(socket, token)| ChannelOffer::Shm { socket, token }),
+        any::<u16>().prop_map(|port| ChannelOffer::Tcp { port }),
+    ];
+    proptest::collection::vec(offer, 0..4)
 }
 
 fn response() -> impl Strategy<Value = DataResponse> {
@@ -77,6 +88,7 @@ fn response() -> impl Strategy<Value = DataResponse> {
         (meta(), any::<u64>()).prop_map(|(meta, version)| DataResponse::Header { meta, version }),
         Just(DataResponse::Ack),
         (error_code(), ".{0,80}").prop_map(|(code, message)| DataResponse::Error { code, message }),
+        offers().prop_map(|offers| DataResponse::Channels { offers }),
     ]
 }
 
@@ -475,6 +487,7 @@ proptest! {
     fn requests_round_trip(req in request()) {
         prop_assert_eq!(req.validate(u64::MAX).is_ok(), match &req {
             DataRequest::Pull { range: Some(r), .. } => r.offset.checked_add(r.len).is_some(),
+            DataRequest::Channels { offers } => tb_proto::channel::validate_offers(offers).is_ok(),
             _ => true,
         });
         check_round_trip(&req)?;

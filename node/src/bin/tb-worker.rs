@@ -55,11 +55,24 @@ struct Args {
     /// TooLarge when it exceeds the whole budget). [default: a quarter of the machine's memory]
     #[arg(long, env = "TB_MAX_PUSH_MEMORY", value_parser = tb_node::rate::parse_size)]
     max_push_memory: Option<u64>,
+    /// Data channels to run, best first: shm (same-host shared memory), quic (encrypted,
+    /// always run: the fallback), tcp (unencrypted but verified; for trusted networks). Each
+    /// transfer with a peer uses the first channel both run.
+    #[arg(long, env = "TB_CHANNELS", default_value = "shm,quic", value_parser = parse_channels)]
+    channels: Channels,
     /// Log format: text (human-readable) or json.
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
     #[command(flatten)]
     http: daemon::HttpArgs,
+}
+
+/// A parsed `--channels` list (a newtype: clap would read a bare `Vec` as a repeated flag).
+#[derive(Debug, Clone)]
+struct Channels(Vec<tb_node::proto::ChannelKind>);
+
+fn parse_channels(list: &str) -> Result<Channels, tb_node::proto::ChannelListError> {
+    tb_node::proto::ChannelKind::parse_list(list).map(Channels)
 }
 
 #[tokio::main]
@@ -83,6 +96,7 @@ async fn main() -> Result<()> {
         max_push_memory: args
             .max_push_memory
             .unwrap_or_else(tb_node::default_max_push_memory),
+        channels: args.channels.0,
         ..Config::default()
     };
     let node = Node::spawn(config)

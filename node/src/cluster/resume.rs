@@ -126,7 +126,10 @@ pub(crate) async fn pull_rest(
         DataResponse::Error { code, message } => {
             return Err(client::remote_error(link, code, message));
         }
-        DataResponse::Ack => return Err(Error::Io(format!("{what}: peer sent Ack to a Pull"))),
+        other => {
+            let answer = format!("{what}: unexpected answer to a Pull: {other:?}");
+            return Err(Error::Io(answer));
+        }
     }
     let mut watchdog = Watchdog::new(ctx.config.stall_timeout);
     let from = resume.filled;
