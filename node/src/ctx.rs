@@ -9,8 +9,8 @@ use tb_dashboard::{Metrics, TransferKind};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    auth::Admission, budget::ByteBudget, channel::Channels, config::Config, error::Result, inbox::Inbox,
-    inflight::Inflight, pool::ReadyLinks, rate::RateLimiter, store::Store,
+    auth::Admission, budget::ByteBudget, channel::Channels, config::Config, error::Result,
+    inbox::Inbox, inflight::Inflight, pool::ReadyLinks, rate::RateLimiter, store::Store,
 };
 
 /// Shared, immutable-after-start context of one node.

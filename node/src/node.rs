@@ -18,16 +18,16 @@ use iroh::{
     protocol::{DynProtocolHandler, Router},
 };
 use ractor::{Actor, ActorRef};
-use tb_dashboard::{Metrics, Role as MetricsRole};
+use tb_dashboard::{Metrics, Role as MetricsRole, TransferKind};
 use tb_proto::{DATA_ALPN, TensorMeta, TensorName};
 use tokio::sync::Mutex;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
-    channel::Channels,
     auth,
     budget::ByteBudget,
+    channel::{self, Channels},
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
@@ -146,6 +146,7 @@ impl Node {
             channels: Channels::new(config.channels.clone()),
             config,
         });
+        Channels::start(&ctx)?;
         let (actor, handle) = Actor::spawn(None, NodeActor, ctx.clone())
             .await
             .map_err(|e| Error::Io(format!("starting the node actor: {e}")))?;
@@ -232,6 +233,17 @@ impl Node {
         if let Some(p) = progress {
             p.set_total(tensor.byte_len());
         }
+        #[cfg(target_os = "linux")]
+        {
+            let dial = async { self.link(addr).await.map(drop) };
+            let by_shm = channel::shm_push(&self.inner.ctx, &addr.id, dial, &name, tensor);
+            if self.guarded(by_shm).await? {
+                if let Some(p) = progress {
+                    p.reached(tensor.byte_len());
+                }
+                return Ok(());
+            }
+        }
         let links = || self.link(addr);
         self.guarded(client::push(&self.inner.ctx, links, name, tensor, progress))
             .await
@@ -252,8 +264,21 @@ impl Node {
         name: &str,
         version: Option<u64>,
     ) -> Result<Pulled<Tensor>> {
+        let tensor_name = TensorName::new(name)?;
+        // Same host: the tensor maps the holder's sealed memfd (zero-copy).
+        #[cfg(target_os = "linux")]
+        if let Some(pulled) = self.shm_pull(addr, &tensor_name, version).await? {
+            let (meta, version) = (pulled.meta.clone(), pulled.version);
+            let tensor = self.guarded(async { pulled.into_tensor() }).await?;
+            return Ok(Pulled {
+                name: tensor_name,
+                version,
+                meta,
+                buffer: tensor,
+            });
+        }
         let pulled = self
-            .pull_into(addr, name, version, |meta| {
+            .quic_pull_into(addr, tensor_name, version, |meta| {
                 let len = usize::try_from(meta.byte_len)
                     .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
                 Ok(vec![0u8; len])
@@ -284,6 +309,54 @@ impl Node {
         F: FnOnce(&TensorMeta) -> Result<B> + Send,
     {
         let name = TensorName::new(name)?;
+        // Same host: one copy out of the holder's sealed memfd.
+        #[cfg(target_os = "linux")]
+        if let Some(pulled) = self.shm_pull(addr, &name, version).await? {
+            let ctx = &self.inner.ctx;
+            let copy = async {
+                let mut buffer = alloc(&pulled.meta)?;
+                let (meta, version) = (pulled.meta.clone(), pulled.version);
+                pulled.copy_into(buffer.as_mut()).await?;
+                ctx.metrics.bytes_in.inc_by(meta.byte_len);
+                Ok(Pulled {
+                    name,
+                    version,
+                    meta,
+                    buffer,
+                })
+            };
+            return self.guarded(ctx.timed(TransferKind::Pull, copy)).await;
+        }
+        self.quic_pull_into(addr, name, version, alloc).await
+    }
+
+    /// A pull over the shm channel up to the payload, when the pair uses shm (`None`: pull
+    /// over QUIC).
+    #[cfg(target_os = "linux")]
+    async fn shm_pull(
+        &self,
+        addr: &PeerAddr,
+        name: &TensorName,
+        version: Option<u64>,
+    ) -> Result<Option<crate::channel::ShmPull>> {
+        let dial = async { self.link(addr).await.map(drop) };
+        let ctx = &self.inner.ctx;
+        self.guarded(channel::shm_pull(ctx, &addr.id, dial, name, version))
+            .await
+    }
+
+    /// [`pull_into`](Self::pull_into) over the QUIC link.
+    async fn quic_pull_into<B, F>(
+        &self,
+        addr: &PeerAddr,
+        name: TensorName,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<B>>
+    where
+        B: AsMut<[u8]> + Send,
+        F: FnOnce(&TensorMeta) -> Result<B> + Send,
+    {
         let links = || self.link(addr);
         self.guarded(client::pull_into(
             &self.inner.ctx,
@@ -379,6 +452,12 @@ impl Node {
     /// Number of pooled links.
     pub fn pool_size(&self) -> usize {
         self.pool_stats().links()
+    }
+
+    /// The data channel transfers with `peer` use now: what the pair negotiated on its link
+    /// (QUIC until the link's first exchange, or after a channel failed).
+    pub fn channel_to(&self, peer: &EndpointId) -> tb_proto::ChannelKind {
+        self.inner.ctx.channels.pick(peer)
     }
 
     /// Pool counters: links, dials, reuses, evictions, connect failures.

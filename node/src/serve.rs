@@ -243,30 +243,15 @@ async fn serve_pull(
     version: Option<u64>,
     range: Option<ByteRange>,
 ) {
-    let found = ctx.store.get(name, version);
-    // A version not held (yet) may be arriving: served as it does (cut-through).
-    if let (Lookup::Missing, Some(v)) = (&found, version)
-        && let Some(incoming) = ctx.inflight.get(name, v)
-    {
-        serve_pull_inflight(ctx, send, name, v, range, incoming).await;
-        return;
-    }
-    let (version, tensor) = match found {
-        Lookup::Found(v, t) => (v, t),
-        Lookup::Missing => {
-            let what = match version {
-                Some(v) => format!("tensor \"{name}\" v{v}"),
-                None => format!("tensor \"{name}\""),
-            };
-            let _ = reply_error(&mut send, ErrorCode::NotFound, what).await;
+    let (version, tensor) = match lookup(ctx, name, version) {
+        Ok(found) => found,
+        // A version not held (yet) may be arriving: served as it does (cut-through).
+        Err(NotHeld::Arriving(v, incoming)) => {
+            serve_pull_inflight(ctx, send, name, v, range, incoming).await;
             return;
         }
-        Lookup::Evicted { oldest } => {
-            let what = format!(
-                "tensor \"{name}\" v{} was evicted (oldest held: v{oldest})",
-                version.unwrap_or(0)
-            );
-            let _ = reply_error(&mut send, ErrorCode::NotFound, what).await;
+        Err(NotHeld::Refused(code, what)) => {
+            let _ = reply_error(&mut send, code, what).await;
             return;
         }
     };
@@ -308,6 +293,45 @@ async fn serve_pull(
         Err(err) => {
             timer.error();
             debug!(%err, %name, "pull not served");
+        }
+    }
+}
+
+/// Why a pull cannot be answered from the store.
+pub(crate) enum NotHeld {
+    /// The version is still arriving (serve it cut-through).
+    Arriving(u64, Arc<Incoming>),
+    /// Not here: the error to answer.
+    Refused(ErrorCode, String),
+}
+
+/// The version of `name` a pull asks for (the newest unless `version`), from the store.
+pub(crate) fn lookup(
+    ctx: &NodeCtx,
+    name: &TensorName,
+    version: Option<u64>,
+) -> Result<(u64, Tensor), NotHeld> {
+    let found = ctx.store.get(name, version);
+    if let (Lookup::Missing, Some(v)) = (&found, version)
+        && let Some(incoming) = ctx.inflight.get(name, v)
+    {
+        return Err(NotHeld::Arriving(v, incoming));
+    }
+    match found {
+        Lookup::Found(v, t) => Ok((v, t)),
+        Lookup::Missing => {
+            let what = match version {
+                Some(v) => format!("tensor \"{name}\" v{v}"),
+                None => format!("tensor \"{name}\""),
+            };
+            Err(NotHeld::Refused(ErrorCode::NotFound, what))
+        }
+        Lookup::Evicted { oldest } => {
+            let what = format!(
+                "tensor \"{name}\" v{} was evicted (oldest held: v{oldest})",
+                version.unwrap_or(0)
+            );
+            Err(NotHeld::Refused(ErrorCode::NotFound, what))
         }
     }
 }

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use tb_proto::{ContentHash, DType, TensorMeta};
 
 use crate::{
+    channel::ShmCache,
     device::{Device, DeviceBuffer},
     error::{Error, Result},
 };
@@ -21,6 +22,9 @@ static NO_HOST_BYTES: Bytes = Bytes::new();
 pub struct Tensor {
     meta: TensorMeta,
     data: Data,
+    /// The bytes in a sealed memfd, for same-host peers: made on first need and shared by
+    /// every clone (or given, when the bytes came from a peer's memfd).
+    shm: ShmCache,
 }
 
 /// Where the bytes are.
@@ -70,6 +74,7 @@ impl Tensor {
         Ok(Tensor {
             meta,
             data: Data::Host(data),
+            shm: ShmCache::default(),
         })
     }
 
@@ -89,6 +94,7 @@ impl Tensor {
         Ok(Tensor {
             meta,
             data: Data::Cuda(buffer),
+            shm: ShmCache::default(),
         })
     }
 
@@ -107,6 +113,7 @@ impl Tensor {
         Ok(Tensor {
             meta: self.meta.clone(),
             data,
+            shm: ShmCache::default(),
         })
     }
 
@@ -122,6 +129,7 @@ impl Tensor {
         Tensor {
             meta,
             data: Data::Host(data),
+            shm: ShmCache::default(),
         }
     }
 
@@ -131,6 +139,30 @@ impl Tensor {
         Tensor {
             meta,
             data: Data::Host(data),
+            shm: ShmCache::default(),
+        }
+    }
+
+    /// Wraps bytes that a same-host holder verified, mapped from its sealed memfd (which can
+    /// be passed on to other same-host peers as it is).
+    #[cfg(target_os = "linux")]
+    pub(crate) fn from_shared(meta: TensorMeta, data: Bytes, shm: ShmCache) -> Self {
+        debug_assert_eq!(meta.byte_len, data.len() as u64);
+        Tensor {
+            meta,
+            data: Data::Host(data),
+            shm,
+        }
+    }
+
+    /// The sealed memfd holding the bytes, made (one copy) on first need.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn shm_region(&self) -> Result<std::sync::Arc<crate::channel::Region>> {
+        match &self.data {
+            Data::Host(bytes) => self.shm.get_or_copy(bytes),
+            Data::Cuda(_) => Err(Error::Io(
+                "a device tensor has no host bytes to share".into(),
+            )),
         }
     }
 
@@ -140,6 +172,7 @@ impl Tensor {
         Tensor {
             meta,
             data: Data::Cuda(buffer),
+            shm: ShmCache::default(),
         }
     }
 

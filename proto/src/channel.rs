@@ -13,6 +13,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::Access;
+
 /// Most offers one side sends (one per channel kind, with room for later kinds).
 pub const MAX_CHANNEL_OFFERS: usize = 8;
 
@@ -179,6 +181,36 @@ pub fn pick(
         .unwrap_or(ChannelKind::Quic)
 }
 
+/// The first frame on a same-host socket, from the connecting side: who it is, the access it
+/// proved on the QUIC link, and the token the socket's owner gave it for exactly these two.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmHello {
+    /// The connecting node's id (its iroh public key).
+    pub node: [u8; 32],
+    /// The access that node proved on the QUIC link.
+    pub access: Access,
+    /// From the owner's [`ChannelOffer::Shm`] to that node.
+    pub token: [u8; 32],
+}
+
+/// Largest [`ShmHello`] frame body, in bytes (it is about 70).
+pub const MAX_SHM_HELLO_FRAME: u32 = 128;
+
+/// On a same-host socket, how the payload after a `Header` (pull) or a `Push` travels. A
+/// pull that the socket cannot serve (a version still arriving, device bytes) is answered
+/// with an `Error` of code `Busy` instead of a header: pull it over QUIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShmPayload {
+    /// The payload bytes follow this frame on the socket.
+    Inline,
+    /// The payload is at `offset` of the sealed memfd passed with this frame (SCM_RIGHTS);
+    /// its length is the header's (or the requested range's).
+    Memfd {
+        /// Where the payload starts in the memfd.
+        offset: u64,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,7 +226,10 @@ mod tests {
     fn lists_parse_with_quic_as_the_implied_fallback() {
         use ChannelKind::*;
         assert_eq!(ChannelKind::parse_list("shm,quic"), Ok(vec![Shm, Quic]));
-        assert_eq!(ChannelKind::parse_list(" TCP , shm "), Ok(vec![Tcp, Shm, Quic]));
+        assert_eq!(
+            ChannelKind::parse_list(" TCP , shm "),
+            Ok(vec![Tcp, Shm, Quic])
+        );
         assert_eq!(ChannelKind::parse_list("quic,tcp"), Ok(vec![Quic, Tcp]));
         assert_eq!(ChannelKind::parse_list(""), Err(ChannelListError::Empty));
         assert_eq!(ChannelKind::parse_list(" , "), Err(ChannelListError::Empty));
@@ -227,7 +262,10 @@ mod tests {
 
     #[test]
     fn offers_are_bounded_and_one_per_kind() {
-        assert_eq!(validate_offers(&[shm(), ChannelOffer::Tcp { port: 1 }]), Ok(()));
+        assert_eq!(
+            validate_offers(&[shm(), ChannelOffer::Tcp { port: 1 }]),
+            Ok(())
+        );
         assert_eq!(
             validate_offers(&[shm(), shm()]),
             Err(OfferError::Repeated(ChannelKind::Shm))

@@ -60,12 +60,12 @@ pub use auth::{
     HOW_TO_MAKE_A_SECRET, Hello, HelloReply, MAX_HELLO_FRAME, MAX_SECRET_LEN, MIN_SECRET_LEN,
     READ_ONLY_PREFIX, authorize,
 };
+pub use channel::{ChannelKind, ChannelListError, ChannelOffer, ShmHello, ShmPayload};
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, ListedEntry,
     MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN,
     MAX_SYNC_MEMBERS, MemberStatus, NodeStats,
 };
-pub use channel::{ChannelKind, ChannelListError, ChannelOffer};
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};
 pub use hash::{ContentHash, ContentHasher};

@@ -78,9 +78,7 @@ impl DataRequest {
     /// offers are few and one per kind.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
         match self {
-            DataRequest::Channels { offers } => {
-                validate_offers(offers).map_err(MetaError::from)
-            }
+            DataRequest::Channels { offers } => validate_offers(offers).map_err(MetaError::from),
             DataRequest::Push { meta, .. } => meta.validate(max_tensor_bytes),
             DataRequest::Pull { range: Some(r), .. } => r
                 .offset

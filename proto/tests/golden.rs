@@ -139,6 +139,21 @@ fn channel_offers() {
 }
 
 #[test]
+fn shm_frames() {
+    use tb_proto::{Access, ShmHello, ShmPayload};
+    let hello = ShmHello {
+        node: [0xab; 32],
+        access: Access::ReadWrite,
+        token: [0x11; 32],
+    };
+    // len 65 | node | ReadWrite=1 | token
+    golden(&hello, &format!("41000000 {H_AB} 01 {H_11}"));
+    golden(&ShmPayload::Inline, "01000000 00");
+    // len 3 | Memfd=1 | offset 300
+    golden(&ShmPayload::Memfd { offset: 300 }, "03000000 01 ac02");
+}
+
+#[test]
 fn error() {
     let msg = DataResponse::Error {
         code: ErrorCode::Corrupt,

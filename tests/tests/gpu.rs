@@ -254,7 +254,17 @@ impl ProtocolHandler for Liar {
             if recv.read_exact(&mut body).await.is_err() {
                 return Ok(());
             }
-            let Ok(DataRequest::Pull { .. }) = frame::decode_body::<DataRequest>(&body) else {
+            let request = frame::decode_body::<DataRequest>(&body);
+            if let Ok(DataRequest::Channels { .. }) = request {
+                // No channels besides QUIC.
+                let none = DataResponse::Channels { offers: Vec::new() };
+                if let Ok(bytes) = frame::encode(&none) {
+                    let _ = send.write_all(&bytes).await;
+                    let _ = send.finish();
+                }
+                continue;
+            }
+            let Ok(DataRequest::Pull { .. }) = request else {
                 return Ok(());
             };
             let header = DataResponse::Header {

@@ -426,7 +426,7 @@ async fn calls_after_shutdown_are_shutdown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_reuses_one_link_per_peer() {
-    let (a, b) = pair().await;
+    let (a, b) = (node(quic_config()).await, node(quic_config()).await);
     let t = f32_tensor(16, 1);
     a.push(b.addr(), "one", &t).await.expect("first");
     a.push(b.addr(), "two", &t).await.expect("second");
@@ -481,10 +481,10 @@ async fn two_hundred_requests_to_a_slow_peer_share_one_dial() {
 async fn idle_links_are_evicted_after_the_timeout() {
     let a = node(Config {
         idle_timeout: Duration::from_millis(200),
-        ..test_config()
+        ..quic_config()
     })
     .await;
-    let b = node(test_config()).await;
+    let b = node(quic_config()).await;
     a.push(b.addr(), "x", &f32_tensor(4, 1))
         .await
         .expect("push");
@@ -502,13 +502,13 @@ async fn idle_links_are_evicted_after_the_timeout() {
 async fn lru_link_is_evicted_at_max_links() {
     let a = node(Config {
         max_links: 2,
-        ..test_config()
+        ..quic_config()
     })
     .await;
     let peers = [
-        node(test_config()).await,
-        node(test_config()).await,
-        node(test_config()).await,
+        node(quic_config()).await,
+        node(quic_config()).await,
+        node(quic_config()).await,
     ];
     let t = f32_tensor(4, 1);
     for p in &peers {
@@ -540,10 +540,10 @@ async fn continuous_pulls_outlive_the_serving_sides_idle_timeout() {
     const MAX_PULLS: usize = 2000;
     let server = node(Config {
         idle_timeout: IDLE,
-        ..test_config()
+        ..quic_config()
     })
     .await;
-    let puller = node(test_config()).await;
+    let puller = node(quic_config()).await;
     let tensor = f32_tensor(4 << 20, 5); // 16 MiB
     server.publish_local("w", tensor.clone()).expect("publish");
     let started = std::time::Instant::now();
@@ -592,7 +592,7 @@ async fn continuous_pulls_outlive_the_serving_sides_idle_timeout() {
 async fn a_full_pool_refuses_an_inbound_dial_with_too_many_connections() {
     let server = node(Config {
         max_links: 1,
-        ..test_config()
+        ..quic_config()
     })
     .await;
     server
@@ -601,7 +601,7 @@ async fn a_full_pool_refuses_an_inbound_dial_with_too_many_connections() {
     // The server's one link is busy for seconds: it pulls from an upload-limited holder.
     let holder = node(Config {
         max_upload_rate: 4 << 20,
-        ..test_config()
+        ..quic_config()
     })
     .await;
     let slow = f32_tensor(4 << 20, 1); // 16 MiB at 4 MiB/s
@@ -613,7 +613,7 @@ async fn a_full_pool_refuses_an_inbound_dial_with_too_many_connections() {
     let link_busy = || server.pool_stats().links_active == 1;
     assert!(eventually(Duration::from_secs(10), link_busy).await);
 
-    let dialer = node(test_config()).await;
+    let dialer = node(quic_config()).await;
     match within(LIMIT, "pull", dialer.pull(server.addr(), "small", None)).await {
         Err(Error::TooManyConnections { peer: Some(p), .. }) => {
             assert_eq!(p, server.id().fmt_short().to_string());
@@ -683,5 +683,14 @@ async fn a_node_without_the_cluster_secret_is_refused() {
         .expect("b still serves members");
     for n in [a, b, wrong, open] {
         n.shutdown().await;
+    }
+}
+
+/// A test config on QUIC alone: the pool tests count QUIC links, dials and reuses, which the
+/// shm channel (the default between two nodes of one host) would bypass.
+fn quic_config() -> tb_node::Config {
+    tb_node::Config {
+        channels: vec![tb_node::proto::ChannelKind::Quic],
+        ..test_config()
     }
 }

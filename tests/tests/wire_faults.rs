@@ -328,6 +328,11 @@ impl ProtocolHandler for IdleRacingServer {
                     let _ = recv.read_exact(&mut payload).await;
                     frame::encode(&DataResponse::Ack).expect("encode")
                 }
+                // No channels besides QUIC.
+                Ok(DataRequest::Channels { .. }) => {
+                    let none = DataResponse::Channels { offers: Vec::new() };
+                    frame::encode(&none).expect("encode")
+                }
                 Err(_) => break,
             };
             let _ = send.write_all(&answer).await;

@@ -160,11 +160,12 @@ async fn exchange(a: &Node, b: &Node, args: &DemoArgs) -> Result<Vec<Row>> {
     latency(a, b, args.round_trips).await?;
     let stats = a.pool_stats();
     println!(
-        "pool on A: {} link(s), {} dial(s), {} reuse(s) over {} transfers",
+        "pool on A: {} link(s), {} dial(s), {} reuse(s) over {} transfers; channel A-B: {}",
         stats.links(),
         stats.dials,
         stats.reuses,
-        stats.dials + stats.reuses
+        stats.dials + stats.reuses,
+        a.channel_to(&b.id())
     );
     if stats.dials != 1 {
         bail!(

@@ -1,0 +1,349 @@
+//! The requesting side of the shm channel: pulls and pushes on a same-host socket.
+//!
+//! A request whose socket fails before any answer (the peer restarted, the socket was idle
+//! and closed) is sent once more on a fresh connection; when that fails too, the caller falls
+//! back to QUIC ([`ShmError::Fallback`]). Errors the peer answered (not found, refused) are
+//! final, as on QUIC.
+
+use std::{
+    os::fd::{AsFd, OwnedFd},
+    sync::Arc,
+};
+
+use bytes::Bytes;
+use iroh::EndpointId;
+use tb_proto::{
+    ContentHash, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
+    TensorName, frame::MAX_CONTROL_FRAME,
+};
+use tokio::net::UnixStream;
+
+use super::{INLINE_MAX, Region, ShmCache, socket::ShmStream, socket::within};
+use crate::{
+    channel::ShmRoute,
+    client::remote_error_from,
+    ctx::NodeCtx,
+    error::{Error, Result},
+    tensor::Tensor,
+};
+
+/// Why an shm request did not complete.
+#[derive(Debug)]
+pub(crate) enum ShmError {
+    /// The channel failed before the request was answered: send it over QUIC.
+    Fallback(Error),
+    /// The peer cannot serve this one on the socket (a version still arriving, device
+    /// bytes): pull it over QUIC (the channel itself is fine).
+    ViaQuic,
+    /// The peer answered with this error (or the answer was bad): give up as over QUIC.
+    Final(Error),
+}
+
+/// A pull whose header arrived on the socket.
+pub(crate) struct ShmPull {
+    /// The version sent.
+    pub(crate) version: u64,
+    /// Its metadata (for a memfd payload, as verified by its holder).
+    pub(crate) meta: TensorMeta,
+    payload: Payload,
+}
+
+enum Payload {
+    /// Read and hash-checked already.
+    Inline(Bytes),
+    /// The holder's sealed memfd (checked), and where the payload starts in it.
+    Memfd { fd: OwnedFd, offset: u64 },
+}
+
+impl ShmPull {
+    /// The payload as a tensor: the mapping of the holder's memfd (zero-copy), or the inline
+    /// bytes.
+    pub(crate) fn into_tensor(self) -> Result<Tensor> {
+        let len = usize::try_from(self.meta.byte_len)
+            .map_err(|_| Error::TooLarge(format!("{} bytes", self.meta.byte_len)))?;
+        match self.payload {
+            Payload::Inline(bytes) => Ok(Tensor::from_verified(self.meta, bytes)),
+            Payload::Memfd { fd, offset } => {
+                let region = Arc::new(Region::from_peer(fd, offset + self.meta.byte_len)?);
+                let start = offset as usize;
+                let bytes = region.slice(start..start + len);
+                let whole = start == 0 && len == region.len();
+                let cache = if whole {
+                    ShmCache::of(region)
+                } else {
+                    ShmCache::default()
+                };
+                Ok(Tensor::from_shared(self.meta, bytes, cache))
+            }
+        }
+    }
+
+    /// Copies the payload into `dest` (exactly `meta.byte_len` bytes).
+    pub(crate) async fn copy_into(self, dest: &mut [u8]) -> Result<()> {
+        if dest.len() as u64 != self.meta.byte_len {
+            return Err(Error::InvalidTensor(format!(
+                "destination buffer has {} bytes, the tensor {}",
+                dest.len(),
+                self.meta.byte_len
+            )));
+        }
+        match self.payload {
+            Payload::Inline(bytes) => {
+                dest.copy_from_slice(&bytes);
+                Ok(())
+            }
+            Payload::Memfd { fd, offset } => {
+                Region::check_peer_fd(&fd, offset + self.meta.byte_len)?;
+                super::region::pread_parallel(fd.as_fd(), dest, offset).await
+            }
+        }
+    }
+}
+
+/// Pulls `name` from `peer` on the same-host socket up to the payload.
+pub(crate) async fn pull(
+    ctx: &NodeCtx,
+    route: &ShmRoute,
+    peer: EndpointId,
+    name: &TensorName,
+    version: Option<u64>,
+) -> Result<ShmPull, ShmError> {
+    let request = DataRequest::Pull {
+        name: name.clone(),
+        version,
+        range: None,
+    };
+    let what = describe(name, version, &peer);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let mut conn = connection(ctx, route, peer).await?;
+        match pull_on(ctx, &mut conn, peer, &request, &what).await {
+            Ok(pulled) => {
+                route.shm.put_idle(peer, conn);
+                return Ok(pulled);
+            }
+            Err(PullFailure::Answered(err)) => {
+                route.shm.put_idle(peer, conn);
+                return Err(match err {
+                    Error::Remote {
+                        code: ErrorCode::Busy,
+                        ..
+                    } => ShmError::ViaQuic,
+                    err => ShmError::Final(err),
+                });
+            }
+            Err(PullFailure::Broken(err)) if attempts >= 2 => {
+                return Err(ShmError::Fallback(err));
+            }
+            Err(PullFailure::Broken(_)) => {}
+        }
+    }
+}
+
+enum PullFailure {
+    /// The socket failed: nothing was answered.
+    Broken(Error),
+    /// The peer answered with an error (the socket is still good).
+    Answered(Error),
+}
+
+async fn pull_on(
+    ctx: &NodeCtx,
+    conn: &mut ShmStream,
+    peer: EndpointId,
+    request: &DataRequest,
+    what: &str,
+) -> Result<ShmPull, PullFailure> {
+    let timeout = ctx.config.request_timeout;
+    let peer_short = peer.fmt_short().to_string();
+    let answer = within(timeout, what, async {
+        conn.write_frame(request).await?;
+        conn.read_frame::<DataResponse>(MAX_CONTROL_FRAME).await
+    })
+    .await
+    .map_err(PullFailure::Broken)?;
+    let (meta, version) = match answer {
+        DataResponse::Header { meta, version } => (meta, version),
+        DataResponse::Error { code, message } => {
+            return Err(PullFailure::Answered(remote_error_from(
+                peer_short, code, message,
+            )));
+        }
+        other => {
+            let err = Error::Io(format!("{what}: unexpected answer {other:?}"));
+            return Err(PullFailure::Answered(err));
+        }
+    };
+    meta.validate(ctx.config.max_tensor_bytes)
+        .map_err(|e| PullFailure::Answered(e.into()))?;
+    let stall = ctx.config.stall_timeout;
+    let payload = within(stall, what, async {
+        match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
+            ShmPayload::Inline => {
+                let bytes = read_inline(conn, &meta, what).await?;
+                Ok(Payload::Inline(bytes))
+            }
+            ShmPayload::Memfd { offset } => Ok(Payload::Memfd {
+                fd: conn.take_fd()?,
+                offset,
+            }),
+        }
+    })
+    .await
+    .map_err(PullFailure::Broken)?;
+    Ok(ShmPull {
+        version,
+        meta,
+        payload,
+    })
+}
+
+/// Reads an inline payload (at most [`INLINE_MAX`] bytes) and checks its hash.
+async fn read_inline(conn: &mut ShmStream, meta: &TensorMeta, what: &str) -> Result<Bytes> {
+    let len = usize::try_from(meta.byte_len).unwrap_or(usize::MAX);
+    if len > INLINE_MAX {
+        return Err(Error::Io(format!(
+            "{what}: an inline payload of {len} bytes (the limit is {INLINE_MAX})"
+        )));
+    }
+    let mut buf = vec![0u8; len];
+    conn.read_exact(&mut buf).await?;
+    let hash = ContentHash::of(&buf);
+    if hash != meta.hash {
+        return Err(Error::Corrupt(format!(
+            "{what}: expected hash {}, got {hash}",
+            meta.hash
+        )));
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Pushes `tensor` as `name` to `peer` on the same-host socket and waits for its `Ack`.
+pub(crate) async fn push(
+    ctx: &NodeCtx,
+    route: &ShmRoute,
+    peer: EndpointId,
+    name: &TensorName,
+    tensor: &Tensor,
+) -> Result<(), ShmError> {
+    let data = tensor
+        .host_data()
+        .ok_or_else(|| ShmError::Fallback(Error::Io("a device tensor goes over QUIC".into())))?;
+    // Large payloads go as the tensor's sealed memfd (made once per tensor, then reused).
+    let region = if data.len() > INLINE_MAX {
+        Some(tensor.shm_region().map_err(ShmError::Fallback)?)
+    } else {
+        None
+    };
+    let request = DataRequest::Push {
+        name: name.clone(),
+        meta: tensor.meta().clone(),
+    };
+    let what = describe(name, None, &peer);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let mut conn = connection(ctx, route, peer).await?;
+        let sent = within(ctx.config.stall_timeout, &what, async {
+            conn.write_frame(&request).await?;
+            match &region {
+                Some(region) => {
+                    let memfd = ShmPayload::Memfd { offset: 0 };
+                    conn.write_frame_and(&memfd, &[], Some(region.fd())).await
+                }
+                None => conn.write_frame_and(&ShmPayload::Inline, data, None).await,
+            }
+        })
+        .await;
+        let answer = match sent {
+            Ok(()) => {
+                let timeout = ctx.config.request_timeout;
+                within(
+                    timeout,
+                    &what,
+                    conn.read_frame::<DataResponse>(MAX_CONTROL_FRAME),
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        match answer {
+            Ok(DataResponse::Ack) => {
+                route.shm.put_idle(peer, conn);
+                return Ok(());
+            }
+            Ok(DataResponse::Error { code, message }) => {
+                // The peer may have closed the socket after refusing: not pooled.
+                let short = peer.fmt_short().to_string();
+                let err = match code {
+                    ErrorCode::Busy => Error::Busy(format!("{what}: {message}")),
+                    code => remote_error_from(short, code, message),
+                };
+                return Err(ShmError::Final(err));
+            }
+            Ok(other) => {
+                let err = Error::Io(format!("{what}: unexpected answer {other:?}"));
+                return Err(ShmError::Final(err));
+            }
+            Err(err) if attempts >= 2 => return Err(ShmError::Fallback(err)),
+            Err(_) => {}
+        }
+    }
+}
+
+/// A pooled connection to `peer`, or a new one (connected, credentials checked, hello sent).
+async fn connection(
+    ctx: &NodeCtx,
+    route: &ShmRoute,
+    peer: EndpointId,
+) -> Result<ShmStream, ShmError> {
+    let (shm, socket, token) = (&route.shm, route.socket, route.token);
+    if let Some(conn) = shm.take_idle(&peer) {
+        return Ok(conn);
+    }
+    let connect = async {
+        let addr = super::socket_addr(&socket)?;
+        // A local connect never blocks for long: the listener's backlog answers at once.
+        let std = std::os::unix::net::UnixStream::connect_addr(&addr)
+            .map_err(|e| Error::io("connecting to a same-host peer", e))?;
+        std.set_nonblocking(true)
+            .map_err(|e| Error::io("connecting to a same-host peer", e))?;
+        let stream = UnixStream::from_std(std)
+            .map_err(|e| Error::io("connecting to a same-host peer", e))?;
+        let cred = stream
+            .peer_cred()
+            .map_err(|e| Error::io("reading a same-host peer's credentials", e))?;
+        if cred.uid() != shm.uid {
+            return Err(Error::Unauthorized(format!(
+                "the same-host socket of {} runs as uid {}, not {}",
+                peer.fmt_short(),
+                cred.uid(),
+                shm.uid
+            )));
+        }
+        let mut conn = ShmStream::new(stream);
+        let hello = ShmHello {
+            node: *ctx.endpoint.id().as_bytes(),
+            access: ctx.config.cluster_key.access(),
+            token,
+        };
+        conn.write_frame(&hello).await?;
+        Ok(conn)
+    };
+    within(
+        ctx.config.connect_timeout,
+        "a same-host connection",
+        connect,
+    )
+    .await
+    .map_err(ShmError::Fallback)
+}
+
+fn describe(name: &TensorName, version: Option<u64>, peer: &EndpointId) -> String {
+    let peer = peer.fmt_short();
+    match version {
+        Some(v) => format!("tensor \"{name}\" v{v} at {peer} (shm)"),
+        None => format!("tensor \"{name}\" at {peer} (shm)"),
+    }
+}

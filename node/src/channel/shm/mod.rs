@@ -1,0 +1,178 @@
+//! The `shm` channel: same-host shared memory (Linux).
+//!
+//! Each node listens on a Unix socket in the abstract namespace under a random name, and
+//! tells each peer, inside the authenticated QUIC link only, that name and a token for
+//! exactly that peer (a keyed BLAKE3 MAC of its node id and the access it proved, under a
+//! key that never leaves this process). A peer that can connect to the name is on this host
+//! and in this network namespace — abstract sockets exist nowhere else — and it proves who it
+//! is with the token; both sides also check that the other end runs as the same user
+//! (`SO_PEERCRED`). Nothing is assumed from an IP address.
+//!
+//! Once connected, the pair's requests (`Pull`, `Push`) travel on the socket in the same
+//! frames as on QUIC ([`socket`]). Small payloads follow inline; large ones are passed as the
+//! sealed memfd that holds them ([`region`]): a `get` maps it read-only (zero-copy: the
+//! tensor borrows the mapping, which stays valid while a reader holds it, even after the
+//! version is evicted), a `pull_into` copies out of it with `pread` on two threads.
+//!
+//! Integrity: inline payloads are hashed and checked as on QUIC. A memfd is accepted only
+//! sealed against writes and resizes (checked with `F_GET_SEALS`), so its bytes cannot change
+//! after its holder made it from a tensor whose hash it had verified (or computed): readers
+//! on the host do not hash it again. What this trusts is the holder — an authenticated member
+//! running as the same user, who could as well have published different bytes.
+
+mod client;
+mod region;
+mod serve;
+mod socket;
+
+use std::{
+    collections::HashMap,
+    os::{linux::net::SocketAddrExt, unix::net::SocketAddr},
+    sync::{Arc, Mutex, MutexGuard, OnceLock},
+};
+
+use bytes::Bytes;
+use iroh::EndpointId;
+use tb_proto::{Access, ChannelOffer, channel::SHM_SOCKET_NAME_LEN};
+
+pub(crate) use client::{ShmError, ShmPull, pull, push};
+pub(crate) use region::Region;
+pub(crate) use serve::spawn_listener;
+use socket::ShmStream;
+
+use crate::error::{Error, Result};
+
+/// Payloads up to this size travel inline on the socket (a memfd costs a mapping and page
+/// faults, more than copying this much twice).
+pub(crate) const INLINE_MAX: usize = 64 << 10;
+/// Idle client connections kept per peer.
+const MAX_IDLE_PER_PEER: usize = 4;
+/// Domain separation of the admission token MAC.
+const TOKEN_CONTEXT: &[u8] = b"tensor-broker shm admission v1";
+
+/// The sealed memfd of a tensor's bytes, shared by the tensor's clones: made on first need,
+/// or given when the bytes came from a peer's memfd.
+#[derive(Clone, Default)]
+pub(crate) struct ShmCache(Arc<OnceLock<Arc<Region>>>);
+
+impl std::fmt::Debug for ShmCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "ShmCache(made)"
+        } else {
+            "ShmCache(-)"
+        })
+    }
+}
+
+impl ShmCache {
+    /// A cache holding `region` already.
+    pub(crate) fn of(region: Arc<Region>) -> Self {
+        let cell = OnceLock::new();
+        let _ = cell.set(region);
+        ShmCache(Arc::new(cell))
+    }
+
+    /// The region, copied from `bytes` on first call (racing callers may both copy; one wins).
+    pub(crate) fn get_or_copy(&self, bytes: &Bytes) -> Result<Arc<Region>> {
+        if let Some(region) = self.0.get() {
+            return Ok(region.clone());
+        }
+        let made = Arc::new(Region::copy_of(bytes)?);
+        Ok(self.0.get_or_init(|| made).clone())
+    }
+}
+
+/// This node's end of the shm channel: its socket's name, the token key, and idle client
+/// connections per peer.
+#[derive(Debug)]
+pub(crate) struct Shm {
+    name: [u8; SHM_SOCKET_NAME_LEN],
+    key: [u8; 32],
+    uid: u32,
+    listener: Mutex<Option<std::os::unix::net::UnixListener>>,
+    idle: Mutex<HashMap<EndpointId, Vec<ShmStream>>>,
+}
+
+impl Shm {
+    /// Binds a fresh abstract socket (the accept loop starts with [`spawn_listener`]).
+    pub(crate) fn bind() -> Result<Shm> {
+        let mut name = [0u8; SHM_SOCKET_NAME_LEN];
+        let mut key = [0u8; 32];
+        fill_random(&mut name)?;
+        fill_random(&mut key)?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&socket_addr(&name)?)
+            .map_err(|e| Error::io("binding the same-host socket", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("binding the same-host socket", e))?;
+        Ok(Shm {
+            name,
+            key,
+            uid: rustix::process::getuid().as_raw(),
+            listener: Mutex::new(Some(listener)),
+            idle: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The offer for `peer`, which proved `access`.
+    pub(crate) fn offer(&self, peer: EndpointId, access: Access) -> ChannelOffer {
+        ChannelOffer::Shm {
+            socket: self.name,
+            token: self.token(peer.as_bytes(), access),
+        }
+    }
+
+    /// The admission token of `node` with `access` on this node's socket.
+    fn token(&self, node: &[u8; 32], access: Access) -> [u8; 32] {
+        let mut mac = blake3::Hasher::new_keyed(&self.key);
+        mac.update(TOKEN_CONTEXT);
+        mac.update(node);
+        mac.update(&[access as u8]);
+        *mac.finalize().as_bytes()
+    }
+
+    fn idle(&self) -> MutexGuard<'_, HashMap<EndpointId, Vec<ShmStream>>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An idle connection to `peer`, if one is pooled.
+    fn take_idle(&self, peer: &EndpointId) -> Option<ShmStream> {
+        self.idle().get_mut(peer).and_then(Vec::pop)
+    }
+
+    /// Pools a connection whose last exchange completed cleanly.
+    fn put_idle(&self, peer: EndpointId, conn: ShmStream) {
+        let mut idle = self.idle();
+        let conns = idle.entry(peer).or_default();
+        if conns.len() < MAX_IDLE_PER_PEER {
+            conns.push(conn);
+        }
+    }
+
+    /// Drops the idle connections to `peer` (its channel failed, or it offered a new one).
+    pub(crate) fn forget(&self, peer: &EndpointId) {
+        self.idle().remove(peer);
+    }
+}
+
+/// The abstract address for a socket name.
+fn socket_addr(name: &[u8; SHM_SOCKET_NAME_LEN]) -> Result<SocketAddr> {
+    let text = format!("tensor-broker/{}", hex::encode(name));
+    SocketAddr::from_abstract_name(text.as_bytes())
+        .map_err(|e| Error::io("naming the same-host socket", e))
+}
+
+fn fill_random(buf: &mut [u8]) -> Result<()> {
+    let mut filled = 0;
+    // Bounded: getrandom returns at least one byte per call for requests this small.
+    for _ in 0..16 {
+        if filled == buf.len() {
+            return Ok(());
+        }
+        filled +=
+            rustix::rand::getrandom(&mut buf[filled..], rustix::rand::GetRandomFlags::empty())
+                .map_err(|e| Error::Io(format!("reading random bytes: {e}")))?;
+    }
+    Err(Error::Io("reading random bytes: no progress".into()))
+}

@@ -1,0 +1,320 @@
+//! The serving side of the shm channel: accept same-host connections, admit the peers whose
+//! token and user check out, and answer their requests in order on each connection.
+
+use std::{os::fd::AsFd, sync::Arc};
+
+use bytes::Bytes;
+use iroh::EndpointId;
+use tb_dashboard::TransferKind;
+use tb_proto::{
+    Access, ContentHash, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
+    TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
+};
+use tokio::net::UnixListener;
+use tracing::debug;
+
+use super::{INLINE_MAX, Region, Shm, ShmCache, socket::ShmStream, socket::within};
+use crate::{
+    budget::BudgetError,
+    ctx::NodeCtx,
+    error::{Error, Result},
+    inbox::Received,
+    serve::{NotHeld, lookup},
+    tensor::Tensor,
+};
+
+/// Starts accepting same-host connections on `shm`'s socket (once; later calls do nothing).
+pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, shm: &Arc<Shm>) -> Result<()> {
+    let taken = shm
+        .listener
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    let Some(std) = taken else { return Ok(()) };
+    let listener = UnixListener::from_std(std)
+        .map_err(|e| Error::io("listening on the same-host socket", e))?;
+    let ctx = ctx.clone();
+    let shm = shm.clone();
+    let tracker = ctx.tracker.clone();
+    tracker.spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = ctx.cancel.cancelled() => break,
+                accepted = listener.accept() => accepted,
+            };
+            let Ok((stream, _)) = accepted else { continue };
+            let (ctx2, shm2) = (ctx.clone(), shm.clone());
+            ctx.tracker.spawn(async move {
+                let conn = ShmStream::new(stream);
+                tokio::select! {
+                    _ = ctx2.cancel.cancelled() => {}
+                    () = serve_connection(&ctx2, &shm2, conn) => {}
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Admits a connection (same user, valid token) and serves its requests until it closes or
+/// stays idle past the idle timeout.
+async fn serve_connection(ctx: &NodeCtx, shm: &Shm, mut conn: ShmStream) {
+    let (peer, access) = match admit(ctx, shm, &mut conn).await {
+        Ok(admitted) => admitted,
+        Err(err) => {
+            debug!(%err, "same-host connection refused");
+            return;
+        }
+    };
+    // Bounded by the peer: each round serves one request or ends the connection.
+    loop {
+        let idle = ctx.config.idle_timeout;
+        let read = within(idle, "a same-host request", async {
+            conn.read_frame::<DataRequest>(MAX_CONTROL_FRAME).await
+        });
+        let Ok(request) = read.await else { return };
+        if let Err(err) = serve_request(ctx, &mut conn, peer, access, request).await {
+            debug!(peer = %peer.fmt_short(), %err, "same-host connection closed");
+            return;
+        }
+    }
+}
+
+/// Checks the peer's user and its hello's token: the connection belongs to that node with
+/// that access.
+async fn admit(ctx: &NodeCtx, shm: &Shm, conn: &mut ShmStream) -> Result<(EndpointId, Access)> {
+    let cred = conn
+        .socket()
+        .peer_cred()
+        .map_err(|e| Error::io("reading a same-host peer's credentials", e))?;
+    if cred.uid() != shm.uid {
+        ctx.metrics
+            .auth_failures
+            .inc(tb_dashboard::AuthFailure::BadProof);
+        return Err(Error::Unauthorized(format!(
+            "uid {} is not ours",
+            cred.uid()
+        )));
+    }
+    let limit = ctx.config.hello_timeout;
+    let hello = within(limit, "a same-host hello", async {
+        conn.read_frame::<ShmHello>(MAX_SHM_HELLO_FRAME).await
+    })
+    .await?;
+    let expected = shm.token(&hello.node, hello.access);
+    if !constant_time_eq(&expected, &hello.token) {
+        ctx.metrics
+            .auth_failures
+            .inc(tb_dashboard::AuthFailure::BadProof);
+        return Err(Error::Unauthorized(
+            "a same-host hello with a bad token".into(),
+        ));
+    }
+    let peer = EndpointId::from_bytes(&hello.node)
+        .map_err(|e| Error::Unauthorized(format!("a same-host hello's node id: {e}")))?;
+    Ok((peer, hello.access))
+}
+
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Serves one request. `Err`: the connection must close (the protocol broke, or bytes of a
+/// refused push are still on it).
+async fn serve_request(
+    ctx: &NodeCtx,
+    conn: &mut ShmStream,
+    peer: EndpointId,
+    access: Access,
+    request: DataRequest,
+) -> Result<()> {
+    let mine = ctx.config.cluster_key.access();
+    let refused = tb_proto::authorize(mine, access, request.write_action())
+        .map_err(|e| (ErrorCode::Unauthorized, e.to_string()))
+        .and_then(|()| {
+            request.validate(ctx.config.max_tensor_bytes).map_err(|e| {
+                let code = match e {
+                    tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,
+                    _ => ErrorCode::InvalidTensor,
+                };
+                (code, e.to_string())
+            })
+        });
+    if let Err((code, message)) = refused {
+        conn.write_frame(&DataResponse::Error { code, message })
+            .await?;
+        // A refused push's payload frame is still coming: close rather than skip it.
+        return match request {
+            DataRequest::Push { .. } => Err(Error::Io("refused a push".into())),
+            _ => Ok(()),
+        };
+    }
+    match request {
+        DataRequest::Pull {
+            name,
+            version,
+            range: None,
+        } => serve_pull(ctx, conn, &name, version).await,
+        DataRequest::Pull { .. } => {
+            let message = "ranges are pulled over QUIC".to_owned();
+            let code = ErrorCode::InvalidTensor;
+            conn.write_frame(&DataResponse::Error { code, message })
+                .await
+        }
+        DataRequest::Push { name, meta } => serve_push(ctx, conn, peer, name, meta).await,
+        DataRequest::Channels { .. } => {
+            Err(Error::Io("channel offers on a same-host socket".into()))
+        }
+    }
+}
+
+async fn serve_pull(
+    ctx: &NodeCtx,
+    conn: &mut ShmStream,
+    name: &TensorName,
+    version: Option<u64>,
+) -> Result<()> {
+    let (version, tensor) = match lookup(ctx, name, version) {
+        Ok(found) => found,
+        Err(NotHeld::Refused(code, message)) => {
+            return conn
+                .write_frame(&DataResponse::Error { code, message })
+                .await;
+        }
+        Err(NotHeld::Arriving(v, _)) => {
+            // Cut-through serving lives on QUIC.
+            let message = format!("tensor \"{name}\" v{v} is still arriving: pull it over QUIC");
+            let code = ErrorCode::Busy;
+            return conn
+                .write_frame(&DataResponse::Error { code, message })
+                .await;
+        }
+    };
+    let header = DataResponse::Header {
+        meta: tensor.meta().clone(),
+        version,
+    };
+    let Some(data) = tensor.host_data() else {
+        // Device bytes: staged over QUIC (or CUDA IPC), not through host shared memory.
+        let message = format!("tensor \"{name}\" v{version} is on a device: pull it over QUIC");
+        let code = ErrorCode::Busy;
+        return conn
+            .write_frame(&DataResponse::Error { code, message })
+            .await;
+    };
+    let timer = ctx.metrics.start_transfer(TransferKind::Serve);
+    let stall = ctx.config.stall_timeout;
+    let sent = within(stall, "a same-host pull", async {
+        conn.write_frame(&header).await?;
+        if data.len() <= INLINE_MAX {
+            return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
+        }
+        let region = tensor.shm_region()?;
+        let memfd = ShmPayload::Memfd { offset: 0 };
+        conn.write_frame_and(&memfd, &[], Some(region.fd().as_fd()))
+            .await
+    })
+    .await;
+    timer.result(sent.is_ok());
+    if sent.is_ok() {
+        ctx.metrics.bytes_out.inc_by(tensor.byte_len());
+    }
+    sent
+}
+
+async fn serve_push(
+    ctx: &NodeCtx,
+    conn: &mut ShmStream,
+    peer: EndpointId,
+    name: TensorName,
+    meta: TensorMeta,
+) -> Result<()> {
+    let timer = ctx.metrics.start_transfer(TransferKind::Serve);
+    let held = match ctx.inbox.reserve(meta.byte_len) {
+        Ok(held) => held,
+        Err(err) => {
+            let (code, hint) = match err {
+                BudgetError::TooLarge { .. } => (ErrorCode::TooLarge, "never fits"),
+                BudgetError::Busy { .. } => (ErrorCode::Busy, "retry later"),
+            };
+            let message =
+                format!("push of \"{name}\" refused by the host push budget: {err}; {hint}");
+            conn.write_frame(&DataResponse::Error { code, message })
+                .await?;
+            return Err(Error::Io("refused a push".into()));
+        }
+    };
+    let stall = ctx.config.stall_timeout;
+    let tensor = within(stall, "a same-host push", receive(conn, &meta)).await;
+    let tensor = match tensor {
+        Ok(tensor) => tensor,
+        Err(err @ Error::Corrupt(_)) => {
+            let message = format!("push of \"{name}\": {err}");
+            let code = ErrorCode::Corrupt;
+            conn.write_frame(&DataResponse::Error { code, message })
+                .await?;
+            return Ok(());
+        }
+        Err(err) => return Err(err),
+    };
+    ctx.metrics.bytes_in.inc_by(meta.byte_len);
+    let item = Received {
+        from: peer,
+        name,
+        tensor,
+    };
+    let reply = match ctx
+        .inbox
+        .deliver(item, held, ctx.config.request_timeout)
+        .await
+    {
+        Ok(()) => DataResponse::Ack,
+        Err(err) => DataResponse::Error {
+            code: ErrorCode::Busy,
+            message: err.to_string(),
+        },
+    };
+    let delivered = matches!(reply, DataResponse::Ack);
+    let answered = conn.write_frame(&reply).await;
+    timer.result(delivered && answered.is_ok());
+    answered
+}
+
+/// Receives a pushed payload: inline bytes (hash-checked) or the pusher's sealed memfd.
+async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
+    let len = usize::try_from(meta.byte_len)
+        .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
+    match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
+        ShmPayload::Inline if len <= INLINE_MAX => {
+            let mut buf = vec![0u8; len];
+            conn.read_exact(&mut buf).await?;
+            let hash = ContentHash::of(&buf);
+            if hash != meta.hash {
+                return Err(Error::Corrupt(format!(
+                    "expected hash {}, got {hash}",
+                    meta.hash
+                )));
+            }
+            Ok(Tensor::from_verified(meta.clone(), Bytes::from(buf)))
+        }
+        ShmPayload::Memfd { offset } if len > 0 => {
+            let fd = conn.take_fd()?;
+            let end = offset
+                .checked_add(meta.byte_len)
+                .ok_or_else(|| Error::Io("a memfd range overflows".into()))?;
+            let region = Arc::new(Region::from_peer(fd, end)?);
+            let start = offset as usize;
+            let bytes = region.slice(start..start + len);
+            let whole = start == 0 && len == region.len();
+            let cache = if whole {
+                ShmCache::of(region)
+            } else {
+                ShmCache::default()
+            };
+            Ok(Tensor::from_shared(meta.clone(), bytes, cache))
+        }
+        other => Err(Error::Io(format!(
+            "a same-host push of {len} bytes sent as {other:?}"
+        ))),
+    }
+}

@@ -1,0 +1,210 @@
+//! [`ShmStream`]: length-prefixed frames on a Unix stream socket, any of which may carry one
+//! file descriptor (SCM_RIGHTS) — the same frames as on QUIC streams (`tb_proto::frame`).
+//!
+//! Every read goes through `recvmsg`, so a descriptor is never lost by reading the bytes it
+//! came with; descriptors queue up until the frame that announces them takes them, and at
+//! most [`MAX_QUEUED_FDS`] may wait (a peer that sends more breaks the protocol).
+
+use std::{
+    collections::VecDeque,
+    io::{IoSlice, IoSliceMut},
+    mem::MaybeUninit,
+    os::fd::{BorrowedFd, OwnedFd},
+    time::Duration,
+};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use serde::{Serialize, de::DeserializeOwned};
+use tb_proto::frame;
+use tokio::{io::Interest, net::UnixStream};
+
+use crate::error::{Error, Result};
+
+/// Descriptors that may wait for the frame that takes them.
+const MAX_QUEUED_FDS: usize = 2;
+/// Bytes read per `recvmsg` into the frame buffer.
+const READ_CHUNK: usize = 64 << 10;
+
+/// One same-host socket, with what was read but not yet consumed.
+#[derive(Debug)]
+pub(crate) struct ShmStream {
+    stream: UnixStream,
+    buf: Vec<u8>,
+    start: usize,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl ShmStream {
+    pub(crate) fn new(stream: UnixStream) -> Self {
+        ShmStream {
+            stream,
+            buf: Vec::new(),
+            start: 0,
+            fds: VecDeque::new(),
+        }
+    }
+
+    /// The socket, for its peer credentials.
+    pub(crate) fn socket(&self) -> &UnixStream {
+        &self.stream
+    }
+
+    /// Writes one frame.
+    pub(crate) async fn write_frame<T: Serialize>(&mut self, msg: &T) -> Result<()> {
+        self.write_frame_and(msg, &[], None).await
+    }
+
+    /// Writes one frame, then `payload` right behind it (one `sendmsg` when it fits), with
+    /// `fd` attached to the frame's first byte when given.
+    pub(crate) async fn write_frame_and(
+        &mut self,
+        msg: &impl Serialize,
+        payload: &[u8],
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<()> {
+        let head = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let fds;
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if let Some(fd) = fd {
+            fds = [fd];
+            control.push(SendAncillaryMessage::ScmRights(&fds));
+        }
+        let (mut head_at, mut body_at) = (0, 0);
+        let mut first = true;
+        // Bounded: each round sends at least one byte or fails.
+        while head_at < head.len() || body_at < payload.len() {
+            let iov = [
+                IoSlice::new(&head[head_at..]),
+                IoSlice::new(&payload[body_at..]),
+            ];
+            let sent = self
+                .stream
+                .async_io(Interest::WRITABLE, || {
+                    let mut none = SendAncillaryBuffer::default();
+                    let control = if first { &mut control } else { &mut none };
+                    rustix::net::sendmsg(&self.stream, &iov, control, SendFlags::NOSIGNAL)
+                        .map_err(std::io::Error::from)
+                })
+                .await
+                .map_err(|e| Error::io("writing to a same-host peer", e))?;
+            if sent == 0 {
+                return Err(Error::Io("same-host peer: socket closed".into()));
+            }
+            first = false;
+            let in_head = sent.min(head.len() - head_at);
+            head_at += in_head;
+            body_at += sent - in_head;
+        }
+        Ok(())
+    }
+
+    /// Reads one frame of at most `max` body bytes, checked before the body is buffered.
+    pub(crate) async fn read_frame<T: DeserializeOwned>(&mut self, max: u32) -> Result<T> {
+        self.fill(frame::LEN_PREFIX).await?;
+        let prefix: [u8; frame::LEN_PREFIX] = self.buf[self.start..][..frame::LEN_PREFIX]
+            .try_into()
+            .map_err(|_| Error::Io("frame prefix".into()))?;
+        let len = frame::body_len_within(prefix, max)
+            .map_err(|e| Error::Io(format!("a same-host peer's frame: {e}")))?;
+        self.fill(frame::LEN_PREFIX + len).await?;
+        let body = &self.buf[self.start + frame::LEN_PREFIX..][..len];
+        let msg = frame::decode_body(body)
+            .map_err(|e| Error::Io(format!("a same-host peer's frame: {e}")))?;
+        self.start += frame::LEN_PREFIX + len;
+        Ok(msg)
+    }
+
+    /// The descriptor that came with the frame just read.
+    pub(crate) fn take_fd(&mut self) -> Result<OwnedFd> {
+        self.fds
+            .pop_front()
+            .ok_or_else(|| Error::Io("a same-host peer announced a memfd it did not pass".into()))
+    }
+
+    /// Reads exactly `dest.len()` payload bytes (those already buffered first).
+    pub(crate) async fn read_exact(&mut self, dest: &mut [u8]) -> Result<()> {
+        let buffered = (self.buf.len() - self.start).min(dest.len());
+        dest[..buffered].copy_from_slice(&self.buf[self.start..][..buffered]);
+        self.start += buffered;
+        let mut filled = buffered;
+        // Bounded: each round reads at least one byte or fails.
+        while filled < dest.len() {
+            let n = self.recv_into_dest(&mut dest[filled..]).await?;
+            filled += n;
+        }
+        Ok(())
+    }
+
+    /// Makes at least `want` unconsumed bytes buffered.
+    async fn fill(&mut self, want: usize) -> Result<()> {
+        if self.start > 0 && self.buf.len() - self.start < want {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        // Bounded: each round reads at least one byte or fails.
+        while self.buf.len() - self.start < want {
+            let at = self.buf.len();
+            self.buf.resize(at + READ_CHUNK.max(want), 0);
+            let mut tail = std::mem::take(&mut self.buf);
+            let read = self.recv_into_dest(&mut tail[at..]).await;
+            self.buf = tail;
+            match read {
+                Ok(n) => self.buf.truncate(at + n),
+                Err(e) => {
+                    self.buf.truncate(at);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One `recvmsg` into `dest`, keeping any descriptor that came with the bytes.
+    async fn recv_into_dest(&mut self, dest: &mut [u8]) -> Result<usize> {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_QUEUED_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = self
+            .stream
+            .async_io(Interest::READABLE, || {
+                let mut iov = [IoSliceMut::new(dest)];
+                rustix::net::recvmsg(
+                    &self.stream,
+                    &mut iov,
+                    &mut control,
+                    RecvFlags::CMSG_CLOEXEC,
+                )
+                .map_err(std::io::Error::from)
+            })
+            .await
+            .map_err(|e| Error::io("reading from a same-host peer", e))?;
+        for msg in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                self.fds.extend(fds);
+            }
+        }
+        if self.fds.len() > MAX_QUEUED_FDS {
+            return Err(Error::Io(
+                "a same-host peer passed too many descriptors".into(),
+            ));
+        }
+        if got.bytes == 0 {
+            return Err(Error::Io("a same-host peer closed the socket".into()));
+        }
+        Ok(got.bytes)
+    }
+}
+
+/// Runs `io` with a deadline, naming what timed out.
+pub(crate) async fn within<T>(
+    limit: Duration,
+    what: &str,
+    io: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(limit, io)
+        .await
+        .unwrap_or_else(|_| Err(Error::timeout(what.to_owned(), limit)))
+}
