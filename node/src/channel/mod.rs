@@ -14,6 +14,9 @@
 //!   socket whose name only it was told.
 //! - `tcp` (opt-in): verified plain TCP for trusted networks.
 
+pub(crate) mod quic;
+pub(crate) mod verify;
+
 use std::{
     collections::HashMap,
     sync::{Mutex, MutexGuard},
