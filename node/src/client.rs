@@ -16,6 +16,7 @@ use tb_proto::{
 use tracing::debug;
 
 use crate::{
+    channel::quic,
     ctx::NodeCtx,
     device::{self, DeviceBuffer},
     error::{Error, Result},
@@ -158,8 +159,19 @@ where
     let mut buffer = alloc(&started.meta)?;
     let dest = buffer.as_mut();
     check_len(&started.what, dest.len(), &started.meta)?;
-    let stall = ctx.config.stall_timeout;
-    let hash = wire::recv_payload(&mut started.recv, dest, stall).await?;
+    let stripes = quic::stripes_for(ctx, &started._link, &started.meta);
+    let hash = if stripes > 1 {
+        let pull = quic::Striped {
+            link: &started._link,
+            name: &name,
+            version: started.version,
+            meta: &started.meta,
+            what: &started.what,
+        };
+        quic::recv_striped(ctx, pull, &mut started.recv, dest, stripes).await?
+    } else {
+        wire::recv_payload(&mut started.recv, dest, ctx.config.stall_timeout).await?
+    };
     verify(ctx, &started.what, &started.meta, hash)?;
     Ok(Pulled {
         name,

@@ -26,8 +26,8 @@ use std::{
 use iroh::{
     Endpoint, EndpointAddr, EndpointId, RelayMode, SecretKey,
     endpoint::{
-        AfterHandshakeOutcome, Connection, EndpointHooks, MtuDiscoveryConfig, PortmapperConfig,
-        QuicTransportConfig, VarInt, presets,
+        AckFrequencyConfig, AfterHandshakeOutcome, Connection, EndpointHooks, MtuDiscoveryConfig,
+        PortmapperConfig, QuicTransportConfig, VarInt, presets,
     },
 };
 
@@ -166,6 +166,13 @@ pub const OPEN_PROTOCOL_RECEIVE_WINDOW: u32 = 64 << 10;
 /// one per topic and direction).
 pub const OPEN_PROTOCOL_UNI_STREAMS: u32 = 8;
 
+/// The longest a peer may hold back an ACK, asked of it with the ACK frequency extension
+/// (QUIC's default is 25 ms). It is also what a sender adds to its probe timeout, the only
+/// thing that recovers a lost *last* packet of a flight: with 25 ms, a mid-size transfer whose
+/// tail was dropped (a busy receiver's full socket buffer) stalled ~27 ms. 1 ms is the
+/// smallest the extension allows (the timer granularity).
+pub const MAX_ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// ALPNs that start with this open with the cluster-secret hello (`tb/data/1`, `tb/ctl/1`,
 /// `tb/cuda-ipc/1`) and keep the pre-auth limits until it is verified; any other protocol on
 /// the endpoint (gossip) gets the open-protocol limits when its QUIC handshake ends.
@@ -186,11 +193,15 @@ const _: () = {
 
 /// The QUIC settings every tensor-broker endpoint uses: the pre-auth limits every connection
 /// starts with (see the module doc), explicit stream windows (IROH-NOTES: keep them at
-/// iroh's default), MTU discovery capped at the largest UDP payload iroh sends.
+/// iroh's default), MTU discovery capped at the largest UDP payload iroh sends, and ACKs
+/// within [`MAX_ACK_DELAY`].
 pub fn transport_config() -> QuicTransportConfig {
     let mut mtu = MtuDiscoveryConfig::default();
     mtu.upper_bound(1472);
+    let mut acks = AckFrequencyConfig::default();
+    acks.max_ack_delay(Some(MAX_ACK_DELAY));
     QuicTransportConfig::builder()
+        .ack_frequency_config(Some(acks))
         .max_concurrent_bidi_streams(VarInt::from_u32(PREAUTH_STREAMS))
         .max_concurrent_uni_streams(VarInt::from_u32(0))
         .stream_receive_window(VarInt::from_u32(STREAM_RECEIVE_WINDOW))

@@ -25,6 +25,7 @@ use tracing::{Instrument, debug, debug_span};
 use crate::{
     auth,
     budget::BudgetError,
+    channel,
     ctx::NodeCtx,
     device::{self, Device, DeviceBuffer},
     error::Error,
@@ -290,6 +291,7 @@ async fn serve_pull(
             ctx.metrics.bytes_out.inc_by(payload_len);
             timer.ok();
         }
+        Err(_) if channel::quic::stopped_for_stripe(&mut send).await => timer.ok(),
         Err(err) => {
             timer.error();
             debug!(%err, %name, "pull not served");

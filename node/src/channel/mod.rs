@@ -14,8 +14,10 @@
 //!   socket whose name only it was told.
 //! - `tcp` (opt-in): verified plain TCP for trusted networks.
 
+pub(crate) mod quic;
 #[cfg(target_os = "linux")]
 mod shm;
+pub(crate) mod verify;
 
 use std::{
     collections::HashMap,

@@ -1,0 +1,455 @@
+//! Verifying a payload that arrives in pieces, each hashed on its own as its bytes land, whose
+//! hashes combine into the tensor's BLAKE3 root (`meta.hash`) with no second pass.
+//!
+//! BLAKE3 is a tree: the root of `len` bytes has a left subtree of
+//! [`left_subtree_len`]`(len)` bytes and a right one of the rest, down to 1 KiB chunks. So a
+//! payload is cut along that tree ([`Pieces::split`]): each piece is a whole subtree, hashed by
+//! a [`PieceHasher`] (any thread, any order, bytes fed in order within the piece), and
+//! [`Pieces::root`] merges the pieces' chaining values pairwise up the same tree. A channel
+//! hands each stream or socket a contiguous run of pieces ([`Pieces::group`]).
+
+use std::ops::Range;
+
+use blake3::hazmat::{
+    ChainingValue, HasherExt, Mode, left_subtree_len, merge_subtrees_non_root, merge_subtrees_root,
+};
+use tb_proto::ContentHash;
+
+/// Why pieces did not verify.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub(crate) enum VerifyError {
+    /// A piece was not handed in, or not all of its bytes were hashed.
+    #[error("piece {index} ({range:?}) is incomplete: {fed} bytes hashed")]
+    Incomplete {
+        /// The piece's index.
+        index: usize,
+        /// Its bytes in the payload.
+        range: Range<u64>,
+        /// Bytes hashed.
+        fed: u64,
+    },
+    /// More bytes were fed to a piece than it has.
+    #[error("piece {index} got {fed} bytes, it has {len}")]
+    Overfed {
+        /// The piece's index.
+        index: usize,
+        /// Its length.
+        len: u64,
+        /// Bytes fed.
+        fed: u64,
+    },
+    /// The pieces hash to something other than what the sender announced.
+    #[error("expected hash {expected}, got {got}")]
+    Mismatch {
+        /// The announced hash.
+        expected: ContentHash,
+        /// What the bytes hash to.
+        got: ContentHash,
+    },
+}
+
+/// The most pieces a payload is cut into (bounds the split's work and the merge's recursion).
+pub(crate) const MAX_PIECES: usize = 1024;
+
+/// A payload's cut into subtree-aligned pieces, in order, covering `0..len` exactly.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pieces {
+    len: u64,
+    ranges: Vec<Range<u64>>,
+}
+
+/// One piece's hashing state: feed its bytes in order with [`update`](Self::update).
+#[derive(Debug, Clone)]
+pub(crate) struct PieceHasher {
+    index: usize,
+    range: Range<u64>,
+    /// The only piece of the payload: finalized as the root, not as a subtree.
+    whole: bool,
+    hasher: blake3::Hasher,
+    fed: u64,
+}
+
+/// A hashed piece, ready for [`Pieces::root`].
+#[derive(Debug, Clone)]
+pub(crate) struct PieceHash {
+    index: usize,
+    fed: u64,
+    value: PieceValue,
+}
+
+#[derive(Debug, Clone)]
+enum PieceValue {
+    Root(ContentHash),
+    Subtree(ChainingValue),
+}
+
+impl Pieces {
+    /// Cuts `len` bytes into at most `n` (and at most [`MAX_PIECES`]) pieces, each a whole
+    /// BLAKE3 subtree: the largest piece of more than one chunk is split along the tree until
+    /// there are `n` (pieces are then within a factor of two of each other in size). Zero
+    /// bytes, or `n` of 0 or 1, give one piece.
+    pub(crate) fn split(len: u64, n: usize) -> Pieces {
+        let n = n.clamp(1, MAX_PIECES);
+        let mut ranges = vec![0..len];
+        while ranges.len() < n {
+            let widest = (0..ranges.len())
+                .filter(|&i| ranges[i].end - ranges[i].start > blake3::CHUNK_LEN as u64)
+                .max_by_key(|&i| (ranges[i].end - ranges[i].start, usize::MAX - i));
+            let Some(i) = widest else { break };
+            let Range { start, end } = ranges[i].clone();
+            let mid = start + left_subtree_len(end - start);
+            ranges[i] = start..mid;
+            ranges.insert(i + 1, mid..end);
+        }
+        Pieces { len, ranges }
+    }
+
+    /// The pieces' byte ranges, in order.
+    #[allow(dead_code)] // tests, and channels that send pieces one by one (tcp)
+    pub(crate) fn ranges(&self) -> &[Range<u64>] {
+        &self.ranges
+    }
+
+    /// Groups the pieces into at most `n` contiguous runs of about equal bytes (one per stream
+    /// or socket): the piece indexes of each run, none empty.
+    pub(crate) fn group(&self, n: usize) -> Vec<Range<usize>> {
+        let n = n.clamp(1, self.ranges.len()) as u64;
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        let mut first = 0;
+        for (i, piece) in self.ranges.iter().enumerate() {
+            let run = runs.len() as u64;
+            let left = self.ranges.len() - i - 1;
+            // Close the run once it reaches its share, keeping a piece for each run after it.
+            let share_end = self.len.saturating_mul(run + 1) / n;
+            let last_run = run + 1 == n;
+            if !last_run && (piece.end >= share_end || left <= (n - run - 1) as usize) {
+                runs.push(first..i + 1);
+                first = i + 1;
+            }
+        }
+        if first < self.ranges.len() {
+            runs.push(first..self.ranges.len());
+        }
+        runs
+    }
+
+    /// The bytes of a run of pieces (from [`group`](Self::group)).
+    pub(crate) fn span(&self, run: &Range<usize>) -> Range<u64> {
+        self.ranges[run.start].start..self.ranges[run.end - 1].end
+    }
+
+    /// A hasher for piece `index`.
+    pub(crate) fn hasher(&self, index: usize) -> PieceHasher {
+        let range = self.ranges[index].clone();
+        let mut hasher = blake3::Hasher::new();
+        let whole = self.ranges.len() == 1;
+        if !whole {
+            hasher.set_input_offset(range.start);
+        }
+        PieceHasher {
+            index,
+            range,
+            whole,
+            hasher,
+            fed: 0,
+        }
+    }
+
+    /// The payload's root hash from every piece's hash (in any order).
+    pub(crate) fn root(&self, hashes: Vec<PieceHash>) -> Result<ContentHash, VerifyError> {
+        let mut slots: Vec<Option<PieceHash>> = vec![None; self.ranges.len()];
+        for h in hashes {
+            if let Some(slot) = slots.get_mut(h.index) {
+                *slot = Some(h);
+            }
+        }
+        let mut cvs = Vec::with_capacity(slots.len());
+        for (index, slot) in slots.into_iter().enumerate() {
+            let range = self.ranges[index].clone();
+            let want = range.end - range.start;
+            match slot {
+                Some(h) if h.fed == want => cvs.push(h.value),
+                other => {
+                    let fed = other.map_or(0, |h| h.fed);
+                    return Err(VerifyError::Incomplete { index, range, fed });
+                }
+            }
+        }
+        if let [PieceValue::Root(root)] = cvs.as_slice() {
+            return Ok(*root);
+        }
+        let subtree = |v: &PieceValue| match v {
+            PieceValue::Subtree(cv) => *cv,
+            // Only a payload of one piece has a root piece, handled above.
+            PieceValue::Root(h) => h.0,
+        };
+        let cvs: Vec<ChainingValue> = cvs.iter().map(subtree).collect();
+        let (left, right) = self.children(0..self.len, 0..self.ranges.len(), &cvs);
+        Ok(merge_subtrees_root(&left, &right, Mode::Hash).into())
+    }
+
+    /// Checks the pieces hash to `expected`.
+    pub(crate) fn verify(
+        &self,
+        hashes: Vec<PieceHash>,
+        expected: ContentHash,
+    ) -> Result<(), VerifyError> {
+        let got = self.root(hashes)?;
+        if got != expected {
+            return Err(VerifyError::Mismatch { expected, got });
+        }
+        Ok(())
+    }
+
+    /// The chaining values of the two children of the subtree `span`, made of `pieces`
+    /// (more than one), merging up from the pieces' values `cvs`.
+    fn children(
+        &self,
+        span: Range<u64>,
+        pieces: Range<usize>,
+        cvs: &[ChainingValue],
+    ) -> (ChainingValue, ChainingValue) {
+        let mid = span.start + left_subtree_len(span.end - span.start);
+        // The split made every piece a node of the tree: the left child's pieces end at `mid`.
+        let cut = pieces.start + self.ranges[pieces.clone()].partition_point(|r| r.end <= mid);
+        let left = self.node(span.start..mid, pieces.start..cut, cvs);
+        let right = self.node(mid..span.end, cut..pieces.end, cvs);
+        (left, right)
+    }
+
+    fn node(&self, span: Range<u64>, pieces: Range<usize>, cvs: &[ChainingValue]) -> ChainingValue {
+        if pieces.len() == 1 {
+            return cvs[pieces.start];
+        }
+        let (left, right) = self.children(span, pieces, cvs);
+        merge_subtrees_non_root(&left, &right, Mode::Hash)
+    }
+}
+
+impl PieceHasher {
+    /// Hashes the piece's next bytes.
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
+        self.hasher.update(bytes);
+        self.fed += bytes.len() as u64;
+    }
+
+    /// The piece's bytes in the payload.
+    pub(crate) fn range(&self) -> Range<u64> {
+        self.range.clone()
+    }
+
+    /// The piece's hash (or an error when more bytes than it has were fed).
+    pub(crate) fn finish(self) -> Result<PieceHash, VerifyError> {
+        let len = self.range.end - self.range.start;
+        if self.fed > len {
+            let (index, fed) = (self.index, self.fed);
+            return Err(VerifyError::Overfed { index, len, fed });
+        }
+        let value = if self.whole {
+            PieceValue::Root(self.hasher.finalize().into())
+        } else {
+            PieceValue::Subtree(self.hasher.finalize_non_root())
+        };
+        Ok(PieceHash {
+            index: self.index,
+            fed: self.fed,
+            value,
+        })
+    }
+}
+
+/// Hashes a contiguous run of pieces as its bytes arrive in order (one stream's share).
+#[derive(Debug)]
+pub(crate) struct RunHasher {
+    current: Option<PieceHasher>,
+    next: Range<usize>,
+    done: Vec<PieceHash>,
+    pieces: Pieces,
+}
+
+impl RunHasher {
+    /// A hasher for the pieces `run` of `pieces` (a clone of the plan is kept).
+    pub(crate) fn new(pieces: &Pieces, run: Range<usize>) -> Self {
+        let mut next = run;
+        let current = next.next().map(|i| pieces.hasher(i));
+        RunHasher {
+            current,
+            next,
+            done: Vec::new(),
+            pieces: pieces.clone(),
+        }
+    }
+
+    /// Hashes the run's next bytes, crossing into the next pieces as each fills.
+    pub(crate) fn update(&mut self, mut bytes: &[u8]) -> Result<(), VerifyError> {
+        while let Some(piece) = self.current.as_mut() {
+            let r = piece.range();
+            let room = (r.end - r.start - piece.fed) as usize;
+            let take = room.min(bytes.len());
+            piece.update(&bytes[..take]);
+            bytes = &bytes[take..];
+            if take < room {
+                return Ok(());
+            }
+            let full = self.current.take();
+            self.current = self.next.next().map(|i| self.pieces.hasher(i));
+            if let Some(full) = full {
+                self.done.push(full.finish()?);
+            }
+            if bytes.is_empty() && self.current.is_some() {
+                return Ok(());
+            }
+        }
+        if bytes.is_empty() {
+            Ok(())
+        } else {
+            let index = self.next.end.saturating_sub(1);
+            let len = self.pieces.ranges[index].end - self.pieces.ranges[index].start;
+            let fed = len + bytes.len() as u64;
+            Err(VerifyError::Overfed { index, len, fed })
+        }
+    }
+
+    /// The hashes of the run's pieces (a piece not filled is reported by [`Pieces::root`]).
+    pub(crate) fn finish(mut self) -> Result<Vec<PieceHash>, VerifyError> {
+        if let Some(piece) = self.current.take() {
+            self.done.push(piece.finish()?);
+        }
+        Ok(self.done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 9) as u8)
+            .collect()
+    }
+
+    fn root_of(bytes: &[u8], n: usize, runs: usize) -> ContentHash {
+        let pieces = Pieces::split(bytes.len() as u64, n);
+        let groups = pieces.group(runs);
+        let mut hashes = Vec::new();
+        // Runs hashed in reverse order, each fed in odd-sized slices.
+        for run in groups.iter().rev() {
+            let span = pieces.span(run);
+            let mut h = RunHasher::new(&pieces, run.clone());
+            for part in bytes[span.start as usize..span.end as usize].chunks(777) {
+                h.update(part).expect("fits");
+            }
+            hashes.extend(h.finish().expect("finish"));
+        }
+        pieces.root(hashes).expect("root")
+    }
+
+    const SIZES: [usize; 12] = [
+        0,
+        1,
+        1023,
+        1024,
+        1025,
+        2048,
+        3 * 1024 + 5,
+        65_536,
+        100_000,
+        (1 << 20) - 1,
+        1 << 20,
+        (1 << 20) + 1,
+    ];
+
+    #[test]
+    fn merged_root_equals_the_one_shot_hash() {
+        for len in SIZES {
+            let bytes = data(len);
+            let want = ContentHash::of(&bytes);
+            for n in [1, 2, 3, 5, 7, 8, 13, 64] {
+                for runs in [1, 2, 3, n] {
+                    assert_eq!(
+                        root_of(&bytes, n, runs),
+                        want,
+                        "len {len} n {n} runs {runs}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_cover_the_payload_on_chunk_boundaries() {
+        for len in SIZES.iter().map(|&l| l as u64).chain([5 << 20, 256 << 20]) {
+            for n in [1, 3, 8, 100] {
+                let p = Pieces::split(len, n);
+                assert!(p.ranges().len() <= n.max(1));
+                assert_eq!(p.ranges().first().map(|r| r.start), Some(0));
+                assert_eq!(p.ranges().last().map(|r| r.end), Some(len));
+                for w in p.ranges().windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                    assert_eq!(w[1].start % 1024, 0);
+                }
+                let groups = p.group(3);
+                assert!(!groups.is_empty() && groups.len() <= 3);
+                assert!(groups.iter().all(|g| !g.is_empty()));
+                assert_eq!(groups.last().map(|g| g.end), Some(p.ranges().len()));
+            }
+        }
+    }
+
+    #[test]
+    fn big_payloads_split_into_as_many_pieces_as_asked() {
+        let p = Pieces::split(256 << 20, 24);
+        assert_eq!(p.ranges().len(), 24);
+        let groups = p.group(3);
+        assert_eq!(groups.len(), 3);
+        let spans: Vec<u64> = groups
+            .iter()
+            .map(|g| p.span(g))
+            .map(|s| s.end - s.start)
+            .collect();
+        let (min, max) = (spans.iter().min(), spans.iter().max());
+        assert!(max.zip(min).is_some_and(|(a, b)| *a <= 2 * *b), "{spans:?}");
+    }
+
+    #[test]
+    fn a_flipped_byte_is_a_mismatch() {
+        let mut bytes = data(300_000);
+        let want = ContentHash::of(&bytes);
+        bytes[123_456] ^= 1;
+        let pieces = Pieces::split(bytes.len() as u64, 4);
+        let mut hashes = Vec::new();
+        for i in 0..pieces.ranges().len() {
+            let r = pieces.ranges()[i].clone();
+            let mut h = pieces.hasher(i);
+            h.update(&bytes[r.start as usize..r.end as usize]);
+            hashes.push(h.finish().expect("finish"));
+        }
+        assert!(matches!(
+            pieces.verify(hashes, want),
+            Err(VerifyError::Mismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_missing_or_short_piece_is_incomplete() {
+        let bytes = data(10_000);
+        let pieces = Pieces::split(bytes.len() as u64, 3);
+        let mut h = pieces.hasher(0);
+        h.update(&bytes[..10]);
+        let short = vec![h.finish().expect("finish")];
+        assert!(matches!(
+            pieces.root(short),
+            Err(VerifyError::Incomplete {
+                index: 0,
+                fed: 10,
+                ..
+            })
+        ));
+        let mut run = RunHasher::new(&pieces, 0..1);
+        assert!(matches!(
+            run.update(&bytes),
+            Err(VerifyError::Overfed { .. })
+        ));
+    }
+}
