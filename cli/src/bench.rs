@@ -75,25 +75,34 @@ pub struct P2pArgs {
     round_trips: usize,
     /// Rounds; each runs every system in turn, so machine noise hits them alike. Figures are
     /// over the samples of all rounds.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 1)]
     rounds: usize,
     /// The channels whose tensor-broker systems are measured (`shm,quic,tcp`: all); the
     /// auto-negotiated `tensor-broker` and the baselines always run.
     #[arg(long, default_value = "shm,quic,tcp", value_parser = parse_channels)]
-    channels: Vec<ChannelKind>,
+    channels: ChannelList,
     /// Also measure tensors on this device (`cuda` or `cuda:N`), pulled device to device.
     #[arg(long, default_value = "host")]
     device: Device,
+    /// Skip sizes above this (a quick run: `--max-size 1MiB`).
+    #[arg(long, default_value = "256MiB", value_parser = tb_node::rate::parse_size)]
+    max_size: u64,
 }
 
-fn parse_channels(list: &str) -> Result<Vec<ChannelKind>, String> {
+/// The kinds `--channels` names (a newtype: clap would read a bare `Vec` as many values).
+#[derive(Debug, Clone)]
+struct ChannelList(Vec<ChannelKind>);
+
+fn parse_channels(list: &str) -> Result<ChannelList, String> {
     // `parse_list` adds quic as every list's fallback; here only the named ones count.
     let named: Vec<&str> = list.split(',').map(str::trim).collect();
     let kinds = ChannelKind::parse_list(list).map_err(|e| e.to_string())?;
-    Ok(kinds
-        .into_iter()
-        .filter(|k| named.contains(&k.as_str()))
-        .collect())
+    Ok(ChannelList(
+        kinds
+            .into_iter()
+            .filter(|k| named.contains(&k.as_str()))
+            .collect(),
+    ))
 }
 
 /// What is measured: a tensor-broker set-up or a baseline.
@@ -125,6 +134,7 @@ pub(crate) enum System {
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Op {
     /// Into one reused, pre-touched buffer.
+    #[value(name = "pull_into")]
     PullInto,
     /// Into the receiver's own fresh memory, until the tensor is usable.
     Get,
@@ -145,13 +155,14 @@ impl Op {
         }
     }
 
-    /// The sizes this op moves.
-    pub(crate) fn sizes(self) -> &'static [u64] {
-        match self {
+    /// The sizes this op moves, up to `max`.
+    pub(crate) fn sizes(self, max: u64) -> Vec<u64> {
+        let all: &[u64] = match self {
             Op::PullInto => &PULL_INTO_SIZES,
             Op::Get | Op::Push => &OP_SIZES,
             Op::Rtt => &[],
-        }
+        };
+        all.iter().copied().filter(|&s| s <= max).collect()
     }
 }
 
@@ -307,11 +318,11 @@ struct Summary {
     channel: Option<String>,
 }
 
-fn summarize(system: System, reports: &[(Op, RecvReport)]) -> Summary {
+fn summarize(system: System, reports: &[(Op, RecvReport)], max_size: u64) -> Summary {
     let channel = reports.iter().rev().find_map(|(_, r)| r.channel.clone());
     let mut cases = Vec::new();
     for &op in system.ops() {
-        for &size in op.sizes() {
+        for size in op.sizes(max_size) {
             let (mut rates, mut firsts): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
             let samples = reports
                 .iter()
@@ -403,7 +414,7 @@ pub(crate) fn check(buf: &[u8]) -> Result<()> {
 fn systems(args: &P2pArgs) -> Vec<System> {
     let mut systems: Vec<System> = System::BROKERS
         .into_iter()
-        .filter(|s| s.channel().is_none_or(|c| args.channels.contains(&c)))
+        .filter(|s| s.channel().is_none_or(|c| args.channels.0.contains(&c)))
         .collect();
     if args.device.cuda_ordinal().is_some() {
         systems.push(System::TensorBrokerCuda);
@@ -425,6 +436,7 @@ async fn start_server(
     let mut server = tokio::process::Command::new(exe)
         .args(["bench", "p2p-serve", "--device", &args.device.to_string()])
         .args(["--systems", &labels.join(",")])
+        .args(["--max-size", &args.max_size.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -478,7 +490,10 @@ async fn p2p(args: P2pArgs) -> Result<()> {
 
     let summaries: Vec<Summary> = systems
         .iter()
-        .map(|&s| summarize(s, reports.get(&s).map(Vec::as_slice).unwrap_or_default()))
+        .map(|&s| {
+            let reports = reports.get(&s).map(Vec::as_slice).unwrap_or_default();
+            summarize(s, reports, args.max_size)
+        })
         .collect();
     if args.json {
         println!("{}", json(&summaries, args.device));
@@ -574,6 +589,7 @@ async fn run_receiver(
         .args(["--op", op.label(), "--from", &info.addr_of(system)?])
         .args(["--iters", &args.iters.to_string()])
         .args(["--round-trips", &args.round_trips.to_string()])
+        .args(["--max-size", &args.max_size.to_string()])
         .args([
             "--ordinal",
             &args.device.cuda_ordinal().unwrap_or(0).to_string(),

@@ -25,7 +25,7 @@ use tokio::{
 };
 
 use crate::{
-    bench::{Op, RAW_ALPN, RecvReport, SizeSamples, System, check, device_tensor_name, payload},
+    bench::{LARGEST, Op, RAW_ALPN, RecvReport, SizeSamples, System, check, device_tensor_name, payload},
     bench_serve::{ACK_NAME, PUSH_PREFIX, wall_ns},
     fmt,
 };
@@ -52,6 +52,9 @@ pub struct RecvArgs {
     /// The GPU of the tensor-broker-cuda receiver.
     #[arg(long, default_value_t = 0)]
     ordinal: usize,
+    /// Skip sizes above this.
+    #[arg(long, default_value_t = LARGEST)]
+    max_size: u64,
 }
 
 /// One system's client on a fresh endpoint.
@@ -94,7 +97,7 @@ impl Client {
                 stream: None,
             },
             System::Memcpy => Client::Memcpy {
-                data: payload(crate::bench::LARGEST)?,
+                data: payload(LARGEST.min(args.max_size))?,
             },
             System::TensorBrokerCuda => Client::TbCuda {
                 node: Node::spawn(System::TensorBrokerCuda.config().context("config")?).await?,
@@ -255,10 +258,13 @@ async fn sizes<F>(args: &RecvArgs, op: Op, report: &mut RecvReport, mut once: F)
 where
     F: AsyncFnMut(&mut Client, u64) -> Result<f64>,
 {
-    for &size in op.sizes() {
+    for size in op.sizes(args.max_size) {
         let mut client = Client::new(args).await?;
         let first_transfer_ms = once(&mut client, size).await? * 1e3;
-        once(&mut client, size).await?;
+        // The first transfer warmed the link; one more warm-up where it is cheap.
+        if size < LARGEST {
+            once(&mut client, size).await?;
+        }
         let mut rates = Vec::with_capacity(args.iters);
         for _ in 0..args.iters.max(1) {
             rates.push(fmt::mb_per_s(size, once(&mut client, size).await?));
@@ -275,7 +281,7 @@ where
 }
 
 async fn pull_into(args: &RecvArgs, report: &mut RecvReport) -> Result<()> {
-    let mut buf = vec![0u8; usize::try_from(crate::bench::LARGEST)?];
+    let mut buf = vec![0u8; usize::try_from(LARGEST.min(args.max_size))?];
     sizes(args, Op::PullInto, report, async |client, size| {
         let dest = &mut buf[..usize::try_from(size)?];
         let t = Instant::now();
@@ -303,9 +309,9 @@ async fn get(args: &RecvArgs, report: &mut RecvReport) -> Result<()> {
 }
 
 async fn push(args: &RecvArgs, report: &mut RecvReport) -> Result<()> {
-    let data = payload(crate::bench::LARGEST)?;
+    let data = payload(LARGEST.min(args.max_size))?;
     let mut tensors = Vec::new();
-    for &size in Op::Push.sizes() {
+    for size in Op::Push.sizes(args.max_size) {
         tensors.push((size, Tensor::from_bytes(data.slice(..usize::try_from(size)?))));
     }
     sizes(args, Op::Push, report, async |client, size| {

@@ -331,6 +331,18 @@
       kv("p90", seconds(num(lat.p90))));
   }
 
+  // ---- links -----------------------------------------------------------------------------
+  /** This broker's pooled links: each peer and the data channel negotiated with it. */
+  function renderLinks(m) {
+    const links = arr(m.broker.links, MAX_NODES).map(obj).filter(Boolean);
+    const rows = links.map((l) => el("div", { class: "kv", "data-link": str(l.peer) },
+      el("span", { class: "mono", title: str(l.peer) }, shortId(str(l.peer))),
+      el("span", { class: "tag", "data-channel": str(l.channel) }, str(l.channel) || "?")));
+    $("broker-links").replaceChildren(
+      el("div", { class: "kv-title muted" }, "this broker's links · channel"),
+      ...(rows.length ? rows : [el("div", { class: "muted" }, "none pooled")]));
+  }
+
   // ---- registry --------------------------------------------------------------------------
   let lastEntriesKey = null;
   let lastFilter = null;
@@ -517,6 +529,7 @@
     renderSummary(m);
     renderNodes(m);
     renderLatency(m);
+    renderLinks(m);
     renderRegistry(m, false);
     renderChart();
   }
