@@ -384,8 +384,8 @@ impl Node {
 
     /// Each peer with a usable pooled link and the data channel negotiated with it.
     pub fn links(&self) -> Vec<(EndpointId, &'static str)> {
-        let ready = self.inner.ctx.ready.peers();
-        ready.into_iter().map(|p| (p, self.channel_to(&p))).collect()
+        let links = self.inner.ctx.links();
+        links.into_iter().map(|(p, c)| (p, c.as_str())).collect()
     }
 
     /// Number of pooled links.
