@@ -230,6 +230,21 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
         Some(&Value::from("quic")),
         "worker 1's link to worker 0: {w1_status:#}"
     );
+    // `tb status` shows the same from worker 1's heartbeats (every 2 s).
+    let mut members = Value::Null;
+    let listed = poll(SETTLE, || {
+        let out = c.tb(&["status", "--json"]);
+        members = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let w1 = members["members"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["node_id"] == w1_id.as_str()));
+        let links = w1.and_then(|w| w["stats"]["links"].as_array());
+        links.is_some_and(|ls| {
+            ls.iter()
+                .any(|l| l["peer"] == w0_id.as_str() && l["channel"] == "quic")
+        })
+    });
+    assert!(listed, "tb status lists worker 1's link to worker 0: {members:#}");
 
     // A get through the cluster, served by a holder.
     let served_before = served(&w0_url) + served(&w1_url);
