@@ -199,6 +199,10 @@ impl Source for BrokerSource {
         Box::pin(async {})
     }
 
+    fn links(&self) -> Vec<tb_dashboard::api::LinkView> {
+        self.node.link_views()
+    }
+
     fn cluster(&self, page: &Page) -> Option<ClusterData> {
         let view = self.view();
         let now = Instant::now();

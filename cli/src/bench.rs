@@ -1,43 +1,51 @@
-//! `tb bench p2p`: pull throughput and 4 KiB round trips between two OS processes on
-//! 127.0.0.1, for tensor-broker and, in the same run, for a bare iroh connection with the same
-//! endpoint settings (the transport's ceiling).
+//! `tb bench p2p`: throughput and 4 KiB round trips between two OS processes on 127.0.0.1,
+//! for every tensor-broker channel set-up and, in the same run, for the baselines: a bare iroh
+//! connection with the same endpoint settings (the transport's ceiling), one plain TCP stream,
+//! and a memcpy into fresh pages.
 //!
-//! Process layout: this process orchestrates; a `serve` child holds the tensors (a tensor-broker
-//! node and a raw iroh endpoint); one `recv` child per system measures and reports JSON,
-//! including its own peak RSS.
+//! Process layout: this process orchestrates; a `serve` child (`bench_serve.rs`) holds the
+//! tensors — one tensor-broker node per system, each with that system's `Config`, a raw iroh
+//! endpoint and a raw TCP listener — and receives the pushes; one `recv` child
+//! (`bench_recv.rs`) per system, op and round measures and reports JSON, including its own
+//! peak RSS, so one op's memory never inflates another's figure.
+//!
+//! Ops: `pull_into` (into one reused, pre-touched buffer), `get` (into the receiver's own fresh
+//! memory, until the tensor is usable) and `push` (until the serving node's `recv()` returns
+//! it; see `bench_recv.rs` for how that instant is read across the two processes).
 //!
 //! With `--device cuda[:N]` the serving node also holds copies of the tensors on that GPU, and
-//! a third receiver pulls them over the network straight into device memory (pinned staging
+//! a further receiver pulls them over the network straight into device memory (pinned staging
 //! on both sides; CUDA IPC is not used), so device throughput is reported next to host
 //! throughput.
 
-use std::{
-    process::Stdio,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, process::Stdio, time::Duration};
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use clap::{Args, Subcommand, ValueEnum};
-use iroh::{
-    Endpoint,
-    endpoint::Connection,
-    protocol::{AcceptError, ProtocolHandler, Router},
-};
 use serde::{Deserialize, Serialize};
-use tb_node::{Config, Device, DeviceBuffer, Node, PeerAddr, Tensor};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tb_node::{Config, Device};
+use tb_proto::ChannelKind;
+use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::fmt;
 
-/// ALPN of the raw baseline: request = u64 LE length, response = that many bytes.
-const RAW_ALPN: &[u8] = b"tb-bench/raw/1";
-const SIZES: [u64; 4] = [4 << 10, 1 << 20, 64 << 20, 256 << 20];
+/// ALPN of the raw iroh baseline: request = u64 LE length, response = that many bytes.
+pub(crate) const RAW_ALPN: &[u8] = b"tb-bench/raw/1";
+/// Sizes of `pull_into` (4 KiB and 64 MiB are cheap and kept from earlier runs).
+pub(crate) const PULL_INTO_SIZES: [u64; 4] = [4 << 10, 1 << 20, 64 << 20, 256 << 20];
+/// Sizes of `get` and `push`.
+pub(crate) const OP_SIZES: [u64; 2] = [1 << 20, 256 << 20];
+/// The largest size any op moves.
+pub(crate) const LARGEST: u64 = 256 << 20;
+/// How long one receiver process may run.
+const RECEIVER_LIMIT: Duration = Duration::from_secs(900);
 
 /// `tb bench ...`
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// Point-to-point pull throughput and 4 KiB latency, tensor-broker vs bare iroh.
+    /// Point-to-point pull, get and push throughput and 4 KiB latency: tensor-broker on each
+    /// channel vs bare iroh, one TCP stream and memcpy.
     P2p(P2pArgs),
     /// One new version to many receivers under an upload limit: single receiver vs the
     /// broker's fan-out tree (cut-through) vs everyone pulling from the publisher.
@@ -47,10 +55,10 @@ pub enum BenchCommand {
     Registry(crate::bench_cluster::RegistryArgs),
     /// (internal) serve the benchmark tensors; prints addresses as JSON on stdout.
     #[command(hide = true)]
-    P2pServe(ServeArgs),
-    /// (internal) measure one system against a serving process; prints JSON on stdout.
+    P2pServe(crate::bench_serve::ServeArgs),
+    /// (internal) measure one system's op against a serving process; prints JSON on stdout.
     #[command(hide = true)]
-    P2pRecv(RecvArgs),
+    P2pRecv(crate::bench_recv::RecvArgs),
 }
 
 /// Options for `tb bench p2p`.
@@ -59,77 +67,228 @@ pub struct P2pArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Measured pulls per size (after one warm-up); the median is reported.
-    #[arg(long, default_value_t = 5)]
+    /// Measured transfers per op and size (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3)]
     iters: usize,
-    /// 4 KiB round trips for the latency quantiles (per round).
+    /// 4 KiB round trips for the latency quantiles (per round, pulls and pushes each).
     #[arg(long, default_value_t = 1000)]
     round_trips: usize,
-    /// Rounds; each runs the raw-iroh receiver then the tensor-broker one, so machine noise
-    /// hits both systems alike. Figures are over the samples of all rounds.
-    #[arg(long, default_value_t = 3)]
+    /// Rounds; each runs every system in turn, so machine noise hits them alike. Figures are
+    /// over the samples of all rounds.
+    #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// The channels whose tensor-broker systems are measured (`shm,quic,tcp`: all); the
+    /// auto-negotiated `tensor-broker` and the baselines always run.
+    #[arg(long, default_value = "shm,quic,tcp", value_parser = parse_channels)]
+    channels: ChannelList,
     /// Also measure tensors on this device (`cuda` or `cuda:N`), pulled device to device.
     #[arg(long, default_value = "host")]
     device: Device,
+    /// Skip sizes above this (a quick run: `--max-size 1MiB`).
+    #[arg(long, default_value = "256MiB", value_parser = tb_node::rate::parse_size)]
+    max_size: u64,
 }
 
-/// Options of the internal serving process.
-#[derive(Debug, Args)]
-pub struct ServeArgs {
-    /// Also hold the tensors on this device.
-    #[arg(long, default_value = "host")]
-    device: Device,
+/// The kinds `--channels` names (a newtype: clap would read a bare `Vec` as many values).
+#[derive(Debug, Clone)]
+struct ChannelList(Vec<ChannelKind>);
+
+fn parse_channels(list: &str) -> Result<ChannelList, String> {
+    // `parse_list` adds quic as every list's fallback; here only the named ones count.
+    let named: Vec<&str> = list.split(',').map(str::trim).collect();
+    let kinds = ChannelKind::parse_list(list).map_err(|e| e.to_string())?;
+    Ok(ChannelList(
+        kinds
+            .into_iter()
+            .filter(|k| named.contains(&k.as_str()))
+            .collect(),
+    ))
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+/// What is measured: a tensor-broker set-up or a baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-enum System {
+pub(crate) enum System {
+    /// Default `Config`: channels negotiated as users get them.
     TensorBroker,
+    /// QUIC only, one stream per transfer.
+    TensorBrokerQuic,
+    /// QUIC only, striped by the automatic rule.
+    TensorBrokerQuicStriped,
+    /// The TCP bulk channel first.
+    TensorBrokerTcp,
+    /// Same-host shared memory first.
+    TensorBrokerShm,
+    /// Device tensors pulled into device memory (`--device`).
     TensorBrokerCuda,
+    /// A bare iroh connection, no hashing.
     RawIroh,
+    /// One plain TCP stream.
+    RawTcp,
+    /// A copy into freshly allocated pages, in one process.
+    Memcpy,
+}
+
+/// One measured operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Op {
+    /// Into one reused, pre-touched buffer.
+    #[value(name = "pull_into")]
+    PullInto,
+    /// Into the receiver's own fresh memory, until the tensor is usable.
+    Get,
+    /// Pushed until the serving node's `recv()` returns it.
+    Push,
+    /// 4 KiB round trips: pulls, then pushes (tensor-broker only).
+    Rtt,
+}
+
+impl Op {
+    /// The label in JSON and the table.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Op::PullInto => "pull_into",
+            Op::Get => "get",
+            Op::Push => "push",
+            Op::Rtt => "rtt",
+        }
+    }
+
+    /// The sizes this op moves, up to `max`.
+    pub(crate) fn sizes(self, max: u64) -> Vec<u64> {
+        let all: &[u64] = match self {
+            Op::PullInto => &PULL_INTO_SIZES,
+            Op::Get | Op::Push => &OP_SIZES,
+            Op::Rtt => &[],
+        };
+        all.iter().copied().filter(|&s| s <= max).collect()
+    }
 }
 
 impl System {
-    fn label(self) -> &'static str {
+    /// The tensor-broker systems, in table order.
+    pub(crate) const BROKERS: [System; 5] = [
+        System::TensorBroker,
+        System::TensorBrokerQuic,
+        System::TensorBrokerQuicStriped,
+        System::TensorBrokerTcp,
+        System::TensorBrokerShm,
+    ];
+
+    /// The name in JSON and the table.
+    pub(crate) fn label(self) -> &'static str {
         match self {
             System::TensorBroker => "tensor-broker",
+            System::TensorBrokerQuic => "tensor-broker-quic",
+            System::TensorBrokerQuicStriped => "tensor-broker-quic-striped",
+            System::TensorBrokerTcp => "tensor-broker-tcp",
+            System::TensorBrokerShm => "tensor-broker-shm",
             System::TensorBrokerCuda => "tensor-broker-cuda",
             System::RawIroh => "raw-iroh",
+            System::RawTcp => "raw-tcp",
+            System::Memcpy => "memcpy",
+        }
+    }
+
+    /// The node configuration of a tensor-broker system (both the serving node's and the
+    /// receiver's), `None` for baselines.
+    pub(crate) fn config(self) -> Option<Config> {
+        let mut config = Config::default();
+        match self {
+            System::TensorBroker => {}
+            System::TensorBrokerQuic => {
+                config.channels = vec![ChannelKind::Quic];
+                config.quic_stripes = 1;
+            }
+            System::TensorBrokerQuicStriped => {
+                config.channels = vec![ChannelKind::Quic];
+                config.quic_stripes = 0;
+            }
+            System::TensorBrokerTcp => config.channels = vec![ChannelKind::Tcp, ChannelKind::Quic],
+            System::TensorBrokerShm => config.channels = vec![ChannelKind::Shm, ChannelKind::Quic],
+            System::TensorBrokerCuda => config.cuda.ipc = false,
+            System::RawIroh | System::RawTcp | System::Memcpy => return None,
+        }
+        Some(config)
+    }
+
+    /// The channel whose `--channels` entry selects this system (`None`: always measured).
+    fn channel(self) -> Option<ChannelKind> {
+        match self {
+            System::TensorBrokerQuic | System::TensorBrokerQuicStriped => Some(ChannelKind::Quic),
+            System::TensorBrokerTcp => Some(ChannelKind::Tcp),
+            System::TensorBrokerShm => Some(ChannelKind::Shm),
+            _ => None,
+        }
+    }
+
+    /// The ops that make sense for this system.
+    pub(crate) fn ops(self) -> &'static [Op] {
+        match self {
+            System::RawIroh | System::RawTcp => &[Op::PullInto, Op::Get],
+            System::Memcpy => &[Op::Get],
+            System::TensorBrokerCuda => &[Op::PullInto, Op::Rtt],
+            _ => &[Op::PullInto, Op::Get, Op::Push, Op::Rtt],
         }
     }
 }
 
-/// Options of the internal receiver process.
-#[derive(Debug, Args)]
-pub struct RecvArgs {
-    #[arg(long, value_enum)]
-    system: System,
-    #[arg(long)]
-    tb: String,
-    #[arg(long)]
-    raw: String,
-    #[arg(long)]
-    iters: usize,
-    #[arg(long)]
-    round_trips: usize,
-    /// The GPU of the tensor-broker-cuda receiver.
-    #[arg(long, default_value_t = 0)]
-    ordinal: usize,
+/// What the serving process prints: where each system is served.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ServeInfo {
+    /// Each tensor-broker system's serving node (`<id>@<ip:port>`), by label.
+    pub(crate) tb: BTreeMap<String, String>,
+    /// The raw iroh endpoint.
+    pub(crate) raw: String,
+    /// The raw TCP listener (`ip:port`).
+    pub(crate) tcp: String,
 }
 
+impl ServeInfo {
+    fn addr_of(&self, system: System) -> Result<String> {
+        Ok(match system {
+            System::RawIroh => self.raw.clone(),
+            System::RawTcp => self.tcp.clone(),
+            System::Memcpy => String::new(),
+            System::TensorBrokerCuda => self.addr_of(System::TensorBroker)?,
+            s => self
+                .tb
+                .get(s.label())
+                .cloned()
+                .with_context(|| format!("no serving node for {}", s.label()))?,
+        })
+    }
+}
+
+/// One receiver process's raw samples.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct RecvReport {
+    pub(crate) sizes: Vec<SizeSamples>,
+    pub(crate) rtt_us: Vec<f64>,
+    pub(crate) rtt_push_us: Vec<f64>,
+    pub(crate) peak_rss_bytes: u64,
+    /// The channel the node picked for the serving peer after its transfers (tensor-broker).
+    pub(crate) channel: Option<String>,
+}
+
+/// One size's samples of one op.
 #[derive(Debug, Serialize, Deserialize)]
-struct ServeInfo {
-    tb: String,
-    raw: String,
+pub(crate) struct SizeSamples {
+    pub(crate) size_bytes: u64,
+    pub(crate) first_transfer_ms: f64,
+    pub(crate) rates_mb_s: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Case {
     system: String,
+    op: &'static str,
     size_bytes: u64,
     throughput_mb_s: f64,
     first_transfer_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    channel: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -138,59 +297,71 @@ struct Rtt {
     p99_us: f64,
 }
 
-/// One receiver process's raw samples.
-#[derive(Debug, Serialize, Deserialize)]
-struct RecvReport {
-    sizes: Vec<SizeSamples>,
-    rtt_us: Vec<f64>,
-    peak_rss_bytes: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct SizeSamples {
-    size_bytes: u64,
-    first_transfer_ms: f64,
-    rates_mb_s: Vec<f64>,
+impl Rtt {
+    fn of(samples: &mut [f64]) -> Rtt {
+        Rtt {
+            p50_us: fmt::median(samples),
+            p99_us: fmt::percentile(samples, 0.99),
+        }
+    }
 }
 
 /// One system's figures over all rounds.
 struct Summary {
+    system: System,
     cases: Vec<Case>,
-    rtt_4k: Rtt,
+    rtt_4k: Option<Rtt>,
+    rtt_4k_push: Option<Rtt>,
     peak_rss_bytes: u64,
+    /// Peak RSS of the `pull_into` receivers (the figure the RSS target is about).
+    pull_into_rss_bytes: u64,
+    channel: Option<String>,
 }
 
-fn summarize(system: System, reports: &[RecvReport]) -> Summary {
-    let cases = SIZES
-        .iter()
-        .map(|&size| {
+fn summarize(system: System, reports: &[(Op, RecvReport)], max_size: u64) -> Summary {
+    let channel = reports.iter().rev().find_map(|(_, r)| r.channel.clone());
+    let mut cases = Vec::new();
+    for &op in system.ops() {
+        for size in op.sizes(max_size) {
+            let (mut rates, mut firsts): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
             let samples = reports
                 .iter()
-                .flat_map(|r| r.sizes.iter().filter(move |s| s.size_bytes == size));
-            let (mut rates, mut firsts): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+                .filter(|(o, _)| *o == op)
+                .flat_map(|(_, r)| r.sizes.iter().filter(|s| s.size_bytes == size));
             for s in samples {
                 rates.extend(&s.rates_mb_s);
                 firsts.push(s.first_transfer_ms);
             }
-            Case {
+            cases.push(Case {
                 system: system.label().to_string(),
+                op: op.label(),
                 size_bytes: size,
                 throughput_mb_s: fmt::median(&mut rates),
                 first_transfer_ms: fmt::median(&mut firsts),
-            }
-        })
-        .collect();
-    let mut rtt: Vec<f64> = reports
-        .iter()
-        .flat_map(|r| r.rtt_us.iter().copied())
-        .collect();
+                channel: channel.clone(),
+            });
+        }
+    }
+    let all = |f: fn(&RecvReport) -> &Vec<f64>| -> Vec<f64> {
+        reports.iter().flat_map(|(_, r)| f(r).iter().copied()).collect()
+    };
+    let (mut rtt, mut rtt_push) = (all(|r| &r.rtt_us), all(|r| &r.rtt_push_us));
+    let rss = |ops: &[Op]| {
+        reports
+            .iter()
+            .filter(|(o, _)| ops.contains(o))
+            .map(|(_, r)| r.peak_rss_bytes)
+            .max()
+            .unwrap_or(0)
+    };
     Summary {
+        system,
         cases,
-        rtt_4k: Rtt {
-            p50_us: fmt::median(&mut rtt),
-            p99_us: fmt::percentile(&mut rtt, 0.99),
-        },
-        peak_rss_bytes: reports.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0),
+        rtt_4k: (!rtt.is_empty()).then(|| Rtt::of(&mut rtt)),
+        rtt_4k_push: (!rtt_push.is_empty()).then(|| Rtt::of(&mut rtt_push)),
+        peak_rss_bytes: rss(system.ops()),
+        pull_into_rss_bytes: rss(&[Op::PullInto]),
+        channel,
     }
 }
 
@@ -200,48 +371,72 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::P2p(args) => p2p(args).await,
         BenchCommand::Broadcast(args) => crate::bench_cluster::broadcast(args).await,
         BenchCommand::Registry(args) => crate::bench_cluster::registry(args).await,
-        BenchCommand::P2pServe(args) => serve(args.device).await,
+        BenchCommand::P2pServe(args) => crate::bench_serve::serve(args).await,
         BenchCommand::P2pRecv(args) => {
-            let report = receive(&args).await?;
+            let report = crate::bench_recv::receive(&args).await?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
     }
 }
 
-fn tensor_name(size: u64) -> String {
+/// The name the serving nodes hold a host tensor of `size` bytes under.
+pub(crate) fn tensor_name(size: u64) -> String {
     format!("bench/{size}")
 }
 
 /// The name of the copy held on the GPU.
-fn device_tensor_name(size: u64) -> String {
+pub(crate) fn device_tensor_name(size: u64) -> String {
     format!("bench-cuda/{size}")
 }
 
-fn payload(size: u64) -> Result<Bytes> {
+/// The benchmark's bytes: `i % 251`, so a misplaced piece is caught by [`check`].
+pub(crate) fn payload(size: u64) -> Result<Bytes> {
     let len = usize::try_from(size)?;
     Ok(Bytes::from(
         (0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
     ))
 }
 
-async fn p2p(args: P2pArgs) -> Result<()> {
-    let mut systems = vec![System::RawIroh, System::TensorBroker];
-    if let Device::Cuda(ordinal) = args.device {
-        let info =
-            tb_node::device::probe(ordinal).with_context(|| format!("--device {}", args.device))?;
-        if !args.json {
-            eprintln!(
-                "device tensors on cuda:{ordinal}: {} ({})",
-                info.name,
-                fmt::bytes(info.total_bytes)
-            );
-        }
+/// Fails unless `buf` holds the start of [`payload`].
+pub(crate) fn check(buf: &[u8]) -> Result<()> {
+    if let Some(i) = buf
+        .iter()
+        .enumerate()
+        .position(|(i, b)| *b != (i % 251) as u8)
+    {
+        bail!("byte {i} is wrong");
+    }
+    Ok(())
+}
+
+/// The systems `args` asks for, in table order.
+fn systems(args: &P2pArgs) -> Vec<System> {
+    let mut systems: Vec<System> = System::BROKERS
+        .into_iter()
+        .filter(|s| s.channel().is_none_or(|c| args.channels.0.contains(&c)))
+        .collect();
+    if args.device.cuda_ordinal().is_some() {
         systems.push(System::TensorBrokerCuda);
     }
-    let exe = std::env::current_exe().context("locating the tb binary")?;
-    let mut server = tokio::process::Command::new(&exe)
+    systems.extend([System::RawIroh, System::RawTcp, System::Memcpy]);
+    systems
+}
+
+async fn start_server(
+    exe: &std::path::Path,
+    args: &P2pArgs,
+    systems: &[System],
+) -> Result<(tokio::process::Child, ServeInfo)> {
+    let labels: Vec<&str> = systems
+        .iter()
+        .filter(|s| System::BROKERS.contains(s))
+        .map(|s| s.label())
+        .collect();
+    let mut server = tokio::process::Command::new(exe)
         .args(["bench", "p2p-serve", "--device", &args.device.to_string()])
+        .args(["--systems", &labels.join(",")])
+        .args(["--max-size", &args.max_size.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -255,8 +450,25 @@ async fn p2p(args: P2pArgs) -> Result<()> {
         .await
         .context("the serving process did not start within 120 s")??;
     let info: ServeInfo = serde_json::from_str(line.trim()).context("serving process output")?;
+    Ok((server, info))
+}
 
-    let (mut raw_reports, mut tb_reports, mut cuda_reports) = (Vec::new(), Vec::new(), Vec::new());
+async fn p2p(args: P2pArgs) -> Result<()> {
+    if let Device::Cuda(ordinal) = args.device {
+        let info =
+            tb_node::device::probe(ordinal).with_context(|| format!("--device {}", args.device))?;
+        if !args.json {
+            eprintln!(
+                "device tensors on cuda:{ordinal}: {} ({})",
+                info.name,
+                fmt::bytes(info.total_bytes)
+            );
+        }
+    }
+    let systems = systems(&args);
+    let exe = std::env::current_exe().context("locating the tb binary")?;
+    let (mut server, info) = start_server(&exe, &args, &systems).await?;
+    let mut reports: BTreeMap<System, Vec<(Op, RecvReport)>> = BTreeMap::new();
     for round in 1..=args.rounds.max(1) {
         for &system in &systems {
             if !args.json {
@@ -266,11 +478,9 @@ async fn p2p(args: P2pArgs) -> Result<()> {
                     system.label()
                 );
             }
-            let report = run_receiver(&exe, system, &info, &args).await?;
-            match system {
-                System::RawIroh => raw_reports.push(report),
-                System::TensorBroker => tb_reports.push(report),
-                System::TensorBrokerCuda => cuda_reports.push(report),
+            for &op in system.ops() {
+                let report = run_receiver(&exe, system, op, &info, &args).await?;
+                reports.entry(system).or_default().push((op, report));
             }
         }
     }
@@ -278,45 +488,108 @@ async fn p2p(args: P2pArgs) -> Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
     let _ = server.kill().await;
 
-    let tb = summarize(System::TensorBroker, &tb_reports);
-    let raw = summarize(System::RawIroh, &raw_reports);
-    let cuda =
-        (!cuda_reports.is_empty()).then(|| summarize(System::TensorBrokerCuda, &cuda_reports));
-    let mut cases: Vec<&Case> = tb.cases.iter().chain(raw.cases.iter()).collect();
-    let mut rtt = serde_json::json!({ "tensor-broker": tb.rtt_4k, "raw-iroh": raw.rtt_4k });
-    if let Some(cuda) = &cuda {
-        cases.extend(cuda.cases.iter());
-        rtt["tensor-broker-cuda"] = serde_json::json!(cuda.rtt_4k);
-    }
-    let json = serde_json::json!({
-        "bench": "p2p",
-        "device": args.device.to_string(),
-        "cases": cases,
-        "rtt_4k": rtt,
-        "receiver_peak_rss_bytes": tb.peak_rss_bytes,
-    });
+    let summaries: Vec<Summary> = systems
+        .iter()
+        .map(|&s| {
+            let reports = reports.get(&s).map(Vec::as_slice).unwrap_or_default();
+            summarize(s, reports, args.max_size)
+        })
+        .collect();
     if args.json {
-        println!("{json}");
+        println!("{}", json(&summaries, args.device));
     } else {
-        print_table(&tb, &raw);
-        if let Some(cuda) = &cuda {
-            print_device_table(&tb, cuda, args.device);
+        crate::bench_table::print(&summaries_view(&summaries));
+        let host = summaries.iter().find(|s| s.system == System::TensorBroker);
+        let cuda = summaries
+            .iter()
+            .find(|s| s.system == System::TensorBrokerCuda);
+        if let (Some(host), Some(cuda)) = (host, cuda) {
+            print_device_table(host, cuda, args.device);
         }
     }
     Ok(())
 }
 
+/// The one JSON object `--json` prints.
+fn json(summaries: &[Summary], device: Device) -> serde_json::Value {
+    let (mut rtt, mut rtt_push) = (serde_json::Map::new(), serde_json::Map::new());
+    let (mut rss, mut channels) = (serde_json::Map::new(), serde_json::Map::new());
+    for s in summaries {
+        let label = s.system.label().to_string();
+        if let Some(r) = s.rtt_4k {
+            rtt.insert(label.clone(), serde_json::json!(r));
+        }
+        if let Some(r) = s.rtt_4k_push {
+            rtt_push.insert(label.clone(), serde_json::json!(r));
+        }
+        if let Some(c) = &s.channel {
+            channels.insert(label.clone(), serde_json::json!(c));
+        }
+        rss.insert(label, serde_json::json!(s.peak_rss_bytes));
+    }
+    let cases: Vec<&Case> = summaries.iter().flat_map(|s| &s.cases).collect();
+    let receiver_rss = summaries
+        .iter()
+        .find(|s| s.system == System::TensorBroker)
+        .map_or(0, |s| s.pull_into_rss_bytes);
+    serde_json::json!({
+        "bench": "p2p",
+        "device": device.to_string(),
+        "cases": cases,
+        "rtt_4k": rtt,
+        "rtt_4k_push": rtt_push,
+        "channel": channels,
+        "receiver_peak_rss_bytes": receiver_rss,
+        "peak_rss_bytes": rss,
+    })
+}
+
+/// The summaries as the table prints them.
+fn summaries_view(summaries: &[Summary]) -> crate::bench_table::View {
+    use crate::bench_table::{Row, RttRow, View};
+    let rows = summaries
+        .iter()
+        .flat_map(|s| &s.cases)
+        .map(|c| Row {
+            system: c.system.clone(),
+            op: c.op,
+            size_bytes: c.size_bytes,
+            mb_s: c.throughput_mb_s,
+            first_ms: c.first_transfer_ms,
+            channel: c.channel.clone(),
+        })
+        .collect();
+    let rtts = summaries
+        .iter()
+        .filter_map(|s| {
+            let pull = s.rtt_4k?;
+            Some(RttRow {
+                system: s.system.label().to_string(),
+                pull: (pull.p50_us, pull.p99_us),
+                push: s.rtt_4k_push.map(|p| (p.p50_us, p.p99_us)),
+            })
+        })
+        .collect();
+    let rss = summaries
+        .iter()
+        .map(|s| (s.system.label().to_string(), s.peak_rss_bytes))
+        .collect();
+    View { rows, rtts, rss }
+}
+
 async fn run_receiver(
     exe: &std::path::Path,
     system: System,
+    op: Op,
     info: &ServeInfo,
     args: &P2pArgs,
 ) -> Result<RecvReport> {
     let out = tokio::process::Command::new(exe)
         .args(["bench", "p2p-recv", "--system", system.label()])
-        .args(["--tb", &info.tb, "--raw", &info.raw])
+        .args(["--op", op.label(), "--from", &info.addr_of(system)?])
         .args(["--iters", &args.iters.to_string()])
         .args(["--round-trips", &args.round_trips.to_string()])
+        .args(["--max-size", &args.max_size.to_string()])
         .args([
             "--ordinal",
             &args.device.cuda_ordinal().unwrap_or(0).to_string(),
@@ -324,40 +597,19 @@ async fn run_receiver(
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
         .output();
-    let out = tokio::time::timeout(Duration::from_secs(900), out)
+    let out = tokio::time::timeout(RECEIVER_LIMIT, out)
         .await
         .context("a receiver process ran over 15 minutes")??;
     if !out.status.success() {
-        bail!("the {} receiver failed ({})", system.label(), out.status);
-    }
-    serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("{} receiver output", system.label()))
-}
-
-fn print_table(tb: &Summary, raw: &Summary) {
-    println!(
-        "{:>9} {:>18} {:>14} {:>7} {:>16} {:>14}",
-        "size", "tensor-broker MB/s", "raw-iroh MB/s", "ratio", "tb first ms", "raw first ms"
-    );
-    for (t, r) in tb.cases.iter().zip(&raw.cases) {
-        println!(
-            "{:>9} {:>18.0} {:>14.0} {:>7.2} {:>16.2} {:>14.2}",
-            fmt::bytes(t.size_bytes),
-            t.throughput_mb_s,
-            r.throughput_mb_s,
-            t.throughput_mb_s / r.throughput_mb_s.max(f64::MIN_POSITIVE),
-            t.first_transfer_ms,
-            r.first_transfer_ms
+        bail!(
+            "the {} {} receiver failed ({})",
+            system.label(),
+            op.label(),
+            out.status
         );
     }
-    println!(
-        "4 KiB round trip: tensor-broker p50 {:.0} us p99 {:.0} us; raw-iroh p50 {:.0} us p99 {:.0} us",
-        tb.rtt_4k.p50_us, tb.rtt_4k.p99_us, raw.rtt_4k.p50_us, raw.rtt_4k.p99_us
-    );
-    println!(
-        "tensor-broker receiver peak RSS: {}",
-        fmt::bytes(tb.peak_rss_bytes)
-    );
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("{} {} receiver output", system.label(), op.label()))
 }
 
 fn print_device_table(host: &Summary, cuda: &Summary, device: Device) {
@@ -369,7 +621,8 @@ fn print_device_table(host: &Summary, cuda: &Summary, device: Device) {
         format!("{device} MB/s"),
         "dev/host"
     );
-    for (h, d) in host.cases.iter().zip(&cuda.cases) {
+    let host_pulls = host.cases.iter().filter(|c| c.op == Op::PullInto.label());
+    for (h, d) in host_pulls.zip(&cuda.cases) {
         println!(
             "{:>9} {:>18.0} {:>18.0} {:>10.2}",
             fmt::bytes(h.size_bytes),
@@ -378,261 +631,10 @@ fn print_device_table(host: &Summary, cuda: &Summary, device: Device) {
             d.throughput_mb_s / h.throughput_mb_s.max(f64::MIN_POSITIVE)
         );
     }
-    println!(
-        "4 KiB round trip to {device}: p50 {:.0} us p99 {:.0} us",
-        cuda.rtt_4k.p50_us, cuda.rtt_4k.p99_us
-    );
-}
-
-// ---- serving process ----
-
-#[derive(Debug, Clone)]
-struct RawServer {
-    data: Bytes,
-}
-
-impl ProtocolHandler for RawServer {
-    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        // No hello on the raw protocol: open the data path's limits at once.
-        tb_node::open_link(&conn, Config::default().max_concurrent_streams);
-        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            let data = self.data.clone();
-            tokio::spawn(async move {
-                let mut len = [0u8; 8];
-                if recv.read_exact(&mut len).await.is_err() {
-                    return;
-                }
-                let len = usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX);
-                let Some(body) = data.get(..len).map(|_| data.slice(..len)) else {
-                    return;
-                };
-                let mut offset = 0;
-                while offset < body.len() {
-                    let end = (offset + (1 << 20)).min(body.len());
-                    if send.write_chunk(body.slice(offset..end)).await.is_err() {
-                        return;
-                    }
-                    offset = end;
-                }
-                let _ = send.finish();
-            });
-        }
-        Ok(())
+    if let Some(rtt) = cuda.rtt_4k {
+        println!(
+            "4 KiB round trip to {device}: p50 {:.0} us p99 {:.0} us",
+            rtt.p50_us, rtt.p99_us
+        );
     }
-}
-
-async fn serve(device: Device) -> Result<()> {
-    let largest = SIZES[SIZES.len() - 1];
-    let data = payload(largest)?;
-    let node = Node::spawn(Config::default()).await?;
-    for size in SIZES {
-        let tensor = Tensor::from_bytes(data.slice(..usize::try_from(size)?));
-        if device != Device::Host {
-            let on_device = tensor.to_device(device)?;
-            node.publish_local(&device_tensor_name(size), on_device)?;
-        }
-        node.publish_local(&tensor_name(size), tensor)?;
-    }
-    let config = Config::default();
-    let raw_ep = tb_node::bind_endpoint(&config, iroh::SecretKey::generate()).await?;
-    let raw_addr = tb_node::PeerAddr {
-        id: raw_ep.id(),
-        addr: raw_ep
-            .bound_sockets()
-            .first()
-            .copied()
-            .context("raw endpoint socket")?,
-    };
-    let router = Router::builder(raw_ep)
-        .accept(RAW_ALPN, RawServer { data })
-        .spawn();
-    let info = ServeInfo {
-        tb: node.addr().to_string(),
-        raw: raw_addr.to_string(),
-    };
-    println!("{}", serde_json::to_string(&info)?);
-    // Serve until the orchestrator closes our stdin (or goes away).
-    let mut sink = Vec::new();
-    let _ = tokio::io::stdin().read_to_end(&mut sink).await;
-    node.shutdown().await;
-    let _ = router.shutdown().await;
-    Ok(())
-}
-
-// ---- receiving process ----
-
-/// One system's client: a fresh endpoint, pulling sizes into a reused buffer.
-enum Client {
-    Tb {
-        node: Node,
-        from: PeerAddr,
-    },
-    /// Pulls the GPU copies into a reused device buffer.
-    TbCuda {
-        node: Node,
-        from: PeerAddr,
-        ordinal: usize,
-        buf: Option<DeviceBuffer>,
-    },
-    Raw {
-        ep: Endpoint,
-        to: PeerAddr,
-        conn: Option<Connection>,
-    },
-}
-
-impl Client {
-    async fn new(args: &RecvArgs) -> Result<Client> {
-        Ok(match args.system {
-            System::TensorBroker => Client::Tb {
-                node: Node::spawn(Config::default()).await?,
-                from: args.tb.parse()?,
-            },
-            System::TensorBrokerCuda => {
-                let mut config = Config::default();
-                config.cuda.ipc = false;
-                Client::TbCuda {
-                    node: Node::spawn(config).await?,
-                    from: args.tb.parse()?,
-                    ordinal: args.ordinal,
-                    buf: None,
-                }
-            }
-            System::RawIroh => Client::Raw {
-                ep: tb_node::bind_endpoint(&Config::default(), iroh::SecretKey::generate()).await?,
-                to: args.raw.parse()?,
-                conn: None,
-            },
-        })
-    }
-
-    async fn fetch(&mut self, size: u64, buf: &mut [u8]) -> Result<()> {
-        match self {
-            Client::Tb { node, from } => {
-                let pulled = node
-                    .pull_into(from, &tensor_name(size), None, |_| Ok(&mut *buf))
-                    .await?;
-                if pulled.meta.byte_len != size {
-                    bail!("got {} bytes, wanted {size}", pulled.meta.byte_len);
-                }
-            }
-            Client::TbCuda {
-                node,
-                from,
-                ordinal,
-                buf,
-            } => {
-                let len = usize::try_from(size)?;
-                let dest = match buf.take() {
-                    Some(b) if b.len() == len => b,
-                    _ => DeviceBuffer::alloc(*ordinal, len)?,
-                };
-                let pulled = node
-                    .pull_into_device(from, &device_tensor_name(size), None, |_| Ok(dest))
-                    .await?;
-                *buf = Some(pulled.buffer);
-            }
-            Client::Raw { ep, to, conn } => {
-                if conn.is_none() {
-                    let dialed = ep.connect(to.to_endpoint_addr(), RAW_ALPN).await?;
-                    tb_node::open_link(&dialed, 0);
-                    *conn = Some(dialed);
-                }
-                let conn = conn.as_ref().context("connection")?;
-                let (mut send, mut recv) = conn.open_bi().await?;
-                send.write_all(&size.to_le_bytes()).await?;
-                send.finish()?;
-                recv.read_exact(buf).await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Copies what the last fetch received into `dest`, where it is not there already.
-    fn copy_out(&self, dest: &mut [u8]) -> Result<()> {
-        if let Client::TbCuda { buf: Some(buf), .. } = self {
-            dest.copy_from_slice(&buf.to_host()?);
-        }
-        Ok(())
-    }
-
-    async fn close(self) {
-        match self {
-            Client::Tb { node, .. } | Client::TbCuda { node, .. } => node.shutdown().await,
-            Client::Raw { ep, .. } => ep.close().await,
-        }
-    }
-}
-
-async fn receive(args: &RecvArgs) -> Result<RecvReport> {
-    let mut sizes = Vec::new();
-    let mut buf = vec![0u8; usize::try_from(SIZES[SIZES.len() - 1])?];
-    for size in SIZES {
-        let len = usize::try_from(size)?;
-        let dest = &mut buf[..len];
-        // First transfer on a fresh endpoint: includes the connect and handshake.
-        let mut client = Client::new(args).await?;
-        let t = Instant::now();
-        client.fetch(size, dest).await?;
-        let first_transfer_ms = t.elapsed().as_secs_f64() * 1e3;
-        client.copy_out(dest)?;
-        check(dest)?;
-        client.fetch(size, dest).await?; // warm-up
-        let mut rates = Vec::with_capacity(args.iters);
-        for _ in 0..args.iters.max(1) {
-            let t = Instant::now();
-            client.fetch(size, dest).await?;
-            rates.push(fmt::mb_per_s(size, t.elapsed().as_secs_f64()));
-        }
-        client.copy_out(dest)?;
-        check(dest)?;
-        client.close().await;
-        sizes.push(SizeSamples {
-            size_bytes: size,
-            first_transfer_ms,
-            rates_mb_s: rates,
-        });
-    }
-    let rtt_us = round_trips(args, &mut buf[..4096]).await?;
-    Ok(RecvReport {
-        sizes,
-        rtt_us,
-        peak_rss_bytes: peak_rss_bytes(),
-    })
-}
-
-fn check(buf: &[u8]) -> Result<()> {
-    if let Some(i) = buf
-        .iter()
-        .enumerate()
-        .position(|(i, b)| *b != (i % 251) as u8)
-    {
-        bail!("byte {i} is wrong");
-    }
-    Ok(())
-}
-
-async fn round_trips(args: &RecvArgs, buf: &mut [u8]) -> Result<Vec<f64>> {
-    let mut client = Client::new(args).await?;
-    for _ in 0..50 {
-        client.fetch(4096, buf).await?;
-    }
-    let mut micros = Vec::with_capacity(args.round_trips);
-    for _ in 0..args.round_trips.max(1) {
-        let t = Instant::now();
-        client.fetch(4096, buf).await?;
-        micros.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    client.close().await;
-    Ok(micros)
-}
-
-/// This process's peak resident set (VmHWM), 0 where /proc is not available.
-fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
 }

@@ -7,11 +7,15 @@
 //!   members with their pool, store and throughput figures.
 //! - `tb secret derive --read-only`: the read-only credential derived from the cluster secret.
 //! - `tb demo`: a self-contained run of two nodes exchanging tensors, verified byte for byte.
-//! - `tb bench p2p`: point-to-point throughput and latency against a bare iroh connection;
+//! - `tb bench p2p`: point-to-point pull, get and push throughput and latency on each channel,
+//!   against a bare iroh connection, one TCP stream and memcpy;
 //!   `tb bench broadcast`: one version to many receivers (fan-out tree, cut-through, upload
 //!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up.
 
 mod bench;
+mod bench_recv;
+mod bench_serve;
+mod bench_table;
 mod bench_cluster;
 mod cluster;
 mod demo;

@@ -54,6 +54,9 @@ pub async fn status(join: &Join, args: &StatusArgs) -> Result<()> {
     for line in table(&view.members) {
         println!("{line}");
     }
+    for line in link_lines(&view.members) {
+        println!("{line}");
+    }
     Ok(())
 }
 
@@ -82,8 +85,9 @@ struct MemberView {
     alive: bool,
     addrs: Vec<String>,
     epoch: u64,
-    /// The freshest heartbeat's figures (`null` when no broker that answered has any).
-    stats: Option<NodeStats>,
+    /// The freshest heartbeat's figures (`null` when no broker that answered has any); its
+    /// `links` as `{"peer": hex id, "channel": "quic"}`.
+    stats: Option<serde_json::Value>,
     /// Seconds since that heartbeat.
     heartbeat_age_s: Option<f64>,
 }
@@ -97,10 +101,48 @@ impl From<&MemberStatus> for MemberView {
             alive: m.alive,
             addrs: m.addrs.clone(),
             epoch: m.epoch,
-            stats: row.heartbeat.as_ref().map(|h| h.stats.clone()),
+            stats: row.heartbeat.as_ref().map(|h| stats_json(&h.stats)),
             heartbeat_age_s: row.heartbeat.as_ref().map(|h| h.age_ms as f64 / 1000.0),
         }
     }
+}
+
+/// `stats` as JSON, each link's peer in hex (not as 32 numbers).
+fn stats_json(stats: &NodeStats) -> serde_json::Value {
+    let mut json = serde_json::to_value(stats).unwrap_or_default();
+    let links: Vec<serde_json::Value> = stats
+        .links
+        .iter()
+        .map(|l| serde_json::json!({ "peer": l.peer.to_hex(), "channel": l.channel.as_str() }))
+        .collect();
+    json["links"] = serde_json::Value::from(links);
+    json
+}
+
+/// One line per member whose heartbeat listed pooled links: `links of 3f2a0b1c:
+/// 9d8e7f6a=quic 11223344=shm` (each peer's short id and the channel negotiated with it).
+fn link_lines(rows: &[MemberStatus]) -> Vec<String> {
+    let mut out = Vec::new();
+    for row in rows {
+        let Some(h) = row.heartbeat.as_ref().filter(|h| !h.stats.links.is_empty()) else {
+            continue;
+        };
+        let links: Vec<String> = h
+            .stats
+            .links
+            .iter()
+            .map(|l| format!("{}={}", short_id(&l.peer), l.channel.as_str()))
+            .collect();
+        if out.is_empty() {
+            out.push(String::new());
+        }
+        out.push(format!(
+            "links of {}: {}",
+            short_id(&row.member.node),
+            links.join(" ")
+        ));
+    }
+    out
 }
 
 fn role(role: Role) -> &'static str {
@@ -298,6 +340,10 @@ mod tests {
             heartbeat: Some(LastHeartbeat {
                 stats: NodeStats {
                     tensors: 4,
+                    links: vec![tb_node::proto::LinkChannel {
+                        peer: NodeId([0x22; 32]),
+                        channel: tb_node::proto::ChannelKind::Quic,
+                    }],
                     ..NodeStats::default()
                 },
                 age_ms: 1500,
@@ -306,6 +352,9 @@ mod tests {
         let json = serde_json::to_value(MemberView::from(&row)).expect("json");
         assert_eq!(json["role"], "worker");
         assert_eq!(json["stats"]["tensors"], 4);
+        assert_eq!(json["stats"]["links"][0]["channel"], "quic");
+        assert_eq!(json["stats"]["links"][0]["peer"], "22".repeat(32));
+        assert_eq!(link_lines(&[row]), ["", "links of 11111111: 22222222=quic"]);
         assert_eq!(json["heartbeat_age_s"], 1.5);
         let none = serde_json::to_value(MemberView::from(&MemberStatus::without_stats(member(
             0x11,

@@ -127,7 +127,14 @@
       latency_p99_s: num(lat.p99),
       metrics_url: null,
       age_s: 0,
+      links: links(b.links),
     };
+  }
+
+  /** Pooled links as `{ peer, channel }`, bounded whatever the API sends. */
+  function links(v) {
+    return arr(v, MAX_NODES).map(obj).filter(Boolean)
+      .map((l) => ({ peer: str(l.peer), channel: str(l.channel) || "?" }));
   }
 
   function memberStats(s) {
@@ -145,6 +152,7 @@
       latency_p99_s: num(o.latency_p99_s),
       metrics_url: str(o.metrics_url) || null,
       age_s: num(o.age_s),
+      links: links(o.links),
     };
   }
 
@@ -265,6 +273,21 @@
     }, v === null ? "—" : text(v));
   }
 
+  /** The channels of a node's pooled links, `quic×2 shm×1`; each peer in the title. */
+  function channelsCell(n) {
+    const ls = n.stats ? n.stats.links : [];
+    const counts = new Map();
+    for (const l of ls) counts.set(l.channel, (counts.get(l.channel) || 0) + 1);
+    const text = [...counts].map(([c, k]) => c + "×" + k).join(" ");
+    return el("td", {
+      class: "mono",
+      "data-node": n.id,
+      "data-field": "channels",
+      "data-value": ls.map((l) => l.peer + "=" + l.channel).join(" "),
+      title: ls.map((l) => shortId(l.peer) + " " + l.channel).join("\n"),
+    }, text || "—");
+  }
+
   function renderNodes(m) {
     const rows = m.nodes.map((n) => {
       const s = n.stats;
@@ -284,6 +307,7 @@
           el("span", { class: "live " + (n.alive ? "up" : "down") }), n.alive ? "alive" : "dead"),
         el("td", { class: "mono addrs" }, n.addrs.length ? n.addrs.join(", ") : "—"),
         statCell(n, "pool_links", String),
+        channelsCell(n),
         statCell(n, "tensors", String),
         statCell(n, "store_bytes", bytes),
         statCell(n, "in_bytes_per_s", rate),

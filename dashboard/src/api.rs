@@ -22,6 +22,9 @@ pub struct Status {
     pub insecure_open: bool,
     /// Where peers reach it (`ip:port`).
     pub addrs: Vec<String>,
+    /// Each pooled link: the peer and the data channel its transfers use now.
+    #[serde(default)]
+    pub links: Vec<LinkView>,
     /// The connection pool.
     pub pool: PoolStatus,
     /// Tensors held.
@@ -30,6 +33,15 @@ pub struct Status {
     pub throughput: Throughput,
     /// Transfers finished and under way.
     pub transfers: Transfers,
+}
+
+/// One pooled link in `/api/v1/status`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkView {
+    /// The peer's node id (hex).
+    pub peer: String,
+    /// The data channel negotiated with it (`shm`, `quic`, `tcp`).
+    pub channel: String,
 }
 
 /// The pool's links and lifetime counts.

@@ -7,6 +7,8 @@
 //!   `tb_build_info{version,role}`. Node and broker code increment its counters directly:
 //!   they are atomics, so the data path takes no lock; a transfer is timed with a
 //!   [`TransferTimer`].
+//! - [`ChannelMetrics`] (`channel.rs`, the `channels` field of [`Metrics`]): bytes, transfers
+//!   and fallbacks by data channel (`tb_channel_*_total`).
 //! - [`ThroughputWindow`] and [`quantile`] (`window.rs`): pure figures derived from the
 //!   counters — bytes per second over the last 10 s (the process samples once a second with
 //!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
@@ -31,6 +33,7 @@
 #[cfg(feature = "server")]
 mod access;
 pub mod api;
+mod channel;
 #[cfg(feature = "server")]
 mod assets;
 mod metrics;
@@ -42,6 +45,7 @@ mod window;
 pub use access::{
     DEFAULT_MAX_IN_FLIGHT, HttpOptions, HttpToken, MIN_TOKEN_LEN, TOKEN_RECIPE, TokenError,
 };
+pub use channel::{ChannelMetrics, Direction};
 pub use metrics::{
     AuthFailure, AuthFailures, Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind,
     TransferTimer, VERSION,

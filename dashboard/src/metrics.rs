@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     api,
+    channel::ChannelMetrics,
     window::{self, Rates, ThroughputWindow},
 };
 
@@ -198,6 +199,8 @@ pub struct Metrics {
     pub auth_failures: AuthFailures,
     /// `tb_insecure_open`: 1 while the process runs the open cluster's key (no secret).
     pub insecure_open: IntGauge,
+    /// `tb_channel_*`: bytes, transfers and fallbacks by data channel.
+    pub channels: ChannelMetrics,
     throughput: Mutex<ThroughputWindow>,
 }
 
@@ -326,6 +329,7 @@ impl Metrics {
                 "1 when this process runs without a cluster secret (--insecure-open): anyone \
                  who can reach it can join, read, publish and delete",
             )?,
+            channels: ChannelMetrics::new(r)?,
             throughput: Mutex::new(ThroughputWindow::new(window::WINDOW)),
             registry,
             role,
@@ -436,6 +440,7 @@ impl Metrics {
             ready,
             insecure_open: self.insecure_open.get() > 0,
             addrs,
+            links: Vec::new(),
             pool: api::PoolStatus {
                 links_active: non_negative(self.pool_links_active.get()),
                 links_idle: non_negative(self.pool_links_idle.get()),
@@ -484,6 +489,8 @@ impl Metrics {
             latency_p50_s: self.latency_quantile(0.5),
             latency_p99_s: self.latency_quantile(0.99),
             metrics_url,
+            // The node fills in its links (this crate does not know the pool).
+            links: Vec::new(),
         }
     }
 }
@@ -634,6 +641,9 @@ mod tests {
         "tb_auth_failures_total",
         "tb_insecure_open",
         "tb_build_info",
+        "tb_channel_bytes_total",
+        "tb_channel_transfers_total",
+        "tb_channel_fallbacks_total",
     ];
     const BROKER: &[&str] = &[
         "tb_registry_names",

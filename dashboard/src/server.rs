@@ -42,6 +42,10 @@ pub trait Source: Send + Sync + 'static {
     /// Sets the gauges that mirror state (pool links, store, registry, cluster nodes); awaited
     /// before every scrape and status answer.
     fn refresh<'a>(&'a self, metrics: &'a Metrics) -> RefreshFuture<'a>;
+    /// Each pooled link's peer and negotiated data channel (none by default).
+    fn links(&self) -> Vec<crate::api::LinkView> {
+        Vec::new()
+    }
     /// Members, registry totals and one `page` of registry entries: brokers only. `None` (the
     /// default) answers 404.
     fn cluster(&self, _page: &Page) -> Option<ClusterData> {
@@ -70,11 +74,13 @@ impl AppState {
     /// The `/api/v1/status` object, gauges refreshed.
     pub async fn status(&self) -> crate::api::Status {
         self.source.refresh(&self.metrics).await;
-        self.metrics.status(
+        let mut status = self.metrics.status(
             self.source.node_id(),
             self.source.addrs(),
             self.source.ready(),
-        )
+        );
+        status.links = self.source.links();
+        status
     }
 }
 

@@ -58,6 +58,12 @@ impl NodeCtx {
         result
     }
 
+    /// Each peer with a usable pooled link and the data channel a transfer with it uses now.
+    pub(crate) fn links(&self) -> Vec<(iroh::EndpointId, tb_proto::ChannelKind)> {
+        let peers = self.ready.peers();
+        peers.into_iter().map(|p| (p, self.channels.pick(&p))).collect()
+    }
+
     /// Sets the gauges that mirror state: pooled links and the store.
     pub(crate) fn refresh_metrics(&self) {
         let (active, idle) = self.ready.counts();

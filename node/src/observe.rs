@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tb_dashboard::{AppState, Metrics, RefreshFuture, Source};
+use tb_dashboard::{AppState, Metrics, RefreshFuture, Source, api::LinkView};
 
 use crate::{Node, auth::node_id};
 
@@ -34,9 +34,24 @@ impl Source for NodeSource {
         self.node.refresh_metrics();
         Box::pin(async {})
     }
+
+    fn links(&self) -> Vec<LinkView> {
+        self.node.link_views()
+    }
 }
 
 impl Node {
+    /// This node's pooled links as `/api/v1/status` shows them: peer id (hex) and channel.
+    pub fn link_views(&self) -> Vec<LinkView> {
+        self.links()
+            .into_iter()
+            .map(|(peer, channel)| LinkView {
+                peer: node_id(&peer).to_string(),
+                channel: channel.to_string(),
+            })
+            .collect()
+    }
+
     /// What this node's metrics server serves (`/metrics`, `/healthz`, `/readyz`,
     /// `/api/v1/status`; no cluster view: that is the brokers').
     pub fn dashboard(&self) -> AppState {
@@ -46,3 +61,4 @@ impl Node {
         }
     }
 }
+

@@ -64,7 +64,7 @@ pub use channel::{ChannelKind, ChannelListError, ChannelOffer, ShmHello, ShmPayl
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, ListedEntry,
     MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN,
-    MAX_SYNC_MEMBERS, MemberStatus, NodeStats,
+    MAX_STATS_LINKS, MAX_SYNC_MEMBERS, LinkChannel, MemberStatus, NodeStats,
 };
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};

@@ -11,9 +11,9 @@
 use std::collections::BTreeMap;
 
 use tb_proto::{
-    AccessProof, AuthProof, ByteRange, CTL_ALPN, ClusterKey, ContentHash, CtlRequest, CtlResponse,
+    AccessProof, AuthProof, ByteRange, CTL_ALPN, ChannelKind, ClusterKey, ContentHash, CtlRequest, CtlResponse,
     DType, DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr,
-    HolderMark, LastHeartbeat, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats,
+    HolderMark, LastHeartbeat, LinkChannel, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats,
     RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
 };
 
@@ -293,15 +293,21 @@ fn ctl_heartbeat_and_announce() {
             latency_p50_s: Some(0.25),
             latency_p99_s: None,
             metrics_url: Some("http://a".into()),
+            links: vec![LinkChannel {
+                peer: NodeId([0x11; 32]),
+                channel: ChannelKind::Quic,
+            }],
         }),
     };
-    // len 47 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
+    // len 81 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
     // bytes 300 (varint ac 02) | in 1.5 (f64 LE) | out 0.0 | in total 5 | out total 0 |
-    // p50 Some(0.25) | p99 None | url Some("http://a")
+    // p50 Some(0.25) | p99 None | url Some("http://a") | 1 link { peer, Quic=1 }
     golden(
         &msg,
-        "2f000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
-         01 000000000000d03f 00 01 08 687474703a2f2f61",
+        &format!(
+            "51000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
+             01 000000000000d03f 00 01 08 687474703a2f2f61 01 {H_11} 01"
+        ),
     );
     let msg = CtlRequest::Announce {
         ops: vec![RegistryOp::Delete {
@@ -467,14 +473,14 @@ fn ctl_members_and_sync_diff() {
         }],
         last: false,
     };
-    // len 100 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
-    // { links 1 | tensors 2 | bytes 0 | in 0.0 | out 0.0 | totals 0 0 | no p50, p99, url },
-    // age 1500 ms (dc 0b) }) } | not last
+    // len 101 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
+    // { links 1 | tensors 2 | bytes 0 | in 0.0 | out 0.0 | totals 0 0 | no p50, p99, url |
+    // no links }, age 1500 ms (dc 0b) }) } | not last
     golden(
         &msg,
         &format!(
-            "64000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
-             0000000000000000 0000000000000000 00 00 00 00 00 dc0b 00"
+            "65000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
+             0000000000000000 0000000000000000 00 00 00 00 00 00 dc0b 00"
         ),
     );
     let msg = CtlResponse::SyncDiff {

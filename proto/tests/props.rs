@@ -7,9 +7,9 @@ use proptest::{
     prelude::*,
 };
 use tb_proto::{
-    AccessProof, AuthProof, ByteRange, ContentHash, CtlRequest, CtlResponse, DType, DataRequest,
+    AccessProof, AuthProof, ByteRange, ChannelKind, ContentHash, CtlRequest, CtlResponse, DType, DataRequest,
     DataResponse, Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark,
-    LastHeartbeat, ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern,
+    LastHeartbeat, LinkChannel, ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern,
     NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
@@ -127,9 +127,10 @@ fn node_stats() -> impl Strategy<Value = NodeStats> {
             proptest::option::of(0.0..1e4f64),
             proptest::option::of("http://[a-z0-9.:]{1,40}"),
         ),
+        vec(link_channel(), 0..=3),
     )
         .prop_map(
-            |((links, tensors, bytes, rin, rout), (tin, tout), (p50, p99, url))| NodeStats {
+            |((links, tensors, bytes, rin, rout), (tin, tout), (p50, p99, url), channels)| NodeStats {
                 pool_links: links,
                 tensors,
                 store_bytes: bytes,
@@ -140,8 +141,19 @@ fn node_stats() -> impl Strategy<Value = NodeStats> {
                 latency_p50_s: p50,
                 latency_p99_s: p99,
                 metrics_url: url,
+                links: channels,
             },
         )
+}
+
+/// One pooled link and its channel.
+fn link_channel() -> impl Strategy<Value = LinkChannel> {
+    (digest(), proptest::sample::select(ChannelKind::ALL.to_vec())).prop_map(|(peer, channel)| {
+        LinkChannel {
+            peer: NodeId(peer),
+            channel,
+        }
+    })
 }
 
 fn digest() -> impl Strategy<Value = [u8; 32]> {

@@ -1,4 +1,4 @@
-//! `tb bench broadcast` and `tb bench registry` as a user runs them: one JSON object each, in
+//! `tb bench p2p`, `tb bench broadcast` and `tb bench registry` as a user runs them: one JSON object each, in
 //! the format the benchmarks promise, with sane values (never timings checked against limits:
 //! speed is for the benchmark to report, not for tests to assert). Each run is a small
 //! cluster in one `tb` process on loopback; the process is killed by PID if it hangs.
@@ -56,6 +56,126 @@ fn bench_registry_prints_the_promised_json() {
     assert_eq!(v.as_object().map(|o| o.len()), Some(5), "{v}");
 }
 
+/// The tensor-broker systems `tb bench p2p` measures with every channel named.
+const BROKERS: [&str; 5] = [
+    "tensor-broker",
+    "tensor-broker-quic",
+    "tensor-broker-quic-striped",
+    "tensor-broker-tcp",
+    "tensor-broker-shm",
+];
+/// The baselines, with the ops each has.
+const BASELINES: [(&str, &[&str]); 3] = [
+    ("raw-iroh", &["pull_into", "get"]),
+    ("raw-tcp", &["pull_into", "get"]),
+    ("memcpy", &["get"]),
+];
+
+fn positive(v: &serde_json::Value, what: &str) -> f64 {
+    let x = v.as_f64().unwrap_or(-1.0);
+    assert!(x.is_finite() && x > 0.0, "{what} = {v}");
+    x
+}
+
+/// Checks one system's cases: `ops` at 1 MiB (and `pull_into` at 4 KiB), each with sane
+/// figures, and the channel a tensor-broker system used.
+fn check_system(v: &serde_json::Value, system: &str, ops: &[&str]) {
+    let cases: Vec<&serde_json::Value> = v["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .filter(|c| c["system"] == system)
+        .collect();
+    let mut expected: Vec<(&str, u64)> = ops.iter().map(|op| (*op, 1 << 20)).collect();
+    expected.push(("pull_into", 4096));
+    if ops == ["get"] {
+        expected.pop();
+    }
+    assert_eq!(cases.len(), expected.len(), "{system}: {cases:?}");
+    for (op, size) in expected {
+        let case = cases
+            .iter()
+            .find(|c| c["op"] == op && c["size_bytes"] == size)
+            .unwrap_or_else(|| panic!("{system} lacks {op} at {size}: {cases:?}"));
+        positive(&case["throughput_mb_s"], "throughput_mb_s");
+        positive(&case["first_transfer_ms"], "first_transfer_ms");
+        if system.starts_with("tensor-broker") {
+            // Every transfer rides QUIC until the other channels land.
+            assert_eq!(case["channel"], "quic", "{case}");
+        } else {
+            assert!(case.get("channel").is_none(), "{case}");
+        }
+    }
+    positive(&v["peak_rss_bytes"][system], "peak_rss_bytes");
+}
+
+#[test]
+fn bench_p2p_prints_the_promised_json() {
+    let v = bench_json(&[
+        "p2p",
+        "--iters",
+        "1",
+        "--rounds",
+        "1",
+        "--round-trips",
+        "20",
+        "--max-size",
+        "1MiB",
+    ]);
+    assert_eq!(v["bench"], "p2p");
+    assert_eq!(v["device"], "host");
+    for system in BROKERS {
+        check_system(&v, system, &["pull_into", "get", "push"]);
+        for rtt in ["rtt_4k", "rtt_4k_push"] {
+            let p50 = positive(&v[rtt][system]["p50_us"], "p50_us");
+            let p99 = positive(&v[rtt][system]["p99_us"], "p99_us");
+            assert!(p50 <= p99, "{rtt} {system}: {v}");
+        }
+        assert_eq!(v["channel"][system], "quic");
+    }
+    for (system, ops) in BASELINES {
+        check_system(&v, system, ops);
+        assert!(v["rtt_4k_push"].get(system).is_none(), "{v}");
+    }
+    positive(&v["receiver_peak_rss_bytes"], "receiver_peak_rss_bytes");
+    assert_eq!(v["cases"].as_array().map(Vec::len), Some(5 * 4 + 3 + 3 + 1));
+}
+
+#[test]
+fn bench_p2p_measures_only_the_channels_asked_for() {
+    let v = bench_json(&[
+        "p2p",
+        "--iters",
+        "1",
+        "--rounds",
+        "1",
+        "--round-trips",
+        "5",
+        "--max-size",
+        "1MiB",
+        "--channels",
+        "quic",
+    ]);
+    let mut systems: Vec<&str> = v["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .filter_map(|c| c["system"].as_str())
+        .collect();
+    systems.dedup();
+    assert_eq!(
+        systems,
+        [
+            "tensor-broker",
+            "tensor-broker-quic",
+            "tensor-broker-quic-striped",
+            "raw-iroh",
+            "raw-tcp",
+            "memcpy"
+        ]
+    );
+}
+
 #[test]
 fn bench_refuses_bad_sizes_and_rates() {
     for bad in [
@@ -63,6 +183,7 @@ fn bench_refuses_bad_sizes_and_rates() {
         &["broadcast", "--size", "8MB/s"],
         &["broadcast", "--max-upload-rate", "100Mbit/s"],
         &["broadcast", "--chain-min-size", "lots"],
+        &["p2p", "--channels", "udp"],
     ] {
         let out = Command::new(bin("tb", "tb-cli"))
             .arg("bench")

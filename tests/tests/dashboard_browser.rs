@@ -385,6 +385,18 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
         "worker 0's out_bytes_total in the page grew from {out_before} by >= {TENSOR_LEN}"
     );
 
+    // Each node's channels cell lists its pooled links as `peer=channel`: QUIC is the only
+    // channel yet.
+    let cell = format!("data-node=\"{holder_id}\" data-field=\"channels\"");
+    assert!(after.contains(&cell), "a channels cell for worker 0: {after}");
+    for tag in after.split("<td").filter(|t| t.contains("data-field=\"channels\"")) {
+        let tag = tag.split('>').next().unwrap_or_default();
+        let links = attr(tag, "data-value").unwrap_or_default();
+        for link in links.split_whitespace() {
+            assert!(link.ends_with("=quic"), "link {link} in {tag}");
+        }
+    }
+
     // A screenshot, with a few seconds of chart history.
     let shot = target_dir().join("dashboard-screenshot.png");
     let args = [

@@ -213,6 +213,39 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
     assert!(w1_status["transfers"]["ok"].as_u64().unwrap_or(0) >= 1);
     assert!(w1_status["transfers"]["latency_s"]["p50"].is_number());
 
+    // By channel: every byte rode QUIC (the only channel yet), none fell back; each pooled
+    // link shows its peer and the channel negotiated with it.
+    let quic_in = "tb_channel_bytes_total{channel=\"quic\",direction=\"in\"}";
+    assert!(metric(&w0_url, quic_in) >= len, "worker 0 counted the push on quic");
+    assert!(metric(&w1_url, quic_in) >= len, "worker 1 counted its pull on quic");
+    assert!(metric(&w1_url, "tb_channel_transfers_total{channel=\"quic\"}") >= 1.0);
+    for channel in ["shm", "quic", "tcp"] {
+        let fallbacks = format!("tb_channel_fallbacks_total{{channel=\"{channel}\"}}");
+        assert_eq!(metric(&w1_url, &fallbacks), 0.0, "{channel}");
+    }
+    let links = w1_status["links"].as_array().cloned().unwrap_or_default();
+    let to_w0 = links.iter().find(|l| l["peer"] == w0_id.as_str());
+    assert_eq!(
+        to_w0.map(|l| &l["channel"]),
+        Some(&Value::from("quic")),
+        "worker 1's link to worker 0: {w1_status:#}"
+    );
+    // `tb status` shows the same from worker 1's heartbeats (every 2 s).
+    let mut members = Value::Null;
+    let listed = poll(SETTLE, || {
+        let out = c.tb(&["status", "--json"]);
+        members = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let w1 = members["members"]
+            .as_array()
+            .and_then(|m| m.iter().find(|m| m["node_id"] == w1_id.as_str()));
+        let links = w1.and_then(|w| w["stats"]["links"].as_array());
+        links.is_some_and(|ls| {
+            ls.iter()
+                .any(|l| l["peer"] == w0_id.as_str() && l["channel"] == "quic")
+        })
+    });
+    assert!(listed, "tb status lists worker 1's link to worker 0: {members:#}");
+
     // A get through the cluster, served by a holder.
     let served_before = served(&w0_url) + served(&w1_url);
     let back = c.dir.path().join("back.bin");
@@ -314,6 +347,9 @@ const FAMILIES: &[(&str, &[&str])] = &[
     ("tb_auth_failures_total", &["broker", "worker"]),
     ("tb_insecure_open", &["broker", "worker"]),
     ("tb_build_info", &["broker", "worker"]),
+    ("tb_channel_bytes_total", &["broker", "worker"]),
+    ("tb_channel_transfers_total", &["broker", "worker"]),
+    ("tb_channel_fallbacks_total", &["broker", "worker"]),
     ("process_cpu_seconds_total", &["broker", "worker"]),
     ("process_resident_memory_bytes", &["broker", "worker"]),
     ("process_open_fds", &["broker", "worker"]),

@@ -195,7 +195,9 @@ impl Cluster {
         let addrs = self.addrs.clone();
         let stats = self.ctx.upgrade().map(|ctx| {
             ctx.refresh_metrics();
-            ctx.metrics.node_stats(ctx.config.metrics_url.clone())
+            let mut stats = ctx.metrics.node_stats(ctx.config.metrics_url.clone());
+            stats.links = crate::cluster::stats_links(&ctx.links());
+            stats
         });
         let sent = self
             .ctl
@@ -243,4 +245,16 @@ impl Cluster {
         let timeout = self.request_timeout;
         self.ctl.fetching(name, version, active, timeout).await
     }
+}
+
+/// `links` as a heartbeat lists them: at most [`tb_proto::MAX_STATS_LINKS`], by peer id.
+fn stats_links(links: &[(iroh::EndpointId, tb_proto::ChannelKind)]) -> Vec<tb_proto::LinkChannel> {
+    links
+        .iter()
+        .take(tb_proto::MAX_STATS_LINKS)
+        .map(|(peer, channel)| tb_proto::LinkChannel {
+            peer: crate::auth::node_id(peer),
+            channel: *channel,
+        })
+        .collect()
 }

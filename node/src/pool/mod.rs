@@ -58,6 +58,18 @@ impl ReadyLinks {
             })
     }
 
+    /// The peers with a usable pooled link, in id order.
+    pub(crate) fn peers(&self) -> Vec<EndpointId> {
+        let map = self.0.read().unwrap_or_else(|p| p.into_inner());
+        let mut peers: Vec<EndpointId> = map
+            .iter()
+            .filter(|(_, e)| e.shared.is_usable())
+            .map(|(id, _)| *id)
+            .collect();
+        peers.sort();
+        peers
+    }
+
     /// A guard on `peer`'s pooled link, if it has a usable one.
     pub(crate) fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());

@@ -30,7 +30,7 @@ mod validate;
 use serde::{Deserialize, Serialize};
 
 pub use self::{
-    stats::{MAX_METRICS_URL_LEN, NodeStats},
+    stats::{LinkChannel, MAX_METRICS_URL_LEN, MAX_STATS_LINKS, NodeStats},
     status::{LastHeartbeat, MemberStatus},
     validate::CtlError,
 };

@@ -4,9 +4,23 @@
 use serde::{Deserialize, Serialize};
 
 use super::CtlError;
+use crate::{ChannelKind, NodeId};
 
 /// Longest `metrics_url` a heartbeat may carry, in bytes.
 pub const MAX_METRICS_URL_LEN: usize = 256;
+
+/// Most pooled links one heartbeat lists (a node with more lists the first, by peer id): the
+/// default pool cap, so a status row stays about 2 KiB.
+pub const MAX_STATS_LINKS: usize = 64;
+
+/// One pooled link of a node: the peer, and the data channel its transfers with it use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkChannel {
+    /// The peer.
+    pub peer: NodeId,
+    /// The channel negotiated with it.
+    pub channel: ChannelKind,
+}
 
 /// A worker's live figures, as of the heartbeat that carries them.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -32,12 +46,17 @@ pub struct NodeStats {
     /// Where the worker's own metrics server listens (`http://ip:port`), at most
     /// [`MAX_METRICS_URL_LEN`] bytes.
     pub metrics_url: Option<String>,
+    /// Each pooled link's peer and data channel, at most [`MAX_STATS_LINKS`].
+    pub links: Vec<LinkChannel>,
 }
 
 impl NodeStats {
     /// Checks stats that came from the network: every float finite and non-negative, the URL
-    /// within [`MAX_METRICS_URL_LEN`].
+    /// within [`MAX_METRICS_URL_LEN`], at most [`MAX_STATS_LINKS`] links.
     pub fn validate(&self) -> Result<(), CtlError> {
+        if self.links.len() > MAX_STATS_LINKS {
+            return Err(CtlError::BadStat { field: "links" });
+        }
         let floats = [
             ("in_bytes_per_s", Some(self.in_bytes_per_s)),
             ("out_bytes_per_s", Some(self.out_bytes_per_s)),

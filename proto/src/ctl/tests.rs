@@ -1,6 +1,6 @@
 use super::*;
 use crate::{
-    ContentHash, DType, Entry, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, MAX_NAME_LEN, MetaError, NameError,
+    ChannelKind, ContentHash, DType, Entry, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, MAX_NAME_LEN, MetaError, NameError,
     RegistryError, SYNC_BUCKETS, Stamp, chunk_by_size, frame,
 };
 
@@ -318,7 +318,7 @@ fn listings_check_each_entry() {
 }
 
 /// Heartbeat stats at their limits: every varint at its widest, every option present, the
-/// longest URL. The largest a valid `NodeStats` gets on the wire.
+/// longest URL, the most links. The largest a valid `NodeStats` gets on the wire.
 fn fat_stats() -> NodeStats {
     NodeStats {
         pool_links: u32::MAX,
@@ -331,6 +331,13 @@ fn fat_stats() -> NodeStats {
         latency_p50_s: Some(f64::MAX),
         latency_p99_s: Some(f64::MAX),
         metrics_url: Some("u".repeat(MAX_METRICS_URL_LEN)),
+        links: vec![
+            LinkChannel {
+                peer: NodeId([0xff; 32]),
+                channel: ChannelKind::Tcp,
+            };
+            MAX_STATS_LINKS
+        ],
     }
 }
 
@@ -416,6 +423,12 @@ fn member_status_rows_carry_validated_stats() {
         Err(CtlError::UrlTooLong {
             len: MAX_METRICS_URL_LEN + 1
         })
+    );
+    let mut crowded = fat_stats();
+    crowded.links.push(crowded.links[0]);
+    assert_eq!(
+        row(crowded).validate(MAX),
+        Err(CtlError::BadStat { field: "links" })
     );
     let mut bad = MemberStatus::without_stats(fat_member(3));
     bad.member.addrs.push("x".into());
