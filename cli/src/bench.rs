@@ -343,7 +343,10 @@ fn summarize(system: System, reports: &[(Op, RecvReport)], max_size: u64) -> Sum
         }
     }
     let all = |f: fn(&RecvReport) -> &Vec<f64>| -> Vec<f64> {
-        reports.iter().flat_map(|(_, r)| f(r).iter().copied()).collect()
+        reports
+            .iter()
+            .flat_map(|(_, r)| f(r).iter().copied())
+            .collect()
     };
     let (mut rtt, mut rtt_push) = (all(|r| &r.rtt_us), all(|r| &r.rtt_push_us));
     let rss = |ops: &[Op]| {

@@ -25,7 +25,9 @@ use tokio::{
 };
 
 use crate::{
-    bench::{LARGEST, Op, RAW_ALPN, RecvReport, SizeSamples, System, check, device_tensor_name, payload},
+    bench::{
+        LARGEST, Op, RAW_ALPN, RecvReport, SizeSamples, System, check, device_tensor_name, payload,
+    },
     bench_serve::{ACK_NAME, PUSH_PREFIX, wall_ns},
     fmt,
 };
@@ -117,9 +119,7 @@ impl Client {
         match self {
             Client::Tb { node, from } => {
                 let name = crate::bench::tensor_name(size);
-                let pulled = node
-                    .pull_into(from, &name, None, |_| Ok(&mut *buf))
-                    .await?;
+                let pulled = node.pull_into(from, &name, None, |_| Ok(&mut *buf)).await?;
                 if pulled.meta.byte_len != size {
                     bail!("got {} bytes, wanted {size}", pulled.meta.byte_len);
                 }
@@ -160,7 +160,9 @@ impl Client {
         let len = usize::try_from(size)?;
         Ok(match self {
             Client::Tb { node, from } => {
-                let pulled = node.pull(from, &crate::bench::tensor_name(size), None).await?;
+                let pulled = node
+                    .pull(from, &crate::bench::tensor_name(size), None)
+                    .await?;
                 pulled.buffer.data().clone()
             }
             Client::Memcpy { data } => Bytes::from(data[..len].to_vec()),
@@ -217,7 +219,11 @@ impl Client {
         let at = ack.tensor.data().get(..8).context("ack payload")?;
         let at = u64::from_le_bytes(at.try_into()?);
         let one_way = at.saturating_sub(start_ns) as f64 / 1e9;
-        Ok(if one_way > 0.0 && one_way <= round { one_way } else { round })
+        Ok(if one_way > 0.0 && one_way <= round {
+            one_way
+        } else {
+            round
+        })
     }
 
     /// The channel the node picks for the serving peer now (tensor-broker only).
@@ -312,7 +318,10 @@ async fn push(args: &RecvArgs, report: &mut RecvReport) -> Result<()> {
     let data = payload(LARGEST.min(args.max_size))?;
     let mut tensors = Vec::new();
     for size in Op::Push.sizes(args.max_size) {
-        tensors.push((size, Tensor::from_bytes(data.slice(..usize::try_from(size)?))));
+        tensors.push((
+            size,
+            Tensor::from_bytes(data.slice(..usize::try_from(size)?)),
+        ));
     }
     sizes(args, Op::Push, report, async |client, size| {
         let tensor = tensors

@@ -23,8 +23,7 @@ use tokio::{
 };
 
 use crate::bench::{
-    LARGEST, PULL_INTO_SIZES, RAW_ALPN, ServeInfo, System, device_tensor_name, payload,
-    tensor_name,
+    LARGEST, PULL_INTO_SIZES, RAW_ALPN, ServeInfo, System, device_tensor_name, payload, tensor_name,
 };
 
 /// The name the serving node pushes back once `recv()` has returned a measured push: its
@@ -115,7 +114,10 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<()> {
 
 /// Publishes every size of `data` on `node` (and on `device` too, when it is a GPU).
 fn hold(node: &Node, data: &Bytes, device: Device) -> Result<()> {
-    for size in PULL_INTO_SIZES.into_iter().filter(|&s| s <= data.len() as u64) {
+    for size in PULL_INTO_SIZES
+        .into_iter()
+        .filter(|&s| s <= data.len() as u64)
+    {
         let tensor = Tensor::from_bytes(data.slice(..usize::try_from(size)?));
         if device != Device::Host {
             let on_device = tensor.to_device(device)?;

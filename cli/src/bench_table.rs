@@ -49,7 +49,8 @@ pub(crate) fn lines(view: &View) -> Vec<String> {
         "system", "op", "size", "MB/s", "x raw-tcp", "first ms", "channel"
     )];
     for row in &view.rows {
-        let ratio = reference(view, row).map_or("-".to_string(), |r| format!("{:.2}", row.mb_s / r));
+        let ratio =
+            reference(view, row).map_or("-".to_string(), |r| format!("{:.2}", row.mb_s / r));
         out.push(format!(
             "{:<27} {:<9} {:>8} {:>9.0} {:>8} {:>9.2} {:<7}",
             row.system,
@@ -67,11 +68,9 @@ pub(crate) fn lines(view: &View) -> Vec<String> {
         "4 KiB round trip", "pull p50 us", "pull p99 us", "push p50 us", "push p99 us"
     ));
     for r in &view.rtts {
-        let (p50, p99) = r
-            .push
-            .map_or(("-".to_string(), "-".to_string()), |(a, b)| {
-                (format!("{a:.0}"), format!("{b:.0}"))
-            });
+        let (p50, p99) = r.push.map_or(("-".to_string(), "-".to_string()), |(a, b)| {
+            (format!("{a:.0}"), format!("{b:.0}"))
+        });
         out.push(format!(
             "{:<27} {:>12.0} {:>12.0} {:>12} {:>12}",
             r.system, r.pull.0, r.pull.1, p50, p99
@@ -130,6 +129,10 @@ mod tests {
         assert!(lines[1].contains(" 2.00 "), "{}", lines[1]);
         assert!(lines[2].contains(" 0.50 "), "push vs get: {}", lines[2]);
         assert!(lines[3].contains(" - "), "no reference: {}", lines[3]);
-        assert!(lines.iter().any(|l| l.starts_with("raw-iroh") && l.ends_with('-')));
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("raw-iroh") && l.ends_with('-'))
+        );
     }
 }

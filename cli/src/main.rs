@@ -13,10 +13,10 @@
 //!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up.
 
 mod bench;
+mod bench_cluster;
 mod bench_recv;
 mod bench_serve;
 mod bench_table;
-mod bench_cluster;
 mod cluster;
 mod demo;
 mod files;

@@ -33,9 +33,9 @@
 #[cfg(feature = "server")]
 mod access;
 pub mod api;
-mod channel;
 #[cfg(feature = "server")]
 mod assets;
+mod channel;
 mod metrics;
 #[cfg(feature = "server")]
 mod server;

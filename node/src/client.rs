@@ -308,7 +308,11 @@ fn check_len(what: &str, len: usize, meta: &TensorMeta) -> Result<()> {
 /// Counts the received bytes and checks they hash to what the sender announced.
 fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Result<()> {
     ctx.metrics.bytes_in.inc_by(meta.byte_len);
-    ctx.metrics.channels.transfer(tb_proto::ChannelKind::Quic, tb_dashboard::Direction::In, meta.byte_len);
+    ctx.metrics.channels.transfer(
+        tb_proto::ChannelKind::Quic,
+        tb_dashboard::Direction::In,
+        meta.byte_len,
+    );
     if hash != meta.hash {
         return Err(Error::Corrupt(format!(
             "{what}: expected hash {}, got {hash}",
@@ -365,7 +369,11 @@ async fn push_untimed(
     match (answer, sent) {
         (Ok(DataResponse::Ack), Ok(())) => {
             ctx.metrics.bytes_out.inc_by(tensor.byte_len());
-            ctx.metrics.channels.transfer(tb_proto::ChannelKind::Quic, tb_dashboard::Direction::Out, tensor.byte_len());
+            ctx.metrics.channels.transfer(
+                tb_proto::ChannelKind::Quic,
+                tb_dashboard::Direction::Out,
+                tensor.byte_len(),
+            );
             Ok(())
         }
         // A receiver whose push budget or inbox is full kept nothing: the caller may retry.

@@ -61,7 +61,10 @@ impl NodeCtx {
     /// Each peer with a usable pooled link and the data channel a transfer with it uses now.
     pub(crate) fn links(&self) -> Vec<(iroh::EndpointId, tb_proto::ChannelKind)> {
         let peers = self.ready.peers();
-        peers.into_iter().map(|p| (p, self.channels.pick(&p))).collect()
+        peers
+            .into_iter()
+            .map(|p| (p, self.channels.pick(&p)))
+            .collect()
     }
 
     /// Sets the gauges that mirror state: pooled links and the store.

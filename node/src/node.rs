@@ -449,12 +449,6 @@ impl Node {
             .await
     }
 
-    /// The data channel a transfer with `peer` uses now (`"shm"`, `"quic"`, `"tcp"`): the
-    /// first of `Config::channels` that both sides run, else QUIC.
-    pub fn channel_to(&self, peer: &EndpointId) -> &'static str {
-        self.inner.ctx.channels.pick(peer).as_str()
-    }
-
     /// Each peer with a usable pooled link and the data channel negotiated with it.
     pub fn links(&self) -> Vec<(EndpointId, &'static str)> {
         let links = self.inner.ctx.links();

@@ -289,7 +289,11 @@ async fn serve_pull(
     match sent.await {
         Ok(()) => {
             ctx.metrics.bytes_out.inc_by(payload_len);
-            ctx.metrics.channels.transfer(tb_proto::ChannelKind::Quic, tb_dashboard::Direction::Out, payload_len);
+            ctx.metrics.channels.transfer(
+                tb_proto::ChannelKind::Quic,
+                tb_dashboard::Direction::Out,
+                payload_len,
+            );
             timer.ok();
         }
         Err(_) if channel::quic::stopped_for_stripe(&mut send).await => timer.ok(),
@@ -451,7 +455,11 @@ async fn serve_push(
         }
     };
     ctx.metrics.bytes_in.inc_by(meta.byte_len);
-    ctx.metrics.channels.transfer(tb_proto::ChannelKind::Quic, tb_dashboard::Direction::In, meta.byte_len);
+    ctx.metrics.channels.transfer(
+        tb_proto::ChannelKind::Quic,
+        tb_dashboard::Direction::In,
+        meta.byte_len,
+    );
     if hash != meta.hash {
         let msg = format!(
             "push of \"{name}\": expected hash {}, got {hash}",

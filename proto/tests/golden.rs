@@ -11,10 +11,11 @@
 use std::collections::BTreeMap;
 
 use tb_proto::{
-    AccessProof, AuthProof, ByteRange, CTL_ALPN, ChannelKind, ClusterKey, ContentHash, CtlRequest, CtlResponse,
-    DType, DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply, HolderAddr,
-    HolderMark, LastHeartbeat, LinkChannel, ListedEntry, Member, MemberStatus, NamePattern, NodeId, NodeStats,
-    RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName, frame,
+    AccessProof, AuthProof, ByteRange, CTL_ALPN, ChannelKind, ClusterKey, ContentHash, CtlRequest,
+    CtlResponse, DType, DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply,
+    HolderAddr, HolderMark, LastHeartbeat, LinkChannel, ListedEntry, Member, MemberStatus,
+    NamePattern, NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
+    frame,
 };
 
 fn name(s: &str) -> TensorName {

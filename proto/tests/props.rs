@@ -7,10 +7,11 @@ use proptest::{
     prelude::*,
 };
 use tb_proto::{
-    AccessProof, AuthProof, ByteRange, ChannelKind, ContentHash, CtlRequest, CtlResponse, DType, DataRequest,
-    DataResponse, Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr, HolderMark,
-    LastHeartbeat, LinkChannel, ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member, MemberStatus, NamePattern,
-    NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
+    AccessProof, AuthProof, ByteRange, ChannelKind, ContentHash, CtlRequest, CtlResponse, DType,
+    DataRequest, DataResponse, Entry, ErrorCode, Event, FrameError, Hello, HelloReply, HolderAddr,
+    HolderMark, LastHeartbeat, LinkChannel, ListedEntry, MAX_LIST_LIMIT, MAX_RANK, Member,
+    MemberStatus, NamePattern, NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp,
+    TensorMeta, TensorName,
     frame::{self, LEN_PREFIX, MAX_CONTROL_FRAME},
 };
 
@@ -130,30 +131,34 @@ fn node_stats() -> impl Strategy<Value = NodeStats> {
         vec(link_channel(), 0..=3),
     )
         .prop_map(
-            |((links, tensors, bytes, rin, rout), (tin, tout), (p50, p99, url), channels)| NodeStats {
-                pool_links: links,
-                tensors,
-                store_bytes: bytes,
-                in_bytes_per_s: rin,
-                out_bytes_per_s: rout,
-                in_bytes_total: tin,
-                out_bytes_total: tout,
-                latency_p50_s: p50,
-                latency_p99_s: p99,
-                metrics_url: url,
-                links: channels,
+            |((links, tensors, bytes, rin, rout), (tin, tout), (p50, p99, url), channels)| {
+                NodeStats {
+                    pool_links: links,
+                    tensors,
+                    store_bytes: bytes,
+                    in_bytes_per_s: rin,
+                    out_bytes_per_s: rout,
+                    in_bytes_total: tin,
+                    out_bytes_total: tout,
+                    latency_p50_s: p50,
+                    latency_p99_s: p99,
+                    metrics_url: url,
+                    links: channels,
+                }
             },
         )
 }
 
 /// One pooled link and its channel.
 fn link_channel() -> impl Strategy<Value = LinkChannel> {
-    (digest(), proptest::sample::select(ChannelKind::ALL.to_vec())).prop_map(|(peer, channel)| {
-        LinkChannel {
+    (
+        digest(),
+        proptest::sample::select(ChannelKind::ALL.to_vec()),
+    )
+        .prop_map(|(peer, channel)| LinkChannel {
             peer: NodeId(peer),
             channel,
-        }
-    })
+        })
 }
 
 fn digest() -> impl Strategy<Value = [u8; 32]> {

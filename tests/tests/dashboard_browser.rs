@@ -388,8 +388,14 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
     // Each node's channels cell lists its pooled links as `peer=channel`: QUIC is the only
     // channel yet.
     let cell = format!("data-node=\"{holder_id}\" data-field=\"channels\"");
-    assert!(after.contains(&cell), "a channels cell for worker 0: {after}");
-    for tag in after.split("<td").filter(|t| t.contains("data-field=\"channels\"")) {
+    assert!(
+        after.contains(&cell),
+        "a channels cell for worker 0: {after}"
+    );
+    for tag in after
+        .split("<td")
+        .filter(|t| t.contains("data-field=\"channels\""))
+    {
         let tag = tag.split('>').next().unwrap_or_default();
         let links = attr(tag, "data-value").unwrap_or_default();
         for link in links.split_whitespace() {

@@ -216,8 +216,14 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
     // By channel: every byte rode QUIC (the only channel yet), none fell back; each pooled
     // link shows its peer and the channel negotiated with it.
     let quic_in = "tb_channel_bytes_total{channel=\"quic\",direction=\"in\"}";
-    assert!(metric(&w0_url, quic_in) >= len, "worker 0 counted the push on quic");
-    assert!(metric(&w1_url, quic_in) >= len, "worker 1 counted its pull on quic");
+    assert!(
+        metric(&w0_url, quic_in) >= len,
+        "worker 0 counted the push on quic"
+    );
+    assert!(
+        metric(&w1_url, quic_in) >= len,
+        "worker 1 counted its pull on quic"
+    );
     assert!(metric(&w1_url, "tb_channel_transfers_total{channel=\"quic\"}") >= 1.0);
     for channel in ["shm", "quic", "tcp"] {
         let fallbacks = format!("tb_channel_fallbacks_total{{channel=\"{channel}\"}}");
@@ -244,7 +250,10 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
                 .any(|l| l["peer"] == w0_id.as_str() && l["channel"] == "quic")
         })
     });
-    assert!(listed, "tb status lists worker 1's link to worker 0: {members:#}");
+    assert!(
+        listed,
+        "tb status lists worker 1's link to worker 0: {members:#}"
+    );
 
     // A get through the cluster, served by a holder.
     let served_before = served(&w0_url) + served(&w1_url);

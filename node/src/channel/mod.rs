@@ -213,6 +213,7 @@ fn shm_result<T>(
         Err(ShmError::Fallback(err)) => {
             tracing::debug!(peer = %peer.fmt_short(), %err, "shm failed: falling back to QUIC");
             ctx.channels.failed(peer, ChannelKind::Shm);
+            ctx.metrics.channels.fallback(ChannelKind::Shm);
             Ok(None)
         }
     }
@@ -235,7 +236,14 @@ where
         return Ok(None);
     };
     let pulled = shm::pull(ctx, &route, *peer, name, version).await;
-    shm_result(ctx, peer, pulled)
+    let pulled = shm_result(ctx, peer, pulled)?;
+    if let Some(p) = &pulled {
+        let inbound = tb_dashboard::Direction::In;
+        ctx.metrics
+            .channels
+            .transfer(ChannelKind::Shm, inbound, p.meta.byte_len);
+    }
+    Ok(pulled)
 }
 
 /// Pushes over shm when the pair uses shm; `Ok(false)`: push it over QUIC.
@@ -254,5 +262,12 @@ where
         return Ok(false);
     };
     let pushed = shm::push(ctx, &route, *peer, name, tensor).await;
-    Ok(shm_result(ctx, peer, pushed)?.is_some())
+    let pushed = shm_result(ctx, peer, pushed)?.is_some();
+    if pushed {
+        let out = tb_dashboard::Direction::Out;
+        ctx.metrics
+            .channels
+            .transfer(ChannelKind::Shm, out, tensor.byte_len());
+    }
+    Ok(pushed)
 }

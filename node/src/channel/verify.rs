@@ -90,7 +90,7 @@ impl Pieces {
     /// bytes, or `n` of 0 or 1, give one piece.
     pub(crate) fn split(len: u64, n: usize) -> Pieces {
         let n = n.clamp(1, MAX_PIECES);
-        let mut ranges = vec![0..len];
+        let mut ranges: Vec<std::ops::Range<u64>> = std::iter::once(0..len).collect();
         while ranges.len() < n {
             let widest = (0..ranges.len())
                 .filter(|&i| ranges[i].end - ranges[i].start > blake3::CHUNK_LEN as u64)

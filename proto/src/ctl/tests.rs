@@ -1,7 +1,7 @@
 use super::*;
 use crate::{
-    ChannelKind, ContentHash, DType, Entry, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, MAX_NAME_LEN, MetaError, NameError,
-    RegistryError, SYNC_BUCKETS, Stamp, chunk_by_size, frame,
+    ChannelKind, ContentHash, DType, Entry, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, MAX_NAME_LEN,
+    MetaError, NameError, RegistryError, SYNC_BUCKETS, Stamp, chunk_by_size, frame,
 };
 
 const MAX: u64 = 1 << 20;

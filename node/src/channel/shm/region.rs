@@ -77,14 +77,14 @@ impl Region {
     /// Checks that a peer's memfd is sealed as [`Region::copy_of`] seals and holds at least
     /// `end` bytes; returns its length.
     pub(crate) fn check_peer_fd(fd: &OwnedFd, end: u64) -> Result<usize> {
-        let seals = fs::fcntl_get_seals(&fd)
+        let seals = fs::fcntl_get_seals(fd)
             .map_err(|e| Error::Io(format!("a peer's memfd has no seals: {e}")))?;
         if !seals.contains(SEALS) {
             return Err(Error::Io(format!(
                 "a peer's memfd is not sealed against writes and resizes ({seals:?})"
             )));
         }
-        let size = fs::fstat(&fd)
+        let size = fs::fstat(fd)
             .map_err(|e| io("reading a memfd's size", e))?
             .st_size;
         let size = u64::try_from(size).unwrap_or(0);

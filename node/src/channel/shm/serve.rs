@@ -7,8 +7,8 @@ use bytes::Bytes;
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{
-    Access, ContentHash, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
-    TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
+    Access, ChannelKind, ContentHash, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload,
+    TensorMeta, TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixListener;
 use tracing::debug;
@@ -218,6 +218,10 @@ async fn serve_pull(
     timer.result(sent.is_ok());
     if sent.is_ok() {
         ctx.metrics.bytes_out.inc_by(tensor.byte_len());
+        let out = tb_dashboard::Direction::Out;
+        ctx.metrics
+            .channels
+            .transfer(ChannelKind::Shm, out, tensor.byte_len());
     }
     sent
 }
@@ -258,6 +262,10 @@ async fn serve_push(
         Err(err) => return Err(err),
     };
     ctx.metrics.bytes_in.inc_by(meta.byte_len);
+    let inbound = tb_dashboard::Direction::In;
+    ctx.metrics
+        .channels
+        .transfer(ChannelKind::Shm, inbound, meta.byte_len);
     let item = Received {
         from: peer,
         name,
