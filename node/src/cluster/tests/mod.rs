@@ -217,8 +217,16 @@ impl ProtocolHandler for HalfServer {
             return Ok(());
         }
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            let Ok(DataRequest::Pull { version, .. }) = wire::read_frame(&mut recv).await else {
-                break;
+            let version = match wire::read_frame(&mut recv).await {
+                Ok(DataRequest::Pull { version, .. }) => version,
+                // No channels besides QUIC.
+                Ok(DataRequest::Channels { .. }) => {
+                    let none = DataResponse::Channels { offers: Vec::new() };
+                    let _ = wire::write_frame(&mut send, &none).await;
+                    let _ = send.finish();
+                    continue;
+                }
+                _ => break,
             };
             let header = DataResponse::Header {
                 meta: self.tensor.meta().clone(),
