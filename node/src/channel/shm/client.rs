@@ -5,20 +5,17 @@
 //! back to QUIC ([`ShmError::Fallback`]). Errors the peer answered (not found, refused) are
 //! final, as on QUIC.
 
-use std::{
-    os::fd::{AsFd, OwnedFd},
-    sync::Arc,
-};
+use std::os::fd::{AsFd, OwnedFd};
 
 use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{
-    ContentHash, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
-    TensorName, frame::MAX_CONTROL_FRAME,
+    DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta, TensorName,
+    frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixStream;
 
-use super::{INLINE_MAX, Region, ShmCache, socket::ShmStream, socket::within};
+use super::{INLINE_MAX, Region, socket::ShmStream, socket::within};
 use crate::{
     channel::ShmRoute,
     client::remote_error_from,
@@ -59,22 +56,9 @@ impl ShmPull {
     /// The payload as a tensor: the mapping of the holder's memfd (zero-copy), or the inline
     /// bytes.
     pub(crate) fn into_tensor(self) -> Result<Tensor> {
-        let len = usize::try_from(self.meta.byte_len)
-            .map_err(|_| Error::TooLarge(format!("{} bytes", self.meta.byte_len)))?;
         match self.payload {
             Payload::Inline(bytes) => Ok(Tensor::from_verified(self.meta, bytes)),
-            Payload::Memfd { fd, offset } => {
-                let region = Arc::new(Region::from_peer(fd, offset + self.meta.byte_len)?);
-                let start = offset as usize;
-                let bytes = region.slice(start..start + len);
-                let whole = start == 0 && len == region.len();
-                let cache = if whole {
-                    ShmCache::of(region)
-                } else {
-                    ShmCache::default()
-                };
-                Ok(Tensor::from_shared(self.meta, bytes, cache))
-            }
+            Payload::Memfd { fd, offset } => super::tensor_from_memfd(fd, offset, self.meta),
         }
     }
 
@@ -93,7 +77,13 @@ impl ShmPull {
                 Ok(())
             }
             Payload::Memfd { fd, offset } => {
-                Region::check_peer_fd(&fd, offset + self.meta.byte_len)?;
+                let end = offset.checked_add(self.meta.byte_len).ok_or_else(|| {
+                    Error::TooLarge(format!(
+                        "a payload of {} bytes at {offset}",
+                        self.meta.byte_len
+                    ))
+                })?;
+                Region::check_peer_fd(&fd, end)?;
                 super::region::pread_parallel(fd.as_fd(), dest, offset).await
             }
         }
@@ -181,7 +171,11 @@ async fn pull_on(
     let payload = within(stall, what, async {
         match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
             ShmPayload::Inline => {
-                let bytes = read_inline(conn, &meta, what).await?;
+                let bytes = super::read_inline(conn, &meta).await.map_err(|e| match e {
+                    Error::Corrupt(m) => Error::Corrupt(format!("{what}: {m}")),
+                    Error::Io(m) => Error::Io(format!("{what}: {m}")),
+                    e => e,
+                })?;
                 Ok(Payload::Inline(bytes))
             }
             ShmPayload::Memfd { offset } => Ok(Payload::Memfd {
@@ -197,26 +191,6 @@ async fn pull_on(
         meta,
         payload,
     })
-}
-
-/// Reads an inline payload (at most [`INLINE_MAX`] bytes) and checks its hash.
-async fn read_inline(conn: &mut ShmStream, meta: &TensorMeta, what: &str) -> Result<Bytes> {
-    let len = usize::try_from(meta.byte_len).unwrap_or(usize::MAX);
-    if len > INLINE_MAX {
-        return Err(Error::Io(format!(
-            "{what}: an inline payload of {len} bytes (the limit is {INLINE_MAX})"
-        )));
-    }
-    let mut buf = vec![0u8; len];
-    conn.read_exact(&mut buf).await?;
-    let hash = ContentHash::of(&buf);
-    if hash != meta.hash {
-        return Err(Error::Corrupt(format!(
-            "{what}: expected hash {}, got {hash}",
-            meta.hash
-        )));
-    }
-    Ok(Bytes::from(buf))
 }
 
 /// Pushes `tensor` as `name` to `peer` on the same-host socket and waits for its `Ack`.

@@ -27,20 +27,23 @@ mod socket;
 
 use std::{
     collections::HashMap,
-    os::{linux::net::SocketAddrExt, unix::net::SocketAddr},
+    os::{fd::OwnedFd, linux::net::SocketAddrExt, unix::net::SocketAddr},
     sync::{Arc, Mutex, MutexGuard, OnceLock},
 };
 
 use bytes::Bytes;
 use iroh::EndpointId;
-use tb_proto::{Access, ChannelOffer, channel::SHM_SOCKET_NAME_LEN};
+use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKET_NAME_LEN};
 
 pub(crate) use client::{ShmError, ShmPull, pull, push};
 pub(crate) use region::Region;
 pub(crate) use serve::spawn_listener;
 use socket::ShmStream;
 
-use crate::error::{Error, Result};
+use crate::{
+    error::{Error, Result},
+    tensor::Tensor,
+};
 
 /// Payloads up to this size travel inline on the socket (a memfd costs a mapping and page
 /// faults, more than copying this much twice).
@@ -154,6 +157,45 @@ impl Shm {
     pub(crate) fn forget(&self, peer: &EndpointId) {
         self.idle().remove(peer);
     }
+}
+
+/// A tensor over the payload at `offset` of a peer's memfd (checked as
+/// [`Region::from_peer`] checks it), borrowing the mapping: zero-copy. A tensor that is the
+/// whole memfd keeps it, to pass on to other same-host peers without a copy.
+fn tensor_from_memfd(fd: OwnedFd, offset: u64, meta: TensorMeta) -> Result<Tensor> {
+    let too_large = || Error::TooLarge(format!("a payload of {} bytes at {offset}", meta.byte_len));
+    let end = offset.checked_add(meta.byte_len).ok_or_else(too_large)?;
+    let start = usize::try_from(offset).map_err(|_| too_large())?;
+    let stop = usize::try_from(end).map_err(|_| too_large())?;
+    let region = Arc::new(Region::from_peer(fd, end)?);
+    let bytes = region.slice(start..stop);
+    let cache = if start == 0 && stop == region.len() {
+        ShmCache::of(region)
+    } else {
+        ShmCache::default()
+    };
+    Ok(Tensor::from_shared(meta, bytes, cache))
+}
+
+/// Reads an inline payload (at most [`INLINE_MAX`] bytes) and checks it against `meta`'s
+/// hash: a mismatch is `Corrupt`.
+async fn read_inline(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Bytes> {
+    let len = usize::try_from(meta.byte_len).unwrap_or(usize::MAX);
+    if len > INLINE_MAX {
+        return Err(Error::Io(format!(
+            "an inline payload of {len} bytes (the limit is {INLINE_MAX})"
+        )));
+    }
+    let mut buf = vec![0u8; len];
+    conn.read_exact(&mut buf).await?;
+    let hash = ContentHash::of(&buf);
+    if hash != meta.hash {
+        return Err(Error::Corrupt(format!(
+            "expected hash {}, got {hash}",
+            meta.hash
+        )));
+    }
+    Ok(Bytes::from(buf))
 }
 
 /// The abstract address for a socket name.

@@ -3,17 +3,16 @@
 
 use std::{os::fd::AsFd, sync::Arc};
 
-use bytes::Bytes;
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{
-    Access, ChannelKind, ContentHash, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload,
-    TensorMeta, TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
+    Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
+    TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixListener;
 use tracing::debug;
 
-use super::{INLINE_MAX, Region, Shm, ShmCache, socket::ShmStream, socket::within};
+use super::{INLINE_MAX, Shm, socket::ShmStream, socket::within};
 use crate::{
     budget::BudgetError,
     ctx::NodeCtx,
@@ -293,33 +292,12 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
     let len = usize::try_from(meta.byte_len)
         .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
     match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
-        ShmPayload::Inline if len <= INLINE_MAX => {
-            let mut buf = vec![0u8; len];
-            conn.read_exact(&mut buf).await?;
-            let hash = ContentHash::of(&buf);
-            if hash != meta.hash {
-                return Err(Error::Corrupt(format!(
-                    "expected hash {}, got {hash}",
-                    meta.hash
-                )));
-            }
-            Ok(Tensor::from_verified(meta.clone(), Bytes::from(buf)))
+        ShmPayload::Inline => {
+            let bytes = super::read_inline(conn, meta).await?;
+            Ok(Tensor::from_verified(meta.clone(), bytes))
         }
         ShmPayload::Memfd { offset } if len > 0 => {
-            let fd = conn.take_fd()?;
-            let end = offset
-                .checked_add(meta.byte_len)
-                .ok_or_else(|| Error::Io("a memfd range overflows".into()))?;
-            let region = Arc::new(Region::from_peer(fd, end)?);
-            let start = offset as usize;
-            let bytes = region.slice(start..start + len);
-            let whole = start == 0 && len == region.len();
-            let cache = if whole {
-                ShmCache::of(region)
-            } else {
-                ShmCache::default()
-            };
-            Ok(Tensor::from_shared(meta.clone(), bytes, cache))
+            super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())
         }
         other => Err(Error::Io(format!(
             "a same-host push of {len} bytes sent as {other:?}"
