@@ -267,8 +267,10 @@ mod tests {
 
     use tb_dashboard::TransferKind;
 
+    /// QUIC alone: two nodes of one host would otherwise use shm, which is never striped.
     fn config(stripes: usize) -> crate::Config {
         crate::Config {
+            channels: vec![tb_proto::ChannelKind::Quic],
             quic_stripes: stripes,
             connect_timeout: Duration::from_secs(3),
             request_timeout: Duration::from_secs(10),
