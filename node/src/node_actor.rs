@@ -198,7 +198,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
     ctx.tracker.spawn(async move {
         // The connect timeout bounds the dial and the hello together: a peer that accepts but
         // never answers is as unreachable as one that never accepts.
-        let dial = tokio::time::timeout(timeout, async {
+        let dial = async {
             let conn = endpoint
                 .connect(peer.to_endpoint_addr(), DATA_ALPN)
                 .await
@@ -213,15 +213,29 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                         }
                         _ => err,
                     })?;
-            channel_exchange(&dial_ctx, &conn, welcomed.peer).await;
-            Ok((conn, welcomed.peer))
-        });
+            Ok::<_, Error>((conn, welcomed.peer))
+        };
+        // The link's first request, bounded like any request (a silent peer costs the
+        // request timeout here, then its requests time out over QUIC).
+        let dial = async {
+            let (conn, access) = match tokio::time::timeout(timeout, dial).await {
+                Ok(dialed) => dialed?,
+                Err(_) => {
+                    let why = format!("no connection within {timeout:?}");
+                    return Err(unreachable(&peer, why));
+                }
+            };
+            let limit = dial_ctx.config.request_timeout;
+            let exchange = channel_exchange(&dial_ctx, &conn, access);
+            if tokio::time::timeout(limit, exchange).await.is_err() {
+                debug!(peer = %peer.id.fmt_short(), "no channel offers in time: QUIC only");
+                dial_ctx.channels.forget(&peer.id);
+            }
+            Ok((conn, access))
+        };
         let result = tokio::select! {
             _ = cancel.cancelled() => Err(Error::Shutdown),
-            r = dial => match r {
-                Ok(result) => result,
-                Err(_) => Err(unreachable(&peer, format!("no connection within {timeout:?}"))),
-            },
+            r = dial => r,
         };
         let sent = myself.cast(NodeMsg::Dialed {
             peer: peer.id,

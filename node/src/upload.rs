@@ -158,6 +158,10 @@ async fn stream_pieces(
             let done = usize::try_from(at).unwrap_or(usize::MAX);
             send_limited(ctx, send, &piece, &mut watchdog, done, total).await?;
             ctx.metrics.bytes_out.inc_by(len);
+            let out = tb_dashboard::Direction::Out;
+            ctx.metrics
+                .channels
+                .transfer(tb_proto::ChannelKind::Quic, out, len);
             if arriving {
                 ctx.inflight_bytes_sent
                     .fetch_add(len, std::sync::atomic::Ordering::Relaxed);

@@ -213,18 +213,32 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
     assert!(w1_status["transfers"]["ok"].as_u64().unwrap_or(0) >= 1);
     assert!(w1_status["transfers"]["latency_s"]["p50"].is_number());
 
-    // By channel: every byte rode QUIC (the only channel yet), none fell back; each pooled
-    // link shows its peer and the channel negotiated with it.
-    let quic_in = "tb_channel_bytes_total{channel=\"quic\",direction=\"in\"}";
+    // By channel: the push from the CLI (same host) rode shm; worker 1's bytes are counted
+    // on the channels that carried them (shm or QUIC, both on this host), none fell back.
+    // Each pooled link shows its peer and the channel negotiated with it: shm here.
+    let bytes_in = |url: &str, channel: &str| {
+        metric(
+            url,
+            &format!("tb_channel_bytes_total{{channel=\"{channel}\",direction=\"in\"}}"),
+        )
+    };
     assert!(
-        metric(&w0_url, quic_in) >= len,
-        "worker 0 counted the push on quic"
+        bytes_in(&w0_url, "shm") >= len,
+        "worker 0 counted the push on shm"
     );
+    let w1_in = || bytes_in(&w1_url, "shm") + bytes_in(&w1_url, "quic");
     assert!(
-        metric(&w1_url, quic_in) >= len,
-        "worker 1 counted its pull on quic"
+        poll(SETTLE, || w1_in() >= len),
+        "worker 1 counted its pull by channel: {}",
+        w1_in()
     );
-    assert!(metric(&w1_url, "tb_channel_transfers_total{channel=\"quic\"}") >= 1.0);
+    let transfers = |channel: &str| {
+        metric(
+            &w1_url,
+            &format!("tb_channel_transfers_total{{channel=\"{channel}\"}}"),
+        )
+    };
+    assert!(transfers("shm") + transfers("quic") >= 1.0);
     for channel in ["shm", "quic", "tcp"] {
         let fallbacks = format!("tb_channel_fallbacks_total{{channel=\"{channel}\"}}");
         assert_eq!(metric(&w1_url, &fallbacks), 0.0, "{channel}");
@@ -233,7 +247,7 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
     let to_w0 = links.iter().find(|l| l["peer"] == w0_id.as_str());
     assert_eq!(
         to_w0.map(|l| &l["channel"]),
-        Some(&Value::from("quic")),
+        Some(&Value::from("shm")),
         "worker 1's link to worker 0: {w1_status:#}"
     );
     // `tb status` shows the same from worker 1's heartbeats (every 2 s).
@@ -247,7 +261,7 @@ fn metrics_status_and_cluster_view_follow_a_put_and_a_get() {
         let links = w1.and_then(|w| w["stats"]["links"].as_array());
         links.is_some_and(|ls| {
             ls.iter()
-                .any(|l| l["peer"] == w0_id.as_str() && l["channel"] == "quic")
+                .any(|l| l["peer"] == w0_id.as_str() && l["channel"] == "shm")
         })
     });
     assert!(

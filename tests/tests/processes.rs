@@ -520,7 +520,11 @@ async fn tb_status_shows_each_workers_links_and_tensors_and_put_get_print_clean_
         .split_whitespace()
         .collect();
     let col = |name: &str| header.iter().position(|h| *h == name).expect(name);
-    let rows: Vec<Vec<&str>> = lines.map(|l| l.split_whitespace().collect()).collect();
+    // The table ends at the first blank line (the per-node link lines follow it).
+    let rows: Vec<Vec<&str>> = lines
+        .take_while(|l| !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
     let workers: Vec<&Vec<&str>> = rows.iter().filter(|r| r[col("ROLE")] == "worker").collect();
     assert_eq!(workers.len(), 2, "{stdout}");
     for w in workers {

@@ -301,18 +301,20 @@ impl ProtocolHandler for IdleRacingServer {
         }
         let race = !self.closed_one.swap(true, Ordering::SeqCst);
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            if race {
-                let code = CloseCode::IdleEvicted;
-                conn.close(VarInt::from_u32(code.code()), code.reason());
-                break;
-            }
             let mut prefix = [0u8; 4];
             if recv.read_exact(&mut prefix).await.is_err() {
                 break;
             }
             let mut body = vec![0u8; frame::body_len(prefix).unwrap_or(0)];
             let _ = recv.read_exact(&mut body).await;
-            let answer = match frame::decode_body::<DataRequest>(&body) {
+            let request = frame::decode_body::<DataRequest>(&body);
+            // The link's channel exchange is answered; the first request after it races.
+            if race && !matches!(request, Ok(DataRequest::Channels { .. })) {
+                let code = CloseCode::IdleEvicted;
+                conn.close(VarInt::from_u32(code.code()), code.reason());
+                break;
+            }
+            let answer = match request {
                 Ok(DataRequest::Pull { .. }) => {
                     let truth = f32_tensor(4096, 1);
                     let header = DataResponse::Header {

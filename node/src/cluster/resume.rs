@@ -152,6 +152,11 @@ pub(crate) async fn pull_rest(
     // Counted once per transfer (not per read): the data path takes no extra atomics.
     let received = resume.filled.saturating_sub(from);
     ctx.metrics.bytes_in.inc_by(received as u64);
+    let inbound = tb_dashboard::Direction::In;
+    let quic = tb_proto::ChannelKind::Quic;
+    ctx.metrics
+        .channels
+        .transfer(quic, inbound, received as u64);
     read?;
     let hash = resume.finish(dest);
     if hash != expected.hash {
