@@ -140,7 +140,7 @@ pub(crate) enum Op {
     Get,
     /// Pushed until the serving node's `recv()` returns it.
     Push,
-    /// 4 KiB round trips: pulls, then pushes (tensor-broker only).
+    /// 4 KiB round trips: pulls (every system but memcpy), then pushes (tensor-broker).
     Rtt,
 }
 
@@ -226,7 +226,7 @@ impl System {
     /// The ops that make sense for this system.
     pub(crate) fn ops(self) -> &'static [Op] {
         match self {
-            System::RawIroh | System::RawTcp => &[Op::PullInto, Op::Get],
+            System::RawIroh | System::RawTcp => &[Op::PullInto, Op::Get, Op::Rtt],
             System::Memcpy => &[Op::Get],
             System::TensorBrokerCuda => &[Op::PullInto, Op::Rtt],
             _ => &[Op::PullInto, Op::Get, Op::Push, Op::Rtt],

@@ -135,6 +135,8 @@ fn bench_p2p_prints_the_promised_json() {
     for (system, ops) in BASELINES {
         check_system(&v, system, ops);
         assert!(v["rtt_4k_push"].get(system).is_none(), "{v}");
+        let pulls = v["rtt_4k"].get(system);
+        assert_eq!(pulls.is_some(), system != "memcpy", "{system}: {v}");
     }
     positive(&v["receiver_peak_rss_bytes"], "receiver_peak_rss_bytes");
     assert_eq!(v["cases"].as_array().map(Vec::len), Some(5 * 4 + 3 + 3 + 1));
