@@ -29,18 +29,20 @@ impl Direction {
 
 const KINDS: usize = ChannelKind::ALL.len();
 
-/// `tb_channel_bytes_total{channel,direction}`, `tb_channel_transfers_total{channel}` and
-/// `tb_channel_fallbacks_total{channel}`. Clones share the counts.
+/// `tb_channel_bytes_total{channel,direction}`, `tb_channel_transfers_total{channel}`,
+/// `tb_channel_fallbacks_total{channel}` and `tb_channel_refused_total{channel}`. Clones
+/// share the counts.
 #[derive(Debug, Clone)]
 pub struct ChannelMetrics {
     /// `[kind][0 = in, 1 = out]`.
     bytes: [[IntCounter; 2]; KINDS],
     transfers: [IntCounter; KINDS],
     fallbacks: [IntCounter; KINDS],
+    refused: [IntCounter; KINDS],
 }
 
 impl ChannelMetrics {
-    /// Creates the three families in `registry`, every channel's series at zero.
+    /// Creates the four families in `registry`, every channel's series at zero.
     pub(crate) fn new(registry: &Registry) -> Result<Self, MetricsError> {
         let bytes = family(
             registry,
@@ -60,6 +62,12 @@ impl ChannelMetrics {
             "Transfers that started on this channel and finished on QUIC",
             &["channel"],
         )?;
+        let refused = family(
+            registry,
+            "tb_channel_refused_total",
+            "Connections to this node's channel refused before any tensor byte (no valid token)",
+            &["channel"],
+        )?;
         Ok(ChannelMetrics {
             bytes: ChannelKind::ALL.map(|k| {
                 [Direction::In, Direction::Out]
@@ -67,6 +75,7 @@ impl ChannelMetrics {
             }),
             transfers: ChannelKind::ALL.map(|k| transfers.with_label_values(&[k.as_str()])),
             fallbacks: ChannelKind::ALL.map(|k| fallbacks.with_label_values(&[k.as_str()])),
+            refused: ChannelKind::ALL.map(|k| refused.with_label_values(&[k.as_str()])),
         })
     }
 
@@ -75,6 +84,22 @@ impl ChannelMetrics {
         let k = index(channel);
         self.bytes[k][direction as usize].inc_by(bytes);
         self.transfers[k].inc();
+    }
+
+    /// Counts `bytes` payload bytes moved on `channel` as part of a transfer counted
+    /// elsewhere (one socket's share of it).
+    pub fn moved(&self, channel: ChannelKind, direction: Direction, bytes: u64) {
+        self.bytes[index(channel)][direction as usize].inc_by(bytes);
+    }
+
+    /// Counts one connection to `channel` refused before any tensor byte.
+    pub fn refused(&self, channel: ChannelKind) {
+        self.refused[index(channel)].inc();
+    }
+
+    /// Connections to `channel` refused so far.
+    pub fn refusals(&self, channel: ChannelKind) -> u64 {
+        self.refused[index(channel)].get()
     }
 
     /// Counts one transfer that started on `channel` and finished on QUIC.
@@ -131,6 +156,7 @@ mod tests {
             "tb_channel_bytes_total{channel=\"shm\",direction=\"in\"} 0",
             "tb_channel_transfers_total{channel=\"tcp\"} 0",
             "tb_channel_fallbacks_total{channel=\"shm\"} 0",
+            "tb_channel_refused_total{channel=\"tcp\"} 0",
         ] {
             assert!(text.contains(series), "missing {series} in\n{text}");
         }

@@ -27,7 +27,7 @@ use tracing::debug;
 use crate::{
     auth,
     budget::ByteBudget,
-    channel::{self, Channels},
+    channel::{self, Channel, Channels},
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
@@ -143,7 +143,7 @@ impl Node {
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
             admission: auth::Admission::new(&config),
-            channels: Channels::new(config.channels.clone()),
+            channels: Channels::new(&config),
             config,
         });
         Channels::start(&ctx)?;
@@ -233,11 +233,11 @@ impl Node {
         if let Some(p) = progress {
             p.set_total(tensor.byte_len());
         }
-        #[cfg(target_os = "linux")]
-        {
-            let dial = async { self.link(addr).await.map(drop) };
-            let by_shm = channel::shm_push(&self.inner.ctx, &addr.id, dial, &name, tensor);
-            if self.guarded(by_shm).await? {
+        if let Some(route) = self.route(addr).await? {
+            let ctx = &self.inner.ctx;
+            let push = route.push(ctx, &name, tensor);
+            let pushed = channel::attempt(ctx, &route, TransferKind::Push, push);
+            if self.guarded(pushed).await?.is_some() {
                 if let Some(p) = progress {
                     p.reached(tensor.byte_len());
                 }
@@ -264,25 +264,17 @@ impl Node {
         name: &str,
         version: Option<u64>,
     ) -> Result<Pulled<Tensor>> {
-        let tensor_name = TensorName::new(name)?;
-        // Same host: the tensor maps the holder's sealed memfd (zero-copy).
-        #[cfg(target_os = "linux")]
-        if let Some(pulled) = self.shm_pull(addr, &tensor_name, version).await? {
-            let (meta, version) = (pulled.meta.clone(), pulled.version);
-            let tensor = self.guarded(async { pulled.into_tensor() }).await?;
-            return Ok(Pulled {
-                name: tensor_name,
-                version,
-                meta,
-                buffer: tensor,
-            });
+        let name = TensorName::new(name)?;
+        if let Some(route) = self.route(addr).await? {
+            let ctx = &self.inner.ctx;
+            let pull = route.pull(ctx, &name, version);
+            let pulled = channel::attempt(ctx, &route, TransferKind::Pull, pull);
+            if let Some(pulled) = self.guarded(pulled).await? {
+                return Ok(pulled);
+            }
         }
         let pulled = self
-            .quic_pull_into(addr, tensor_name, version, |meta| {
-                let len = usize::try_from(meta.byte_len)
-                    .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
-                Ok(vec![0u8; len])
-            })
+            .quic_pull_into(addr, name, version, channel::alloc_vec)
             .await?;
         let tensor = Tensor::from_verified(pulled.meta.clone(), Bytes::from(pulled.buffer));
         Ok(Pulled {
@@ -309,39 +301,28 @@ impl Node {
         F: FnOnce(&TensorMeta) -> Result<B> + Send,
     {
         let name = TensorName::new(name)?;
-        // Same host: one copy out of the holder's sealed memfd.
-        #[cfg(target_os = "linux")]
-        if let Some(pulled) = self.shm_pull(addr, &name, version).await? {
+        let mut alloc = Some(alloc);
+        if let Some(route) = self.route(addr).await? {
             let ctx = &self.inner.ctx;
-            let copy = async {
-                let mut buffer = alloc(&pulled.meta)?;
-                let (meta, version) = (pulled.meta.clone(), pulled.version);
-                pulled.copy_into(buffer.as_mut()).await?;
-                ctx.metrics.bytes_in.inc_by(meta.byte_len);
-                Ok(Pulled {
-                    name,
-                    version,
-                    meta,
-                    buffer,
-                })
+            let alloc = |meta: &TensorMeta| match alloc.take() {
+                Some(alloc) => alloc(meta),
+                None => Err(Error::Io("a pull allocated its buffer twice".into())),
             };
-            return self.guarded(ctx.timed(TransferKind::Pull, copy)).await;
+            let pull = route.pull_into(ctx, &name, version, alloc);
+            let pulled = channel::attempt(ctx, &route, TransferKind::Pull, pull);
+            if let Some(pulled) = self.guarded(pulled).await? {
+                return Ok(pulled);
+            }
         }
+        let alloc = alloc.ok_or_else(|| Error::Io("a pull allocated its buffer twice".into()))?;
         self.quic_pull_into(addr, name, version, alloc).await
     }
 
-    /// A pull over the shm channel up to the payload, when the pair uses shm (`None`: pull
-    /// over QUIC).
-    #[cfg(target_os = "linux")]
-    async fn shm_pull(
-        &self,
-        addr: &PeerAddr,
-        name: &TensorName,
-        version: Option<u64>,
-    ) -> Result<Option<crate::channel::ShmPull>> {
-        let dial = async { self.link(addr).await.map(drop) };
-        let ctx = &self.inner.ctx;
-        self.guarded(channel::shm_pull(ctx, &addr.id, dial, name, version))
+    /// The channel a transfer with the peer at `addr` takes now (`None`: QUIC), dialing it
+    /// first on first contact.
+    async fn route(&self, addr: &PeerAddr) -> Result<Option<channel::Route>> {
+        let links = || self.link(addr);
+        self.guarded(channel::route(&self.inner.ctx, &addr.id, links))
             .await
     }
 

@@ -221,6 +221,11 @@ async fn serve_stream(
             range,
         } => serve_pull(ctx, send, &name, version, range).await,
         DataRequest::Push { name, meta } => serve_push(ctx, peer, send, recv, name, meta).await,
+        DataRequest::TcpPull {
+            name,
+            version,
+            sockets,
+        } => channel::serve_ticket(ctx, send, &name, version, sockets).await,
         DataRequest::Channels { offers } => {
             ctx.channels.learn(peer, offers);
             let offers = ctx.channels.offers_for(peer, access);

@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::Access;
+use crate::{Access, ByteRange};
 
 /// Most offers one side sends (one per channel kind, with room for later kinds).
 pub const MAX_CHANNEL_OFFERS: usize = 8;
@@ -123,7 +123,8 @@ pub enum ChannelOffer {
         token: [u8; 32],
     },
     /// A TCP listener on the offering node's host, at the IP the peer reaches its QUIC
-    /// endpoint at. Each transfer hands out its own one-time token.
+    /// endpoint at. Each transfer hands out its own one-time token
+    /// ([`DataResponse::TcpTicket`](crate::DataResponse::TcpTicket)).
     Tcp {
         /// The listening port.
         port: u16,
@@ -162,6 +163,21 @@ pub enum OfferError {
     /// Two offers for one kind.
     #[error("two offers for channel {0}")]
     Repeated(ChannelKind),
+    /// A TCP pull asking for no sockets or too many.
+    #[error("a TCP pull on {0} sockets, the limit is 1 to {MAX_TCP_SOCKETS}")]
+    TcpSockets(u8),
+}
+
+/// The most sockets one TCP-channel transfer may open (and a holder admits per ticket).
+pub const MAX_TCP_SOCKETS: u8 = 8;
+
+/// Checks the socket count of a [`DataRequest::TcpPull`](crate::DataRequest::TcpPull).
+pub fn validate_tcp_sockets(sockets: u8) -> Result<(), OfferError> {
+    if (1..=MAX_TCP_SOCKETS).contains(&sockets) {
+        Ok(())
+    } else {
+        Err(OfferError::TcpSockets(sockets))
+    }
 }
 
 /// The channel a pair uses: the first kind in `order` (the local node's preference) that the
@@ -210,6 +226,21 @@ pub enum ShmPayload {
         offset: u64,
     },
 }
+
+/// The first frame on a TCP-channel socket, from the puller: the one-time token of its
+/// [`DataResponse::TcpTicket`](crate::DataResponse::TcpTicket) and the bytes of the payload
+/// this socket carries. A socket whose hello is not exactly this, in time, is closed before
+/// any tensor byte is sent; otherwise the holder writes the range's raw bytes and closes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TcpHello {
+    /// From the ticket.
+    pub token: [u8; 32],
+    /// The payload bytes to send on this socket (within the ticket's tensor).
+    pub range: ByteRange,
+}
+
+/// Largest [`TcpHello`] frame body, in bytes (it is at most 52).
+pub const MAX_TCP_HELLO_FRAME: u32 = 64;
 
 #[cfg(test)]
 mod tests {

@@ -60,7 +60,7 @@ pub use auth::{
     HOW_TO_MAKE_A_SECRET, Hello, HelloReply, MAX_HELLO_FRAME, MAX_SECRET_LEN, MIN_SECRET_LEN,
     READ_ONLY_PREFIX, authorize,
 };
-pub use channel::{ChannelKind, ChannelListError, ChannelOffer, ShmHello, ShmPayload};
+pub use channel::{ChannelKind, ChannelListError, ChannelOffer, ShmHello, ShmPayload, TcpHello};
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, LinkChannel, ListedEntry,
     MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_LIST_LIMIT, MAX_METRICS_URL_LEN,

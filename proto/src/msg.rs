@@ -53,13 +53,25 @@ pub enum DataRequest {
         /// At most [`MAX_CHANNEL_OFFERS`](crate::channel::MAX_CHANNEL_OFFERS), one per kind.
         offers: Vec<ChannelOffer>,
     },
+    /// Send me this tensor over the TCP channel on `sockets` connections: answered with a
+    /// [`DataResponse::TcpTicket`] whose one-time token admits exactly that many sockets.
+    TcpPull {
+        /// The tensor.
+        name: TensorName,
+        /// A specific version, or the newest.
+        version: Option<u64>,
+        /// Sockets the puller will open, 1 to [`MAX_TCP_SOCKETS`](crate::channel::MAX_TCP_SOCKETS).
+        sockets: u8,
+    },
 }
 
 impl DataRequest {
     /// The tensor the request is about, if it is about one.
     pub fn name(&self) -> Option<&TensorName> {
         match self {
-            DataRequest::Pull { name, .. } | DataRequest::Push { name, .. } => Some(name),
+            DataRequest::Pull { name, .. }
+            | DataRequest::Push { name, .. }
+            | DataRequest::TcpPull { name, .. } => Some(name),
             DataRequest::Channels { .. } => None,
         }
     }
@@ -69,13 +81,16 @@ impl DataRequest {
     pub fn write_action(&self) -> Option<&'static str> {
         match self {
             DataRequest::Push { .. } => Some("pushing a tensor (a publish)"),
-            DataRequest::Pull { .. } | DataRequest::Channels { .. } => None,
+            DataRequest::Pull { .. }
+            | DataRequest::Channels { .. }
+            | DataRequest::TcpPull { .. } => None,
         }
     }
 
     /// Checks what can be checked before acting on the request: a push's metadata (rank,
-    /// byte length, size limit), that a pull's range end fits in 64 bits, and that channel
-    /// offers are few and one per kind.
+    /// byte length, size limit), that a pull's range end fits in 64 bits, that channel
+    /// offers are few and one per kind, and that a TCP pull asks for a bounded number of
+    /// sockets.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
         match self {
             DataRequest::Channels { offers } => validate_offers(offers).map_err(MetaError::from),
@@ -86,6 +101,8 @@ impl DataRequest {
                 .map(|_| ())
                 .ok_or(MetaError::Overflow),
             DataRequest::Pull { .. } => Ok(()),
+            DataRequest::TcpPull { sockets, .. } => crate::channel::validate_tcp_sockets(*sockets)
+                .map_err(MetaError::from),
         }
     }
 }
@@ -113,6 +130,17 @@ pub enum DataResponse {
     Channels {
         /// At most [`MAX_CHANNEL_OFFERS`](crate::channel::MAX_CHANNEL_OFFERS), one per kind.
         offers: Vec<ChannelOffer>,
+    },
+    /// The answer to [`DataRequest::TcpPull`]: the version to expect and the one-time token
+    /// that admits the puller's sockets to this node's TCP channel (valid for this transfer
+    /// only, for the number of sockets asked, for a short time).
+    TcpTicket {
+        /// Describes the whole tensor.
+        meta: TensorMeta,
+        /// The version the sockets will carry.
+        version: u64,
+        /// Presented in each socket's [`TcpHello`](crate::channel::TcpHello).
+        token: [u8; 32],
     },
 }
 

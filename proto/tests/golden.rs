@@ -155,6 +155,44 @@ fn shm_frames() {
 }
 
 #[test]
+fn tcp_frames() {
+    use tb_proto::{TcpHello, channel::MAX_TCP_HELLO_FRAME, frame};
+    let name = TensorName::new("w").expect("name");
+    let pull = DataRequest::TcpPull {
+        name,
+        version: Some(300),
+        sockets: 4,
+    };
+    // len 7 | TcpPull=3 | name "w" | Some(300) | 4 sockets
+    golden(&pull, "07000000 03 0177 01ac02 04");
+    let ticket = DataResponse::TcpTicket {
+        meta: TensorMeta::new(DType::BF16, vec![], ContentHash([0x11; 32])).expect("meta"),
+        version: 300,
+        token: [0xab; 32],
+    };
+    // len 70 | TcpTicket=4 | BF16=10 | shape [] | byte_len 2 | hash | version 300 | token
+    golden(&ticket, &format!("46000000 04 0a 00 02 {H_11} ac02 {H_AB}"));
+    let hello = TcpHello {
+        token: [0x11; 32],
+        range: tb_proto::ByteRange {
+            offset: 300,
+            len: 1,
+        },
+    };
+    // len 35 | token | offset 300 | len 1
+    golden(&hello, &format!("23000000 {H_11} ac02 01"));
+    let widest = TcpHello {
+        token: [0xff; 32],
+        range: tb_proto::ByteRange {
+            offset: u64::MAX,
+            len: u64::MAX,
+        },
+    };
+    let body = frame::encode(&widest).expect("encodes").len() - 4;
+    assert!(body as u32 <= MAX_TCP_HELLO_FRAME, "{body}");
+}
+
+#[test]
 fn error() {
     let msg = DataResponse::Error {
         code: ErrorCode::Corrupt,

@@ -71,6 +71,13 @@ fn request() -> impl Strategy<Value = DataRequest> {
             }),
         (tensor_name(), meta()).prop_map(|(name, meta)| DataRequest::Push { name, meta }),
         offers().prop_map(|offers| DataRequest::Channels { offers }),
+        (tensor_name(), any::<Option<u64>>(), 1..=tb_proto::channel::MAX_TCP_SOCKETS).prop_map(
+            |(name, version, sockets)| DataRequest::TcpPull {
+                name,
+                version,
+                sockets
+            }
+        ),
     ]
 }
 
@@ -90,6 +97,13 @@ fn response() -> impl Strategy<Value = DataResponse> {
         Just(DataResponse::Ack),
         (error_code(), ".{0,80}").prop_map(|(code, message)| DataResponse::Error { code, message }),
         offers().prop_map(|offers| DataResponse::Channels { offers }),
+        (meta(), any::<u64>(), any::<[u8; 32]>()).prop_map(|(meta, version, token)| {
+            DataResponse::TcpTicket {
+                meta,
+                version,
+                token,
+            }
+        }),
     ]
 }
 

@@ -8,45 +8,196 @@
 //! what each peer offered, and [`Channels::pick`] names the channel a transfer with a peer
 //! uses: the first in `Config::channels` that both run and that this node could open.
 //!
+//! The transfer code is written against one small trait, [`Channel`]: pull into a buffer,
+//! pull as a tensor, push. [`route`] gives the channel a transfer with a peer uses (or none:
+//! QUIC), and [`attempt`] turns what a channel could not do into a QUIC fallback, counted.
+//!
 //! Kinds (each in its own module, registered in [`Channels::new`]):
-//! - `quic`: the link's own streams (striped over several for large tensors).
+//! - `quic`: the link's own streams (striped over several for large tensors), in `client`;
+//!   not a [`Channel`] but what every channel falls back to.
 //! - `shm` (Linux): same-host shared memory, proven by reaching the peer's abstract Unix
 //!   socket whose name only it was told.
-//! - `tcp` (opt-in): verified plain TCP for trusted networks.
+//! - `tcp` (opt-in): plain TCP sockets admitted by one-time tokens, every piece verified,
+//!   for trusted networks.
 
 pub(crate) mod quic;
 #[cfg(target_os = "linux")]
 mod shm;
+mod tcp;
 pub(crate) mod verify;
 
 use std::{
     collections::HashMap,
+    future::Future,
     sync::{Arc, Mutex, MutexGuard},
 };
 
+use bytes::Bytes;
 use iroh::EndpointId;
-use tb_proto::{Access, ChannelKind, ChannelOffer, channel::SHM_SOCKET_NAME_LEN};
+use tb_dashboard::TransferKind;
+use tb_proto::{Access, ChannelKind, ChannelOffer, TensorMeta, TensorName};
 use tracing::warn;
 
 #[cfg(target_os = "linux")]
-pub(crate) use shm::{Region, Shm, ShmCache, ShmError, ShmPull};
+pub(crate) use shm::{Region, Shm, ShmCache, ShmRoute};
+pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
-use crate::{ctx::NodeCtx, error::Result};
+use crate::{
+    client::Pulled,
+    config::Config,
+    ctx::NodeCtx,
+    error::{Error, Result},
+    pool::LinkGuard,
+    tensor::Tensor,
+};
+
+/// Why a channel did not complete a transfer.
+#[derive(Debug)]
+pub(crate) enum ChannelError {
+    /// The channel failed before the transfer could complete on it: do it over QUIC (the
+    /// channel is withdrawn for this peer, and the fallback counted).
+    Fallback(Error),
+    /// The peer cannot do this one on the channel (a version still arriving, device bytes,
+    /// an upload limit): do it over QUIC (the channel itself is fine).
+    ViaQuic,
+    /// The peer answered with this error (or the answer was bad): give up as over QUIC.
+    Final(Error),
+}
+
+/// One way to move a transfer's bytes between this node and one peer whose QUIC link
+/// authenticated it. A channel that cannot do a transfer says so ([`ChannelError::ViaQuic`],
+/// [`ChannelError::Fallback`]) and the caller goes over QUIC, which is not a `Channel` but
+/// the link itself. Each implementation counts the bytes it moves
+/// (`tb_channel_bytes_total`) and says in its module docs what integrity it guarantees.
+pub(crate) trait Channel {
+    /// Pulls `name` (the newest version, or `version`) into the buffer `alloc` returns for
+    /// the header; the bytes are verified when it returns.
+    async fn pull_into<B, F>(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<B>, ChannelError>
+    where
+        B: AsMut<[u8]> + Send,
+        F: FnOnce(&TensorMeta) -> Result<B> + Send;
+
+    /// Pulls `name` as a tensor owning its bytes (zero-copy where the channel can).
+    async fn pull(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+    ) -> Result<Pulled<Tensor>, ChannelError> {
+        let pulled = self.pull_into(ctx, name, version, alloc_vec).await?;
+        let tensor = Tensor::from_verified(pulled.meta.clone(), Bytes::from(pulled.buffer));
+        Ok(Pulled {
+            name: pulled.name,
+            version: pulled.version,
+            meta: pulled.meta,
+            buffer: tensor,
+        })
+    }
+
+    /// Pushes `tensor` to the peer, filed as `name` (by default not on this channel).
+    async fn push(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        tensor: &Tensor,
+    ) -> Result<(), ChannelError> {
+        let _ = (ctx, name, tensor);
+        Err(ChannelError::ViaQuic)
+    }
+}
+
+/// A zeroed buffer for a tensor of `meta` (the allocation of a `pull` into memory).
+pub(crate) fn alloc_vec(meta: &TensorMeta) -> Result<Vec<u8>> {
+    let len = usize::try_from(meta.byte_len)
+        .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
+    Ok(vec![0u8; len])
+}
+
+/// The channel a transfer with one peer takes, when it is not QUIC.
+pub(crate) enum Route {
+    /// Same-host shared memory.
+    #[cfg(target_os = "linux")]
+    Shm(ShmRoute),
+    /// Token-admitted, verified TCP.
+    Tcp(TcpRoute),
+}
+
+impl Route {
+    /// The peer this route leads to.
+    pub(crate) fn peer(&self) -> EndpointId {
+        match self {
+            #[cfg(target_os = "linux")]
+            Route::Shm(shm) => shm.peer,
+            Route::Tcp(tcp) => tcp.peer(),
+        }
+    }
+
+    /// Which channel this is.
+    pub(crate) fn kind(&self) -> ChannelKind {
+        match self {
+            #[cfg(target_os = "linux")]
+            Route::Shm(_) => ChannelKind::Shm,
+            Route::Tcp(_) => ChannelKind::Tcp,
+        }
+    }
+}
+
+impl Channel for Route {
+    async fn pull_into<B, F>(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<B>, ChannelError>
+    where
+        B: AsMut<[u8]> + Send,
+        F: FnOnce(&TensorMeta) -> Result<B> + Send,
+    {
+        match self {
+            #[cfg(target_os = "linux")]
+            Route::Shm(shm) => shm.pull_into(ctx, name, version, alloc).await,
+            Route::Tcp(tcp) => tcp.pull_into(ctx, name, version, alloc).await,
+        }
+    }
+
+    async fn pull(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+    ) -> Result<Pulled<Tensor>, ChannelError> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Route::Shm(shm) => shm.pull(ctx, name, version).await,
+            Route::Tcp(tcp) => tcp.pull(ctx, name, version).await,
+        }
+    }
+
+    async fn push(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        tensor: &Tensor,
+    ) -> Result<(), ChannelError> {
+        match self {
+            #[cfg(target_os = "linux")]
+            Route::Shm(shm) => shm.push(ctx, name, tensor).await,
+            Route::Tcp(tcp) => tcp.push(ctx, name, tensor).await,
+        }
+    }
+}
 
 /// Where shared memory is not built (not Linux): a tensor has no memfd to cache.
 #[cfg(not(target_os = "linux"))]
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ShmCache;
-
-/// What a transfer to a peer needs to use the shm channel: this node's end, and the peer's
-/// socket name and this node's token on it.
-#[cfg(target_os = "linux")]
-#[derive(Debug, Clone)]
-pub(crate) struct ShmRoute {
-    pub(crate) shm: Arc<Shm>,
-    pub(crate) socket: [u8; SHM_SOCKET_NAME_LEN],
-    pub(crate) token: [u8; 32],
-}
 
 /// What this node knows about its peers' channels, and the channels it runs itself.
 #[derive(Debug)]
@@ -59,12 +210,15 @@ pub(crate) struct Channels {
     /// This node's end of the shm channel, when it runs it.
     #[cfg(target_os = "linux")]
     shm: Option<Arc<Shm>>,
+    /// This node's TCP listener and tickets, when it runs the TCP channel.
+    tcp: Option<Arc<Tcp>>,
 }
 
 impl Channels {
-    /// The channels a node with `order` (`Config::channels`) runs.
-    /// A channel that cannot start (no abstract sockets here) is left out, with a warning.
-    pub(crate) fn new(order: Vec<ChannelKind>) -> Self {
+    /// The channels a node with `config` runs (`Config::channels`). A channel that cannot
+    /// start (no abstract sockets here, no TCP port) is left out, with a warning.
+    pub(crate) fn new(config: &Config) -> Self {
+        let order = config.channels.clone();
         #[cfg(target_os = "linux")]
         let shm = order
             .contains(&ChannelKind::Shm)
@@ -76,11 +230,22 @@ impl Channels {
                     None
                 }
             });
+        let tcp = order
+            .contains(&ChannelKind::Tcp)
+            .then(|| Tcp::bind(config.bind_addr.ip()))
+            .and_then(|bound| match bound {
+                Ok(tcp) => Some(Arc::new(tcp)),
+                Err(err) => {
+                    warn!(%err, "the TCP channel could not start: peers use QUIC");
+                    None
+                }
+            });
         Channels {
             order,
             offered: Mutex::new(HashMap::new()),
             #[cfg(target_os = "linux")]
             shm,
+            tcp,
         }
     }
 
@@ -90,7 +255,9 @@ impl Channels {
         if let Some(shm) = &ctx.channels.shm {
             shm::spawn_listener(ctx, shm)?;
         }
-        let _ = ctx;
+        if let Some(tcp) = &ctx.channels.tcp {
+            tcp::spawn_listener(ctx, tcp)?;
+        }
         Ok(())
     }
 
@@ -100,7 +267,9 @@ impl Channels {
             ChannelKind::Quic => true,
             #[cfg(target_os = "linux")]
             ChannelKind::Shm => self.shm.is_some(),
-            _ => false,
+            #[cfg(not(target_os = "linux"))]
+            ChannelKind::Shm => false,
+            ChannelKind::Tcp => self.tcp.is_some(),
         }
     }
 
@@ -114,6 +283,9 @@ impl Channels {
         #[cfg(target_os = "linux")]
         if let Some(shm) = &self.shm {
             offers.push(shm.offer(peer, access));
+        }
+        if let Some(tcp) = &self.tcp {
+            offers.push(tcp.offer());
         }
         let _ = (peer, access);
         offers
@@ -151,27 +323,16 @@ impl Channels {
         }
     }
 
-    /// The shm route to `peer`, when the pair's channel is shm.
-    #[cfg(target_os = "linux")]
-    pub(crate) fn shm_route(&self, peer: &EndpointId) -> Option<ShmRoute> {
-        let shm = self.shm.as_ref()?;
-        if self.pick(peer) != ChannelKind::Shm {
-            return None;
-        }
-        let offered = self.offered();
-        offered.get(peer)?.iter().find_map(|offer| match offer {
-            ChannelOffer::Shm { socket, token } => Some(ShmRoute {
-                shm: shm.clone(),
-                socket: *socket,
-                token: *token,
-            }),
-            _ => None,
-        })
+    /// Whether this node runs a channel besides QUIC (so first contact is worth a dial).
+    pub(crate) fn runs_any(&self) -> bool {
+        self.order
+            .iter()
+            .any(|&kind| kind != ChannelKind::Quic && self.runs(kind))
     }
 
-    /// Whether this node could use shm with anyone (so first contact is worth a dial).
-    pub(crate) fn may_use_shm(&self) -> bool {
-        self.runs(ChannelKind::Shm)
+    /// This node's TCP channel, when it runs one (to answer tickets).
+    pub(crate) fn tcp(&self) -> Option<&Arc<Tcp>> {
+        self.tcp.as_ref()
     }
 
     /// The channel a transfer with `peer` uses now.
@@ -180,94 +341,97 @@ impl Channels {
         let offers = offered.get(peer).map(Vec::as_slice).unwrap_or_default();
         tb_proto::channel::pick(&self.order, offers, |kind| self.runs(kind))
     }
+
+    /// `peer`'s offer for `kind`, if it made one.
+    fn offer(&self, peer: &EndpointId, kind: ChannelKind) -> Option<ChannelOffer> {
+        let offered = self.offered();
+        offered.get(peer)?.iter().find(|o| o.kind() == kind).cloned()
+    }
+
+    /// The route of a pair whose channel is `kind` (`link`: a pooled link to `peer`, which
+    /// TCP needs).
+    fn route_for(
+        &self,
+        peer: EndpointId,
+        kind: ChannelKind,
+        link: Option<LinkGuard>,
+    ) -> Option<Route> {
+        match (kind, self.offer(&peer, kind)?) {
+            #[cfg(target_os = "linux")]
+            (ChannelKind::Shm, ChannelOffer::Shm { socket, token }) => {
+                let shm = self.shm.clone()?;
+                Some(Route::Shm(ShmRoute::new(shm, peer, socket, token)))
+            }
+            (ChannelKind::Tcp, ChannelOffer::Tcp { port }) => {
+                TcpRoute::new(link?, port).map(Route::Tcp)
+            }
+            _ => None,
+        }
+    }
 }
 
-/// The shm route to `peer`, dialing first (`dial`: the link's first request exchanges
-/// channel offers) when this is first contact and shm could be used at all.
-#[cfg(target_os = "linux")]
-async fn shm_route<D>(ctx: &NodeCtx, peer: &EndpointId, dial: D) -> Result<Option<ShmRoute>>
+/// The channel a transfer with `peer` takes now, or `None`: QUIC. `links` gives a pooled
+/// link to the peer: dialed on first contact (the dial exchanges the offers), and held for
+/// the transfer by a channel whose control frames ride it (TCP).
+pub(crate) async fn route<L, LF>(ctx: &NodeCtx, peer: &EndpointId, links: L) -> Result<Option<Route>>
 where
-    D: std::future::Future<Output = Result<()>>,
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
 {
     let channels = &ctx.channels;
-    if !channels.may_use_shm() {
+    if !channels.runs_any() {
         return Ok(None);
     }
+    let mut link = None;
     if !channels.knows(peer) {
-        dial.await?;
+        link = Some(links().await?);
     }
-    Ok(channels.shm_route(peer))
+    let kind = channels.pick(peer);
+    if kind == ChannelKind::Tcp && link.is_none() {
+        link = Some(links().await?);
+    }
+    Ok(channels.route_for(*peer, kind, link))
 }
 
-/// What an shm attempt left to QUIC.
-#[cfg(target_os = "linux")]
-fn shm_result<T>(
+/// What a channel's attempt at a transfer came to: `Ok(Some)` done; `Ok(None)` do it over
+/// QUIC (a channel that failed is withdrawn for the peer and the fallback counted); `Err`
+/// final.
+/// A transfer done or failed on the channel is timed as `timed`; one left to QUIC is timed
+/// there.
+pub(crate) async fn attempt<T>(
     ctx: &NodeCtx,
-    peer: &EndpointId,
-    result: Result<T, ShmError>,
+    route: &Route,
+    timed: TransferKind,
+    transfer: impl Future<Output = Result<T, ChannelError>>,
 ) -> Result<Option<T>> {
+    let (peer, kind) = (route.peer(), route.kind());
+    let timer = ctx.metrics.start_transfer(timed);
+    let result = transfer.await;
     match result {
-        Ok(done) => Ok(Some(done)),
-        Err(ShmError::Final(err)) => Err(err),
-        Err(ShmError::ViaQuic) => Ok(None),
-        Err(ShmError::Fallback(err)) => {
-            tracing::debug!(peer = %peer.fmt_short(), %err, "shm failed: falling back to QUIC");
-            ctx.channels.failed(peer, ChannelKind::Shm);
-            ctx.metrics.channels.fallback(ChannelKind::Shm);
+        Ok(done) => {
+            timer.ok();
+            Ok(Some(done))
+        }
+        Err(ChannelError::Final(err)) => {
+            timer.error();
+            Err(err)
+        }
+        Err(ChannelError::ViaQuic) => {
+            timer.discard();
+            Ok(None)
+        }
+        Err(ChannelError::Fallback(err)) => {
+            timer.discard();
+            tracing::debug!(peer = %peer.fmt_short(), channel = kind.as_str(), %err,
+                "channel failed: falling back to QUIC");
+            ctx.channels.failed(&peer, kind);
+            ctx.metrics.channels.fallback(kind);
             Ok(None)
         }
     }
 }
 
-/// Pulls `name` from `peer` over shm up to the payload when the pair uses shm; `Ok(None)`:
-/// pull it over QUIC (no shm, or shm failed before answering: the fallback).
-#[cfg(target_os = "linux")]
-pub(crate) async fn shm_pull<D>(
-    ctx: &NodeCtx,
-    peer: &EndpointId,
-    dial: D,
-    name: &tb_proto::TensorName,
-    version: Option<u64>,
-) -> Result<Option<ShmPull>>
-where
-    D: std::future::Future<Output = Result<()>>,
-{
-    let Some(route) = shm_route(ctx, peer, dial).await? else {
-        return Ok(None);
-    };
-    let pulled = shm::pull(ctx, &route, *peer, name, version).await;
-    let pulled = shm_result(ctx, peer, pulled)?;
-    if let Some(p) = &pulled {
-        let inbound = tb_dashboard::Direction::In;
-        ctx.metrics
-            .channels
-            .transfer(ChannelKind::Shm, inbound, p.meta.byte_len);
-    }
-    Ok(pulled)
-}
-
-/// Pushes over shm when the pair uses shm; `Ok(false)`: push it over QUIC.
-#[cfg(target_os = "linux")]
-pub(crate) async fn shm_push<D>(
-    ctx: &NodeCtx,
-    peer: &EndpointId,
-    dial: D,
-    name: &tb_proto::TensorName,
-    tensor: &crate::tensor::Tensor,
-) -> Result<bool>
-where
-    D: std::future::Future<Output = Result<()>>,
-{
-    let Some(route) = shm_route(ctx, peer, dial).await? else {
-        return Ok(false);
-    };
-    let pushed = shm::push(ctx, &route, *peer, name, tensor).await;
-    let pushed = shm_result(ctx, peer, pushed)?.is_some();
-    if pushed {
-        let out = tb_dashboard::Direction::Out;
-        ctx.metrics
-            .channels
-            .transfer(ChannelKind::Shm, out, tensor.byte_len());
-    }
-    Ok(pushed)
+/// Fills `buf` with random bytes from the OS (channel names and tokens).
+pub(crate) fn fill_random(buf: &mut [u8]) -> Result<()> {
+    getrandom::fill(buf).map_err(|e| Error::Io(format!("reading random bytes: {e}")))
 }

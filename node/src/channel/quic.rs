@@ -163,6 +163,23 @@ pub(crate) fn verify_error(what: &str, err: VerifyError) -> Error {
     }
 }
 
+/// Pulls `range` of the version `pull` names on a stream of its own into `dest` (exactly
+/// the range's bytes), continuing `hasher`: how another channel that failed part-way
+/// finishes its share over QUIC from the byte it reached.
+pub(crate) async fn pull_range(
+    ctx: &NodeCtx,
+    pull: &Striped<'_>,
+    range: ByteRange,
+    dest: &mut [u8],
+    hasher: RunHasher,
+) -> Result<Vec<PieceHash>> {
+    if range.len == 0 {
+        return hasher.finish().map_err(|e| verify_error(pull.what, e));
+    }
+    let (_send, mut recv) = open_stripe(ctx, pull, range).await?;
+    recv_run(&mut recv, dest, hasher, ctx.config.stall_timeout).await
+}
+
 /// Opens a stream for one stripe and reads its header, which must name the same version
 /// with the same metadata.
 async fn open_stripe(

@@ -48,6 +48,10 @@ pub(crate) enum VerifyError {
     },
 }
 
+/// Batches at least this large are hashed on the blake3 crate's rayon pool (below it the
+/// hand-off costs more than a second core wins).
+const RAYON_MIN: usize = 512 << 10;
+
 /// The most pieces a payload is cut into (bounds the split's work and the merge's recursion).
 pub(crate) const MAX_PIECES: usize = 1024;
 
@@ -227,9 +231,13 @@ impl Pieces {
 }
 
 impl PieceHasher {
-    /// Hashes the piece's next bytes.
+    /// Hashes the piece's next bytes (large batches on several cores).
     pub(crate) fn update(&mut self, bytes: &[u8]) {
-        self.hasher.update(bytes);
+        if bytes.len() >= RAYON_MIN {
+            self.hasher.update_rayon(bytes);
+        } else {
+            self.hasher.update(bytes);
+        }
         self.fed += bytes.len() as u64;
     }
 

@@ -2,7 +2,7 @@
 //!
 //! A request whose socket fails before any answer (the peer restarted, the socket was idle
 //! and closed) is sent once more on a fresh connection; when that fails too, the caller falls
-//! back to QUIC ([`ShmError::Fallback`]). Errors the peer answered (not found, refused) are
+//! back to QUIC ([`ChannelError::Fallback`]). Errors the peer answered (not found, refused) are
 //! final, as on QUIC.
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -10,31 +10,19 @@ use std::os::fd::{AsFd, OwnedFd};
 use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{
-    DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta, TensorName,
+    ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta, TensorName,
     frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixStream;
 
 use super::{INLINE_MAX, Region, socket::ShmStream, socket::within};
 use crate::{
-    channel::ShmRoute,
-    client::remote_error_from,
+    channel::{Channel, ChannelError, ShmRoute},
+    client::{Pulled, remote_error_from},
     ctx::NodeCtx,
     error::{Error, Result},
     tensor::Tensor,
 };
-
-/// Why an shm request did not complete.
-#[derive(Debug)]
-pub(crate) enum ShmError {
-    /// The channel failed before the request was answered: send it over QUIC.
-    Fallback(Error),
-    /// The peer cannot serve this one on the socket (a version still arriving, device
-    /// bytes): pull it over QUIC (the channel itself is fine).
-    ViaQuic,
-    /// The peer answered with this error (or the answer was bad): give up as over QUIC.
-    Final(Error),
-}
 
 /// A pull whose header arrived on the socket.
 pub(crate) struct ShmPull {
@@ -90,14 +78,83 @@ impl ShmPull {
     }
 }
 
-/// Pulls `name` from `peer` on the same-host socket up to the payload.
-pub(crate) async fn pull(
+impl Channel for ShmRoute {
+    /// One copy out of the holder's sealed memfd (parallel for large tensors).
+    async fn pull_into<B, F>(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<B>, ChannelError>
+    where
+        B: AsMut<[u8]> + Send,
+        F: FnOnce(&TensorMeta) -> Result<B> + Send,
+    {
+        let pulled = pull(ctx, self, name, version).await?;
+        let (meta, version) = (pulled.meta.clone(), pulled.version);
+        let mut buffer = alloc(&meta).map_err(ChannelError::Final)?;
+        let copied = pulled.copy_into(buffer.as_mut()).await;
+        copied.map_err(ChannelError::Final)?;
+        count_in(ctx, meta.byte_len);
+        Ok(Pulled {
+            name: name.clone(),
+            version,
+            meta,
+            buffer,
+        })
+    }
+
+    /// The tensor maps the holder's sealed memfd (zero-copy).
+    async fn pull(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+    ) -> Result<Pulled<Tensor>, ChannelError> {
+        let pulled = pull(ctx, self, name, version).await?;
+        let (meta, version) = (pulled.meta.clone(), pulled.version);
+        let tensor = pulled.into_tensor().map_err(ChannelError::Final)?;
+        count_in(ctx, meta.byte_len);
+        Ok(Pulled {
+            name: name.clone(),
+            version,
+            meta,
+            buffer: tensor,
+        })
+    }
+
+    /// Hands the tensor's sealed memfd over (made once per tensor), or small payloads inline.
+    async fn push(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        tensor: &Tensor,
+    ) -> Result<(), ChannelError> {
+        push(ctx, self, name, tensor).await?;
+        let len = tensor.byte_len();
+        ctx.metrics.bytes_out.inc_by(len);
+        let out = tb_dashboard::Direction::Out;
+        ctx.metrics.channels.transfer(ChannelKind::Shm, out, len);
+        Ok(())
+    }
+}
+
+/// Counts `len` payload bytes received over shm.
+fn count_in(ctx: &NodeCtx, len: u64) {
+    ctx.metrics.bytes_in.inc_by(len);
+    let inbound = tb_dashboard::Direction::In;
+    ctx.metrics.channels.transfer(ChannelKind::Shm, inbound, len);
+}
+
+/// Pulls `name` from the route's peer on the same-host socket up to the payload.
+async fn pull(
     ctx: &NodeCtx,
     route: &ShmRoute,
-    peer: EndpointId,
     name: &TensorName,
     version: Option<u64>,
-) -> Result<ShmPull, ShmError> {
+) -> Result<ShmPull, ChannelError> {
+    let peer = route.peer;
     let request = DataRequest::Pull {
         name: name.clone(),
         version,
@@ -119,12 +176,12 @@ pub(crate) async fn pull(
                     Error::Remote {
                         code: ErrorCode::Busy,
                         ..
-                    } => ShmError::ViaQuic,
-                    err => ShmError::Final(err),
+                    } => ChannelError::ViaQuic,
+                    err => ChannelError::Final(err),
                 });
             }
             Err(PullFailure::Broken(err)) if attempts >= 2 => {
-                return Err(ShmError::Fallback(err));
+                return Err(ChannelError::Fallback(err));
             }
             Err(PullFailure::Broken(_)) => {}
         }
@@ -194,19 +251,19 @@ async fn pull_on(
 }
 
 /// Pushes `tensor` as `name` to `peer` on the same-host socket and waits for its `Ack`.
-pub(crate) async fn push(
+async fn push(
     ctx: &NodeCtx,
     route: &ShmRoute,
-    peer: EndpointId,
     name: &TensorName,
     tensor: &Tensor,
-) -> Result<(), ShmError> {
+) -> Result<(), ChannelError> {
+    let peer = route.peer;
     let data = tensor
         .host_data()
-        .ok_or_else(|| ShmError::Fallback(Error::Io("a device tensor goes over QUIC".into())))?;
+        .ok_or_else(|| ChannelError::Fallback(Error::Io("a device tensor goes over QUIC".into())))?;
     // Large payloads go as the tensor's sealed memfd (made once per tensor, then reused).
     let region = if data.len() > INLINE_MAX {
-        Some(tensor.shm_region().map_err(ShmError::Fallback)?)
+        Some(tensor.shm_region().map_err(ChannelError::Fallback)?)
     } else {
         None
     };
@@ -254,13 +311,13 @@ pub(crate) async fn push(
                     ErrorCode::Busy => Error::Busy(format!("{what}: {message}")),
                     code => remote_error_from(short, code, message),
                 };
-                return Err(ShmError::Final(err));
+                return Err(ChannelError::Final(err));
             }
             Ok(other) => {
                 let err = Error::Io(format!("{what}: unexpected answer {other:?}"));
-                return Err(ShmError::Final(err));
+                return Err(ChannelError::Final(err));
             }
-            Err(err) if attempts >= 2 => return Err(ShmError::Fallback(err)),
+            Err(err) if attempts >= 2 => return Err(ChannelError::Fallback(err)),
             Err(_) => {}
         }
     }
@@ -271,7 +328,7 @@ async fn connection(
     ctx: &NodeCtx,
     route: &ShmRoute,
     peer: EndpointId,
-) -> Result<ShmStream, ShmError> {
+) -> Result<ShmStream, ChannelError> {
     let (shm, socket, token) = (&route.shm, route.socket, route.token);
     if let Some(conn) = shm.take_idle(&peer) {
         return Ok(conn);
@@ -311,7 +368,7 @@ async fn connection(
         connect,
     )
     .await
-    .map_err(ShmError::Fallback)
+    .map_err(ChannelError::Fallback)
 }
 
 fn describe(name: &TensorName, version: Option<u64>, peer: &EndpointId) -> String {

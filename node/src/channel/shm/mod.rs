@@ -35,7 +35,6 @@ use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKET_NAME_LEN};
 
-pub(crate) use client::{ShmError, ShmPull, pull, push};
 pub(crate) use region::Region;
 pub(crate) use serve::spawn_listener;
 use socket::ShmStream;
@@ -86,6 +85,33 @@ impl ShmCache {
     }
 }
 
+/// What a transfer to a peer needs to use the shm channel: this node's end, the peer, and
+/// the peer's socket name and this node's token on it.
+#[derive(Debug, Clone)]
+pub(crate) struct ShmRoute {
+    pub(crate) shm: Arc<Shm>,
+    pub(crate) peer: EndpointId,
+    pub(crate) socket: [u8; SHM_SOCKET_NAME_LEN],
+    pub(crate) token: [u8; 32],
+}
+
+impl ShmRoute {
+    /// The route to `peer`, whose offer named `socket` and gave this node `token`.
+    pub(crate) fn new(
+        shm: Arc<Shm>,
+        peer: EndpointId,
+        socket: [u8; SHM_SOCKET_NAME_LEN],
+        token: [u8; 32],
+    ) -> Self {
+        ShmRoute {
+            shm,
+            peer,
+            socket,
+            token,
+        }
+    }
+}
+
 /// This node's end of the shm channel: its socket's name, the token key, and idle client
 /// connections per peer.
 #[derive(Debug)]
@@ -102,8 +128,8 @@ impl Shm {
     pub(crate) fn bind() -> Result<Shm> {
         let mut name = [0u8; SHM_SOCKET_NAME_LEN];
         let mut key = [0u8; 32];
-        fill_random(&mut name)?;
-        fill_random(&mut key)?;
+        super::fill_random(&mut name)?;
+        super::fill_random(&mut key)?;
         let listener = std::os::unix::net::UnixListener::bind_addr(&socket_addr(&name)?)
             .map_err(|e| Error::io("binding the same-host socket", e))?;
         listener
@@ -203,18 +229,4 @@ fn socket_addr(name: &[u8; SHM_SOCKET_NAME_LEN]) -> Result<SocketAddr> {
     let text = format!("tensor-broker/{}", hex::encode(name));
     SocketAddr::from_abstract_name(text.as_bytes())
         .map_err(|e| Error::io("naming the same-host socket", e))
-}
-
-fn fill_random(buf: &mut [u8]) -> Result<()> {
-    let mut filled = 0;
-    // Bounded: getrandom returns at least one byte per call for requests this small.
-    for _ in 0..16 {
-        if filled == buf.len() {
-            return Ok(());
-        }
-        filled +=
-            rustix::rand::getrandom(&mut buf[filled..], rustix::rand::GetRandomFlags::empty())
-                .map_err(|e| Error::Io(format!("reading random bytes: {e}")))?;
-    }
-    Err(Error::Io("reading random bytes: no progress".into()))
 }

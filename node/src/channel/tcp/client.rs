@@ -1,0 +1,275 @@
+//! The pulling side of the TCP channel: a ticket on the QUIC link, then the payload over
+//! one or more sockets, each share hashed as it lands and finished over QUIC if its socket
+//! fails.
+
+use std::{net::SocketAddr, time::Duration};
+
+use tb_dashboard::Direction;
+use tb_proto::{
+    ByteRange, ChannelKind, DataRequest, DataResponse, ErrorCode, TcpHello, TensorMeta,
+    TensorName, frame,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
+use tracing::debug;
+
+use super::{SOCKETS, TcpRoute, sockets_for};
+use crate::{
+    channel::{
+        Channel, ChannelError,
+        quic::{self, Striped},
+        verify::{PieceHash, Pieces, RunHasher},
+    },
+    client::{self, Pulled},
+    ctx::NodeCtx,
+    error::{Error, Result},
+    wire,
+};
+
+/// Pieces (hashed subtrees) per socket's share.
+const PIECES_PER_SOCKET: usize = 4;
+/// Bytes hashed at once: large enough for the blake3 crate to spread them over cores.
+const HASH_BATCH: usize = 1 << 20;
+
+/// What a ticket said.
+struct Ticket {
+    meta: TensorMeta,
+    version: u64,
+    token: [u8; 32],
+}
+
+impl Channel for TcpRoute {
+    async fn pull_into<B, F>(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+        alloc: F,
+    ) -> Result<Pulled<B>, ChannelError>
+    where
+        B: AsMut<[u8]> + Send,
+        F: FnOnce(&TensorMeta) -> Result<B> + Send,
+    {
+        let what = describe(name, version, self);
+        let ticket = self.ticket(ctx, name, version, &what).await?;
+        let mut buffer = alloc(&ticket.meta).map_err(ChannelError::Final)?;
+        let dest = buffer.as_mut();
+        if dest.len() as u64 != ticket.meta.byte_len {
+            return Err(ChannelError::Final(Error::InvalidTensor(format!(
+                "destination buffer has {} bytes, the tensor {}",
+                dest.len(),
+                ticket.meta.byte_len
+            ))));
+        }
+        let striped = Striped {
+            link: &self.link,
+            name,
+            version: ticket.version,
+            meta: &ticket.meta,
+            what: &what,
+        };
+        let received = self.receive(ctx, &striped, &ticket.token, dest).await;
+        let by_tcp = received.map_err(ChannelError::Final)?;
+        ctx.metrics.bytes_in.inc_by(ticket.meta.byte_len);
+        let channels = &ctx.metrics.channels;
+        channels.transfer(ChannelKind::Tcp, Direction::In, by_tcp);
+        let by_quic = ticket.meta.byte_len - by_tcp;
+        channels.moved(ChannelKind::Quic, Direction::In, by_quic);
+        Ok(Pulled {
+            name: name.clone(),
+            version: ticket.version,
+            meta: ticket.meta,
+            buffer,
+        })
+    }
+}
+
+impl TcpRoute {
+    /// Asks the peer for a ticket on the QUIC link. A link that fails, or a peer that
+    /// answers `Busy`, leaves the pull to QUIC; other errors are the pull's.
+    async fn ticket(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        version: Option<u64>,
+        what: &str,
+    ) -> Result<Ticket, ChannelError> {
+        let request = DataRequest::TcpPull {
+            name: name.clone(),
+            version,
+            sockets: SOCKETS,
+        };
+        let asked = async {
+            let (mut send, mut recv) = client::open(ctx, &self.link).await?;
+            wire::write_frame(&mut send, &request).await?;
+            let _ = send.finish();
+            client::read_response(ctx, &mut recv, what).await
+        };
+        let answer = asked.await.map_err(|err| {
+            debug!(%err, "{what}: no ticket: pulling over QUIC");
+            ChannelError::ViaQuic
+        })?;
+        match answer {
+            DataResponse::TcpTicket {
+                meta,
+                version,
+                token,
+            } => {
+                let max = ctx.config.max_tensor_bytes;
+                meta.validate(max).map_err(|e| ChannelError::Final(e.into()))?;
+                Ok(Ticket {
+                    meta,
+                    version,
+                    token,
+                })
+            }
+            DataResponse::Error {
+                code: ErrorCode::Busy,
+                ..
+            } => Err(ChannelError::ViaQuic),
+            DataResponse::Error { code, message } => Err(ChannelError::Final(
+                client::remote_error(&self.link, code, message),
+            )),
+            other => Err(ChannelError::Final(Error::Io(format!(
+                "{what}: unexpected answer to a TcpPull: {other:?}"
+            )))),
+        }
+    }
+
+    /// Receives the payload into `dest` over [`sockets_for`] sockets, each share hashed as
+    /// it lands and finished over QUIC when its socket fails; checks the merged root.
+    /// Returns the bytes that came over TCP.
+    async fn receive(
+        &self,
+        ctx: &NodeCtx,
+        pull: &Striped<'_>,
+        token: &[u8; 32],
+        dest: &mut [u8],
+    ) -> Result<u64> {
+        let len = dest.len() as u64;
+        let sockets = sockets_for(len);
+        let pieces = Pieces::split(len, sockets * PIECES_PER_SOCKET);
+        let mut rest = dest;
+        let mut shares = Vec::with_capacity(sockets);
+        for run in pieces.group(sockets) {
+            let span = pieces.span(&run);
+            let (mine, tail) = rest.split_at_mut((span.end - span.start) as usize);
+            rest = tail;
+            let hasher = RunHasher::new(&pieces, run);
+            let share = ByteRange {
+                offset: span.start,
+                len: span.end - span.start,
+            };
+            shares.push(self.receive_share(ctx, pull, token, share, mine, hasher));
+        }
+        let mut by_tcp = 0;
+        let mut hashes: Vec<PieceHash> = Vec::new();
+        for (reached, share) in n0_future::try_join_all(shares).await? {
+            by_tcp += reached;
+            hashes.extend(share);
+        }
+        let verified = pieces.verify(hashes, pull.meta.hash);
+        verified.map_err(|e| quic::verify_error(pull.what, e))?;
+        Ok(by_tcp)
+    }
+
+    /// One socket's share: over TCP, and the rest over QUIC from where the socket failed.
+    /// Returns the bytes that came over TCP and the share's piece hashes.
+    async fn receive_share(
+        &self,
+        ctx: &NodeCtx,
+        pull: &Striped<'_>,
+        token: &[u8; 32],
+        share: ByteRange,
+        dest: &mut [u8],
+        mut hasher: RunHasher,
+    ) -> Result<(u64, Vec<PieceHash>)> {
+        let stall = ctx.config.stall_timeout;
+        let connect = ctx.config.connect_timeout;
+        let hello = TcpHello {
+            token: *token,
+            range: share,
+        };
+        let (reached, outcome) =
+            recv_socket(self.addr, &hello, dest, &mut hasher, connect, stall).await;
+        if let Err(err) = outcome {
+            debug!(%err, reached, "{}: TCP socket failed: the rest over QUIC", pull.what);
+            let peer = self.peer();
+            ctx.channels.failed(&peer, ChannelKind::Tcp);
+            ctx.metrics.channels.fallback(ChannelKind::Tcp);
+            let rest = ByteRange {
+                offset: share.offset + reached as u64,
+                len: share.len - reached as u64,
+            };
+            let hashes = quic::pull_range(ctx, pull, rest, &mut dest[reached..], hasher).await?;
+            return Ok((reached as u64, hashes));
+        }
+        let hashes = hasher.finish();
+        Ok((reached as u64, hashes.map_err(|e| quic::verify_error(pull.what, e))?))
+    }
+}
+
+/// Connects to `addr`, presents `hello` and reads its range into `dest`, hashing as the
+/// bytes land; returns how many bytes arrived (all hashed) and whether the socket held.
+async fn recv_socket(
+    addr: SocketAddr,
+    hello: &TcpHello,
+    dest: &mut [u8],
+    hasher: &mut RunHasher,
+    connect: Duration,
+    stall: Duration,
+) -> (usize, Result<()>) {
+    let (mut filled, mut hashed) = (0, 0);
+    let received = async {
+        let mut stream = match tokio::time::timeout(connect, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return Err(Error::io(&format!("connecting to {addr}"), e)),
+            Err(_) => return Err(Error::timeout(format!("a TCP connection to {addr}"), connect)),
+        };
+        let _ = stream.set_nodelay(true);
+        let hello = frame::encode(hello).map_err(|e| Error::Io(e.to_string()))?;
+        let io = |e| Error::io("on a TCP channel socket", e);
+        stream.write_all(&hello).await.map_err(io)?;
+        let total = dest.len();
+        // Bounded: each round reads at least one byte or fails.
+        while filled < total {
+            let read = stream.read(&mut dest[filled..]);
+            filled += match tokio::time::timeout(stall, read).await {
+                Ok(Ok(0)) => {
+                    return Err(Error::Io(format!(
+                        "the TCP socket closed after {filled} of {total} bytes"
+                    )));
+                }
+                Ok(Ok(n)) => n,
+                Ok(Err(e)) => return Err(io(e)),
+                Err(_) => {
+                    let what = format!("TCP channel bytes ({filled} of {total})");
+                    return Err(Error::timeout(what, stall));
+                }
+            };
+            if filled - hashed >= HASH_BATCH {
+                hash(hasher, &dest[hashed..filled])?;
+                hashed = filled;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    // What arrived before a failure is hashed too: the QUIC fallback continues from it.
+    let tail = hash(hasher, &dest[hashed..filled]);
+    (filled, received.and(tail))
+}
+
+fn hash(hasher: &mut RunHasher, bytes: &[u8]) -> Result<()> {
+    hasher.update(bytes).map_err(|e| Error::Io(e.to_string()))
+}
+
+fn describe(name: &TensorName, version: Option<u64>, route: &TcpRoute) -> String {
+    let peer = route.peer().fmt_short();
+    match version {
+        Some(v) => format!("tensor \"{name}\" v{v} at {peer} (tcp)"),
+        None => format!("tensor \"{name}\" at {peer} (tcp)"),
+    }
+}

@@ -1,0 +1,173 @@
+//! The holding side of the TCP channel: tickets asked on the QUIC link, and the listener
+//! that admits sockets by token and writes their ranges.
+
+use std::{sync::Arc, time::Duration};
+
+use iroh::endpoint::SendStream;
+use tb_dashboard::Direction;
+use tb_proto::{
+    ChannelKind, DataResponse, ErrorCode, TcpHello, TensorName, channel::MAX_TCP_HELLO_FRAME,
+    frame,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    sync::Semaphore,
+};
+use tracing::debug;
+
+use super::{MAX_SERVING, Tcp};
+use crate::{
+    ctx::NodeCtx,
+    error::{Error, Result},
+    serve::{NotHeld, lookup},
+    wire,
+};
+
+/// Bytes per write: large, so the kernel gets big copies, and bounded, so a stalled reader
+/// is noticed within one stall timeout per write.
+const WRITE_CHUNK: usize = 4 << 20;
+
+/// Answers a [`TcpPull`](tb_proto::DataRequest::TcpPull) on the QUIC stream `send`: a ticket
+/// for `sockets` sockets to the version, or an error. `Busy` means "pull it over QUIC": this
+/// node runs no TCP channel, the version is still arriving or lives on a device, an upload
+/// limit applies (it paces QUIC streams only), or too many tickets are outstanding.
+pub(crate) async fn serve_ticket(
+    ctx: &NodeCtx,
+    mut send: SendStream,
+    name: &TensorName,
+    version: Option<u64>,
+    sockets: u8,
+) {
+    let answer = ticket(ctx, name, version, sockets);
+    let _ = wire::write_frame(&mut send, &answer).await;
+    let _ = send.finish();
+}
+
+fn ticket(ctx: &NodeCtx, name: &TensorName, version: Option<u64>, sockets: u8) -> DataResponse {
+    let busy = |why: &str| DataResponse::Error {
+        code: ErrorCode::Busy,
+        message: format!("tensor \"{name}\": {why}; pull it over QUIC"),
+    };
+    let Some(tcp) = ctx.channels.tcp() else {
+        return busy("this node runs no TCP channel");
+    };
+    if ctx.upload.is_some() {
+        return busy("an upload limit applies");
+    }
+    let (version, tensor) = match lookup(ctx, name, version) {
+        Ok(found) => found,
+        Err(NotHeld::Arriving(..)) => return busy("the version is still arriving"),
+        Err(NotHeld::Refused(code, message)) => return DataResponse::Error { code, message },
+    };
+    if tensor.host_data().is_none() {
+        return busy("the tensor is in device memory");
+    }
+    let meta = tensor.meta().clone();
+    match tcp.issue(tensor, sockets, ctx.config.request_timeout) {
+        Ok(Some(token)) => DataResponse::TcpTicket {
+            meta,
+            version,
+            token,
+        },
+        Ok(None) => busy("too many TCP tickets outstanding"),
+        Err(err) => DataResponse::Error {
+            code: ErrorCode::Internal,
+            message: err.to_string(),
+        },
+    }
+}
+
+/// Starts accepting sockets on `tcp`'s listener (once; later calls do nothing).
+pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
+    let taken = tcp
+        .listener
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    let Some(std) = taken else { return Ok(()) };
+    let listener =
+        TcpListener::from_std(std).map_err(|e| Error::io("listening on the TCP channel", e))?;
+    let (ctx, tcp) = (ctx.clone(), tcp.clone());
+    let serving = Arc::new(Semaphore::new(MAX_SERVING));
+    let tracker = ctx.tracker.clone();
+    tracker.spawn(async move {
+        // Bounded by the node's life: ends when it is cancelled.
+        loop {
+            let accepted = tokio::select! {
+                _ = ctx.cancel.cancelled() => break,
+                accepted = listener.accept() => accepted,
+            };
+            let Ok((stream, from)) = accepted else {
+                continue;
+            };
+            let Ok(permit) = serving.clone().try_acquire_owned() else {
+                debug!(%from, "TCP channel at its limit of sockets: closed unserved");
+                continue;
+            };
+            let (ctx2, tcp2) = (ctx.clone(), tcp.clone());
+            ctx.tracker.spawn(async move {
+                let _permit = permit;
+                tokio::select! {
+                    _ = ctx2.cancel.cancelled() => {}
+                    () = serve_socket(&ctx2, &tcp2, stream) => {}
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Admits one socket by its hello (token and range) and writes the range's bytes; a socket
+/// refused is closed before any tensor byte, and counted.
+async fn serve_socket(ctx: &NodeCtx, tcp: &Tcp, mut stream: TcpStream) {
+    let hello = tokio::time::timeout(ctx.config.hello_timeout, read_hello(&mut stream)).await;
+    let admitted = match hello {
+        Ok(Ok(hello)) => tcp.admit(&hello.token, hello.range).map_err(|e| e.to_string()),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err(format!("no hello within {:?}", ctx.config.hello_timeout)),
+    };
+    let bytes = match admitted {
+        Ok(bytes) => bytes,
+        Err(why) => {
+            debug!(%why, "TCP channel socket refused");
+            ctx.metrics.channels.refused(ChannelKind::Tcp);
+            return;
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    match write_all(&mut stream, &bytes, ctx.config.stall_timeout).await {
+        Ok(()) => {
+            let len = bytes.len() as u64;
+            ctx.metrics.bytes_out.inc_by(len);
+            let channels = &ctx.metrics.channels;
+            channels.moved(ChannelKind::Tcp, Direction::Out, len);
+        }
+        Err(err) => debug!(%err, "TCP channel socket not served"),
+    }
+    let _ = stream.shutdown().await;
+}
+
+/// Reads the socket's first frame: a [`TcpHello`] of at most [`MAX_TCP_HELLO_FRAME`] bytes.
+async fn read_hello(stream: &mut TcpStream) -> Result<TcpHello> {
+    let mut prefix = [0u8; 4];
+    let io = |e| Error::io("reading a TCP channel hello", e);
+    stream.read_exact(&mut prefix).await.map_err(io)?;
+    let len = frame::body_len_within(prefix, MAX_TCP_HELLO_FRAME)
+        .map_err(|e| Error::Io(format!("a TCP channel hello: {e}")))?;
+    let mut body = [0u8; MAX_TCP_HELLO_FRAME as usize];
+    stream.read_exact(&mut body[..len]).await.map_err(io)?;
+    frame::decode_body(&body[..len]).map_err(|e| Error::Io(format!("a TCP channel hello: {e}")))
+}
+
+/// Writes `bytes` in [`WRITE_CHUNK`] writes, each within `stall`.
+async fn write_all(stream: &mut TcpStream, bytes: &[u8], stall: Duration) -> Result<()> {
+    for chunk in bytes.chunks(WRITE_CHUNK) {
+        match tokio::time::timeout(stall, stream.write_all(chunk)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(Error::io("writing on a TCP channel socket", e)),
+            Err(_) => return Err(Error::timeout("a TCP channel reader", stall)),
+        }
+    }
+    Ok(())
+}
