@@ -225,7 +225,11 @@ async fn serve_stream(
             name,
             version,
             sockets,
-        } => channel::serve_ticket(ctx, send, &name, version, sockets).await,
+        } => {
+            if let Err(send) = channel::serve_ticket(ctx, send, &name, version, sockets).await {
+                serve_pull(ctx, send, &name, version, None).await;
+            }
+        }
         DataRequest::Channels { offers } => {
             ctx.channels.learn(peer, offers);
             let offers = ctx.channels.offers_for(peer, access);

@@ -101,8 +101,9 @@ impl DataRequest {
                 .map(|_| ())
                 .ok_or(MetaError::Overflow),
             DataRequest::Pull { .. } => Ok(()),
-            DataRequest::TcpPull { sockets, .. } => crate::channel::validate_tcp_sockets(*sockets)
-                .map_err(MetaError::from),
+            DataRequest::TcpPull { sockets, .. } => {
+                crate::channel::validate_tcp_sockets(*sockets).map_err(MetaError::from)
+            }
         }
     }
 }

@@ -71,13 +71,16 @@ fn request() -> impl Strategy<Value = DataRequest> {
             }),
         (tensor_name(), meta()).prop_map(|(name, meta)| DataRequest::Push { name, meta }),
         offers().prop_map(|offers| DataRequest::Channels { offers }),
-        (tensor_name(), any::<Option<u64>>(), 1..=tb_proto::channel::MAX_TCP_SOCKETS).prop_map(
-            |(name, version, sockets)| DataRequest::TcpPull {
+        (
+            tensor_name(),
+            any::<Option<u64>>(),
+            1..=tb_proto::channel::MAX_TCP_SOCKETS
+        )
+            .prop_map(|(name, version, sockets)| DataRequest::TcpPull {
                 name,
                 version,
                 sockets
-            }
-        ),
+            }),
     ]
 }
 

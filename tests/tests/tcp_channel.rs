@@ -1,5 +1,5 @@
 //! The opt-in TCP channel: pulls between two nodes move byte-identical over token-admitted
-//! sockets (several for large tensors); sockets without a valid token are closed before any
+//! sockets (several for large tensors; small ones over QUIC on the ticket's stream); sockets without a valid token are closed before any
 //! tensor byte and counted; a holder that sends tampered bytes over TCP gives `Corrupt`,
 //! never a tensor; a socket cut mid-transfer is finished over QUIC from the byte it reached.
 
@@ -46,16 +46,19 @@ fn tcp_config() -> Config {
 async fn tcp_pulls_are_byte_identical_and_counted() {
     let holder = node(tcp_config()).await;
     let reader = node(tcp_config()).await;
-    // Empty, tiny, one socket, and several sockets with a tail that is no multiple of a
-    // chunk or a piece.
+    // Empty and small (under 1 MiB: answered over QUIC on the ticket's stream), one socket,
+    // and several sockets with a tail that is no multiple of a chunk or a piece.
     let sizes = [0usize, 1, 5_000, (3 << 20) + 13, (50 << 20) + 7];
-    let mut total = 0u64;
+    let big = |len: usize| len >= 1 << 20;
+    let (mut by_tcp, mut by_quic) = (0u64, 0u64);
     within(LIMIT, "tcp pulls", async {
         for (i, &len) in sizes.iter().enumerate() {
             let bytes = pattern(len, i as u8);
             let tensor = Tensor::new(DType::U8, vec![len as u64], bytes.clone()).expect("t");
             let name = format!("tcp/{i}");
-            holder.publish_local(&name, tensor.clone()).expect("publish");
+            holder
+                .publish_local(&name, tensor.clone())
+                .expect("publish");
             let got = reader.pull(holder.addr(), &name, None).await.expect("pull");
             assert_eq!(got.buffer.data(), &bytes, "{len} bytes: pull");
             assert_eq!(got.meta, *tensor.meta());
@@ -66,18 +69,23 @@ async fn tcp_pulls_are_byte_identical_and_counted() {
                 .await
                 .expect("pull_into");
             assert_eq!(&into.buffer[..], &bytes[..], "{len} bytes: pull_into");
-            total += 2 * len as u64;
+            *(if big(len) { &mut by_tcp } else { &mut by_quic }) += 2 * len as u64;
         }
     })
     .await;
     assert_eq!(reader.channel_to(&holder.id()), ChannelKind::Tcp);
     let (r, h) = (&reader.metrics().channels, &holder.metrics().channels);
     use tb_dashboard::Direction::{In, Out};
-    assert_eq!(r.bytes(ChannelKind::Tcp, In), total);
-    assert_eq!(r.transfers(ChannelKind::Tcp), 2 * sizes.len() as u64);
-    assert_eq!(r.bytes(ChannelKind::Quic, In), 0, "no payload over QUIC");
+    let big_pulls = sizes.iter().filter(|&&len| big(len)).count() as u64;
+    assert_eq!(r.bytes(ChannelKind::Tcp, In), by_tcp);
+    assert_eq!(r.transfers(ChannelKind::Tcp), 2 * big_pulls);
+    assert_eq!(
+        r.bytes(ChannelKind::Quic, In),
+        by_quic,
+        "small tensors over QUIC"
+    );
     assert_eq!(r.fallbacks(ChannelKind::Tcp), 0);
-    assert_eq!(h.bytes(ChannelKind::Tcp, Out), total);
+    assert_eq!(h.bytes(ChannelKind::Tcp, Out), by_tcp);
     assert_eq!(h.refusals(ChannelKind::Tcp), 0);
     reader.shutdown().await;
     holder.shutdown().await;
@@ -126,7 +134,9 @@ async fn read_body(recv: &mut RecvStream) -> Vec<u8> {
 /// Connects to `port`, writes `first`, and returns every byte the node sent back before
 /// closing the socket (a reset, when the node closed it with `first` unread, ends it too).
 async fn tcp_exchange(port: u16, first: &[u8]) -> Vec<u8> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
     stream.write_all(first).await.expect("write");
     let mut back = Vec::new();
     let mut buf = vec![0u8; 1 << 16];
@@ -155,8 +165,10 @@ fn hello(token: [u8; 32], offset: u64, len: u64) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sockets_without_a_valid_token_are_refused_before_any_byte() {
     let holder = node(tcp_config()).await;
-    let bytes = pattern(100_000, 3);
-    let tensor = Tensor::new(DType::U8, vec![100_000], bytes.clone()).expect("t");
+    // Large enough for a ticket (smaller tensors are answered over QUIC).
+    const LEN: u64 = (2 << 20) + 5;
+    let bytes = pattern(LEN as usize, 3);
+    let tensor = Tensor::new(DType::U8, vec![LEN], bytes.clone()).expect("t");
     holder.publish_local("secret", tensor).expect("publish");
     let ep = tb_node::bind_endpoint(&Config::default(), SecretKey::generate())
         .await
@@ -166,9 +178,13 @@ async fn sockets_without_a_valid_token_are_refused_before_any_byte() {
     within(LIMIT, "refusals", async {
         // Garbage, a frame claiming a huge body, a well-formed hello with a guessed token,
         // and silence: each closed with nothing sent.
-        assert!(tcp_exchange(port, b"GET / HTTP/1.1\r\n\r\n").await.is_empty());
+        assert!(
+            tcp_exchange(port, b"GET / HTTP/1.1\r\n\r\n")
+                .await
+                .is_empty()
+        );
         assert!(tcp_exchange(port, &u32::MAX.to_le_bytes()).await.is_empty());
-        assert!(tcp_exchange(port, &hello([7; 32], 0, 100_000)).await.is_empty());
+        assert!(tcp_exchange(port, &hello([7; 32], 0, LEN)).await.is_empty());
         assert!(tcp_exchange(port, &[]).await.is_empty());
     })
     .await;
@@ -182,13 +198,13 @@ async fn sockets_without_a_valid_token_are_refused_before_any_byte() {
     let DataResponse::TcpTicket { token, meta, .. } = request(&conn, &pull).await else {
         panic!("expected a ticket");
     };
-    assert_eq!(meta.byte_len, 100_000);
+    assert_eq!(meta.byte_len, LEN);
     within(LIMIT, "admitted", async {
-        let outside = tcp_exchange(port, &hello(token, 99_999, 2)).await;
+        let outside = tcp_exchange(port, &hello(token, LEN - 1, 2)).await;
         assert!(outside.is_empty(), "a range outside the tensor is refused");
-        let got = tcp_exchange(port, &hello(token, 10, 99_990)).await;
+        let got = tcp_exchange(port, &hello(token, 10, LEN - 10)).await;
         assert_eq!(&got[..], &bytes[10..]);
-        let replay = tcp_exchange(port, &hello(token, 0, 100_000)).await;
+        let replay = tcp_exchange(port, &hello(token, 0, LEN)).await;
         assert!(replay.is_empty(), "a used-up token admits nothing");
     })
     .await;
@@ -226,7 +242,9 @@ impl FakeHolder {
         match request {
             DataRequest::Channels { .. } => {
                 let offers = vec![ChannelOffer::Tcp { port: self.port }];
-                let _ = send.write_all(&reply(&DataResponse::Channels { offers })).await;
+                let _ = send
+                    .write_all(&reply(&DataResponse::Channels { offers }))
+                    .await;
             }
             DataRequest::TcpPull { .. } => {
                 let ticket = DataResponse::TcpTicket {
@@ -301,7 +319,12 @@ async fn pull_from_fake(fault: Fault) -> (Result<Bytes, Error>, Node, usize) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let port = listener.local_addr().expect("addr").port();
     let served = Arc::new(AtomicUsize::new(0));
-    let tcp = tokio::spawn(misbehave(listener, truth.data().clone(), fault, served.clone()));
+    let tcp = tokio::spawn(misbehave(
+        listener,
+        truth.data().clone(),
+        fault,
+        served.clone(),
+    ));
     let ep = tb_node::bind_endpoint(&Config::default(), SecretKey::generate())
         .await
         .expect("endpoint");
@@ -345,7 +368,10 @@ async fn a_socket_cut_mid_transfer_is_finished_over_quic_from_where_it_stopped()
     use tb_dashboard::Direction::In;
     // Each socket sent half its share over TCP; QUIC carried the rest, no more.
     assert_eq!(served, 2, "40 MiB rides two sockets");
-    assert_eq!(channels.bytes(ChannelKind::Tcp, In) + channels.bytes(ChannelKind::Quic, In), len);
+    assert_eq!(
+        channels.bytes(ChannelKind::Tcp, In) + channels.bytes(ChannelKind::Quic, In),
+        len
+    );
     assert!(channels.bytes(ChannelKind::Tcp, In) >= len / 2 - 2);
     assert!(channels.fallbacks(ChannelKind::Tcp) >= 1);
     reader.shutdown().await;

@@ -345,7 +345,11 @@ impl Channels {
     /// `peer`'s offer for `kind`, if it made one.
     fn offer(&self, peer: &EndpointId, kind: ChannelKind) -> Option<ChannelOffer> {
         let offered = self.offered();
-        offered.get(peer)?.iter().find(|o| o.kind() == kind).cloned()
+        offered
+            .get(peer)?
+            .iter()
+            .find(|o| o.kind() == kind)
+            .cloned()
     }
 
     /// The route of a pair whose channel is `kind` (`link`: a pooled link to `peer`, which
@@ -373,7 +377,11 @@ impl Channels {
 /// The channel a transfer with `peer` takes now, or `None`: QUIC. `links` gives a pooled
 /// link to the peer: dialed on first contact (the dial exchanges the offers), and held for
 /// the transfer by a channel whose control frames ride it (TCP).
-pub(crate) async fn route<L, LF>(ctx: &NodeCtx, peer: &EndpointId, links: L) -> Result<Option<Route>>
+pub(crate) async fn route<L, LF>(
+    ctx: &NodeCtx,
+    peer: &EndpointId,
+    links: L,
+) -> Result<Option<Route>>
 where
     L: Fn() -> LF,
     LF: Future<Output = Result<LinkGuard>>,

@@ -10,8 +10,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{
-    ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta, TensorName,
-    frame::MAX_CONTROL_FRAME,
+    ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
+    TensorName, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixStream;
 
@@ -144,7 +144,9 @@ impl Channel for ShmRoute {
 fn count_in(ctx: &NodeCtx, len: u64) {
     ctx.metrics.bytes_in.inc_by(len);
     let inbound = tb_dashboard::Direction::In;
-    ctx.metrics.channels.transfer(ChannelKind::Shm, inbound, len);
+    ctx.metrics
+        .channels
+        .transfer(ChannelKind::Shm, inbound, len);
 }
 
 /// Pulls `name` from the route's peer on the same-host socket up to the payload.
@@ -258,9 +260,9 @@ async fn push(
     tensor: &Tensor,
 ) -> Result<(), ChannelError> {
     let peer = route.peer;
-    let data = tensor
-        .host_data()
-        .ok_or_else(|| ChannelError::Fallback(Error::Io("a device tensor goes over QUIC".into())))?;
+    let data = tensor.host_data().ok_or_else(|| {
+        ChannelError::Fallback(Error::Io("a device tensor goes over QUIC".into()))
+    })?;
     // Large payloads go as the tensor's sealed memfd (made once per tensor, then reused).
     let region = if data.len() > INLINE_MAX {
         Some(tensor.shm_region().map_err(ChannelError::Fallback)?)

@@ -161,9 +161,9 @@ async fn serve_request(
                 .await
         }
         DataRequest::Push { name, meta } => serve_push(ctx, conn, peer, name, meta).await,
-        DataRequest::Channels { .. } | DataRequest::TcpPull { .. } => Err(Error::Io(
-            "a channel request on a same-host socket".into(),
-        )),
+        DataRequest::Channels { .. } | DataRequest::TcpPull { .. } => {
+            Err(Error::Io("a channel request on a same-host socket".into()))
+        }
     }
 }
 

@@ -4,10 +4,10 @@
 
 use std::{net::SocketAddr, time::Duration};
 
+use iroh::endpoint::RecvStream;
 use tb_dashboard::Direction;
 use tb_proto::{
-    ByteRange, ChannelKind, DataRequest, DataResponse, ErrorCode, TcpHello, TensorMeta,
-    TensorName, frame,
+    ByteRange, ChannelKind, DataRequest, DataResponse, TcpHello, TensorMeta, TensorName, frame,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -33,11 +33,19 @@ const PIECES_PER_SOCKET: usize = 4;
 /// Bytes hashed at once: large enough for the blake3 crate to spread them over cores.
 const HASH_BATCH: usize = 1 << 20;
 
-/// What a ticket said.
-struct Ticket {
+/// How the holder answered a TCP pull: the version, and where its payload comes from.
+struct Answer {
     meta: TensorMeta,
     version: u64,
-    token: [u8; 32],
+    via: Via,
+}
+
+enum Via {
+    /// A ticket: the payload over TCP sockets presenting this token.
+    Tcp([u8; 32]),
+    /// A plain QUIC answer (a small tensor, a version still arriving, ...): the payload
+    /// follows on the ticket's own stream.
+    Quic(RecvStream),
 }
 
 impl Channel for TcpRoute {
@@ -53,49 +61,69 @@ impl Channel for TcpRoute {
         F: FnOnce(&TensorMeta) -> Result<B> + Send,
     {
         let what = describe(name, version, self);
-        let ticket = self.ticket(ctx, name, version, &what).await?;
-        let mut buffer = alloc(&ticket.meta).map_err(ChannelError::Final)?;
+        let Answer { meta, version, via } = self.ask(ctx, name, version, &what).await?;
+        let mut buffer = alloc(&meta).map_err(ChannelError::Final)?;
         let dest = buffer.as_mut();
-        if dest.len() as u64 != ticket.meta.byte_len {
+        if dest.len() as u64 != meta.byte_len {
             return Err(ChannelError::Final(Error::InvalidTensor(format!(
                 "destination buffer has {} bytes, the tensor {}",
                 dest.len(),
-                ticket.meta.byte_len
+                meta.byte_len
             ))));
         }
-        let striped = Striped {
-            link: &self.link,
-            name,
-            version: ticket.version,
-            meta: &ticket.meta,
-            what: &what,
+        let by_tcp = match via {
+            Via::Tcp(token) => {
+                let striped = Striped {
+                    link: &self.link,
+                    name,
+                    version,
+                    meta: &meta,
+                    what: &what,
+                };
+                let received = self.receive(ctx, &striped, &token, dest).await;
+                received.map_err(ChannelError::Final)?
+            }
+            Via::Quic(mut recv) => {
+                let stall = ctx.config.stall_timeout;
+                let hash = wire::recv_payload(&mut recv, dest, stall).await;
+                let hash = hash.map_err(ChannelError::Final)?;
+                if hash != meta.hash {
+                    let expected = meta.hash;
+                    let err = format!("{what}: expected hash {expected}, got {hash}");
+                    return Err(ChannelError::Final(Error::Corrupt(err)));
+                }
+                0
+            }
         };
-        let received = self.receive(ctx, &striped, &ticket.token, dest).await;
-        let by_tcp = received.map_err(ChannelError::Final)?;
-        ctx.metrics.bytes_in.inc_by(ticket.meta.byte_len);
+        ctx.metrics.bytes_in.inc_by(meta.byte_len);
         let channels = &ctx.metrics.channels;
-        channels.transfer(ChannelKind::Tcp, Direction::In, by_tcp);
-        let by_quic = ticket.meta.byte_len - by_tcp;
-        channels.moved(ChannelKind::Quic, Direction::In, by_quic);
+        let by_quic = meta.byte_len - by_tcp;
+        if by_tcp > 0 {
+            channels.transfer(ChannelKind::Tcp, Direction::In, by_tcp);
+            channels.moved(ChannelKind::Quic, Direction::In, by_quic);
+        } else {
+            channels.transfer(ChannelKind::Quic, Direction::In, by_quic);
+        }
         Ok(Pulled {
             name: name.clone(),
-            version: ticket.version,
-            meta: ticket.meta,
+            version,
+            meta,
             buffer,
         })
     }
 }
 
 impl TcpRoute {
-    /// Asks the peer for a ticket on the QUIC link. A link that fails, or a peer that
-    /// answers `Busy`, leaves the pull to QUIC; other errors are the pull's.
-    async fn ticket(
+    /// Asks the peer for the tensor on the QUIC link: a ticket, or the payload right there.
+    /// A link that fails before any answer leaves the pull to QUIC; errors the peer answers
+    /// are the pull's.
+    async fn ask(
         &self,
         ctx: &NodeCtx,
         name: &TensorName,
         version: Option<u64>,
         what: &str,
-    ) -> Result<Ticket, ChannelError> {
+    ) -> Result<Answer, ChannelError> {
         let request = DataRequest::TcpPull {
             name: name.clone(),
             version,
@@ -105,37 +133,33 @@ impl TcpRoute {
             let (mut send, mut recv) = client::open(ctx, &self.link).await?;
             wire::write_frame(&mut send, &request).await?;
             let _ = send.finish();
-            client::read_response(ctx, &mut recv, what).await
+            let answer = client::read_response(ctx, &mut recv, what).await?;
+            Ok::<_, Error>((answer, recv))
         };
-        let answer = asked.await.map_err(|err| {
-            debug!(%err, "{what}: no ticket: pulling over QUIC");
+        let (answer, recv) = asked.await.map_err(|err| {
+            debug!(%err, "{what}: no answer: pulling over QUIC");
             ChannelError::ViaQuic
         })?;
-        match answer {
+        let (meta, version, via) = match answer {
             DataResponse::TcpTicket {
                 meta,
                 version,
                 token,
-            } => {
-                let max = ctx.config.max_tensor_bytes;
-                meta.validate(max).map_err(|e| ChannelError::Final(e.into()))?;
-                Ok(Ticket {
-                    meta,
-                    version,
-                    token,
-                })
+            } => (meta, version, Via::Tcp(token)),
+            DataResponse::Header { meta, version } => (meta, version, Via::Quic(recv)),
+            DataResponse::Error { code, message } => {
+                let err = client::remote_error(&self.link, code, message);
+                return Err(ChannelError::Final(err));
             }
-            DataResponse::Error {
-                code: ErrorCode::Busy,
-                ..
-            } => Err(ChannelError::ViaQuic),
-            DataResponse::Error { code, message } => Err(ChannelError::Final(
-                client::remote_error(&self.link, code, message),
-            )),
-            other => Err(ChannelError::Final(Error::Io(format!(
-                "{what}: unexpected answer to a TcpPull: {other:?}"
-            )))),
-        }
+            other => {
+                let err = format!("{what}: unexpected answer to a TcpPull: {other:?}");
+                return Err(ChannelError::Final(Error::Io(err)));
+            }
+        };
+        let max = ctx.config.max_tensor_bytes;
+        meta.validate(max)
+            .map_err(|e| ChannelError::Final(e.into()))?;
+        Ok(Answer { meta, version, via })
     }
 
     /// Receives the payload into `dest` over [`sockets_for`] sockets, each share hashed as
@@ -207,7 +231,10 @@ impl TcpRoute {
             return Ok((reached as u64, hashes));
         }
         let hashes = hasher.finish();
-        Ok((reached as u64, hashes.map_err(|e| quic::verify_error(pull.what, e))?))
+        Ok((
+            reached as u64,
+            hashes.map_err(|e| quic::verify_error(pull.what, e))?,
+        ))
     }
 }
 
@@ -226,7 +253,12 @@ async fn recv_socket(
         let mut stream = match tokio::time::timeout(connect, TcpStream::connect(addr)).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(Error::io(&format!("connecting to {addr}"), e)),
-            Err(_) => return Err(Error::timeout(format!("a TCP connection to {addr}"), connect)),
+            Err(_) => {
+                return Err(Error::timeout(
+                    format!("a TCP connection to {addr}"),
+                    connect,
+                ));
+            }
         };
         let _ = stream.set_nodelay(true);
         let hello = frame::encode(hello).map_err(|e| Error::Io(e.to_string()))?;

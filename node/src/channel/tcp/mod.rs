@@ -5,7 +5,9 @@
 //! ([`DataRequest::TcpPull`](tb_proto::DataRequest::TcpPull)); the holder answers with the
 //! version's header and a random one-time token
 //! ([`DataResponse::TcpTicket`](tb_proto::DataResponse::TcpTicket)) that admits at most the
-//! asked number of sockets, for a short time, to that one version. The puller connects to
+//! asked number of sockets, for a short time, to that one version (a tensor under
+//! [`TCP_MIN_BYTES`], a version still arriving, device bytes or an upload limit get an
+//! ordinary QUIC answer on that stream instead: header and payload). The puller connects to
 //! the holder's advertised port at the IP its QUIC path reaches, and each socket's first
 //! frame ([`TcpHello`](tb_proto::TcpHello)) presents the token and the byte range it wants;
 //! a socket without a valid token is closed before any tensor byte is written, and counted
@@ -48,6 +50,9 @@ const SOCKETS: u8 = 4;
 const _: () = assert!(SOCKETS <= MAX_TCP_SOCKETS);
 /// The least each socket carries: below it one more connection costs more than it wins.
 const SOCKET_MIN_BYTES: u64 = 16 << 20;
+/// Tensors smaller than this are served over QUIC on the ticket's own stream: a ticket
+/// round trip and a connection cost more than TCP wins on them.
+const TCP_MIN_BYTES: u64 = 1 << 20;
 /// Outstanding tickets per node; a ticket asked beyond it is answered `Busy` (use QUIC).
 const MAX_TICKETS: usize = 256;
 /// Sockets served at once per node; more are closed unserved (their pullers fall back).
@@ -120,7 +125,12 @@ impl Tcp {
 
     /// Issues a ticket for `sockets` sockets to `tensor`, valid for `ttl`; `None` when
     /// [`MAX_TICKETS`] are outstanding.
-    pub(crate) fn issue(&self, tensor: Tensor, sockets: u8, ttl: Duration) -> Result<Option<[u8; 32]>> {
+    pub(crate) fn issue(
+        &self,
+        tensor: Tensor,
+        sockets: u8,
+        ttl: Duration,
+    ) -> Result<Option<[u8; 32]>> {
         let mut token = [0u8; 32];
         super::fill_random(&mut token)?;
         let now = Instant::now();
@@ -207,10 +217,16 @@ mod tests {
     fn a_ticket_admits_its_sockets_once_each_and_only_its_ranges() {
         let tcp = Tcp::bind(IpAddr::from([127, 0, 0, 1])).expect("bind");
         let ttl = Duration::from_secs(60);
-        let token = tcp.issue(tensor(1000), 2, ttl).expect("issue").expect("room");
+        let token = tcp
+            .issue(tensor(1000), 2, ttl)
+            .expect("issue")
+            .expect("room");
         assert_eq!(tcp.admit(&[0; 32], range(0, 1)), Err(Refusal::UnknownToken));
         let outside = range(990, 20);
-        assert_eq!(tcp.admit(&token, outside), Err(Refusal::Range(outside, 1000)));
+        assert_eq!(
+            tcp.admit(&token, outside),
+            Err(Refusal::Range(outside, 1000))
+        );
         let first = tcp.admit(&token, range(0, 500)).expect("first socket");
         assert_eq!(first.len(), 500);
         assert_eq!(first[499], (499 % 256) as u8);
@@ -223,7 +239,10 @@ mod tests {
     #[test]
     fn expired_tickets_admit_nothing_and_tickets_are_bounded() {
         let tcp = Tcp::bind(IpAddr::from([127, 0, 0, 1])).expect("bind");
-        let token = tcp.issue(tensor(10), 1, Duration::ZERO).expect("issue").expect("room");
+        let token = tcp
+            .issue(tensor(10), 1, Duration::ZERO)
+            .expect("issue")
+            .expect("room");
         assert_eq!(tcp.admit(&token, range(0, 10)), Err(Refusal::UnknownToken));
         let ttl = Duration::from_secs(60);
         for _ in 0..MAX_TICKETS {

@@ -6,8 +6,7 @@ use std::{sync::Arc, time::Duration};
 use iroh::endpoint::SendStream;
 use tb_dashboard::Direction;
 use tb_proto::{
-    ChannelKind, DataResponse, ErrorCode, TcpHello, TensorName, channel::MAX_TCP_HELLO_FRAME,
-    frame,
+    ChannelKind, DataResponse, ErrorCode, TcpHello, TensorName, channel::MAX_TCP_HELLO_FRAME, frame,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -16,7 +15,7 @@ use tokio::{
 };
 use tracing::debug;
 
-use super::{MAX_SERVING, Tcp};
+use super::{MAX_SERVING, TCP_MIN_BYTES, Tcp};
 use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
@@ -28,53 +27,58 @@ use crate::{
 /// is noticed within one stall timeout per write.
 const WRITE_CHUNK: usize = 4 << 20;
 
-/// Answers a [`TcpPull`](tb_proto::DataRequest::TcpPull) on the QUIC stream `send`: a ticket
-/// for `sockets` sockets to the version, or an error. `Busy` means "pull it over QUIC": this
-/// node runs no TCP channel, the version is still arriving or lives on a device, an upload
-/// limit applies (it paces QUIC streams only), or too many tickets are outstanding.
+/// Answers a [`TcpPull`](tb_proto::DataRequest::TcpPull) on the QUIC stream `send` with a
+/// ticket for `sockets` sockets to the version, or an error; `Err(send)` hands the stream
+/// back to be served as a plain QUIC pull — a tensor under [`TCP_MIN_BYTES`] (a ticket and
+/// a connection would cost more than they win), a version still arriving (served
+/// cut-through), device bytes, an upload limit (it paces QUIC streams), or too many
+/// tickets outstanding.
 pub(crate) async fn serve_ticket(
     ctx: &NodeCtx,
     mut send: SendStream,
     name: &TensorName,
     version: Option<u64>,
     sockets: u8,
-) {
-    let answer = ticket(ctx, name, version, sockets);
+) -> Result<(), SendStream> {
+    let Some(answer) = ticket(ctx, name, version, sockets) else {
+        return Err(send);
+    };
     let _ = wire::write_frame(&mut send, &answer).await;
     let _ = send.finish();
+    Ok(())
 }
 
-fn ticket(ctx: &NodeCtx, name: &TensorName, version: Option<u64>, sockets: u8) -> DataResponse {
-    let busy = |why: &str| DataResponse::Error {
-        code: ErrorCode::Busy,
-        message: format!("tensor \"{name}\": {why}; pull it over QUIC"),
-    };
-    let Some(tcp) = ctx.channels.tcp() else {
-        return busy("this node runs no TCP channel");
-    };
+/// The ticket (or the error) answering a TCP pull, or `None`: serve it over QUIC.
+fn ticket(
+    ctx: &NodeCtx,
+    name: &TensorName,
+    version: Option<u64>,
+    sockets: u8,
+) -> Option<DataResponse> {
+    let tcp = ctx.channels.tcp()?;
     if ctx.upload.is_some() {
-        return busy("an upload limit applies");
+        return None;
     }
     let (version, tensor) = match lookup(ctx, name, version) {
         Ok(found) => found,
-        Err(NotHeld::Arriving(..)) => return busy("the version is still arriving"),
-        Err(NotHeld::Refused(code, message)) => return DataResponse::Error { code, message },
+        Err(NotHeld::Arriving(..)) => return None,
+        Err(NotHeld::Refused(code, message)) => return Some(DataResponse::Error { code, message }),
     };
-    if tensor.host_data().is_none() {
-        return busy("the tensor is in device memory");
+    if tensor.host_data().is_none() || tensor.byte_len() < TCP_MIN_BYTES {
+        return None;
     }
     let meta = tensor.meta().clone();
     match tcp.issue(tensor, sockets, ctx.config.request_timeout) {
-        Ok(Some(token)) => DataResponse::TcpTicket {
+        Ok(Some(token)) => Some(DataResponse::TcpTicket {
             meta,
             version,
             token,
-        },
-        Ok(None) => busy("too many TCP tickets outstanding"),
-        Err(err) => DataResponse::Error {
+        }),
+        Ok(None) => None,
+        Err(err) => Some(DataResponse::Error {
             code: ErrorCode::Internal,
             message: err.to_string(),
-        },
+        }),
     }
 }
 
@@ -123,7 +127,9 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
 async fn serve_socket(ctx: &NodeCtx, tcp: &Tcp, mut stream: TcpStream) {
     let hello = tokio::time::timeout(ctx.config.hello_timeout, read_hello(&mut stream)).await;
     let admitted = match hello {
-        Ok(Ok(hello)) => tcp.admit(&hello.token, hello.range).map_err(|e| e.to_string()),
+        Ok(Ok(hello)) => tcp
+            .admit(&hello.token, hello.range)
+            .map_err(|e| e.to_string()),
         Ok(Err(err)) => Err(err.to_string()),
         Err(_) => Err(format!("no hello within {:?}", ctx.config.hello_timeout)),
     };
