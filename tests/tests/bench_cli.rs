@@ -198,12 +198,12 @@ fn bench_refuses_bad_sizes_and_rates() {
     }
 }
 
-/// The channel a tensor-broker system's transfers use: both bench processes are on this host,
-/// so auto and shm negotiate shm; the others run on QUIC (tcp falls back to it until the TCP
-/// channel lands).
+/// The channel a tensor-broker system's pair negotiates: both bench processes are on this
+/// host, so auto and shm negotiate shm; tcp its TCP channel; the others QUIC.
 fn expected_channel(system: &str) -> &'static str {
     match system {
         "tensor-broker" | "tensor-broker-shm" => "shm",
+        "tensor-broker-tcp" => "tcp",
         _ => "quic",
     }
 }

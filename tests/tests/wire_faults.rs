@@ -315,7 +315,8 @@ impl ProtocolHandler for IdleRacingServer {
                 break;
             }
             let answer = match request {
-                Ok(DataRequest::Pull { .. }) => {
+                // It offers no TCP channel, so a TCP pull is never asked: answered as a pull.
+                Ok(DataRequest::Pull { .. } | DataRequest::TcpPull { .. }) => {
                     let truth = f32_tensor(4096, 1);
                     let header = DataResponse::Header {
                         meta: truth.meta().clone(),
