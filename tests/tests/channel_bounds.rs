@@ -193,7 +193,8 @@ async fn a_tensor_mapped_over_shm_outlives_its_killed_holder() {
 
     worker.kill9();
     drop(tensor);
-    assert_eq!(got.buffer.data(), &pattern(LEN, 11), "readable after the kill");
+    let expected = pattern(LEN, 11);
+    assert_eq!(got.buffer.data(), &expected, "readable after the kill");
     assert_eq!(ContentHash::of(got.buffer.data()), got.meta.hash);
     pusher.shutdown().await;
     reader.shutdown().await;

@@ -12,6 +12,11 @@
 //! `inflight`): the receive is registered before the look-up when the version is known (a
 //! puller the broker points here may arrive before the look-up's answer does), and its bytes
 //! are published as they land. Only the verified tensor reaches the store.
+//!
+//! A holder on this host whose pair runs the shm channel hands the version over whole as its
+//! sealed memfd (`by_shm`: zero-copy), when nothing of it has arrived from another holder yet.
+//! A holder still receiving the version declines there (Busy), and QUIC carries it
+//! cut-through as between hosts.
 
 use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -267,7 +272,8 @@ async fn from_holder(
                     return Ok(Some(mapped));
                 }
                 let pull = pull_from(node, &peer, link, name, version, meta, into);
-                return node.ctx().timed(TransferKind::Pull, pull).await.map(|()| None);
+                let pulled = node.ctx().timed(TransferKind::Pull, pull).await;
+                return pulled.map(|()| None);
             }
             Err(e) => last = Some(e),
         }
