@@ -1,8 +1,9 @@
 //! Helpers for tensor-broker's integration tests: nodes with test-friendly settings, tensors
 //! with known contents, a UDP proxy that delays every packet (a slow network on loopback),
-//! and bounded polling.
+//! and bounded polling; real processes ([`procs`]) and network namespaces ([`netns`]).
 
 pub mod http;
+pub mod netns;
 pub mod procs;
 
 use std::{

@@ -6,7 +6,7 @@
 use std::{path::Path, time::Duration};
 
 use tb_broker::{Broker, BrokerOptions};
-use tb_node::{Config, Node, PeerAddr, Tensor};
+use tb_node::{Config, Node, PeerAddr, Tensor, proto::ChannelKind};
 use tb_tests::{eventually, node, pattern, test_config, within};
 
 const LIMIT: Duration = Duration::from_secs(90);
@@ -27,9 +27,12 @@ async fn broker(dir: &Path) -> Broker {
         .expect("broker starts")
 }
 
+/// A node on QUIC alone: the nodes share this host, where shm would hand each receiver the
+/// whole version at once, and cut-through is for transfers over the network.
 fn config(broker: &PeerAddr, max_upload_rate: u64) -> Config {
     Config {
         brokers: vec![broker.clone()],
+        channels: vec![ChannelKind::Quic],
         heartbeat_interval: Duration::from_millis(300),
         max_upload_rate,
         ..test_config()

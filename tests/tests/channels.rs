@@ -1,13 +1,16 @@
 //! Data channels between two nodes on this host: the pair negotiates shm (same host, same
 //! network namespace), every dtype and awkward size moves byte-identical over it for `pull`
 //! (zero-copy), `pull_into` and `push`; a reader's zero-copy tensor outlives the version's
-//! eviction; nodes that do not both run shm stay on QUIC.
+//! eviction; nodes that do not both run shm stay on QUIC; a cluster `get` from a holder of
+//! this host maps the holder's memfd too.
 
 use std::time::Duration;
 
+use tb_broker::{Broker, BrokerOptions};
+use tb_dashboard::{Direction, TransferKind};
 use tb_node::{
-    Config, DType, Node, Tensor,
-    proto::{ChannelKind, ContentHash},
+    Config, DType, Node, Tensor, TransferProgress,
+    proto::{ChannelKind, ClusterKey, ContentHash},
 };
 use tb_tests::{node, pattern, test_config, within};
 
@@ -142,4 +145,76 @@ async fn a_node_without_shm_keeps_its_peers_on_quic() {
     assert_eq!(holder.channel_to(&reader.id()), ChannelKind::Quic);
     holder.shutdown().await;
     reader.shutdown().await;
+}
+
+const SECRET: &[u8] = b"channel tests share this secret, 32+ bytes";
+
+/// Bytes `node` received over `kind`.
+fn bytes_in(node: &Node, kind: ChannelKind) -> u64 {
+    node.metrics().channels.bytes(kind, Direction::In)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_get_from_a_holder_of_this_host_moves_over_shm() {
+    let key = ClusterKey::from_secret(SECRET).expect("secret");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut opts = BrokerOptions::new(dir.path());
+    opts.node = Config {
+        cluster_key: key.clone(),
+        ..test_config()
+    };
+    let broker = within(LIMIT, "broker start", Broker::spawn(opts))
+        .await
+        .expect("broker starts");
+    let worker = || {
+        node(Config {
+            brokers: vec![broker.addr().clone()],
+            cluster_key: key.clone(),
+            heartbeat_interval: Duration::from_millis(300),
+            ..config(&ChannelKind::DEFAULT)
+        })
+    };
+    let (holder, reader) = (worker().await, worker().await);
+    // Past the inline limit: the holder passes its sealed memfd.
+    let len = (8 << 20) + 3;
+    let tensor = Tensor::new(DType::U8, vec![len as u64], pattern(len, 5)).expect("tensor");
+    let version = within(LIMIT, "publish", holder.publish("c/w", tensor.clone()))
+        .await
+        .expect("publish");
+    let (shm_before, quic_before) = (
+        bytes_in(&reader, ChannelKind::Shm),
+        bytes_in(&reader, ChannelKind::Quic),
+    );
+    let pulls_before = reader.metrics().transfers(TransferKind::Pull, true);
+    let all_before = reader.metrics().bytes_in.get();
+    let progress = TransferProgress::default();
+    let got = within(
+        LIMIT,
+        "get",
+        reader.get_with_progress("c/w", Some(version), &progress),
+    )
+    .await
+    .expect("get");
+    assert_eq!(got.buffer.data(), tensor.data(), "bytes equal");
+    assert_eq!(got.meta, *tensor.meta());
+    assert_eq!(reader.channel_to(&holder.id()), ChannelKind::Shm);
+    let len = len as u64;
+    assert_eq!(bytes_in(&reader, ChannelKind::Shm) - shm_before, len);
+    let over_quic = bytes_in(&reader, ChannelKind::Quic) - quic_before;
+    assert!(over_quic < len, "{over_quic} bytes came over QUIC");
+    assert_eq!(reader.metrics().bytes_in.get() - all_before, len);
+    let pulls = reader.metrics().transfers(TransferKind::Pull, true) - pulls_before;
+    assert_eq!(pulls, 1, "one pull, timed");
+    assert_eq!((progress.bytes(), progress.total()), (len, Some(len)));
+    // The cut-through receive ended with the tensor: nothing is left receiving.
+    assert_eq!(reader.versions_receiving(), 0);
+    // The reader keeps the version and holds it for others: a get now is local.
+    let again = within(LIMIT, "local get", reader.get_version("c/w", version))
+        .await
+        .expect("local get");
+    assert_eq!(again.buffer.data(), tensor.data());
+    assert_eq!(bytes_in(&reader, ChannelKind::Shm) - shm_before, len);
+    holder.shutdown().await;
+    reader.shutdown().await;
+    broker.shutdown().await;
 }

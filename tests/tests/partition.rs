@@ -8,16 +8,12 @@
 //! restarting brokers, in `cluster.rs` and `processes.rs`. The namespace, the veth pair and
 //! every process are removed when the test ends, passing or failing.
 
-use std::{
-    net::{Ipv4Addr, SocketAddr},
-    path::Path,
-    process::Command,
-    time::Duration,
-};
+use std::{net::SocketAddr, path::Path, process::Command, time::Duration};
 
 use tb_node::{Config, Node, Ticket, proto::ClusterKey};
 use tb_tests::{
     eventually, f32_tensor,
+    netns::Netns,
     procs::{Proc, bin, free_udp_addr},
     test_config, within,
 };
@@ -27,91 +23,6 @@ const START: Duration = Duration::from_secs(30);
 const SECRET: &str = "partition-test-cluster-secret-32-bytes";
 /// How long the link stays down: past QUIC's idle timeout (30 s).
 const PARTITION: Duration = Duration::from_secs(33);
-
-/// A network namespace linked to this one by a veth pair, `.1` on this side and `.2` inside,
-/// removed on drop.
-struct Netns {
-    name: String,
-    outer_link: String,
-    outer_ip: Ipv4Addr,
-    inner_ip: Ipv4Addr,
-}
-
-impl Netns {
-    /// Creates it, or says why it cannot (not root, no `ip`, no namespaces here).
-    fn create() -> Result<Netns, String> {
-        let pid = std::process::id();
-        let subnet = (pid % 250) as u8;
-        let ns = Netns {
-            name: format!("tb-partition-{pid}"),
-            outer_link: format!("tbp{}a", pid % 100_000),
-            outer_ip: Ipv4Addr::new(10, 213, subnet, 1),
-            inner_ip: Ipv4Addr::new(10, 213, subnet, 2),
-        };
-        let inner_link = format!("tbp{}b", pid % 100_000);
-        let (outer, inner) = (format!("{}/30", ns.outer_ip), format!("{}/30", ns.inner_ip));
-        ip(&["netns", "add", &ns.name])?;
-        // From here on, `ns` removes what exists when dropped, even half set up.
-        let steps: [&[&str]; 7] = [
-            &[
-                "link",
-                "add",
-                &ns.outer_link,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &inner_link,
-            ],
-            &["link", "set", &inner_link, "netns", &ns.name],
-            &["addr", "add", &outer, "dev", &ns.outer_link],
-            &["link", "set", &ns.outer_link, "up"],
-            &["-n", &ns.name, "addr", "add", &inner, "dev", &inner_link],
-            &["-n", &ns.name, "link", "set", &inner_link, "up"],
-            &["-n", &ns.name, "link", "set", "lo", "up"],
-        ];
-        for step in steps {
-            ip(step)?;
-        }
-        Ok(ns)
-    }
-
-    /// Takes this side of the link down (`false`: the partition) or back up.
-    fn link(&self, up: bool) {
-        let state = if up { "up" } else { "down" };
-        ip(&["link", "set", &self.outer_link, state]).expect("setting the link");
-    }
-
-    /// `cmd` run inside the namespace (`ip netns exec` execs it: same PID).
-    fn command(&self, program: &Path) -> Command {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.name]).arg(program);
-        cmd
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        // Deleting one end of a veth pair deletes both.
-        let _ = ip(&["link", "del", &self.outer_link]);
-        let _ = ip(&["netns", "del", &self.name]);
-    }
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("running ip: {e}"))?;
-    match out.status.success() {
-        true => Ok(()),
-        false => Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-    }
-}
 
 /// Names `tb ls` lists, asked from inside the namespace of a broker named by `ticket` alone.
 fn listed_inside(ns: &Netns, ticket: &Ticket, secret: &Path) -> Option<String> {

@@ -12,6 +12,11 @@
 //! `inflight`): the receive is registered before the look-up when the version is known (a
 //! puller the broker points here may arrive before the look-up's answer does), and its bytes
 //! are published as they land. Only the verified tensor reaches the store.
+//!
+//! A holder on this host whose pair runs the shm channel hands the version over whole as its
+//! sealed memfd (`by_shm`: zero-copy), when nothing of it has arrived from another holder yet.
+//! A holder still receiving the version declines there (Busy), and QUIC carries it
+//! cut-through as between hosts.
 
 use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -215,7 +220,8 @@ async fn from_holders(
                 progress,
             };
             match from_holder(node, holder, name, version, &meta, into).await {
-                Ok(()) => return Ok(Tensor::from_verified(meta, Bytes::from(dest))),
+                Ok(Some(mapped)) => return Ok(mapped),
+                Ok(None) => return Ok(Tensor::from_verified(meta, Bytes::from(dest))),
                 Err(Error::Shutdown) => return Err(Error::Shutdown),
                 Err(e) => {
                     debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");
@@ -231,7 +237,9 @@ async fn from_holders(
     Err(tries.exhausted(format!("tensor \"{name}\" v{version}")))
 }
 
-/// Pulls the rest of the version from one holder, at the first of its addresses that links.
+/// Pulls the rest of the version from one holder, at the first of its addresses that links:
+/// `Some`, the whole version over shm (nothing of it received yet, a holder on this host);
+/// `None`, the bytes are in `into.dest`.
 #[tracing::instrument(name = "fetch", skip_all, fields(peer = ?holder.node, tensor = %name, version))]
 async fn from_holder(
     node: &Node,
@@ -240,7 +248,7 @@ async fn from_holder(
     version: u64,
     meta: &TensorMeta,
     into: resume::Into<'_>,
-) -> Result<()> {
+) -> Result<Option<Tensor>> {
     let unreachable = |reason: String| Error::PeerUnreachable {
         peer: format!("{:?}", holder.node),
         reason,
@@ -256,13 +264,68 @@ async fn from_holder(
         let peer = PeerAddr { id, addr };
         match node.link(&peer).await {
             Ok(link) => {
+                #[cfg(target_os = "linux")]
+                if into.resume.filled() == 0
+                    && let Some(mapped) =
+                        by_shm(node, &peer, name, version, meta, into.progress).await?
+                {
+                    return Ok(Some(mapped));
+                }
                 let pull = pull_from(node, &peer, link, name, version, meta, into);
-                return node.ctx().timed(TransferKind::Pull, pull).await;
+                let pulled = node.ctx().timed(TransferKind::Pull, pull).await;
+                return pulled.map(|()| None);
             }
             Err(e) => last = Some(e),
         }
     }
     Err(last.unwrap_or_else(|| unreachable("no address to dial".into())))
+}
+
+/// Gets the whole version from `peer` over the shm channel when that is the pair's channel:
+/// the tensor maps the holder's sealed memfd (zero-copy; no hash pass, as the memfd cannot
+/// change after its holder verified it). `None`: pull it over QUIC (the pair is not on shm,
+/// the holder is still receiving the version, or shm failed and the pair fell back).
+#[cfg(target_os = "linux")]
+async fn by_shm(
+    node: &Node,
+    peer: &PeerAddr,
+    name: &TensorName,
+    version: u64,
+    expected: &TensorMeta,
+    progress: Option<&TransferProgress>,
+) -> Result<Option<Tensor>> {
+    let ctx = node.ctx();
+    let timer = ctx.metrics.start_transfer(TransferKind::Pull);
+    let dial = async { node.link(peer).await.map(drop) };
+    let got = async {
+        let pulled = crate::channel::shm_pull(ctx, &peer.id, dial, name, Some(version)).await?;
+        let Some(pulled) = pulled else {
+            return Ok(None);
+        };
+        if pulled.version != version || pulled.meta != *expected {
+            return Err(Error::InvalidTensor(format!(
+                "tensor \"{name}\" v{version} at {}: the holder sent v{} with hash {}, the \
+                 registry says hash {}",
+                peer.id.fmt_short(),
+                pulled.version,
+                pulled.meta.hash,
+                expected.hash
+            )));
+        }
+        pulled.into_tensor().map(Some)
+    };
+    let got = got.await;
+    match &got {
+        // Not a transfer: the QUIC pull that follows is counted instead.
+        Ok(None) => timer.discard(),
+        Ok(Some(tensor)) => {
+            ctx.metrics.bytes_in.inc_by(tensor.byte_len());
+            crate::progress::reached(progress, tensor.byte_len());
+            timer.ok();
+        }
+        Err(_) => timer.error(),
+    }
+    got
 }
 
 /// Pulls the rest of the version on `link`; when the holder closed the link gracefully before
