@@ -13,10 +13,11 @@
 //! puller the broker points here may arrive before the look-up's answer does), and its bytes
 //! are published as they land. Only the verified tensor reaches the store.
 //!
-//! A holder on this host whose pair runs the shm channel hands the version over whole as its
-//! sealed memfd (`by_shm`: zero-copy), when nothing of it has arrived from another holder yet.
-//! A holder still receiving the version declines there (Busy), and QUIC carries it
-//! cut-through as between hosts.
+//! When nothing of the version has arrived yet and the pair's channel is not QUIC, the holder
+//! hands it over whole on that channel (`by_channel`): on this host as its sealed memfd
+//! (shm: zero-copy), or over verified TCP sockets. A holder still receiving the version
+//! declines shm (Busy) and answers a TCP pull over QUIC on the ticket's stream, so QUIC
+//! carries it cut-through as between hosts.
 
 use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -28,6 +29,7 @@ use tracing::{debug, warn};
 
 use super::{Cluster, calls::Holders, resume};
 use crate::{
+    channel::{self, Channel},
     client::{self, Failure, Pulled},
     endpoint::PeerAddr,
     error::{Error, Result},
@@ -238,8 +240,8 @@ async fn from_holders(
 }
 
 /// Pulls the rest of the version from one holder, at the first of its addresses that links:
-/// `Some`, the whole version over shm (nothing of it received yet, a holder on this host);
-/// `None`, the bytes are in `into.dest`.
+/// `Some`, the whole version over the pair's channel (nothing of it received yet); `None`,
+/// the bytes are in `into.dest`.
 #[tracing::instrument(name = "fetch", skip_all, fields(peer = ?holder.node, tensor = %name, version))]
 async fn from_holder(
     node: &Node,
@@ -264,12 +266,11 @@ async fn from_holder(
         let peer = PeerAddr { id, addr };
         match node.link(&peer).await {
             Ok(link) => {
-                #[cfg(target_os = "linux")]
                 if into.resume.filled() == 0
-                    && let Some(mapped) =
-                        by_shm(node, &peer, name, version, meta, into.progress).await?
+                    && let Some(whole) =
+                        by_channel(node, &peer, name, version, meta, into.progress).await?
                 {
-                    return Ok(Some(mapped));
+                    return Ok(Some(whole));
                 }
                 let pull = pull_from(node, &peer, link, name, version, meta, into);
                 let pulled = node.ctx().timed(TransferKind::Pull, pull).await;
@@ -281,12 +282,12 @@ async fn from_holder(
     Err(last.unwrap_or_else(|| unreachable("no address to dial".into())))
 }
 
-/// Gets the whole version from `peer` over the shm channel when that is the pair's channel:
-/// the tensor maps the holder's sealed memfd (zero-copy; no hash pass, as the memfd cannot
-/// change after its holder verified it). `None`: pull it over QUIC (the pair is not on shm,
-/// the holder is still receiving the version, or shm failed and the pair fell back).
-#[cfg(target_os = "linux")]
-async fn by_shm(
+/// Gets the whole version from `peer` over the pair's channel when that is not QUIC: shm
+/// maps the holder's sealed memfd (zero-copy; no hash pass, as the memfd cannot change after
+/// its holder verified it), tcp receives it over verified sockets. `None`: pull it over QUIC
+/// (the pair runs QUIC, the holder is still receiving the version, or the channel failed and
+/// the pair fell back).
+async fn by_channel(
     node: &Node,
     peer: &PeerAddr,
     name: &TensorName,
@@ -295,37 +296,26 @@ async fn by_shm(
     progress: Option<&TransferProgress>,
 ) -> Result<Option<Tensor>> {
     let ctx = node.ctx();
-    let timer = ctx.metrics.start_transfer(TransferKind::Pull);
-    let dial = async { node.link(peer).await.map(drop) };
-    let got = async {
-        let pulled = crate::channel::shm_pull(ctx, &peer.id, dial, name, Some(version)).await?;
-        let Some(pulled) = pulled else {
-            return Ok(None);
-        };
-        if pulled.version != version || pulled.meta != *expected {
-            return Err(Error::InvalidTensor(format!(
-                "tensor \"{name}\" v{version} at {}: the holder sent v{} with hash {}, the \
-                 registry says hash {}",
-                peer.id.fmt_short(),
-                pulled.version,
-                pulled.meta.hash,
-                expected.hash
-            )));
-        }
-        pulled.into_tensor().map(Some)
+    let links = || node.link(peer);
+    let Some(route) = channel::route(ctx, &peer.id, links).await? else {
+        return Ok(None);
     };
-    let got = got.await;
-    match &got {
-        // Not a transfer: the QUIC pull that follows is counted instead.
-        Ok(None) => timer.discard(),
-        Ok(Some(tensor)) => {
-            ctx.metrics.bytes_in.inc_by(tensor.byte_len());
-            crate::progress::reached(progress, tensor.byte_len());
-            timer.ok();
-        }
-        Err(_) => timer.error(),
+    let pull = route.pull(ctx, name, Some(version));
+    let Some(pulled) = channel::attempt(ctx, &route, TransferKind::Pull, pull).await? else {
+        return Ok(None);
+    };
+    if pulled.version != version || pulled.meta != *expected {
+        return Err(Error::InvalidTensor(format!(
+            "tensor \"{name}\" v{version} at {}: the holder sent v{} with hash {}, the \
+             registry says hash {}",
+            peer.id.fmt_short(),
+            pulled.version,
+            pulled.meta.hash,
+            expected.hash
+        )));
     }
-    got
+    crate::progress::reached(progress, pulled.meta.byte_len);
+    Ok(Some(pulled.buffer))
 }
 
 /// Pulls the rest of the version on `link`; when the holder closed the link gracefully before
