@@ -86,6 +86,16 @@ impl ChannelMetrics {
         self.transfers[k].inc();
     }
 
+    /// Counts one finished transfer on `channel` whose bytes were counted as they moved.
+    pub fn finished(&self, channel: ChannelKind) {
+        self.transfers[index(channel)].inc();
+    }
+
+    /// The counter of `channel`'s bytes in `direction` (for a [`Meter`](crate::Meter)).
+    pub(crate) fn bytes_counter(&self, channel: ChannelKind, direction: Direction) -> IntCounter {
+        self.bytes[index(channel)][direction as usize].clone()
+    }
+
     /// Counts `bytes` payload bytes moved on `channel` as part of a transfer counted
     /// elsewhere (one socket's share of it).
     pub fn moved(&self, channel: ChannelKind, direction: Direction, bytes: u64) {

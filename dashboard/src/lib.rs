@@ -47,7 +47,7 @@ pub use access::{
 };
 pub use channel::{ChannelMetrics, Direction};
 pub use metrics::{
-    AuthFailure, AuthFailures, Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind,
+    AuthFailure, AuthFailures, Meter, Metrics, MetricsError, Role, SAMPLE_PERIOD, TransferKind,
     TransferTimer, VERSION,
 };
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     api,
-    channel::ChannelMetrics,
+    channel::{ChannelMetrics, Direction},
     window::{self, Rates, ThroughputWindow},
 };
 
@@ -362,6 +362,16 @@ impl Metrics {
         String::from_utf8(out).unwrap_or_default()
     }
 
+    /// A meter of payload bytes moving on `channel` in `direction`.
+    pub fn meter(&self, channel: tb_proto::ChannelKind, direction: Direction) -> Meter {
+        let total = match direction {
+            Direction::In => self.bytes_in.clone(),
+            Direction::Out => self.bytes_out.clone(),
+        };
+        let channel = self.channels.bytes_counter(channel, direction);
+        Meter { total, channel }
+    }
+
     /// Starts timing a transfer of `kind` (counted in flight until the timer is finished or
     /// dropped; a dropped timer counts as an error).
     pub fn start_transfer(&self, kind: TransferKind) -> TransferTimer<'_> {
@@ -505,6 +515,22 @@ pub struct TransferTimer<'a> {
     kind: TransferKind,
     started: Instant,
     done: bool,
+}
+
+/// Counts payload bytes as they move (so rates show during a long transfer): the node's
+/// `tb_bytes_total{direction}` and the channel's `tb_channel_bytes_total`. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Meter {
+    total: IntCounter,
+    channel: IntCounter,
+}
+
+impl Meter {
+    /// Counts `n` more bytes.
+    pub fn add(&self, n: u64) {
+        self.total.inc_by(n);
+        self.channel.inc_by(n);
+    }
 }
 
 impl TransferTimer<'_> {

@@ -9,6 +9,7 @@
 use std::future::Future;
 
 use iroh::endpoint::{RecvStream, SendStream};
+use tb_dashboard::Direction;
 use tb_dashboard::TransferKind;
 use tb_proto::{
     CloseCode, ContentHash, DataRequest, DataResponse, ErrorCode, TensorMeta, TensorName,
@@ -170,7 +171,8 @@ where
         };
         quic::recv_striped(ctx, pull, &mut started.recv, dest, stripes).await?
     } else {
-        wire::recv_payload(&mut started.recv, dest, ctx.config.stall_timeout).await?
+        let watchdog = ctx.quic_watchdog(Direction::In);
+        wire::recv_payload(&mut started.recv, dest, watchdog).await?
     };
     verify(ctx, &started.what, &started.meta, hash)?;
     Ok(Pulled {
@@ -214,9 +216,9 @@ where
     let mut started = start_pull(ctx, links, &name, version).await?;
     let mut buffer = alloc(&started.meta)?;
     check_len(&started.what, buffer.len(), &started.meta)?;
-    let stall = ctx.config.stall_timeout;
     let cuda = &ctx.config.cuda;
-    let hash = device::recv_payload(&mut started.recv, &mut buffer, stall, cuda).await?;
+    let watchdog = ctx.quic_watchdog(Direction::In);
+    let hash = device::recv_payload(&mut started.recv, &mut buffer, watchdog, cuda).await?;
     verify(ctx, &started.what, &started.meta, hash)?;
     Ok(Pulled {
         name,
@@ -305,14 +307,10 @@ fn check_len(what: &str, len: usize, meta: &TensorMeta) -> Result<()> {
     Ok(())
 }
 
-/// Counts the received bytes and checks they hash to what the sender announced.
+/// Counts the finished receive (its bytes were counted as they moved) and checks they hash
+/// to what the sender announced.
 fn verify(ctx: &NodeCtx, what: &str, meta: &TensorMeta, hash: ContentHash) -> Result<()> {
-    ctx.metrics.bytes_in.inc_by(meta.byte_len);
-    ctx.metrics.channels.transfer(
-        tb_proto::ChannelKind::Quic,
-        tb_dashboard::Direction::In,
-        meta.byte_len,
-    );
+    ctx.metrics.channels.finished(tb_proto::ChannelKind::Quic);
     if hash != meta.hash {
         return Err(Error::Corrupt(format!(
             "{what}: expected hash {}, got {hash}",
@@ -362,18 +360,15 @@ async fn push_untimed(
     // If the peer refuses early (too large, invalid) it stops our stream: its answer says why.
     let all = 0..tensor.data_len()?;
     let config = &ctx.config;
-    let sent = device::write_header_and_tensor(&mut send, &request, tensor, all, config, progress);
+    let meter = ctx.quic_meter(Direction::Out);
+    let sent =
+        device::write_header_and_tensor(&mut send, &request, tensor, all, config, meter, progress);
     let sent = sent.await;
     let _ = send.finish();
     let answer = read_response(ctx, &mut recv, &what).await;
     match (answer, sent) {
         (Ok(DataResponse::Ack), Ok(())) => {
-            ctx.metrics.bytes_out.inc_by(tensor.byte_len());
-            ctx.metrics.channels.transfer(
-                tb_proto::ChannelKind::Quic,
-                tb_dashboard::Direction::Out,
-                tensor.byte_len(),
-            );
+            ctx.metrics.channels.finished(tb_proto::ChannelKind::Quic);
             Ok(())
         }
         // A receiver whose push budget or inbox is full kept nothing: the caller may retry.

@@ -58,6 +58,21 @@ impl NodeCtx {
         result
     }
 
+    /// A stall watchdog for payload bytes moving over QUIC in `direction`, counting them as
+    /// they move.
+    pub(crate) fn quic_watchdog(
+        &self,
+        direction: tb_dashboard::Direction,
+    ) -> crate::wire::Watchdog {
+        let meter = self.metrics.meter(tb_proto::ChannelKind::Quic, direction);
+        crate::wire::Watchdog::metered(self.config.stall_timeout, meter)
+    }
+
+    /// The meter of payload bytes moving over QUIC in `direction`.
+    pub(crate) fn quic_meter(&self, direction: tb_dashboard::Direction) -> tb_dashboard::Meter {
+        self.metrics.meter(tb_proto::ChannelKind::Quic, direction)
+    }
+
     /// Each peer with a usable pooled link and the data channel a transfer with it uses now.
     pub(crate) fn links(&self) -> Vec<(iroh::EndpointId, tb_proto::ChannelKind)> {
         let peers = self.ready.peers();

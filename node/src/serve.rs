@@ -36,7 +36,7 @@ use crate::{
     store::Lookup,
     tensor::Tensor,
     upload::{self, InflightError},
-    wire::{self, ReadFrameError, Watchdog},
+    wire::{self, ReadFrameError},
 };
 
 /// The `tb/data/1` protocol handler on the node's iroh `Router`.
@@ -270,7 +270,6 @@ async fn serve_pull(
         let _ = reply_error(&mut send, ErrorCode::InvalidTensor, msg).await;
         return;
     };
-    let payload_len = payload.len() as u64;
     let timer = ctx.metrics.start_transfer(TransferKind::Serve);
     let header = DataResponse::Header {
         meta: tensor.meta().clone(),
@@ -282,27 +281,22 @@ async fn serve_pull(
             (Some(_), None) => {
                 wire::write_frame(&mut send, &header).await?;
                 let data = tensor.data().slice(payload);
-                let mut watchdog = Watchdog::new(ctx.config.stall_timeout);
+                let mut watchdog = ctx.quic_watchdog(tb_dashboard::Direction::Out);
                 let total = data.len();
                 upload::send_limited(ctx, &mut send, &data, &mut watchdog, 0, total).await?;
             }
             // Device tensors are not paced (their staging pipeline sends as fast as it can).
             _ => {
-                let config = &ctx.config;
-                device::write_header_and_tensor(&mut send, &header, &tensor, payload, config, None)
-                    .await?
+                let (config, meter) = (&ctx.config, ctx.quic_meter(tb_dashboard::Direction::Out));
+                let write = device::write_header_and_tensor;
+                write(&mut send, &header, &tensor, payload, config, meter, None).await?
             }
         }
         send.finish().map_err(|e| Error::io("finishing stream", e))
     };
     match sent.await {
         Ok(()) => {
-            ctx.metrics.bytes_out.inc_by(payload_len);
-            ctx.metrics.channels.transfer(
-                tb_proto::ChannelKind::Quic,
-                tb_dashboard::Direction::Out,
-                payload_len,
-            );
+            ctx.metrics.channels.finished(tb_proto::ChannelKind::Quic);
             timer.ok();
         }
         Err(_) if channel::quic::stopped_for_stripe(&mut send).await => timer.ok(),
@@ -363,7 +357,10 @@ async fn serve_pull_inflight(
 ) {
     let timer = ctx.metrics.start_transfer(TransferKind::Serve);
     match upload::serve_inflight(ctx, &mut send, name, version, range, incoming).await {
-        Ok(_) => timer.ok(),
+        Ok(_) => {
+            ctx.metrics.channels.finished(tb_proto::ChannelKind::Quic);
+            timer.ok();
+        }
         Err(InflightError::Refused(code, message)) => {
             // Nothing was sent: not a transfer.
             timer.discard();
@@ -463,12 +460,7 @@ async fn serve_push(
             return;
         }
     };
-    ctx.metrics.bytes_in.inc_by(meta.byte_len);
-    ctx.metrics.channels.transfer(
-        tb_proto::ChannelKind::Quic,
-        tb_dashboard::Direction::In,
-        meta.byte_len,
-    );
+    ctx.metrics.channels.finished(tb_proto::ChannelKind::Quic);
     if hash != meta.hash {
         let msg = format!(
             "push of \"{name}\": expected hash {}, got {hash}",
@@ -516,7 +508,8 @@ async fn recv_push_to_host(
     len: usize,
 ) -> Result<(ContentHash, Pushed), Error> {
     let mut buf = vec![0u8; len];
-    let hash = wire::recv_payload(recv, &mut buf, ctx.config.stall_timeout).await?;
+    let watchdog = ctx.quic_watchdog(tb_dashboard::Direction::In);
+    let hash = wire::recv_payload(recv, &mut buf, watchdog).await?;
     Ok((hash, Pushed::Host(buf)))
 }
 
@@ -525,7 +518,7 @@ async fn recv_push_to_device(
     recv: &mut RecvStream,
     mut buf: DeviceBuffer,
 ) -> Result<(ContentHash, Pushed), Error> {
-    let stall = ctx.config.stall_timeout;
-    let hash = device::recv_payload(recv, &mut buf, stall, &ctx.config.cuda).await?;
+    let watchdog = ctx.quic_watchdog(tb_dashboard::Direction::In);
+    let hash = device::recv_payload(recv, &mut buf, watchdog, &ctx.config.cuda).await?;
     Ok((hash, Pushed::Cuda(buf)))
 }

@@ -117,7 +117,7 @@ async fn stream_pieces(
     what: &str,
 ) -> Result<()> {
     let stall = ctx.config.stall_timeout;
-    let mut watchdog = Watchdog::new(stall);
+    let mut watchdog = ctx.quic_watchdog(tb_dashboard::Direction::Out);
     let mut at = from;
     while at < to {
         let next = {
@@ -157,11 +157,6 @@ async fn stream_pieces(
             let len = piece.len() as u64;
             let done = usize::try_from(at).unwrap_or(usize::MAX);
             send_limited(ctx, send, &piece, &mut watchdog, done, total).await?;
-            ctx.metrics.bytes_out.inc_by(len);
-            let out = tb_dashboard::Direction::Out;
-            ctx.metrics
-                .channels
-                .transfer(tb_proto::ChannelKind::Quic, out, len);
             if arriving {
                 ctx.inflight_bytes_sent
                     .fetch_add(len, std::sync::atomic::Ordering::Relaxed);

@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use iroh::endpoint::{ReadError, ReadExactError, RecvStream, SendStream};
 use serde::{Serialize, de::DeserializeOwned};
+use tb_dashboard::Meter;
 use tb_proto::{CloseCode, ContentHash, ContentHasher, FrameError, frame};
 
 use crate::{
@@ -86,7 +87,7 @@ pub(crate) async fn write_header_and_payload<T: Serialize>(
     send: &mut SendStream,
     header: &T,
     payload: &Bytes,
-    stall: Duration,
+    watchdog: Watchdog,
     progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let mut bytes = frame::encode(header).map_err(|e| Error::io("encoding a frame", e))?;
@@ -95,21 +96,25 @@ pub(crate) async fn write_header_and_payload<T: Serialize>(
         send.write_all(&bytes)
             .await
             .map_err(|e| Error::io("sending a frame", e))?;
+        watchdog.moved(payload.len());
         progress::reached(progress, payload.len() as u64);
         return Ok(());
     }
     send.write_all(&bytes)
         .await
         .map_err(|e| Error::io("sending a frame", e))?;
-    send_payload(send, payload, stall, progress).await
+    send_payload(send, payload, watchdog, progress).await
 }
 
 /// A stall watchdog: one timer per `stall` period rather than per read or write (those are
 /// hot — thousands per tensor). It re-arms when it fires and sees progress since last time.
+/// It also counts the payload bytes it sees move on its meter, if it has one (so metrics show
+/// rates during a long transfer, not only when it ends).
 pub(crate) struct Watchdog {
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall: Duration,
     progressed: bool,
+    meter: Option<Meter>,
 }
 
 impl Watchdog {
@@ -118,6 +123,27 @@ impl Watchdog {
             timer: Box::pin(tokio::time::sleep(stall)),
             stall,
             progressed: false,
+            meter: None,
+        }
+    }
+
+    /// The same, counting the bytes that move on `meter`.
+    pub(crate) fn metered(stall: Duration, meter: Meter) -> Self {
+        Watchdog {
+            meter: Some(meter),
+            ..Watchdog::new(stall)
+        }
+    }
+
+    /// The stall period.
+    pub(crate) fn stall(&self) -> Duration {
+        self.stall
+    }
+
+    /// Counts `n` payload bytes moved.
+    pub(crate) fn moved(&self, n: usize) {
+        if let Some(meter) = &self.meter {
+            meter.add(n as u64);
         }
     }
 
@@ -141,10 +167,9 @@ impl Watchdog {
 pub(crate) async fn send_payload(
     send: &mut SendStream,
     data: &Bytes,
-    stall: Duration,
+    mut watchdog: Watchdog,
     progress: Option<&TransferProgress>,
 ) -> Result<()> {
-    let mut watchdog = Watchdog::new(stall);
     let mut offset = 0;
     while offset < data.len() {
         let end = (offset + SEND_CHUNK).min(data.len());
@@ -165,6 +190,7 @@ pub(crate) async fn write_chunk(
     sent: usize,
     total: usize,
 ) -> Result<()> {
+    let len = chunk.len();
     // `write_chunk` is not cancel-safe: keep the same future alive across watchdog ticks.
     let mut write = std::pin::pin!(send.write_chunk(chunk));
     loop {
@@ -183,6 +209,7 @@ pub(crate) async fn write_chunk(
         }
     }
     watchdog.progress();
+    watchdog.moved(len);
     Ok(())
 }
 
@@ -190,12 +217,11 @@ pub(crate) async fn write_chunk(
 pub(crate) async fn recv_payload(
     recv: &mut RecvStream,
     dest: &mut [u8],
-    stall: Duration,
+    mut watchdog: Watchdog,
 ) -> Result<ContentHash> {
     let total = dest.len();
     let mut hasher = ContentHasher::new();
     let (mut filled, mut hashed) = (0, 0);
-    let mut watchdog = Watchdog::new(stall);
     while filled < total {
         filled += read_some(recv, &mut dest[filled..], &mut watchdog, filled, total).await?;
         if filled - hashed >= HASH_BATCH || filled == total {
@@ -237,6 +263,7 @@ pub(crate) async fn read_some(
                 return match read {
                     Ok(Some(n)) => {
                         watchdog.progress();
+                        watchdog.moved(n);
                         Ok(n)
                     }
                     Ok(None) => Err(Error::Io(format!(

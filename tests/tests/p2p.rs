@@ -694,3 +694,51 @@ fn quic_config() -> tb_node::Config {
         ..test_config()
     }
 }
+
+/// Bytes are counted as they move, not when a transfer ends: while a paced 8 MiB pull is
+/// under way, both sides' byte counters (the node's and the QUIC channel's) show part of it;
+/// at the end, all of it, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_are_counted_while_they_move() {
+    use tb_dashboard::Direction;
+    use tb_node::proto::ChannelKind;
+    const LEN: u64 = 8 << 20;
+    let holder = node(Config {
+        max_upload_rate: 4_000_000,
+        ..quic_config()
+    })
+    .await;
+    let reader = node(quic_config()).await;
+    let data = pattern(LEN as usize, 5);
+    let tensor = Tensor::new(tb_node::DType::U8, vec![LEN], data.clone()).expect("tensor");
+    holder.publish_local("paced", tensor).expect("publish");
+    let pull = {
+        let (reader, addr) = (reader.clone(), holder.addr().clone());
+        tokio::spawn(async move { reader.pull(&addr, "paced", None).await })
+    };
+    let (r, h) = (reader.metrics().clone(), holder.metrics().clone());
+    let partway = |bytes: u64| bytes > 0 && bytes < LEN;
+    let seen = eventually(LIMIT, || {
+        partway(r.bytes_in.get())
+            && partway(r.channels.bytes(ChannelKind::Quic, Direction::In))
+            && partway(h.bytes_out.get())
+    })
+    .await;
+    assert!(
+        seen,
+        "no partial count: in {}, out {}",
+        r.bytes_in.get(),
+        h.bytes_out.get()
+    );
+    let got = within(LIMIT, "pull", pull)
+        .await
+        .expect("task")
+        .expect("pull");
+    assert_eq!(got.buffer.data(), &data);
+    assert_eq!(r.bytes_in.get(), LEN);
+    assert_eq!(r.channels.bytes(ChannelKind::Quic, Direction::In), LEN);
+    assert_eq!(r.channels.transfers(ChannelKind::Quic), 1);
+    assert!(eventually(LIMIT, || h.bytes_out.get() == LEN).await);
+    reader.shutdown().await;
+    holder.shutdown().await;
+}

@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use iroh::endpoint::{RecvStream, SendStream, VarInt};
+use tb_dashboard::Direction::In;
 use tb_proto::{
     ByteRange, CloseCode, ContentHash, DataRequest, DataResponse, TensorMeta, TensorName,
 };
@@ -114,7 +115,6 @@ pub(crate) async fn recv_striped(
 ) -> Result<ContentHash> {
     let pieces = Pieces::split(dest.len() as u64, stripes * PIECES_PER_STRIPE);
     let runs = pieces.group(stripes);
-    let stall = ctx.config.stall_timeout;
     let mut rest = dest;
     let mut first = Some(first);
     let mut jobs = Vec::with_capacity(runs.len());
@@ -127,7 +127,7 @@ pub(crate) async fn recv_striped(
         jobs.push(async move {
             match first {
                 Some(recv) => {
-                    let hashes = recv_run(recv, mine, hasher, stall).await;
+                    let hashes = recv_run(recv, mine, hasher, ctx.quic_watchdog(In)).await;
                     let _ = recv.stop(VarInt::from_u32(STRIPE_DONE.code()));
                     hashes
                 }
@@ -137,7 +137,7 @@ pub(crate) async fn recv_striped(
                         len: span.end - span.start,
                     };
                     let (_send, mut recv) = open_stripe(ctx, pull, range).await?;
-                    recv_run(&mut recv, mine, hasher, stall).await
+                    recv_run(&mut recv, mine, hasher, ctx.quic_watchdog(In)).await
                 }
             }
         });
@@ -177,7 +177,7 @@ pub(crate) async fn pull_range(
         return hasher.finish().map_err(|e| verify_error(pull.what, e));
     }
     let (_send, mut recv) = open_stripe(ctx, pull, range).await?;
-    recv_run(&mut recv, dest, hasher, ctx.config.stall_timeout).await
+    recv_run(&mut recv, dest, hasher, ctx.quic_watchdog(In)).await
 }
 
 /// Opens a stream for one stripe and reads its header, which must name the same version
@@ -210,16 +210,15 @@ async fn open_stripe(
 }
 
 /// Reads exactly `dest.len()` bytes of one stripe into `dest`, hashing them in batches as
-/// they land.
+/// they land (and counting them on `watchdog`'s meter).
 async fn recv_run(
     recv: &mut RecvStream,
     dest: &mut [u8],
     mut hasher: RunHasher,
-    stall: Duration,
+    mut watchdog: Watchdog,
 ) -> Result<Vec<PieceHash>> {
     let total = dest.len();
     let (mut filled, mut hashed) = (0, 0);
-    let mut watchdog = Watchdog::new(stall);
     while filled < total {
         filled += wire::read_some(recv, &mut dest[filled..], &mut watchdog, filled, total).await?;
         if filled - hashed >= HASH_BATCH || filled == total {

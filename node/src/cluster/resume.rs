@@ -14,7 +14,7 @@ use crate::{
     inflight::Receiving,
     pool::LinkGuard,
     progress::{self, TransferProgress},
-    wire::{self, HASH_BATCH, Watchdog},
+    wire::{self, HASH_BATCH},
 };
 
 /// How far the receiving of one version got: bytes in, bytes hashed.
@@ -131,8 +131,8 @@ pub(crate) async fn pull_rest(
             return Err(Error::Io(answer));
         }
     }
-    let mut watchdog = Watchdog::new(ctx.config.stall_timeout);
-    let from = resume.filled;
+    // Counts the bytes as they land (two relaxed atomics per read, which is tens of KiB).
+    let mut watchdog = ctx.quic_watchdog(tb_dashboard::Direction::In);
     let mut read = Ok(());
     while resume.filled < total {
         let at = resume.filled;
@@ -149,14 +149,7 @@ pub(crate) async fn pull_rest(
             }
         }
     }
-    // Counted once per transfer (not per read): the data path takes no extra atomics.
-    let received = resume.filled.saturating_sub(from);
-    ctx.metrics.bytes_in.inc_by(received as u64);
-    let inbound = tb_dashboard::Direction::In;
-    let quic = tb_proto::ChannelKind::Quic;
-    ctx.metrics
-        .channels
-        .transfer(quic, inbound, received as u64);
+    ctx.metrics.channels.finished(tb_proto::ChannelKind::Quic);
     read?;
     let hash = resume.finish(dest);
     if hash != expected.hash {

@@ -149,24 +149,26 @@ impl Default for CudaConfig {
 
 /// Writes `header` and then bytes `range` of `tensor`'s payload, from wherever they live: the
 /// sending half of the channel choice (host bytes as slices of the shared buffer, device
-/// bytes through pinned staging). The payload bytes handed to QUIC so far go to `progress`.
+/// bytes through pinned staging). The payload bytes handed to QUIC so far go to `progress`,
+/// and are counted on `meter` as they go.
 pub(crate) async fn write_header_and_tensor<T: Serialize>(
     send: &mut SendStream,
     header: &T,
     tensor: &Tensor,
     range: Range<usize>,
     config: &Config,
+    meter: tb_dashboard::Meter,
     progress: Option<&TransferProgress>,
 ) -> Result<()> {
-    let stall = config.stall_timeout;
+    let watchdog = wire::Watchdog::metered(config.stall_timeout, meter);
     match tensor.device_buffer() {
         None => {
             let payload = tensor.data().slice(range);
-            wire::write_header_and_payload(send, header, &payload, stall, progress).await
+            wire::write_header_and_payload(send, header, &payload, watchdog, progress).await
         }
         Some(buf) => {
             wire::write_frame(send, header).await?;
-            send_payload(send, buf, range, stall, &config.cuda, progress).await
+            send_payload(send, buf, range, watchdog, &config.cuda, progress).await
         }
     }
 }

@@ -89,7 +89,7 @@ pub(crate) async fn send_payload(
     _send: &mut SendStream,
     src: &DeviceBuffer,
     _range: Range<usize>,
-    _stall: Duration,
+    _watchdog: crate::wire::Watchdog,
     _cfg: &CudaConfig,
     _progress: Option<&crate::progress::TransferProgress>,
 ) -> Result<()> {
@@ -99,7 +99,7 @@ pub(crate) async fn send_payload(
 pub(crate) async fn recv_payload(
     _recv: &mut RecvStream,
     dest: &mut DeviceBuffer,
-    _stall: Duration,
+    _watchdog: crate::wire::Watchdog,
     _cfg: &CudaConfig,
 ) -> Result<ContentHash> {
     match dest.never {}

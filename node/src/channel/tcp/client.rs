@@ -5,7 +5,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use iroh::endpoint::RecvStream;
-use tb_dashboard::Direction;
+use tb_dashboard::{Direction, Meter};
 use tb_proto::{
     ByteRange, ChannelKind, DataRequest, DataResponse, TcpHello, TensorMeta, TensorName, frame,
 };
@@ -84,8 +84,8 @@ impl Channel for TcpRoute {
                 received.map_err(ChannelError::Final)?
             }
             Via::Quic(mut recv) => {
-                let stall = ctx.config.stall_timeout;
-                let hash = wire::recv_payload(&mut recv, dest, stall).await;
+                let watchdog = ctx.quic_watchdog(Direction::In);
+                let hash = wire::recv_payload(&mut recv, dest, watchdog).await;
                 let hash = hash.map_err(ChannelError::Final)?;
                 if hash != meta.hash {
                     let expected = meta.hash;
@@ -95,15 +95,13 @@ impl Channel for TcpRoute {
                 0
             }
         };
-        ctx.metrics.bytes_in.inc_by(meta.byte_len);
-        let channels = &ctx.metrics.channels;
-        let by_quic = meta.byte_len - by_tcp;
-        if by_tcp > 0 {
-            channels.transfer(ChannelKind::Tcp, Direction::In, by_tcp);
-            channels.moved(ChannelKind::Quic, Direction::In, by_quic);
+        // The bytes were counted as they moved, on the channel that carried each.
+        let carried = if by_tcp > 0 {
+            ChannelKind::Tcp
         } else {
-            channels.transfer(ChannelKind::Quic, Direction::In, by_quic);
-        }
+            ChannelKind::Quic
+        };
+        ctx.metrics.channels.finished(carried);
         Ok(Pulled {
             name: name.clone(),
             version,
@@ -216,8 +214,16 @@ impl TcpRoute {
             token: *token,
             range: share,
         };
-        let (reached, outcome) =
-            recv_socket(self.addr, &hello, dest, &mut hasher, connect, stall).await;
+        let meter = ctx.metrics.meter(ChannelKind::Tcp, Direction::In);
+        let (reached, outcome) = recv_socket(
+            self.addr,
+            &hello,
+            dest,
+            &mut hasher,
+            &meter,
+            (connect, stall),
+        )
+        .await;
         if let Err(err) = outcome {
             debug!(%err, reached, "{}: TCP socket failed: the rest over QUIC", pull.what);
             let peer = self.peer();
@@ -238,15 +244,16 @@ impl TcpRoute {
     }
 }
 
-/// Connects to `addr`, presents `hello` and reads its range into `dest`, hashing as the
-/// bytes land; returns how many bytes arrived (all hashed) and whether the socket held.
+/// Connects to `addr` (within `connect`), presents `hello` and reads its range into `dest`
+/// (each read within `stall`), hashing as the bytes land and counting them on `meter`;
+/// returns how many bytes arrived (all hashed) and whether the socket held.
 async fn recv_socket(
     addr: SocketAddr,
     hello: &TcpHello,
     dest: &mut [u8],
     hasher: &mut RunHasher,
-    connect: Duration,
-    stall: Duration,
+    meter: &Meter,
+    (connect, stall): (Duration, Duration),
 ) -> (usize, Result<()>) {
     let (mut filled, mut hashed) = (0, 0);
     let received = async {
@@ -274,7 +281,10 @@ async fn recv_socket(
                         "the TCP socket closed after {filled} of {total} bytes"
                     )));
                 }
-                Ok(Ok(n)) => n,
+                Ok(Ok(n)) => {
+                    meter.add(n as u64);
+                    n
+                }
                 Ok(Err(e)) => return Err(io(e)),
                 Err(_) => {
                     let what = format!("TCP channel bytes ({filled} of {total})");

@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use iroh::endpoint::SendStream;
-use tb_dashboard::Direction;
+use tb_dashboard::{Direction, Meter};
 use tb_proto::{
     ChannelKind, DataResponse, ErrorCode, TcpHello, TensorName, channel::MAX_TCP_HELLO_FRAME, frame,
 };
@@ -142,14 +142,9 @@ async fn serve_socket(ctx: &NodeCtx, tcp: &Tcp, mut stream: TcpStream) {
         }
     };
     let _ = stream.set_nodelay(true);
-    match write_all(&mut stream, &bytes, ctx.config.stall_timeout).await {
-        Ok(()) => {
-            let len = bytes.len() as u64;
-            ctx.metrics.bytes_out.inc_by(len);
-            let channels = &ctx.metrics.channels;
-            channels.moved(ChannelKind::Tcp, Direction::Out, len);
-        }
-        Err(err) => debug!(%err, "TCP channel socket not served"),
+    let meter = ctx.metrics.meter(ChannelKind::Tcp, Direction::Out);
+    if let Err(err) = write_all(&mut stream, &bytes, &meter, ctx.config.stall_timeout).await {
+        debug!(%err, "TCP channel socket not served");
     }
     let _ = stream.shutdown().await;
 }
@@ -166,11 +161,16 @@ async fn read_hello(stream: &mut TcpStream) -> Result<TcpHello> {
     frame::decode_body(&body[..len]).map_err(|e| Error::Io(format!("a TCP channel hello: {e}")))
 }
 
-/// Writes `bytes` in [`WRITE_CHUNK`] writes, each within `stall`.
-async fn write_all(stream: &mut TcpStream, bytes: &[u8], stall: Duration) -> Result<()> {
+/// Writes `bytes` in [`WRITE_CHUNK`] writes, each within `stall`, counting them on `meter`.
+async fn write_all(
+    stream: &mut TcpStream,
+    bytes: &[u8],
+    meter: &Meter,
+    stall: Duration,
+) -> Result<()> {
     for chunk in bytes.chunks(WRITE_CHUNK) {
         match tokio::time::timeout(stall, stream.write_all(chunk)).await {
-            Ok(Ok(())) => {}
+            Ok(Ok(())) => meter.add(chunk.len() as u64),
             Ok(Err(e)) => return Err(Error::io("writing on a TCP channel socket", e)),
             Err(_) => return Err(Error::timeout("a TCP channel reader", stall)),
         }

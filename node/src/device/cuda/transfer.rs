@@ -5,7 +5,7 @@
 //! flight ahead of the network; receiving copies chunk k to the device while chunk k+1 is
 //! read from the network into another buffer.
 
-use std::{collections::VecDeque, ops::Range, sync::Arc, time::Duration};
+use std::{collections::VecDeque, ops::Range, sync::Arc};
 
 use bytes::Bytes;
 use cudarc::driver::{CudaStream, sys};
@@ -45,10 +45,11 @@ pub(crate) async fn send_payload(
     send: &mut SendStream,
     src: &DeviceBuffer,
     range: Range<usize>,
-    stall: Duration,
+    mut watchdog: Watchdog,
     cfg: &CudaConfig,
     progress: Option<&TransferProgress>,
 ) -> Result<()> {
+    let stall = watchdog.stall();
     let gpu = gpu(src.ordinal(), cfg)?;
     let stream = transfer_stream(&gpu)?;
     // Chunks handed to QUIC keep counting against the share until they are acknowledged:
@@ -57,7 +58,6 @@ pub(crate) async fn send_payload(
     let slice = src.cuda_slice();
     let (chunk, depth) = (gpu.staging.slot_bytes(), cfg.pipeline_depth.max(1));
     let total = range.len();
-    let mut watchdog = Watchdog::new(stall);
     let mut queued: VecDeque<(Lease, usize)> = VecDeque::with_capacity(depth);
     let (mut next, mut sent) = (range.start, 0);
     loop {
@@ -94,9 +94,10 @@ pub(crate) async fn send_payload(
 pub(crate) async fn recv_payload(
     recv: &mut RecvStream,
     dest: &mut DeviceBuffer,
-    stall: Duration,
+    mut watchdog: Watchdog,
     cfg: &CudaConfig,
 ) -> Result<ContentHash> {
+    let stall = watchdog.stall();
     let gpu = gpu(dest.ordinal(), cfg)?;
     let stream = transfer_stream(&gpu)?;
     let share = gpu.staging.share();
@@ -104,7 +105,6 @@ pub(crate) async fn recv_payload(
     let slice = dest.slice_mut()?;
     let total = slice.len();
     let mut hasher = ContentHasher::new();
-    let mut watchdog = Watchdog::new(stall);
     let mut offset = 0;
     while offset < total {
         let len = chunk.min(total - offset);
