@@ -44,6 +44,19 @@ pub struct Pulled<B> {
     pub buffer: B,
 }
 
+impl Pulled<Vec<u8>> {
+    /// The received (verified) bytes as a tensor that owns them.
+    pub(crate) fn into_tensor(self) -> Pulled<Tensor> {
+        let tensor = Tensor::from_verified(self.meta.clone(), bytes::Bytes::from(self.buffer));
+        Pulled {
+            name: self.name,
+            version: self.version,
+            meta: self.meta,
+            buffer: tensor,
+        }
+    }
+}
+
 /// What to do after a request failed on a link.
 #[derive(Debug)]
 pub(crate) enum Failure {

@@ -12,7 +12,6 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
 use iroh::{
     Endpoint, EndpointId,
     protocol::{DynProtocolHandler, Router},
@@ -273,16 +272,8 @@ impl Node {
                 return Ok(pulled);
             }
         }
-        let pulled = self
-            .quic_pull_into(addr, name, version, channel::alloc_vec)
-            .await?;
-        let tensor = Tensor::from_verified(pulled.meta.clone(), Bytes::from(pulled.buffer));
-        Ok(Pulled {
-            name: pulled.name,
-            version: pulled.version,
-            meta: pulled.meta,
-            buffer: tensor,
-        })
+        let pulled = self.quic_pull_into(addr, name, version, channel::alloc_vec);
+        Ok(pulled.await?.into_tensor())
     }
 
     /// Pulls `name` into a buffer the caller supplies once it knows the metadata (the

@@ -32,7 +32,6 @@ use std::{
     sync::{Arc, Mutex, MutexGuard},
 };
 
-use bytes::Bytes;
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{Access, ChannelKind, ChannelOffer, TensorMeta, TensorName};
@@ -91,13 +90,7 @@ pub(crate) trait Channel {
         version: Option<u64>,
     ) -> Result<Pulled<Tensor>, ChannelError> {
         let pulled = self.pull_into(ctx, name, version, alloc_vec).await?;
-        let tensor = Tensor::from_verified(pulled.meta.clone(), Bytes::from(pulled.buffer));
-        Ok(Pulled {
-            name: pulled.name,
-            version: pulled.version,
-            meta: pulled.meta,
-            buffer: tensor,
-        })
+        Ok(pulled.into_tensor())
     }
 
     /// Pushes `tensor` to the peer, filed as `name` (by default not on this channel).
