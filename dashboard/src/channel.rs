@@ -65,7 +65,7 @@ impl ChannelMetrics {
         let refused = family(
             registry,
             "tb_channel_refused_total",
-            "Connections to this node's channel refused before any tensor byte (no valid token)",
+            "Connections to this node's channel closed before any tensor byte (no valid token, or over its limit of sockets)",
             &["channel"],
         )?;
         Ok(ChannelMetrics {

@@ -41,7 +41,11 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, shm: &Arc<Shm>) -> Result<()> {
                 _ = ctx.cancel.cancelled() => break,
                 accepted = listener.accept() => accepted,
             };
-            let Ok((stream, _)) = accepted else { continue };
+            let Ok((stream, _)) = accepted else {
+                // Out of descriptors, typically: do not spin on the error.
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
             let (ctx2, shm2) = (ctx.clone(), shm.clone());
             ctx.tracker.spawn(async move {
                 let conn = ShmStream::new(stream);

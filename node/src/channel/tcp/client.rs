@@ -20,7 +20,7 @@ use crate::{
     channel::{
         Channel, ChannelError,
         quic::{self, Striped},
-        verify::{PieceHash, Pieces, RunHasher},
+        verify::{PieceHash, Pieces, RunHasher, VerifyError},
     },
     client::{self, Pulled},
     ctx::NodeCtx,
@@ -32,6 +32,16 @@ use crate::{
 const PIECES_PER_SOCKET: usize = 4;
 /// Bytes hashed at once: large enough for the blake3 crate to spread them over cores.
 const HASH_BATCH: usize = 1 << 20;
+
+/// What one socket's share came to.
+struct Share {
+    /// Bytes that came over TCP.
+    reached: u64,
+    /// Whether the rest came over QUIC.
+    fell_back: bool,
+    /// The share's piece hashes.
+    hashes: Vec<PieceHash>,
+}
 
 /// How the holder answered a TCP pull: the version, and where its payload comes from.
 struct Answer {
@@ -161,8 +171,11 @@ impl TcpRoute {
     }
 
     /// Receives the payload into `dest` over [`sockets_for`] sockets, each share hashed as
-    /// it lands and finished over QUIC when its socket fails; checks the merged root.
-    /// Returns the bytes that came over TCP.
+    /// it lands and finished over QUIC when its socket fails; checks the merged root. Bytes
+    /// that do not hash to the ticket's root (tampered on the wire, or a fault TCP's checksum
+    /// missed) are pulled again, whole, over QUIC; only a second mismatch is `Corrupt`.
+    /// Returns the bytes that came over TCP and stayed (0 after such a re-pull). A transfer
+    /// that fell back is counted once in `tb_channel_fallbacks_total{channel="tcp"}`.
     async fn receive(
         &self,
         ctx: &NodeCtx,
@@ -173,7 +186,7 @@ impl TcpRoute {
         let len = dest.len() as u64;
         let sockets = sockets_for(len);
         let pieces = Pieces::split(len, sockets * PIECES_PER_SOCKET);
-        let mut rest = dest;
+        let mut rest = &mut *dest;
         let mut shares = Vec::with_capacity(sockets);
         for run in pieces.group(sockets) {
             let span = pieces.span(&run);
@@ -186,19 +199,43 @@ impl TcpRoute {
             };
             shares.push(self.receive_share(ctx, pull, token, share, mine, hasher));
         }
-        let mut by_tcp = 0;
+        let (mut by_tcp, mut fell_back) = (0, false);
         let mut hashes: Vec<PieceHash> = Vec::new();
-        for (reached, share) in n0_future::try_join_all(shares).await? {
-            by_tcp += reached;
-            hashes.extend(share);
+        for share in n0_future::try_join_all(shares).await? {
+            by_tcp += share.reached;
+            fell_back |= share.fell_back;
+            hashes.extend(share.hashes);
         }
-        let verified = pieces.verify(hashes, pull.meta.hash);
-        verified.map_err(|e| quic::verify_error(pull.what, e))?;
-        Ok(by_tcp)
+        let fallback = || ctx.metrics.channels.fallback(ChannelKind::Tcp);
+        match pieces.verify(hashes, pull.meta.hash) {
+            Ok(_) => {
+                if fell_back {
+                    fallback();
+                }
+                Ok(by_tcp)
+            }
+            Err(VerifyError::Mismatch { .. }) => {
+                debug!(
+                    "{}: TCP bytes did not verify: pulling them again over QUIC",
+                    pull.what
+                );
+                ctx.channels.failed(&self.peer(), ChannelKind::Tcp);
+                fallback();
+                let whole = Pieces::split(len, 1);
+                let hasher = RunHasher::new(&whole, 0..1);
+                let all = ByteRange { offset: 0, len };
+                let hashes = quic::pull_range(ctx, pull, all, dest, hasher).await?;
+                let verified = whole.verify(hashes, pull.meta.hash);
+                verified.map_err(|e| quic::verify_error(pull.what, e))?;
+                Ok(0)
+            }
+            Err(err) => Err(quic::verify_error(pull.what, err)),
+        }
     }
 
-    /// One socket's share: over TCP, and the rest over QUIC from where the socket failed.
-    /// Returns the bytes that came over TCP and the share's piece hashes.
+    /// One socket's share: over TCP, and the rest over QUIC from where the socket failed. A
+    /// socket that could not even start (nothing reached: the port is unreachable from here,
+    /// or refused us) withdraws TCP for the peer; one cut part-way only falls back.
     async fn receive_share(
         &self,
         ctx: &NodeCtx,
@@ -207,7 +244,7 @@ impl TcpRoute {
         share: ByteRange,
         dest: &mut [u8],
         mut hasher: RunHasher,
-    ) -> Result<(u64, Vec<PieceHash>)> {
+    ) -> Result<Share> {
         let stall = ctx.config.stall_timeout;
         let connect = ctx.config.connect_timeout;
         let hello = TcpHello {
@@ -226,21 +263,27 @@ impl TcpRoute {
         .await;
         if let Err(err) = outcome {
             debug!(%err, reached, "{}: TCP socket failed: the rest over QUIC", pull.what);
-            let peer = self.peer();
-            ctx.channels.failed(&peer, ChannelKind::Tcp);
-            ctx.metrics.channels.fallback(ChannelKind::Tcp);
+            if reached == 0 {
+                ctx.channels.failed(&self.peer(), ChannelKind::Tcp);
+            }
             let rest = ByteRange {
                 offset: share.offset + reached as u64,
                 len: share.len - reached as u64,
             };
             let hashes = quic::pull_range(ctx, pull, rest, &mut dest[reached..], hasher).await?;
-            return Ok((reached as u64, hashes));
+            return Ok(Share {
+                reached: reached as u64,
+                fell_back: true,
+                hashes,
+            });
         }
         let hashes = hasher.finish();
-        Ok((
-            reached as u64,
-            hashes.map_err(|e| quic::verify_error(pull.what, e))?,
-        ))
+        let hashes = hashes.map_err(|e| quic::verify_error(pull.what, e))?;
+        Ok(Share {
+            reached: reached as u64,
+            fell_back: false,
+            hashes,
+        })
     }
 }
 
@@ -270,7 +313,10 @@ async fn recv_socket(
         let _ = stream.set_nodelay(true);
         let hello = frame::encode(hello).map_err(|e| Error::Io(e.to_string()))?;
         let io = |e| Error::io("on a TCP channel socket", e);
-        stream.write_all(&hello).await.map_err(io)?;
+        match tokio::time::timeout(connect, stream.write_all(&hello)).await {
+            Ok(written) => written.map_err(io)?,
+            Err(_) => return Err(Error::timeout(format!("a TCP hello to {addr}"), connect)),
+        }
         let total = dest.len();
         // Bounded: each round reads at least one byte or fails.
         while filled < total {

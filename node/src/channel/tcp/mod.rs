@@ -53,7 +53,8 @@ const SOCKET_MIN_BYTES: u64 = 16 << 20;
 /// Tensors smaller than this are served over QUIC on the ticket's own stream: a ticket
 /// round trip and a connection cost more than TCP wins on them.
 const TCP_MIN_BYTES: u64 = 1 << 20;
-/// Outstanding tickets per node; a ticket asked beyond it is answered `Busy` (use QUIC).
+/// Outstanding tickets per node; a pull asking beyond it is answered over QUIC on its own
+/// stream.
 const MAX_TICKETS: usize = 256;
 /// Sockets served at once per node; more are closed unserved (their pullers fall back).
 const MAX_SERVING: usize = 64;
@@ -123,8 +124,9 @@ impl Tcp {
         self.tickets.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Issues a ticket for `sockets` sockets to `tensor`, valid for `ttl`; `None` when
-    /// [`MAX_TICKETS`] are outstanding.
+    /// Issues a ticket to `tensor`, valid for `ttl`, for the sockets the puller will open:
+    /// `sockets` at most, and no more than [`sockets_for`] its size (so no slot of a ticket
+    /// is left unused to outlive the transfer); `None` when [`MAX_TICKETS`] are outstanding.
     pub(crate) fn issue(
         &self,
         tensor: Tensor,
@@ -139,6 +141,7 @@ impl Tcp {
         if tickets.len() >= MAX_TICKETS {
             return Ok(None);
         }
+        let sockets = sockets.min(sockets_for(tensor.byte_len()) as u8);
         let ticket = Ticket {
             tensor,
             sockets_left: sockets,
@@ -153,6 +156,8 @@ impl Tcp {
     pub(crate) fn admit(&self, token: &[u8; 32], range: ByteRange) -> Result<Bytes, Refusal> {
         let now = Instant::now();
         let mut tickets = self.tickets();
+        // Expired tickets go here too, so a holder that stops issuing frees their versions.
+        tickets.retain(|_, t| t.expires > now);
         let ticket = tickets
             .get_mut(token)
             .filter(|t| t.expires > now)
@@ -227,12 +232,20 @@ mod tests {
             tcp.admit(&token, outside),
             Err(Refusal::Range(outside, 1000))
         );
-        let first = tcp.admit(&token, range(0, 500)).expect("first socket");
+        // Asked for 2 sockets, but 1000 bytes ride one: the ticket admits one.
+        let first = tcp.admit(&token, range(500, 500)).expect("the socket");
         assert_eq!(first.len(), 500);
-        assert_eq!(first[499], (499 % 256) as u8);
-        let second = tcp.admit(&token, range(500, 500)).expect("second socket");
-        assert_eq!(second[0], (500 % 256) as u8);
-        // Used up: a third socket (a replay of the token) is refused.
+        assert_eq!(first[0], (500 % 256) as u8);
+        // Used up: a second socket (a replay of the token) is refused.
+        assert_eq!(tcp.admit(&token, range(0, 1)), Err(Refusal::UnknownToken));
+        // A large tensor's ticket admits as many sockets as it was asked for.
+        let len = SOCKET_MIN_BYTES * 2;
+        let big = Tensor::new(tb_proto::DType::U8, vec![len], vec![7u8; len as usize]);
+        let token = tcp.issue(big.expect("tensor"), 2, ttl).expect("issue");
+        let token = token.expect("room");
+        for _ in 0..2 {
+            tcp.admit(&token, range(0, 1)).expect("a socket");
+        }
         assert_eq!(tcp.admit(&token, range(0, 1)), Err(Refusal::UnknownToken));
     }
 

@@ -23,6 +23,9 @@ use crate::{
     wire,
 };
 
+/// Pause after a failed `accept` (e.g. out of file descriptors) before the next.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Bytes per write: large, so the kernel gets big copies, and bounded, so a stalled reader
 /// is noticed within one stall timeout per write.
 const WRITE_CHUNK: usize = 4 << 20;
@@ -103,10 +106,13 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
                 accepted = listener.accept() => accepted,
             };
             let Ok((stream, from)) = accepted else {
+                // Out of descriptors, typically: do not spin on the error.
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             };
             let Ok(permit) = serving.clone().try_acquire_owned() else {
                 debug!(%from, "TCP channel at its limit of sockets: closed unserved");
+                ctx.metrics.channels.refused(ChannelKind::Tcp);
                 continue;
             };
             let (ctx2, tcp2) = (ctx.clone(), tcp.clone());
