@@ -456,3 +456,35 @@ async fn a_gets_progress_climbs_to_the_tensors_length() {
     reader.shutdown().await;
     brokers.shutdown().await;
 }
+
+/// A broker that stops answering is marked dead by its peers after the liveness timeout (2 s
+/// here), as a silent worker is: brokers heartbeat to each other. The survivor stays alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_stops_answering_is_shown_dead() {
+    let mut brokers = Brokers::start(2).await;
+    let gone = brokers.all.pop().expect("the second broker");
+    let (gone_id, kept_id) = (
+        tb_node::auth::node_id(&gone.addr().id),
+        tb_node::auth::node_id(&brokers.all[0].addr().id),
+    );
+    let asker = node(Config {
+        heartbeats: false,
+        ..worker_config(brokers.addrs_from(0))
+    })
+    .await;
+    let row_alive = |id| {
+        let asker = asker.clone();
+        async move {
+            let members = asker.members().await.unwrap_or_default();
+            members.iter().find(|m| m.node == id).map(|m| m.alive)
+        }
+    };
+    let seen = eventually_async(LIMIT, || async { row_alive(gone_id).await == Some(true) }).await;
+    assert!(seen, "the second broker is listed alive while it runs");
+    gone.shutdown().await;
+    let dead = eventually_async(LIMIT, || async { row_alive(gone_id).await == Some(false) }).await;
+    assert!(dead, "the stopped broker is shown dead");
+    assert_eq!(row_alive(kept_id).await, Some(true), "the survivor stays alive");
+    asker.shutdown().await;
+    brokers.shutdown().await;
+}
