@@ -110,6 +110,6 @@ async fn exchange(conn: &Connection, request: &CtlRequest) -> Result<(), String>
         Ok(CtlResponse::Ok) => Ok(()),
         Ok(CtlResponse::Error { code, message }) => Err(format!("refused: {code:?}: {message}")),
         Ok(_) => Err("an unexpected answer".into()),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.into_error("the answer").to_string()),
     }
 }
