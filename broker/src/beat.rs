@@ -65,8 +65,7 @@ impl PeerBeats {
         let cached = lock(links).get(&peer.id).cloned();
         let conn = match cached.filter(|c| c.close_reason().is_none()) {
             Some(conn) => conn,
-            None => match sync::dial(&self.endpoint, &self.key, self.connect_timeout, peer).await
-            {
+            None => match sync::dial(&self.endpoint, &self.key, self.connect_timeout, peer).await {
                 Ok(conn) => {
                     lock(links).insert(peer.id, conn.clone());
                     conn

@@ -381,10 +381,7 @@ pub(crate) async fn dial(
             .map_err(|e| e.to_string())?;
         Ok::<_, SyncError>(conn)
     };
-    tokio::time::timeout(timeout, dial).await.map_err(|_| {
-        format!(
-            "no link to {} within {timeout:?}",
-            peer.id.fmt_short()
-        )
-    })?
+    tokio::time::timeout(timeout, dial)
+        .await
+        .map_err(|_| format!("no link to {} within {timeout:?}", peer.id.fmt_short()))?
 }

@@ -60,7 +60,11 @@ fn clients_race_past_a_dead_first_broker() {
         if let Some(ticket) = join {
             cmd.arg("--join").arg(ticket.to_string());
         }
-        let mut p = Proc::start(&format!("broker {i}"), cmd, &dir.path().join(format!("b{i}.log")));
+        let mut p = Proc::start(
+            &format!("broker {i}"),
+            cmd,
+            &dir.path().join(format!("b{i}.log")),
+        );
         let ticket: Ticket = p.wait_line("ticket:", START).parse().expect("ticket");
         (p, ticket)
     };
@@ -77,7 +81,9 @@ fn clients_race_past_a_dead_first_broker() {
     let input = dir.path().join("in.bin");
     std::fs::write(&input, &bytes).expect("write");
     let input = input.to_string_lossy().into_owned();
-    let put = ["put", "race/w", &input, "--dtype", "u8", "--shape", "1048576"];
+    let put = [
+        "put", "race/w", &input, "--dtype", "u8", "--shape", "1048576",
+    ];
     let put: Vec<&str> = put.into_iter().chain(["--worker", &worker_addr]).collect();
     ok("tb put", &tb(&put, &ticket, &secret, &[]).0);
 
@@ -95,7 +101,10 @@ fn clients_race_past_a_dead_first_broker() {
     let wrong = write_secret(dir.path(), "wrong", "not-this-clusters-secret-but-32-bytes");
     let (out, refused_took) = tb(&["ls"], &ticket, &wrong, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("unauthorized"), "{stderr}");
+    assert!(
+        !out.status.success() && stderr.contains("unauthorized"),
+        "{stderr}"
+    );
     println!(
         "first-listed broker dead: tb ls {ls_took:?}, tb get of 1 MiB {get_took:?}, \
          wrong-secret tb ls {refused_took:?} (target < 0.5 s; each process includes its start)"

@@ -484,7 +484,11 @@ async fn a_broker_that_stops_answering_is_shown_dead() {
     gone.shutdown().await;
     let dead = eventually_async(LIMIT, || async { row_alive(gone_id).await == Some(false) }).await;
     assert!(dead, "the stopped broker is shown dead");
-    assert_eq!(row_alive(kept_id).await, Some(true), "the survivor stays alive");
+    assert_eq!(
+        row_alive(kept_id).await,
+        Some(true),
+        "the survivor stays alive"
+    );
     asker.shutdown().await;
     brokers.shutdown().await;
 }

@@ -36,9 +36,7 @@ impl LastHeard {
     /// After a restart: every member `registry` holds as alive, except `me`, counts as heard
     /// at `now_ms`.
     pub(super) fn resumed(registry: &Registry, me: NodeId, now_ms: u64) -> Self {
-        let alive = registry
-            .members()
-            .filter(|m| m.alive && m.node != me);
+        let alive = registry.members().filter(|m| m.alive && m.node != me);
         LastHeard(
             alive
                 .map(|m| {
@@ -143,7 +141,10 @@ impl BrokerState {
             alive: true,
             ..row.clone()
         };
-        tracing::info!(epoch = row.epoch, "marked dead by a peer: writing this broker alive");
+        tracing::info!(
+            epoch = row.epoch,
+            "marked dead by a peer: writing this broker alive"
+        );
         self.local_op(RegistryOp::Member(row), now_ms)
     }
 }
@@ -268,7 +269,10 @@ mod tests {
         assert_eq!(b.registry.member(&me).map(|m| m.alive), Some(false));
         let refuted = b.expire(21_000);
         let rows = member_ops(&refuted);
-        assert!(rows.len() == 1 && rows[0].node == me && rows[0].alive, "{rows:?}");
+        assert!(
+            rows.len() == 1 && rows[0].node == me && rows[0].alive,
+            "{rows:?}"
+        );
         assert_eq!(b.registry.member(&me).map(|m| m.alive), Some(true));
     }
 

@@ -26,7 +26,6 @@ use iroh::{
     Endpoint, EndpointId,
     endpoint::{Connection, RecvStream, SendStream},
 };
-use n0_future::{FuturesUnordered, StreamExt};
 use tb_proto::{CTL_ALPN, CloseCode, ClusterKey, CtlRequest, CtlResponse, MAX_LIST_LIMIT};
 use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -34,7 +33,7 @@ use tracing::debug;
 
 use super::{
     failover::{self, Failure},
-    race::{self, Lost, STAGGER},
+    race::{self, EACH_GRACE, Lost, STAGGER},
 };
 use crate::{
     auth,
@@ -43,10 +42,6 @@ use crate::{
     error::{BrokerFailure, Error, Result},
     wire,
 };
-
-/// How long [`CtlClient::call_each`] waits for the other brokers once one has answered: live
-/// brokers answer within milliseconds of each other, a dead one not before its connect timeout.
-const EACH_GRACE: Duration = Duration::from_secs(1);
 
 /// Most frames one answer may have (a listing of `MAX_LIST_LIMIT` entries one per frame, and
 /// the final one): a bound on a broker that never says `last`.
@@ -240,41 +235,28 @@ impl CtlClient {
     /// Sends `request` to every broker at once, without failover, and returns each one's
     /// answer in list order: for questions whose answer differs per broker (`Members`: each
     /// broker knows the stats of the workers that heartbeat to it). Once one broker has
-    /// answered, the others get [`EACH_GRACE`] more, so a dead broker costs the call that
-    /// grace instead of a connect timeout; those that miss it are answered `Timeout`.
+    /// answered, the others get [`EACH_GRACE`] more (see `race::all_with_grace`), so a dead
+    /// broker costs the call that grace instead of a connect timeout; those that miss it are
+    /// answered `Timeout`.
     pub(crate) async fn call_each(
         &self,
         request: &CtlRequest,
         timeout: Duration,
     ) -> Vec<(PeerAddr, Result<Vec<CtlResponse>>)> {
-        let count = self.brokers.len();
-        let mut running = FuturesUnordered::new();
-        for i in 0..count {
-            running.push(async move {
+        let attempts = (0..self.brokers.len())
+            .map(|i| async move {
                 let answer = self.attempt(i, request, timeout).await;
-                (i, answer.map_err(|(Failure::Answered(e) | Failure::Unusable(e))| e))
-            });
-        }
-        let mut answers: Vec<Option<Result<Vec<CtlResponse>>>> = (0..count).map(|_| None).collect();
-        let mut deadline = None;
-        for _ in 0..count {
-            let next = match deadline {
-                None => running.next().await,
-                Some(at) => tokio::time::timeout_at(at, running.next()).await.ok().flatten(),
-            };
-            let Some((i, answer)) = next else { break };
-            if answer.is_ok() && deadline.is_none() {
-                deadline = Some(tokio::time::Instant::now() + EACH_GRACE);
-            }
-            answers[i] = Some(answer);
-        }
-        let late = |i: usize| {
-            let what = format!("broker {} after another answered", short_addr(&self.brokers[i].addr));
+                answer.map_err(|(Failure::Answered(e) | Failure::Unusable(e))| e)
+            })
+            .collect();
+        let answers = race::all_with_grace(attempts, EACH_GRACE).await;
+        let late = |broker: &BrokerLink| {
+            let what = format!("broker {} after another answered", short_addr(&broker.addr));
             Err(Error::timeout(what, EACH_GRACE))
         };
-        let answers = answers.into_iter().enumerate();
+        let answers = answers.into_iter().zip(&self.brokers);
         answers
-            .map(|(i, a)| (self.brokers[i].addr.clone(), a.unwrap_or_else(|| late(i))))
+            .map(|(answer, b)| (b.addr.clone(), answer.unwrap_or_else(|| late(b))))
             .collect()
     }
 
@@ -317,11 +299,8 @@ impl CtlClient {
             .into_iter()
             .filter(|i| !failed.iter().any(|(f, _)| f == i))
             .collect();
-        let connect = |i| async move {
-            self.connection(i)
-                .await
-                .map_err(failover::connect_failure)
-        };
+        let connect =
+            |i| async move { self.connection(i).await.map_err(failover::connect_failure) };
         match race::staggered(&order, STAGGER, failed, connect).await {
             Ok(won) => Ok(won),
             Err(Lost::Answered(i, e)) => {

@@ -143,11 +143,17 @@ mod tests {
             reason: "no connection within 5s".into(),
         };
         let refused = Error::Unauthorized("b0 refused our cluster secret".into());
-        let mixed = vec![failure("b0@a", refused.clone()), failure("b1@b", unreachable)];
+        let mixed = vec![
+            failure("b0@a", refused.clone()),
+            failure("b1@b", unreachable),
+        ];
         let e = exhausted(mixed);
         assert!(matches!(&e, Error::NoBroker { tried: 2, failures } if failures.len() == 2));
         let text = e.to_string();
-        assert!(text.contains("b0@a (unauthorized") && text.contains("b1@b (peer b1"), "{text}");
+        assert!(
+            text.contains("b0@a (unauthorized") && text.contains("b1@b (peer b1"),
+            "{text}"
+        );
         let all_refused = vec![failure("b0@a", refused.clone()), failure("b1@b", refused)];
         assert!(matches!(exhausted(all_refused), Error::Unauthorized(_)));
         assert!(matches!(

@@ -1,7 +1,10 @@
-//! The staggered race a call runs across brokers: the preferred broker first, the next one
-//! whenever the newest attempt has gone [`STAGGER`] without an outcome (or at once when one
-//! fails), the first success wins. Losers are dropped, which cancels them. Generic over what
-//! an attempt yields, so it is tested with plain futures and paused time.
+//! How a call runs across brokers, generic over what an attempt yields (so it is tested with
+//! plain futures and paused time):
+//! - [`staggered`]: the race of a call that needs one broker. The preferred broker first, the
+//!   next one whenever the newest attempt has gone [`STAGGER`] without an outcome (or at once
+//!   when one fails); the first success wins, and the losers are dropped, which cancels them.
+//! - [`all_with_grace`]: a question asked of every broker (`tb status`): all at once, and
+//!   [`EACH_GRACE`] for the others once one has answered.
 //!
 //! Racing with a short stagger instead of trying brokers one after another means a dead
 //! broker listed first costs a call one stagger, not a whole connect timeout.
@@ -18,6 +21,11 @@ use crate::error::Error;
 /// live broker on a LAN completes a dial and hello in a few ms, so a broker silent this long is
 /// likely dead or far, and trying another costs at most one extra connection.
 pub(crate) const STAGGER: Duration = Duration::from_millis(200);
+
+/// How long a question asked of every broker at once waits for the others once one has
+/// answered: live brokers answer within milliseconds of each other, a dead one not before its
+/// connect timeout.
+pub(crate) const EACH_GRACE: Duration = Duration::from_secs(1);
 
 /// How a race ended without a winner.
 #[derive(Debug)]
@@ -72,6 +80,40 @@ where
         }
     }
     Err(Lost::Exhausted)
+}
+
+/// Runs every one of `attempts` at once and returns their outcomes in the same order; once one
+/// has succeeded, the others get `grace` more, and those still running then are dropped
+/// (cancelled) and come back `None`.
+pub(crate) async fn all_with_grace<T, E, Fut>(
+    attempts: Vec<Fut>,
+    grace: Duration,
+) -> Vec<Option<Result<T, E>>>
+where
+    Fut: Future<Output = Result<T, E>>,
+{
+    let count = attempts.len();
+    let mut running = FuturesUnordered::new();
+    for (i, attempt) in attempts.into_iter().enumerate() {
+        running.push(async move { (i, attempt.await) });
+    }
+    let mut outcomes: Vec<Option<Result<T, E>>> = (0..count).map(|_| None).collect();
+    let mut deadline = None;
+    for _ in 0..count {
+        let next = match deadline {
+            None => running.next().await,
+            Some(at) => tokio::time::timeout_at(at, running.next())
+                .await
+                .ok()
+                .flatten(),
+        };
+        let Some((i, outcome)) = next else { break };
+        if outcome.is_ok() && deadline.is_none() {
+            deadline = Some(Instant::now() + grace);
+        }
+        outcomes[i] = Some(outcome);
+    }
+    outcomes
 }
 
 #[cfg(test)]
@@ -159,6 +201,34 @@ mod tests {
         let (won, at, _, _) = race(&[Fake::Hangs, Fake::Refuses(3), Fake::Hangs]).await;
         assert_eq!(won, Err("b1 answered unauthorized: b1".into()));
         assert_eq!(at, 203, "not after the hanging brokers");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn asking_all_waits_a_grace_after_the_first_answer_not_for_the_dead() {
+        let after = |ms: u64, ok: bool| async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            if ok { Ok(ms) } else { Err(ms) }
+        };
+        let t0 = Instant::now();
+        let attempts = vec![
+            after(3_600_000, true),
+            after(10, true),
+            after(500, true),
+            after(5, false),
+        ];
+        let outcomes = all_with_grace(attempts, Duration::from_secs(1)).await;
+        assert_eq!(
+            outcomes,
+            vec![None, Some(Ok(10)), Some(Ok(500)), Some(Err(5))]
+        );
+        assert_eq!(
+            t0.elapsed(),
+            Duration::from_millis(1_010),
+            "one grace after the first"
+        );
+        // Failures alone start no grace: every attempt is waited for.
+        let outcomes = all_with_grace(vec![after(5, false), after(2_000, false)], EACH_GRACE).await;
+        assert_eq!(outcomes, vec![Some(Err(5)), Some(Err(2_000))]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -44,7 +44,11 @@ async fn a_dead_first_broker_costs_a_stagger_not_a_connect_timeout() {
     let got = within("get", reader.get("m/w")).await.expect("get");
     let got_in = started.elapsed();
     assert_eq!(got.buffer.data(), t.data());
-    assert_eq!(reader.current_broker(), Some(&live), "the winner is remembered");
+    assert_eq!(
+        reader.current_broker(),
+        Some(&live),
+        "the winner is remembered"
+    );
     println!("dead first broker: ls {listed_in:?}, get of 1 MiB {got_in:?} (target < 0.5 s)");
     for node in [publisher, reader, broker] {
         node.shutdown().await;
