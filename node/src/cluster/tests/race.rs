@@ -25,7 +25,7 @@ fn racing(brokers: &[PeerAddr], secret: &str) -> Config {
 async fn a_dead_first_broker_costs_a_stagger_not_a_connect_timeout() {
     let fake = FakeCluster::new();
     let (broker, live) = fake.broker(racing(&[], "right-secret")).await;
-    let publisher = worker(racing(&[live.clone()], "right-secret")).await;
+    let publisher = worker(racing(std::slice::from_ref(&live), "right-secret")).await;
     let t = tensor(1 << 18, 9); // 1 MiB
     within("publish", publisher.publish("m/w", t.clone()))
         .await
