@@ -3,8 +3,8 @@
 //! (`state::liveness`): a broker that stops answering is marked dead in the registry, which
 //! `tb status`, the HTTP API and the dashboard show.
 //!
-//! Each round heartbeats every peer at once, each bounded by the request timeout, so a dead
-//! peer (whose dial lasts a whole connect timeout) delays no one else's heartbeat.
+//! Each round heartbeats every peer at once and lasts at most one interval, so a dead peer
+//! (whose dial would last a whole connect timeout) delays no one else's heartbeat.
 
 use std::{collections::HashMap, sync::Mutex, time::Duration};
 
@@ -42,15 +42,20 @@ impl PeerBeats {
         let links = Mutex::new(HashMap::new());
         let me = self.endpoint.id();
         loop {
+            let started = tokio::time::Instant::now();
             let peers = peer_brokers(&self.actor, &self.join, me, self.request_timeout).await;
-            let beats = peers.iter().map(|peer| self.beat(peer, &links));
+            tracing::trace!(peers = peers.len(), "heartbeating peer brokers");
+            let beats = n0_future::join_all(peers.iter().map(|peer| self.beat(peer, &links)));
+            // A beat still under way after one interval is dropped: a dead peer's dial would
+            // hold the round for a whole connect timeout, and every live peer's next heartbeat
+            // with it, past their liveness timeout.
             tokio::select! {
                 _ = self.cancel.cancelled() => break,
-                _ = n0_future::join_all(beats) => {}
+                _ = tokio::time::timeout(self.interval, beats) => {}
             }
             tokio::select! {
                 _ = self.cancel.cancelled() => break,
-                () = tokio::time::sleep(self.interval) => {}
+                () = tokio::time::sleep_until(started + self.interval) => {}
             }
         }
         let links = links.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -84,7 +89,10 @@ impl PeerBeats {
         };
         let sent = tokio::time::timeout(self.request_timeout, exchange(&conn, &request)).await;
         let failure = match sent {
-            Ok(Ok(())) => return,
+            Ok(Ok(())) => {
+                tracing::trace!(peer = %peer.id.fmt_short(), "heartbeat to a peer broker answered");
+                return;
+            }
             Ok(Err(e)) => e,
             Err(_) => format!("no answer within {:?}", self.request_timeout),
         };

@@ -1,7 +1,8 @@
 //! Worker and broker liveness: [`BrokerState::heartbeat`] and [`BrokerState::expire`].
 //! Brokers heartbeat to each other (`beat`) as workers heartbeat to brokers, and are judged
 //! by the same rules and timeout; a broker is never judged by itself, and writes itself alive
-//! again when a peer marked it dead.
+//! again when a peer marked it dead. A peer broker learned from gossip and never heard gets one
+//! timeout to heartbeat, as after a restart.
 //!
 //! Who judges whom: a broker judges a worker only while it has heard that worker directly,
 //! at the epoch the membership table holds. Other brokers learn the verdict from gossip. A
@@ -48,6 +49,25 @@ impl LastHeard {
                 })
                 .collect(),
         )
+    }
+}
+
+impl LastHeard {
+    /// Starts the clock on every alive peer broker `registry` holds that this broker (`me`)
+    /// has not heard yet (it learned of it from gossip): each gets one timeout from `now_ms`
+    /// to heartbeat, as after a restart, so that a broker that died before it ever reached
+    /// this one is judged too.
+    fn watch_brokers(&mut self, registry: &Registry, me: NodeId, now_ms: u64) {
+        let unheard = registry
+            .members()
+            .filter(|m| m.role == Role::Broker && m.alive && m.node != me);
+        for m in unheard {
+            let heard = Heard {
+                epoch: m.epoch,
+                at_ms: now_ms,
+            };
+            self.0.entry(m.node).or_insert(heard);
+        }
     }
 }
 
@@ -103,6 +123,7 @@ impl BrokerState {
     /// in flight that went without news for `fetch_timeout_ms`. Call it periodically.
     pub fn expire(&mut self, now_ms: u64) -> Changes {
         let (timeout, me) = (self.config.liveness_timeout_ms, self.node());
+        self.heard.watch_brokers(&self.registry, me, now_ms);
         let silent = |h: &Heard| now_ms.saturating_sub(h.at_ms) > timeout;
         let dead: Vec<Member> = self
             .heard
@@ -274,6 +295,37 @@ mod tests {
             "{rows:?}"
         );
         assert_eq!(b.registry.member(&me).map(|m| m.alive), Some(true));
+    }
+
+    #[test]
+    fn a_peer_broker_never_heard_is_judged_one_timeout_after_it_was_learned() {
+        let mut b = broker();
+        let row = Member {
+            node: id(7),
+            role: Role::Broker,
+            addrs: addrs("b:7"),
+            epoch: 1,
+            alive: true,
+            stamp: Stamp {
+                wall_ms: 1_000,
+                logical: 0,
+                node: id(7),
+            },
+        };
+        b.remote_op(&RegistryOp::Member(row), 1_000)
+            .expect("applied");
+        assert!(b.expire(2_000).is_empty(), "the clock starts now");
+        assert!(
+            b.expire(12_000).is_empty(),
+            "exactly one timeout later: alive"
+        );
+        let expired = b.expire(12_001);
+        let rows = member_ops(&expired);
+        assert!(
+            rows.len() == 1 && rows[0].node == id(7) && !rows[0].alive,
+            "{rows:?}"
+        );
+        assert!(b.expire(100_000).is_empty(), "judged once");
     }
 
     #[test]
