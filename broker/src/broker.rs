@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use crate::{
     BrokerConfig, BrokerState, RegistryStore,
     actor::{BrokerActor, BrokerArgs, BrokerMsg, SNAPSHOT_PERIOD, now_ms},
+    beat::PeerBeats,
     ctl::{CtlProtocol, ask},
     gossip::GossipLoop,
     metrics::{BrokerCounters, MemberStatsBook},
@@ -225,6 +226,7 @@ impl Broker {
             registry_view,
         };
         broker.announce_self(epoch, &opts).await?;
+        let peers_to_beat = peers.clone();
         let sync = SyncLoop {
             actor: broker.actor.clone(),
             links: PeerLinks::new(
@@ -245,6 +247,19 @@ impl Broker {
             cancel: broker.cancel.clone(),
         };
         broker.tracker.spawn(sync.run());
+        let beats = PeerBeats {
+            actor: broker.actor.clone(),
+            endpoint: broker.node.endpoint().clone(),
+            key: opts.node.cluster_key.clone(),
+            join: peers_to_beat,
+            addrs: vec![broker.addr().addr.to_string()],
+            epoch,
+            interval: beat_interval(&opts),
+            connect_timeout: opts.node.connect_timeout,
+            request_timeout: opts.node.request_timeout,
+            cancel: broker.cancel.clone(),
+        };
+        broker.tracker.spawn(beats.run());
         info!(broker = %broker.addr(), epoch, "broker started");
         Ok(broker)
     }
@@ -365,6 +380,17 @@ async fn open_store(
     opened.map_err(|source| StartError::Store { dir, source })
 }
 
+/// How often a broker heartbeats its peers: the node's heartbeat interval, but at least four
+/// times per liveness timeout, so that a peer with a short timeout never judges it dead
+/// between two heartbeats.
+fn beat_interval(opts: &BrokerOptions) -> Duration {
+    let quarter = Duration::from_millis(opts.state.liveness_timeout_ms / 4);
+    opts.node
+        .heartbeat_interval
+        .min(quarter)
+        .max(Duration::from_millis(50))
+}
+
 /// Plumtree tuned for a broker cluster (a few brokers, one network, round trips of a
 /// millisecond or less). An op that reaches a broker only by the lazy path (an `IHave`, then a
 /// `Graft` when the payload does not follow on an eager link) waited iroh-gossip's default
@@ -468,18 +494,26 @@ impl SyncLoop {
 
     /// The join list plus every live broker the membership table knows, except this one.
     async fn peers(&self) -> Vec<PeerAddr> {
-        let mut peers: Vec<PeerAddr> = self.join.clone();
-        let members = ask(&self.actor, self.request_timeout, |reply| {
-            BrokerMsg::Members { reply }
-        })
+        peer_brokers(&self.actor, &self.join, self.me, self.request_timeout).await
+    }
+}
+
+/// The brokers of `join` plus every live broker the membership table knows, except `me`.
+pub(crate) async fn peer_brokers(
+    actor: &ActorRef<BrokerMsg>,
+    join: &[PeerAddr],
+    me: EndpointId,
+    timeout: Duration,
+) -> Vec<PeerAddr> {
+    let mut peers: Vec<PeerAddr> = join.to_vec();
+    let members = ask(actor, timeout, |reply| BrokerMsg::Members { reply })
         .await
         .unwrap_or_default();
-        for peer in members.iter().filter_map(|m| broker_addr(m, true)) {
-            if !peers.iter().any(|p| p.id == peer.id) {
-                peers.push(peer);
-            }
+    for peer in members.iter().filter_map(|m| broker_addr(m, true)) {
+        if !peers.iter().any(|p| p.id == peer.id) {
+            peers.push(peer);
         }
-        peers.retain(|p| p.id != self.me);
-        peers
     }
+    peers.retain(|p| p.id != me);
+    peers
 }

@@ -10,7 +10,8 @@ pub struct BrokerConfig {
     /// Versions per name whose holder marks the registry keeps (the newest K; 0 counts as 1).
     /// Every broker of a cluster must use the same value, or their replicas never converge.
     pub keep_versions: u64,
-    /// A worker this broker hears heartbeats from is marked dead after this long without one.
+    /// A worker or peer broker this broker hears heartbeats from is marked dead after this long
+    /// without one.
     pub liveness_timeout_ms: u64,
     /// Most fetchers one source (a holder, or a node still receiving) is handed out to at a
     /// time, so that many fetches of one version form a pipeline or tree instead of a star

@@ -51,6 +51,7 @@
 //! ```
 
 mod actor;
+mod beat;
 mod broker;
 mod config;
 mod ctl;

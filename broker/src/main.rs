@@ -37,7 +37,7 @@ struct Args {
     /// Also write the cluster ticket to this file.
     #[arg(long, env = "TB_TICKET_FILE")]
     ticket_file: Option<PathBuf>,
-    /// Mark a worker dead after this many seconds without a heartbeat.
+    /// Mark a worker or peer broker dead after this many seconds without a heartbeat.
     #[arg(long, env = "TB_LIVENESS_TIMEOUT", default_value_t = 10)]
     liveness_timeout: u64,
     /// Seconds between anti-entropy rounds with every peer broker.

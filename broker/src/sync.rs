@@ -346,33 +346,7 @@ impl PeerLinks {
             }
             self.links.remove(&peer.id);
         }
-        let dial = async {
-            let conn = self
-                .endpoint
-                .connect(peer.to_endpoint_addr(), CTL_ALPN)
-                .await
-                .map_err(|e| format!("dialing {}: {e}", peer.id.fmt_short()))?;
-            auth::client_hello(
-                &conn,
-                self.endpoint.id(),
-                &self.key,
-                CTL_ALPN,
-                self.timeout,
-                0,
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-            Ok::<_, SyncError>(conn)
-        };
-        let conn = tokio::time::timeout(self.timeout, dial)
-            .await
-            .map_err(|_| {
-                format!(
-                    "no link to {} within {:?}",
-                    peer.id.fmt_short(),
-                    self.timeout
-                )
-            })??;
+        let conn = dial(&self.endpoint, &self.key, self.timeout, peer).await?;
         self.links.insert(peer.id, conn.clone());
         Ok(conn)
     }
@@ -388,4 +362,26 @@ impl PeerLinks {
             conn.close(0u32.into(), b"shutdown");
         }
     }
+}
+
+/// Dials `peer` on `tb/ctl/1` and proves the cluster secret, both within `timeout`.
+pub(crate) async fn dial(
+    endpoint: &Endpoint,
+    key: &ClusterKey,
+    timeout: Duration,
+    peer: &PeerAddr,
+) -> Result<Connection, SyncError> {
+    let dial = async {
+        let conn = endpoint
+            .connect(peer.to_endpoint_addr(), CTL_ALPN)
+            .await
+            .map_err(|e| format!("dialing {}: {e}", peer.id.fmt_short()))?;
+        auth::client_hello(&conn, endpoint.id(), key, CTL_ALPN, timeout, 0)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, SyncError>(conn)
+    };
+    tokio::time::timeout(timeout, dial)
+        .await
+        .map_err(|_| format!("no link to {} within {timeout:?}", peer.id.fmt_short()))?
 }

@@ -35,6 +35,25 @@ pub struct Join {
     pub timeout: u64,
 }
 
+/// Longest the shutdown of a command's node may hold up the command: closing its endpoint
+/// waits for every QUIC connection to drain, and a handshake to a dead broker (one that lost
+/// the race to a live one) drains for about 3 s after the answer is in. Everything before that
+/// wait (closing the links to live peers) takes milliseconds; only that wait is cut.
+const CLIENT_SHUTDOWN_GRACE: Duration = Duration::from_millis(150);
+
+/// Shuts down a command's node, waiting at most [`CLIENT_SHUTDOWN_GRACE`]. A node whose
+/// shutdown is cut short is leaked: the process exits next, and dropping an endpoint that is
+/// still closing would only log an error.
+pub async fn close(node: &Node) {
+    if tokio::time::timeout(CLIENT_SHUTDOWN_GRACE, node.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::debug!("node shutdown cut short after {CLIENT_SHUTDOWN_GRACE:?}");
+        std::mem::forget(node.clone());
+    }
+}
+
 /// The folder where `tb up` keeps its state, ticket and secret.
 pub fn up_dir() -> Result<PathBuf> {
     Ok(daemon::data_dir(None, "up")?)
@@ -94,7 +113,7 @@ fn read_ticket(path: &Path) -> Result<Ticket> {
 pub async fn ls(join: &Join, prefix: &str) -> Result<()> {
     let node = join.node().await?;
     let listed = node.list(prefix).await;
-    node.shutdown().await;
+    close(&node).await;
     let entries = listed.context("listing")?;
     if entries.is_empty() {
         println!("no tensors{}", in_prefix(prefix));
@@ -139,7 +158,7 @@ pub async fn watch(join: &Join, pattern: &str) -> Result<()> {
             () = daemon::wait_for_signal() => break,
             event = sub.next() => match event {
                 None => {
-                    node.shutdown().await;
+                    close(&node).await;
                     bail!("the subscription ended: no broker reachable");
                 }
                 Some(Err(e)) => eprintln!("error: {e}"),
@@ -154,7 +173,7 @@ pub async fn watch(join: &Join, pattern: &str) -> Result<()> {
             },
         }
     }
-    node.shutdown().await;
+    close(&node).await;
     Ok(())
 }
 

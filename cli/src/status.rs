@@ -26,7 +26,7 @@ pub struct StatusArgs {
 pub async fn status(join: &Join, args: &StatusArgs) -> Result<()> {
     let node = join.node().await?;
     let view = node.members_with_stats().await;
-    node.shutdown().await;
+    crate::cluster::close(&node).await;
     let view = view.context("asking for the members")?;
     let answered: Vec<String> = view.answered.iter().map(ToString::to_string).collect();
     let unanswered: Vec<Unanswered> = view

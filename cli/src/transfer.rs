@@ -57,7 +57,7 @@ pub async fn put(join: &Join, args: PutArgs) -> Result<()> {
         .context("reading the file")??;
     let node = join.node().await?;
     let result = put_on(&node, &args, &tensor).await;
-    node.shutdown().await;
+    crate::cluster::close(&node).await;
     let put = result?;
     println!(
         "put {} v{}: {} {:?} {} in {:.2} s ({:.0} MB/s) -> worker {}",
@@ -199,7 +199,7 @@ pub async fn get(join: &Join, args: GetArgs) -> Result<()> {
         .await;
     let seconds = started.elapsed().as_secs_f64();
     progress::finish(bar).await;
-    node.shutdown().await;
+    crate::cluster::close(&node).await;
     let got = got.with_context(|| format!("getting {:?}", args.name))?;
     let output = args.output.clone().unwrap_or_else(|| {
         let last = args.name.rsplit('/').next().unwrap_or("tensor");

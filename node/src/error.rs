@@ -97,12 +97,12 @@ pub enum Error {
     Standalone,
     /// No broker could be reached: each of the `tried` brokers failed (dial, hello, timeout,
     /// connection lost, or it is shutting down). Retry later, or check the broker list.
-    #[error("no broker reachable: tried {tried}, last error: {last}")]
+    #[error("no broker reachable: tried {tried}: {}", failures_text(failures))]
     NoBroker {
         /// How many brokers were tried.
         tried: usize,
-        /// Why the last one failed.
-        last: String,
+        /// Each broker tried and why it failed, in the order they failed.
+        failures: Vec<BrokerFailure>,
     },
     /// The broker named holders of a tensor, but none of them could serve it (unreachable,
     /// lost it, or sent corrupt bytes), even after a second look-up. Retry later.
@@ -136,6 +136,32 @@ impl Error {
         Error::Timeout {
             what: what.into(),
             after,
+        }
+    }
+}
+
+/// Why one broker failed a call: an item of [`Error::NoBroker`].
+#[derive(Debug, Clone)]
+pub struct BrokerFailure {
+    /// The broker, as `<short id>@<ip:port>`.
+    pub broker: String,
+    /// What went wrong with it.
+    pub error: Error,
+}
+
+impl std::fmt::Display for BrokerFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.broker, self.error)
+    }
+}
+
+/// The failures of [`Error::NoBroker`], one per broker, `; `-separated.
+fn failures_text(failures: &[BrokerFailure]) -> String {
+    match failures.is_empty() {
+        true => "no brokers configured".into(),
+        false => {
+            let each: Vec<String> = failures.iter().map(ToString::to_string).collect();
+            each.join("; ")
         }
     }
 }

@@ -128,7 +128,7 @@ pub use endpoint::{
     PREAUTH_RECEIVE_WINDOW, PREAUTH_STREAMS, PeerAddr, STREAM_RECEIVE_WINDOW, bind_endpoint,
     load_or_create_key, open_link, transport_config,
 };
-pub use error::{Error, Result};
+pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};

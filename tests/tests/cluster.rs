@@ -459,3 +459,43 @@ async fn a_gets_progress_climbs_to_the_tensors_length() {
     reader.shutdown().await;
     brokers.shutdown().await;
 }
+
+/// A broker that stops answering is marked dead by its peers after the liveness timeout (2 s
+/// here), as a silent worker is: brokers heartbeat to each other. The first broker goes, the
+/// one the others joined (they keep dialing it): the survivors stay alive all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_stops_answering_is_shown_dead() {
+    let mut brokers = Brokers::start(3).await;
+    let gone = brokers.all.remove(0);
+    let gone_id = tb_node::auth::node_id(&gone.addr().id);
+    let kept: Vec<_> = brokers
+        .all
+        .iter()
+        .map(|b| tb_node::auth::node_id(&b.addr().id))
+        .collect();
+    let asker = node(Config {
+        heartbeats: false,
+        ..worker_config(brokers.addrs_from(0))
+    })
+    .await;
+    let row_alive = |id| {
+        let asker = asker.clone();
+        async move {
+            let members = asker.members().await.unwrap_or_default();
+            members.iter().find(|m| m.node == id).map(|m| m.alive)
+        }
+    };
+    let seen = eventually_async(LIMIT, || async { row_alive(gone_id).await == Some(true) }).await;
+    assert!(seen, "the first broker is listed alive while it runs");
+    gone.shutdown().await;
+    let dead = eventually_async(LIMIT, || async { row_alive(gone_id).await == Some(false) }).await;
+    assert!(dead, "the stopped broker is shown dead");
+    // Two more liveness timeouts: the survivors, heartbeating each other while their dials
+    // to the dead broker fail, are never judged dead.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    for id in kept {
+        assert_eq!(row_alive(id).await, Some(true), "a survivor stays alive");
+    }
+    asker.shutdown().await;
+    brokers.shutdown().await;
+}

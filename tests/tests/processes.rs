@@ -660,6 +660,24 @@ async fn tb_status_asks_every_broker_and_names_the_ones_that_do_not_answer() {
         "{stdout}"
     );
 
+    // After the liveness timeout (2 s here) broker 0 shows broker 1 dead, as it would a
+    // silent worker; broker 0 stays alive.
+    let row_alive = |json: &serde_json::Value, id: &str| {
+        let members = json["members"].as_array().cloned().unwrap_or_default();
+        let row = members.into_iter().find(|m| m["node_id"] == id);
+        row.and_then(|m| m["alive"].as_bool())
+    };
+    let hex = |i: usize| tb_node::auth::node_id(&c.ticket.brokers[i].id).to_hex();
+    let mut last = serde_json::Value::Null;
+    let dead = eventually_async(LIMIT, || {
+        last = status(&c.ticket);
+        let ok = row_alive(&last, &hex(1)) == Some(false);
+        async move { ok }
+    })
+    .await;
+    assert!(dead, "the killed broker is shown dead: {last:#}");
+    assert_eq!(row_alive(&last, &hex(0)), Some(true), "{last:#}");
+
     // With every broker gone it is a clear error, not an empty table.
     c.brokers[0].kill9();
     let out = tb(&["status"], &c.ticket, &c.secret_file);

@@ -1,4 +1,8 @@
-//! Worker liveness: [`BrokerState::heartbeat`] and [`BrokerState::expire`].
+//! Worker and broker liveness: [`BrokerState::heartbeat`] and [`BrokerState::expire`].
+//! Brokers heartbeat to each other (`beat`) as workers heartbeat to brokers, and are judged
+//! by the same rules and timeout; a broker is never judged by itself, and writes itself alive
+//! again when a peer marked it dead. A peer broker learned from gossip and never heard gets one
+//! timeout to heartbeat, as after a restart.
 //!
 //! Who judges whom: a broker judges a worker only while it has heard that worker directly,
 //! at the epoch the membership table holds. Other brokers learn the verdict from gossip. A
@@ -30,11 +34,10 @@ struct Heard {
 }
 
 impl LastHeard {
-    /// After a restart: every worker `registry` holds as alive counts as heard at `now_ms`.
-    pub(super) fn resumed(registry: &Registry, now_ms: u64) -> Self {
-        let alive = registry
-            .members()
-            .filter(|m| m.alive && m.role == Role::Worker);
+    /// After a restart: every member `registry` holds as alive, except `me`, counts as heard
+    /// at `now_ms`.
+    pub(super) fn resumed(registry: &Registry, me: NodeId, now_ms: u64) -> Self {
+        let alive = registry.members().filter(|m| m.alive && m.node != me);
         LastHeard(
             alive
                 .map(|m| {
@@ -46,6 +49,25 @@ impl LastHeard {
                 })
                 .collect(),
         )
+    }
+}
+
+impl LastHeard {
+    /// Starts the clock on every alive peer broker `registry` holds that this broker (`me`)
+    /// has not heard yet (it learned of it from gossip): each gets one timeout from `now_ms`
+    /// to heartbeat, as after a restart, so that a broker that died before it ever reached
+    /// this one is judged too.
+    fn watch_brokers(&mut self, registry: &Registry, me: NodeId, now_ms: u64) {
+        let unheard = registry
+            .members()
+            .filter(|m| m.role == Role::Broker && m.alive && m.node != me);
+        for m in unheard {
+            let heard = Heard {
+                epoch: m.epoch,
+                at_ms: now_ms,
+            };
+            self.0.entry(m.node).or_insert(heard);
+        }
     }
 }
 
@@ -100,7 +122,8 @@ impl BrokerState {
     /// `liveness_timeout_ms`, forgets them until they are heard again, and drops fetches
     /// in flight that went without news for `fetch_timeout_ms`. Call it periodically.
     pub fn expire(&mut self, now_ms: u64) -> Changes {
-        let timeout = self.config.liveness_timeout_ms;
+        let (timeout, me) = (self.config.liveness_timeout_ms, self.node());
+        self.heard.watch_brokers(&self.registry, me, now_ms);
         let silent = |h: &Heard| now_ms.saturating_sub(h.at_ms) > timeout;
         let dead: Vec<Member> = self
             .heard
@@ -109,8 +132,9 @@ impl BrokerState {
             .filter(|(_, h)| silent(h))
             .filter_map(|(node, h)| {
                 let row = self.registry.member(node)?;
-                let judged = row.alive && row.role == Role::Worker && row.epoch == h.epoch;
-                judged.then(|| Member {
+                // A broker never judges itself (it heard its own start-up heartbeat only).
+                let judge = row.alive && *node != me && row.epoch == h.epoch;
+                judge.then(|| Member {
                     alive: false,
                     ..row.clone()
                 })
@@ -120,10 +144,29 @@ impl BrokerState {
         self.fanout.expire(now_ms);
         let mut changes = Changes::default();
         for row in dead {
-            tracing::info!(node = %row.node, epoch = row.epoch, "worker silent: marked dead");
+            tracing::info!(node = %row.node, role = ?row.role, epoch = row.epoch, "silent: marked dead");
             changes.extend(self.local_op(RegistryOp::Member(row), now_ms));
         }
+        changes.extend(self.refute_own_death(now_ms));
         changes
+    }
+
+    /// Writes this broker alive again if a peer marked it dead (it lost this broker's
+    /// heartbeats in a partition, say): a broker is the authority on its own life.
+    fn refute_own_death(&mut self, now_ms: u64) -> Changes {
+        let me = self.node();
+        let Some(row) = self.registry.member(&me).filter(|m| !m.alive) else {
+            return Changes::default();
+        };
+        let row = Member {
+            alive: true,
+            ..row.clone()
+        };
+        tracing::info!(
+            epoch = row.epoch,
+            "marked dead by a peer: writing this broker alive"
+        );
+        self.local_op(RegistryOp::Member(row), now_ms)
     }
 }
 
@@ -206,12 +249,10 @@ mod tests {
         let w = id(1);
         b.heartbeat(w, Role::Worker, addrs("a:1"), 1, 1_000)
             .expect("hb");
-        b.heartbeat(id(2), Role::Broker, addrs("b:1"), 1, 1_000)
-            .expect("hb");
         assert!(b.expire(11_000).is_empty(), "exactly at the timeout: alive");
         let expired = b.expire(11_001);
         let rows = member_ops(&expired);
-        assert_eq!(rows.len(), 1, "brokers are not judged by heartbeats");
+        assert_eq!(rows.len(), 1);
         assert!(rows[0].node == w && !rows[0].alive && rows[0].epoch == 1);
         assert_eq!(b.registry.member(&w).map(|m| m.alive), Some(false));
         assert!(b.expire(50_000).is_empty(), "judged once, then forgotten");
@@ -220,6 +261,71 @@ mod tests {
         let rows = back.expect("revived");
         assert!(member_ops(&rows)[0].alive);
         assert_eq!(b.registry.member(&w).map(|m| m.alive), Some(true));
+    }
+
+    #[test]
+    fn peer_brokers_are_judged_like_workers_and_a_broker_never_judges_itself() {
+        let mut b = broker();
+        let me = b.node();
+        b.heartbeat(me, Role::Broker, addrs("b:0"), 1, 1_000)
+            .expect("own start-up heartbeat");
+        b.heartbeat(id(2), Role::Broker, addrs("b:2"), 1, 1_000)
+            .expect("a peer's heartbeat");
+        let expired = b.expire(11_001);
+        let rows = member_ops(&expired);
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert!(rows[0].node == id(2) && rows[0].role == Role::Broker && !rows[0].alive);
+        assert_eq!(b.registry.member(&me).map(|m| m.alive), Some(true));
+
+        // A peer that lost this broker's heartbeats marked it dead: it writes itself alive.
+        let mut dead = b.registry.member(&me).expect("own row").clone();
+        dead.alive = false;
+        dead.stamp = Stamp {
+            wall_ms: 20_000,
+            logical: 0,
+            node: id(2),
+        };
+        b.remote_op(&RegistryOp::Member(dead), 20_000)
+            .expect("applied");
+        assert_eq!(b.registry.member(&me).map(|m| m.alive), Some(false));
+        let refuted = b.expire(21_000);
+        let rows = member_ops(&refuted);
+        assert!(
+            rows.len() == 1 && rows[0].node == me && rows[0].alive,
+            "{rows:?}"
+        );
+        assert_eq!(b.registry.member(&me).map(|m| m.alive), Some(true));
+    }
+
+    #[test]
+    fn a_peer_broker_never_heard_is_judged_one_timeout_after_it_was_learned() {
+        let mut b = broker();
+        let row = Member {
+            node: id(7),
+            role: Role::Broker,
+            addrs: addrs("b:7"),
+            epoch: 1,
+            alive: true,
+            stamp: Stamp {
+                wall_ms: 1_000,
+                logical: 0,
+                node: id(7),
+            },
+        };
+        b.remote_op(&RegistryOp::Member(row), 1_000)
+            .expect("applied");
+        assert!(b.expire(2_000).is_empty(), "the clock starts now");
+        assert!(
+            b.expire(12_000).is_empty(),
+            "exactly one timeout later: alive"
+        );
+        let expired = b.expire(12_001);
+        let rows = member_ops(&expired);
+        assert!(
+            rows.len() == 1 && rows[0].node == id(7) && !rows[0].alive,
+            "{rows:?}"
+        );
+        assert!(b.expire(100_000).is_empty(), "judged once");
     }
 
     #[test]

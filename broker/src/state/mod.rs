@@ -109,7 +109,7 @@ impl BrokerState {
         // A persisted stamp too far ahead was written under a wrong clock; ignoring it only
         // means this broker's next writes might lose to it, as they would have anyway.
         let _ = hlc.observe(&newest_stamp(&registry), now_ms);
-        let heard = LastHeard::resumed(&registry, now_ms);
+        let heard = LastHeard::resumed(&registry, node, now_ms);
         let fanout = FanOut::new(
             config.fanout,
             config.fetch_timeout_ms,

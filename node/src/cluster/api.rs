@@ -6,11 +6,13 @@ use std::time::Duration;
 use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
 use tracing::debug;
 
-use super::{MembersView, Subscription, failover, fetch, members, subscribe};
+use super::{
+    MembersView, Subscription, ctl_client::short_addr, failover, fetch, members, subscribe,
+};
 use crate::{
     client::Pulled,
     endpoint::PeerAddr,
-    error::{Error, Result},
+    error::{BrokerFailure, Error, Result},
     node::Node,
     progress::TransferProgress,
     store::Inserted,
@@ -180,9 +182,15 @@ impl Node {
             }
         }
         if view.answered.is_empty() {
-            let tried = view.unanswered.len();
-            let errors = view.unanswered.into_iter().map(|(_, e)| e).collect();
-            return Err(failover::exhausted(tried, errors));
+            let failures = view
+                .unanswered
+                .into_iter()
+                .map(|(broker, error)| BrokerFailure {
+                    broker: short_addr(&broker),
+                    error,
+                })
+                .collect();
+            return Err(failover::exhausted(failures));
         }
         view.members = members::merge(tables);
         Ok(view)

@@ -3,8 +3,10 @@
 //!
 //! A request goes on a bi-stream of its own: one `CtlRequest` frame, the send side finished,
 //! then `CtlResponse` frames until one is final, each read bounded by a timeout and validated
-//! before use. A call starts at the broker that worked last and moves on to the next one when a
-//! broker is unusable (see `failover`); a broker's `Error` answer ends the call. Ctl links stay
+//! before use. A call goes to the first broker whose link is ready: the one that answered last
+//! is dialed first, the next one too if it has not completed its hello within a short stagger
+//! (see `race`), and so on. A broker found unusable moves the call on to the others (see
+//! `failover`); a broker's `Error` answer, or its refusing our secret, ends the call. Ctl links stay
 //! out of the data pool, which holds `tb/data/1` links only.
 //!
 //! Each broker's link is a small state machine (`Idle`, `Dialing`, `Ready`) behind a lock that
@@ -29,12 +31,15 @@ use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
-use super::failover::{self, Failure};
+use super::{
+    failover::{self, Failure},
+    race::{self, EACH_GRACE, Lost, STAGGER},
+};
 use crate::{
     auth,
     ctx::NodeCtx,
     endpoint::PeerAddr,
-    error::{Error, Result},
+    error::{BrokerFailure, Error, Result},
     wire,
 };
 
@@ -197,51 +202,62 @@ impl CtlClient {
         failover::order_avoiding(start, self.brokers.len(), &lost)
     }
     /// Sends `request` and returns every frame of the answer (the last one final, none an
-    /// `Error`), failing over across brokers; each read waits at most `timeout`.
+    /// `Error`), on the first broker whose link is ready (see [`race`](Self::race)), moving on
+    /// to the others when a broker turns out unusable; each read waits at most `timeout`.
     #[tracing::instrument(name = "ctl", skip_all, fields(request = request.kind(), tensor = request.tensor().map(|n| n.as_str())))]
     pub(crate) async fn call(
         &self,
         request: &CtlRequest,
         timeout: Duration,
     ) -> Result<Vec<CtlResponse>> {
-        let mut errors = Vec::new();
-        for i in self.order() {
-            match self.attempt(i, request, timeout).await {
+        let mut failed = Vec::new();
+        // Each turn rules out one broker at least.
+        for _ in 0..self.brokers.len() {
+            let (i, (conn, fresh)) = self.race(&mut failed).await?;
+            match self.exchange_on(i, conn, fresh, request, timeout).await {
                 Ok(frames) => {
-                    self.current.store(i, Ordering::Relaxed);
+                    self.remember(i);
                     return Ok(frames);
                 }
                 Err(Failure::Answered(e)) => {
-                    self.current.store(i, Ordering::Relaxed);
+                    self.remember(i);
                     return Err(e);
                 }
                 Err(Failure::Unusable(e)) => {
                     debug!(broker = %self.brokers[i].addr, %e, "broker unusable, trying the next");
-                    errors.push(e);
+                    failed.push((i, e));
                 }
             }
         }
-        Err(failover::exhausted(self.brokers.len(), errors))
+        Err(self.exhausted(failed))
     }
 
     /// Sends `request` to every broker at once, without failover, and returns each one's
     /// answer in list order: for questions whose answer differs per broker (`Members`: each
-    /// broker knows the stats of the workers that heartbeat to it).
+    /// broker knows the stats of the workers that heartbeat to it). Once one broker has
+    /// answered, the others get [`EACH_GRACE`] more (see `race::all_with_grace`), so a dead
+    /// broker costs the call that grace instead of a connect timeout; those that miss it are
+    /// answered `Timeout`.
     pub(crate) async fn call_each(
         &self,
         request: &CtlRequest,
         timeout: Duration,
     ) -> Vec<(PeerAddr, Result<Vec<CtlResponse>>)> {
-        let calls = (0..self.brokers.len()).map(|i| async move {
-            let answer = self
-                .attempt(i, request, timeout)
-                .await
-                .map_err(|f| match f {
-                    Failure::Answered(e) | Failure::Unusable(e) => e,
-                });
-            (self.brokers[i].addr.clone(), answer)
-        });
-        n0_future::join_all(calls).await
+        let attempts = (0..self.brokers.len())
+            .map(|i| async move {
+                let answer = self.attempt(i, request, timeout).await;
+                answer.map_err(|(Failure::Answered(e) | Failure::Unusable(e))| e)
+            })
+            .collect();
+        let answers = race::all_with_grace(attempts, EACH_GRACE).await;
+        let late = |broker: &BrokerLink| {
+            let what = format!("broker {} after another answered", short_addr(&broker.addr));
+            Err(Error::timeout(what, EACH_GRACE))
+        };
+        let answers = answers.into_iter().zip(&self.brokers);
+        answers
+            .map(|(answer, b)| (b.addr.clone(), answer.unwrap_or_else(|| late(b))))
+            .collect()
     }
 
     /// Opens a stream for a long-lived request (`Subscribe`): writes `request` and leaves both
@@ -251,15 +267,9 @@ impl CtlClient {
         request: &CtlRequest,
         timeout: Duration,
     ) -> Result<(SendStream, RecvStream, EndpointId)> {
-        let mut errors = Vec::new();
-        for i in self.order() {
-            let (conn, _) = match self.connection(i).await {
-                Ok(conn) => conn,
-                Err(e) => {
-                    errors.push(e);
-                    continue;
-                }
-            };
+        let mut failed = Vec::new();
+        for _ in 0..self.brokers.len() {
+            let (i, (conn, _)) = self.race(&mut failed).await?;
             let opened = async {
                 let (mut send, recv) = open_bi(&conn, timeout).await?;
                 wire::write_frame(&mut send, request).await?;
@@ -267,16 +277,55 @@ impl CtlClient {
             };
             match opened.await {
                 Ok(streams) => {
-                    self.current.store(i, Ordering::Relaxed);
+                    self.remember(i);
                     return Ok(streams);
                 }
                 Err(e) => {
                     self.discard(i, &conn);
-                    errors.push(e);
+                    failed.push((i, e));
                 }
             }
         }
-        Err(failover::exhausted(self.brokers.len(), errors))
+        Err(self.exhausted(failed))
+    }
+
+    /// The link of the first broker to have one ready, of those not in `failed`: the brokers
+    /// are dialed in [`order`](Self::order), staggered by [`STAGGER`] (see `race`). A broker
+    /// that refuses our secret ends the call at once; the others' failures go onto `failed`.
+    /// Dials that lose go on in their own tasks and leave their link for later calls.
+    async fn race(&self, failed: &mut Vec<(usize, Error)>) -> Result<(usize, (Connection, bool))> {
+        let order: Vec<usize> = self
+            .order()
+            .into_iter()
+            .filter(|i| !failed.iter().any(|(f, _)| f == i))
+            .collect();
+        let connect =
+            |i| async move { self.connection(i).await.map_err(failover::connect_failure) };
+        match race::staggered(&order, STAGGER, failed, connect).await {
+            Ok(won) => Ok(won),
+            Err(Lost::Answered(i, e)) => {
+                debug!(broker = %self.brokers[i].addr, %e, "broker refused the hello");
+                Err(e)
+            }
+            Err(Lost::Exhausted) => Err(self.exhausted(std::mem::take(failed))),
+        }
+    }
+
+    /// Makes broker `i` the one the next call starts with: it answered last.
+    fn remember(&self, i: usize) {
+        self.current.store(i, Ordering::Relaxed);
+    }
+
+    /// The error of a call that every broker failed: each broker named with its failure.
+    fn exhausted(&self, failed: Vec<(usize, Error)>) -> Error {
+        let failures = failed
+            .into_iter()
+            .map(|(i, error)| BrokerFailure {
+                broker: short_addr(&self.brokers[i].addr),
+                error,
+            })
+            .collect();
+        failover::exhausted(failures)
     }
 
     /// One broker: on its open connection, or a fresh one if that turns out to be closed.
@@ -287,6 +336,19 @@ impl CtlClient {
         timeout: Duration,
     ) -> Result<Vec<CtlResponse>, Failure> {
         let (conn, fresh) = self.connection(i).await.map_err(Failure::Unusable)?;
+        self.exchange_on(i, conn, fresh, request, timeout).await
+    }
+
+    /// `request` on `conn`, a link to broker `i` (`fresh`: dialed just now); a cached link
+    /// that turns out dead is dialed once more.
+    async fn exchange_on(
+        &self,
+        i: usize,
+        conn: Connection,
+        fresh: bool,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Result<Vec<CtlResponse>, Failure> {
         let max = self.max_tensor_bytes;
         match exchange(&conn, request, timeout, max).await {
             Err(Failure::Unusable(e)) => {
@@ -405,7 +467,7 @@ impl Dialer {
     async fn dial(&self, addr: &PeerAddr) -> Result<Connection> {
         let timeout = self.timeout;
         let unreachable = |reason: String| Error::PeerUnreachable {
-            peer: format!("broker {}@{}", addr.id.fmt_short(), addr.addr),
+            peer: format!("broker {}", short_addr(addr)),
             reason,
         };
         let dial = async {
@@ -422,6 +484,11 @@ impl Dialer {
             Err(_) => Err(unreachable(format!("no connection within {timeout:?}"))),
         }
     }
+}
+
+/// `addr` as messages name a broker: `<short id>@<ip:port>`.
+pub(crate) fn short_addr(addr: &PeerAddr) -> String {
+    format!("{}@{}", addr.id.fmt_short(), addr.addr)
 }
 
 fn close_shutdown(conn: &Connection) {

@@ -3,7 +3,10 @@
 
 use tb_proto::ErrorCode;
 
-use crate::{client::remote_error_from, error::Error};
+use crate::{
+    client::remote_error_from,
+    error::{BrokerFailure, Error},
+};
 
 /// Broker indices in the order one call tries them: the one that worked last, then the others
 /// in list order (wrapping), each once.
@@ -47,22 +50,30 @@ pub(crate) fn answer_error(broker: String, code: ErrorCode, message: String) -> 
     }
 }
 
-/// What a call ends with when every one of the `tried` brokers was unusable: `Unauthorized`
-/// when each of them refused our cluster secret (a configuration problem, not a network one),
-/// else `NoBroker` with the last reason.
-pub(crate) fn exhausted(tried: usize, errors: Vec<Error>) -> Error {
-    let all_refused =
-        !errors.is_empty() && errors.iter().all(|e| matches!(e, Error::Unauthorized(_)));
-    match errors.into_iter().last() {
-        Some(last) if all_refused => last,
-        Some(last) => Error::NoBroker {
-            tried,
-            last: last.to_string(),
+/// What a call ends with when every broker it tried was unusable: `Unauthorized` when each
+/// of them refused our cluster secret (a configuration problem, not a network one), else
+/// `NoBroker` naming each broker and why it failed.
+pub(crate) fn exhausted(failures: Vec<BrokerFailure>) -> Error {
+    let all_refused = !failures.is_empty()
+        && failures
+            .iter()
+            .all(|f| matches!(f.error, Error::Unauthorized(_)));
+    match failures.last() {
+        Some(last) if all_refused => last.error.clone(),
+        _ => Error::NoBroker {
+            tried: failures.len(),
+            failures,
         },
-        None => Error::NoBroker {
-            tried,
-            last: "no brokers configured".into(),
-        },
+    }
+}
+
+/// Whether a broker's failure to connect ends the call instead of moving it on: a broker that
+/// refused our cluster secret (every broker of a cluster shares it, and would refuse too), or
+/// this client shutting down.
+pub(crate) fn connect_failure(e: Error) -> Failure {
+    match e {
+        Error::Unauthorized(_) | Error::Shutdown => Failure::Answered(e),
+        e => Failure::Unusable(e),
     }
 }
 
@@ -122,23 +133,40 @@ mod tests {
     }
 
     #[test]
-    fn exhausted_names_how_many_were_tried() {
+    fn exhausted_names_each_broker_tried() {
+        let failure = |broker: &str, error: Error| BrokerFailure {
+            broker: broker.into(),
+            error,
+        };
         let unreachable = Error::PeerUnreachable {
             peer: "b1".into(),
             reason: "no connection within 5s".into(),
         };
         let refused = Error::Unauthorized("b0 refused our cluster secret".into());
-        match exhausted(2, vec![refused.clone(), unreachable]) {
-            Error::NoBroker { tried: 2, last } => assert!(last.contains("b1"), "{last}"),
-            other => panic!("{other:?}"),
-        }
+        let mixed = vec![
+            failure("b0@a", refused.clone()),
+            failure("b1@b", unreachable),
+        ];
+        let e = exhausted(mixed);
+        assert!(matches!(&e, Error::NoBroker { tried: 2, failures } if failures.len() == 2));
+        let text = e.to_string();
+        assert!(
+            text.contains("b0@a (unauthorized") && text.contains("b1@b (peer b1"),
+            "{text}"
+        );
+        let all_refused = vec![failure("b0@a", refused.clone()), failure("b1@b", refused)];
+        assert!(matches!(exhausted(all_refused), Error::Unauthorized(_)));
         assert!(matches!(
-            exhausted(2, vec![refused.clone(), refused]),
-            Error::Unauthorized(_)
+            exhausted(vec![]),
+            Error::NoBroker { tried: 0, .. }
         ));
         assert!(matches!(
-            exhausted(0, vec![]),
-            Error::NoBroker { tried: 0, .. }
+            connect_failure(Error::Unauthorized(String::new())),
+            Failure::Answered(_)
+        ));
+        assert!(matches!(
+            connect_failure(Error::Io(String::new())),
+            Failure::Unusable(_)
         ));
     }
 }

@@ -3,7 +3,7 @@
 //! `subscribe`).
 //!
 //! - `ctl_client`: one reused ctl connection per broker, requests with failover (`failover`
-//!   holds the pure order and error rules); `calls`: one typed method per request;
+//!   holds the pure order and error rules, `race` the staggered race across brokers); `calls`: one typed method per request;
 //!   `members` merges the membership tables of several brokers (`tb status`).
 //! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
 //!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
@@ -25,6 +25,7 @@ mod ctl_client;
 mod failover;
 mod fetch;
 mod members;
+mod race;
 mod resume;
 mod subscribe;
 #[cfg(test)]

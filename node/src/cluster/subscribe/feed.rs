@@ -423,7 +423,7 @@ mod tests {
         feed.published(&a, 1, meta(1));
         feed.fail(Error::NoBroker {
             tried: 2,
-            last: "down".into(),
+            failures: Vec::new(),
         });
         let told = drain(&mut feed);
         assert_eq!(told.len(), 2);

@@ -327,7 +327,7 @@ impl Reader {
         }
         Err(last.unwrap_or(Error::NoBroker {
             tried: 0,
-            last: "no tries".into(),
+            failures: Vec::new(),
         }))
     }
 }

@@ -77,6 +77,7 @@ impl FakeCluster {
         let endpoint = Node::bind(&config).await.expect("bind");
         let handler = FakeBroker {
             me: endpoint.id(),
+            key: config.cluster_key.clone(),
             cluster: self.clone(),
         };
         let extra: Vec<(&'static [u8], Box<dyn iroh::protocol::DynProtocolHandler>)> =
@@ -243,12 +244,14 @@ fn lookup(st: &FakeState, asker: NodeId, name: &TensorName, version: Option<u64>
 #[derive(Debug, Clone)]
 struct FakeBroker {
     me: EndpointId,
+    /// The secret it admits (the test config's; open by default).
+    key: ClusterKey,
     cluster: FakeCluster,
 }
 
 impl ProtocolHandler for FakeBroker {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let key = ClusterKey::open();
+        let key = self.key.clone();
         let admission = auth::Admission::new(&crate::Config::default());
         if auth::server_hello(&conn, self.me, &key, CTL_ALPN, &admission, 1 << 40, |_| {})
             .await

@@ -1,0 +1,122 @@
+//! [`PeerBeats`]: a broker heartbeats to every other broker, as workers heartbeat to brokers,
+//! so each broker judges its peers' liveness by the same rule and timeout as workers'
+//! (`state::liveness`): a broker that stops answering is marked dead in the registry, which
+//! `tb status`, the HTTP API and the dashboard show.
+//!
+//! Each round heartbeats every peer at once and lasts at most one interval, so a dead peer
+//! (whose dial would last a whole connect timeout) delays no one else's heartbeat.
+
+use std::{collections::HashMap, sync::Mutex, time::Duration};
+
+use iroh::{Endpoint, EndpointId, endpoint::Connection};
+use ractor::ActorRef;
+use tb_node::{
+    PeerAddr,
+    framing::{read_frame, write_frame},
+};
+use tb_proto::{ClusterKey, CtlRequest, CtlResponse, Role};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::{actor::BrokerMsg, broker::peer_brokers, sync};
+
+/// Heartbeats this broker sends to its peers, every `interval`.
+pub(crate) struct PeerBeats {
+    pub(crate) actor: ActorRef<BrokerMsg>,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) key: ClusterKey,
+    /// The brokers this one was told to join (peers the membership table may not know yet).
+    pub(crate) join: Vec<PeerAddr>,
+    /// This broker's addresses and life, as its heartbeats announce them.
+    pub(crate) addrs: Vec<String>,
+    pub(crate) epoch: u64,
+    pub(crate) interval: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) request_timeout: Duration,
+    pub(crate) cancel: CancellationToken,
+}
+
+impl PeerBeats {
+    /// Heartbeats every peer broker each `interval` until cancelled, then closes its links.
+    pub(crate) async fn run(self) {
+        let links = Mutex::new(HashMap::new());
+        let me = self.endpoint.id();
+        loop {
+            let started = tokio::time::Instant::now();
+            let peers = peer_brokers(&self.actor, &self.join, me, self.request_timeout).await;
+            tracing::trace!(peers = peers.len(), "heartbeating peer brokers");
+            let beats = n0_future::join_all(peers.iter().map(|peer| self.beat(peer, &links)));
+            // A beat still under way after one interval is dropped: a dead peer's dial would
+            // hold the round for a whole connect timeout, and every live peer's next heartbeat
+            // with it, past their liveness timeout.
+            tokio::select! {
+                _ = self.cancel.cancelled() => break,
+                _ = tokio::time::timeout(self.interval, beats) => {}
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => break,
+                () = tokio::time::sleep_until(started + self.interval) => {}
+            }
+        }
+        let links = links.into_inner().unwrap_or_else(|p| p.into_inner());
+        for conn in links.into_values() {
+            conn.close(0u32.into(), b"shutdown");
+        }
+    }
+
+    /// One heartbeat to `peer`, on its cached link or a fresh one; a link that fails is closed
+    /// and forgotten.
+    async fn beat(&self, peer: &PeerAddr, links: &Mutex<HashMap<EndpointId, Connection>>) {
+        let cached = lock(links).get(&peer.id).cloned();
+        let conn = match cached.filter(|c| c.close_reason().is_none()) {
+            Some(conn) => conn,
+            None => match sync::dial(&self.endpoint, &self.key, self.connect_timeout, peer).await {
+                Ok(conn) => {
+                    lock(links).insert(peer.id, conn.clone());
+                    conn
+                }
+                Err(e) => {
+                    debug!(peer = %peer.id.fmt_short(), %e, "peer broker unreachable");
+                    return;
+                }
+            },
+        };
+        let request = CtlRequest::Heartbeat {
+            role: Role::Broker,
+            addrs: self.addrs.clone(),
+            epoch: self.epoch,
+            stats: None,
+        };
+        let sent = tokio::time::timeout(self.request_timeout, exchange(&conn, &request)).await;
+        let failure = match sent {
+            Ok(Ok(())) => {
+                tracing::trace!(peer = %peer.id.fmt_short(), "heartbeat to a peer broker answered");
+                return;
+            }
+            Ok(Err(e)) => e,
+            Err(_) => format!("no answer within {:?}", self.request_timeout),
+        };
+        debug!(peer = %peer.id.fmt_short(), %failure, "heartbeat to a peer broker failed");
+        lock(links).remove(&peer.id);
+        conn.close(0u32.into(), b"unresponsive");
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `request` on a stream of its own; `Ok` when the peer answers `Ok`.
+async fn exchange(conn: &Connection, request: &CtlRequest) -> Result<(), String> {
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    write_frame(&mut send, request)
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = send.finish();
+    match read_frame::<CtlResponse>(&mut recv).await {
+        Ok(CtlResponse::Ok) => Ok(()),
+        Ok(CtlResponse::Error { code, message }) => Err(format!("refused: {code:?}: {message}")),
+        Ok(_) => Err("an unexpected answer".into()),
+        Err(e) => Err(e.into_error("the answer").to_string()),
+    }
+}
