@@ -135,7 +135,8 @@ impl Watchdog {
         }
     }
 
-    /// The stall period.
+    /// The stall period (the device pipeline paces its staging buffers by it).
+    #[cfg(feature = "cuda")]
     pub(crate) fn stall(&self) -> Duration {
         self.stall
     }

@@ -2,7 +2,7 @@
 //! `DeviceUnavailable`, and [`DeviceBuffer`] has no values, so the code paths that carry one
 //! compile to nothing.
 
-use std::{convert::Infallible, ops::Range, time::Duration};
+use std::{convert::Infallible, ops::Range};
 
 use iroh::endpoint::{RecvStream, SendStream};
 use tb_proto::ContentHash;
