@@ -235,8 +235,11 @@ impl Node {
         if let Some(route) = self.route(addr).await? {
             let ctx = &self.inner.ctx;
             let push = route.push(ctx, &name, tensor);
-            let pushed = channel::attempt(ctx, &route, TransferKind::Push, push);
-            if self.guarded(pushed).await?.is_some() {
+            if self
+                .on_channel(&route, TransferKind::Push, push)
+                .await?
+                .is_some()
+            {
                 if let Some(p) = progress {
                     p.reached(tensor.byte_len());
                 }
@@ -267,8 +270,7 @@ impl Node {
         if let Some(route) = self.route(addr).await? {
             let ctx = &self.inner.ctx;
             let pull = route.pull(ctx, &name, version);
-            let pulled = channel::attempt(ctx, &route, TransferKind::Pull, pull);
-            if let Some(pulled) = self.guarded(pulled).await? {
+            if let Some(pulled) = self.on_channel(&route, TransferKind::Pull, pull).await? {
                 return Ok(pulled);
             }
         }
@@ -300,13 +302,24 @@ impl Node {
                 None => Err(Error::Io("a pull allocated its buffer twice".into())),
             };
             let pull = route.pull_into(ctx, &name, version, alloc);
-            let pulled = channel::attempt(ctx, &route, TransferKind::Pull, pull);
-            if let Some(pulled) = self.guarded(pulled).await? {
+            if let Some(pulled) = self.on_channel(&route, TransferKind::Pull, pull).await? {
                 return Ok(pulled);
             }
         }
         let alloc = alloc.ok_or_else(|| Error::Io("a pull allocated its buffer twice".into()))?;
         self.quic_pull_into(addr, name, version, alloc).await
+    }
+
+    /// Runs `transfer` on `route`'s channel, timed as `kind`: `None` when it is left to QUIC
+    /// (see [`channel::attempt`]).
+    async fn on_channel<T>(
+        &self,
+        route: &channel::Route,
+        kind: TransferKind,
+        transfer: impl Future<Output = Result<T, channel::ChannelError>>,
+    ) -> Result<Option<T>> {
+        let attempt = channel::attempt(&self.inner.ctx, route, kind, transfer);
+        self.guarded(attempt).await
     }
 
     /// The channel a transfer with the peer at `addr` takes now (`None`: QUIC), dialing it

@@ -432,6 +432,16 @@ pub(crate) async fn attempt<T>(
     }
 }
 
+/// Pause after a failed `accept` on a channel's listener (out of descriptors, typically)
+/// before the next, so the loop does not spin on the error.
+pub(crate) const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Takes a channel's bound listener out of its slot to start its accept loop (once: later
+/// calls get `None`).
+pub(crate) fn take_listener<T>(slot: &Mutex<Option<T>>) -> Option<T> {
+    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
 /// Fills `buf` with random bytes from the OS (channel names and tokens).
 pub(crate) fn fill_random(buf: &mut [u8]) -> Result<()> {
     getrandom::fill(buf).map_err(|e| Error::Io(format!("reading random bytes: {e}")))

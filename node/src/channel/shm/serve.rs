@@ -24,12 +24,9 @@ use crate::{
 
 /// Starts accepting same-host connections on `shm`'s socket (once; later calls do nothing).
 pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, shm: &Arc<Shm>) -> Result<()> {
-    let taken = shm
-        .listener
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
-    let Some(std) = taken else { return Ok(()) };
+    let Some(std) = crate::channel::take_listener(&shm.listener) else {
+        return Ok(());
+    };
     let listener = UnixListener::from_std(std)
         .map_err(|e| Error::io("listening on the same-host socket", e))?;
     let ctx = ctx.clone();
@@ -43,7 +40,7 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, shm: &Arc<Shm>) -> Result<()> {
             };
             let Ok((stream, _)) = accepted else {
                 // Out of descriptors, typically: do not spin on the error.
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                tokio::time::sleep(crate::channel::ACCEPT_BACKOFF).await;
                 continue;
             };
             let (ctx2, shm2) = (ctx.clone(), shm.clone());

@@ -23,9 +23,6 @@ use crate::{
     wire,
 };
 
-/// Pause after a failed `accept` (e.g. out of file descriptors) before the next.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-
 /// Bytes per write: large, so the kernel gets big copies, and bounded, so a stalled reader
 /// is noticed within one stall timeout per write.
 const WRITE_CHUNK: usize = 4 << 20;
@@ -87,12 +84,9 @@ fn ticket(
 
 /// Starts accepting sockets on `tcp`'s listener (once; later calls do nothing).
 pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
-    let taken = tcp
-        .listener
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
-    let Some(std) = taken else { return Ok(()) };
+    let Some(std) = crate::channel::take_listener(&tcp.listener) else {
+        return Ok(());
+    };
     let listener =
         TcpListener::from_std(std).map_err(|e| Error::io("listening on the TCP channel", e))?;
     let (ctx, tcp) = (ctx.clone(), tcp.clone());
@@ -107,7 +101,7 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
             };
             let Ok((stream, from)) = accepted else {
                 // Out of descriptors, typically: do not spin on the error.
-                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                tokio::time::sleep(crate::channel::ACCEPT_BACKOFF).await;
                 continue;
             };
             let Ok(permit) = serving.clone().try_acquire_owned() else {
