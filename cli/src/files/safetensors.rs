@@ -402,6 +402,38 @@ mod tests {
     }
 
     #[test]
+    fn whole_files_round_trip_with_their_metadata() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("back.safetensors");
+        let tensors: Vec<(String, Tensor)> = DType::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, &dtype)| (format!("m.{i}"), sample(dtype, &[2, 3])))
+            .chain([("empty".to_string(), sample(DType::F32, &[0]))])
+            .collect();
+        let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        write_all(&out, &tensors, &metadata).expect("write");
+        let back = read_all(&out, 1 << 20).expect("read");
+        assert_eq!(
+            back.tensors, tensors,
+            "same order, dtypes, shapes and bytes"
+        );
+        assert_eq!(back.metadata, metadata);
+        // What the crate reads, with the metadata where it looks for it.
+        let bytes = std::fs::read(&out).unwrap();
+        let (_, header) = SafeTensors::read_metadata(&bytes).expect("crate reads it");
+        assert_eq!(header.metadata().as_ref().unwrap()["format"], "pt");
+        // A file without tensors is no set.
+        let empty = file_with_header("{}", &[]);
+        assert!(matches!(
+            decode_all(path(), empty),
+            Err(FileError::Empty { .. })
+        ));
+        let reserved = vec![(METADATA_KEY.to_string(), sample(DType::U8, &[1]))];
+        assert!(write_all(&out, &reserved, &BTreeMap::new()).is_err());
+    }
+
+    #[test]
     fn we_write_what_the_crate_writes() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("t.safetensors");
