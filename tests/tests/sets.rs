@@ -102,6 +102,17 @@ async fn a_set_reads_back_whole_on_another_node() {
         "same keys, order, dtypes, shapes and bytes"
     );
 
+    // A member is readable by its own name, `set/key`, at the set's version.
+    let w = reader.get("ckpt/layer.0/w").await.expect("member by name");
+    assert_eq!((w.name.as_str(), w.version), ("ckpt/layer.0/w", 1));
+    assert_eq!(w.buffer, members[1].1);
+    let step = reader.get_version("ckpt/step", 1).await.expect("member v1");
+    assert_eq!(step.buffer, members[2].1);
+    for missing in ["ckpt/nope", "ckpt/layer.0/nope", "nothing/here"] {
+        let err = reader.get(missing).await.expect_err(missing);
+        assert!(matches!(err, Error::NotFound { .. }), "{missing}: {err}");
+    }
+
     // One registry entry of dtype `set`; a plain get returns the set's own bytes.
     let listed = reader.list("ckpt").await.expect("list");
     assert_eq!(listed.len(), 1, "{listed:?}");
