@@ -421,13 +421,16 @@ async fn tb_put_of_a_safetensors_file_publishes_a_set_and_tb_get_writes_it_back(
     let views = vec![
         (
             "model.w",
-            TensorView::new(Dtype::F32, vec![2, 3], &w).unwrap(),
+            TensorView::new(Dtype::F32, vec![2, 3], &w).expect("valid"),
         ),
         (
             "model.b",
-            TensorView::new(Dtype::BF16, vec![5], &b).unwrap(),
+            TensorView::new(Dtype::BF16, vec![5], &b).expect("valid"),
         ),
-        ("ids", TensorView::new(Dtype::I64, vec![3], &ids).unwrap()),
+        (
+            "ids",
+            TensorView::new(Dtype::I64, vec![3], &ids).expect("valid"),
+        ),
     ];
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
     let file = safetensors::serialize(views, Some(meta.clone())).expect("serialize");
@@ -469,7 +472,10 @@ async fn tb_put_of_a_safetensors_file_publishes_a_set_and_tb_get_writes_it_back(
     names.sort();
     assert_eq!(names, ["ids", "model.b", "model.w"]);
     for name in names {
-        let (a, b) = (original.tensor(name).unwrap(), parsed.tensor(name).unwrap());
+        let (a, b) = (
+            original.tensor(name).expect("valid"),
+            parsed.tensor(name).expect("valid"),
+        );
         assert_eq!(
             (a.dtype(), a.shape(), a.data()),
             (b.dtype(), b.shape(), b.data()),

@@ -387,7 +387,7 @@ mod tests {
         let file = dir.path().join("t.safetensors");
         for dtype in DType::ALL {
             assert_eq!(
-                from_safetensors(to_safetensors(dtype).unwrap()),
+                from_safetensors(to_safetensors(dtype).expect("valid")),
                 Some(dtype)
             );
             for shape in SHAPES {
@@ -420,9 +420,9 @@ mod tests {
         );
         assert_eq!(back.metadata, metadata);
         // What the crate reads, with the metadata where it looks for it.
-        let bytes = std::fs::read(&out).unwrap();
+        let bytes = std::fs::read(&out).expect("valid");
         let (_, header) = SafeTensors::read_metadata(&bytes).expect("crate reads it");
-        assert_eq!(header.metadata().as_ref().unwrap()["format"], "pt");
+        assert_eq!(header.metadata().as_ref().expect("valid")["format"], "pt");
         // A file without tensors is no set.
         let empty = file_with_header("{}", &[]);
         assert!(matches!(
@@ -446,7 +446,7 @@ mod tests {
             write(&file, &tensor, "a/\"quoted\"/w").expect("write");
             let shape = shape.iter().map(|&d| d as usize).collect();
             let raw = Raw(
-                to_safetensors(dtype).unwrap(),
+                to_safetensors(dtype).expect("valid"),
                 shape,
                 tensor.data().to_vec(),
             );
@@ -594,7 +594,7 @@ mod tests {
         ) {
             let tensor = sample(dtype, &shape);
             let dims = shape.iter().map(|&d| d as usize).collect();
-            let raw = Raw(to_safetensors(dtype).unwrap(), dims, tensor.data().to_vec());
+            let raw = Raw(to_safetensors(dtype).expect("valid"), dims, tensor.data().to_vec());
             let back = decode(path(), file_of(&[("x", raw)]), None).expect("decode");
             prop_assert_eq!(back, tensor);
         }
