@@ -231,6 +231,47 @@ async fn a_get_survives_its_holder_being_killed_mid_transfer() {
     client.shutdown().await;
 }
 
+/// A subscribing worker whose broker is SIGKILLed (no close reaches it; QUIC would notice at
+/// its 30 s idle timeout) moves its subscription to the other broker and keeps fetching new
+/// versions: well before that timeout (the bound below is under it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_moves_on_when_its_broker_is_killed() {
+    let mut c = Cluster::start(2, 2);
+    // Publishes through broker 1, which stays up.
+    let client = c.client(1).await;
+    let first = within(
+        LIMIT,
+        "publish",
+        client.publish("model/k", f32_tensor(1000, 1)),
+    )
+    .await
+    .expect("publish");
+    assert_eq!(first, 1);
+    assert!(
+        holders_reach(&client, "model/k", 2).await,
+        "worker 1 fetched v1"
+    );
+    // Worker 1 subscribed through broker 0 (first in its ticket).
+    c.brokers[0].kill9();
+    let second = within(
+        LIMIT,
+        "publish",
+        client.publish("model/k", f32_tensor(1000, 2)),
+    )
+    .await
+    .expect("publish with broker 0 dead");
+    assert_eq!(second, 2);
+    let moved = eventually_async(Duration::from_secs(20), || async {
+        client.list("model/k").await.is_ok_and(|l| {
+            l.iter()
+                .any(|e| e.name.as_str() == "model/k" && e.version == 2 && e.holders >= 2)
+        })
+    })
+    .await;
+    assert!(moved, "the subscriber fetched v2 through broker 1");
+    client.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_restart_and_rejoin_without_losing_the_registry() {
     let mut c = Cluster::start(3, 1);

@@ -298,19 +298,20 @@ impl CtlClient {
     }
 
     /// Opens a stream for a long-lived request (`Subscribe`): writes `request` and leaves both
-    /// sides open. Fails over like [`call`](Self::call); returns the broker's id too.
+    /// sides open. Fails over like [`call`](Self::call); returns the connection too (to
+    /// [`probe`](Self::probe) it).
     pub(crate) async fn open_stream(
         &self,
         request: &CtlRequest,
         timeout: Duration,
-    ) -> Result<(SendStream, RecvStream, EndpointId)> {
+    ) -> Result<(SendStream, RecvStream, Connection)> {
         let mut failed = Vec::new();
         for _ in 0..self.brokers.len() {
             let (i, (conn, _)) = self.race(&mut failed).await?;
             let opened = async {
                 let (mut send, recv) = open_bi(&conn, timeout).await?;
                 wire::write_frame(&mut send, request).await?;
-                Ok::<_, Error>((send, recv, conn.remote_id()))
+                Ok::<_, Error>((send, recv, conn.clone()))
             };
             match opened.await {
                 Ok(streams) => {
@@ -324,6 +325,28 @@ impl CtlClient {
             }
         }
         Err(self.exhausted(failed))
+    }
+
+    /// Checks that the broker at the other end of `conn` still answers (a one-entry `List`
+    /// within `timeout`; any answer counts). A long-lived stream on a link to a broker killed
+    /// without a close would otherwise wait for QUIC's idle timeout (30 s): when the probe
+    /// gets no answer, the link is closed (which ends every stream on it) and dropped.
+    pub(crate) async fn probe(&self, conn: &Connection, timeout: Duration) -> Result<()> {
+        let request = CtlRequest::List {
+            prefix: String::new(),
+            limit: 1,
+        };
+        match exchange(conn, &request, timeout, self.max_tensor_bytes).await {
+            Ok(_) | Err(Failure::Answered(_)) => Ok(()),
+            Err(Failure::Unusable(e)) => {
+                let id = conn.remote_id();
+                match self.brokers.iter().position(|b| b.addr.id == id) {
+                    Some(i) => self.discard(i, conn),
+                    None => conn.close(CloseCode::Normal.code().into(), b"unresponsive"),
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The link of the first broker to have one ready, of those not in `failed`: the brokers

@@ -20,7 +20,7 @@ use std::{sync::Arc, time::Duration};
 
 use iroh::{
     EndpointId,
-    endpoint::{RecvStream, SendStream},
+    endpoint::{Connection, RecvStream, SendStream},
 };
 use tb_proto::{
     CtlRequest, CtlResponse, Event, ListedEntry, MAX_LIST_LIMIT, NamePattern, TensorMeta,
@@ -145,6 +145,8 @@ struct Stream {
     _send: SendStream,
     recv: RecvStream,
     broker: EndpointId,
+    /// The link the stream is on, probed when the stream has been quiet a while.
+    conn: Connection,
 }
 
 /// Opens a subscription to `pattern` for `node`.
@@ -189,11 +191,12 @@ async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
         pattern: pattern.clone(),
     };
     let timeout = cluster.request_timeout;
-    let (send, recv, broker) = cluster.ctl.open_stream(&request, timeout).await?;
+    let (send, recv, conn) = cluster.ctl.open_stream(&request, timeout).await?;
     Ok(Stream {
         _send: send,
         recv,
-        broker,
+        broker: conn.remote_id(),
+        conn,
     })
 }
 
@@ -266,11 +269,27 @@ impl Reader {
     /// Reads events from `stream` into the feed until it ends.
     async fn read(&self, stream: &mut Stream) -> Ended {
         let broker = stream.broker.fmt_short().to_string();
+        // A quiet stream is probed now and then: its broker may have died without closing
+        // the link (SIGKILL), which QUIC would notice only at its idle timeout.
+        let every = self.cluster.heartbeat_timeout;
+        let mut quiet = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        quiet.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let frame = tokio::select! {
-                _ = self.stop.cancelled() => return Ended::Stopped,
-                frame = wire::read_frame::<CtlResponse>(&mut stream.recv) => frame,
+            // The read is never dropped half-way (not cancel-safe): a probe only pauses it.
+            let read = wire::read_frame::<CtlResponse>(&mut stream.recv);
+            tokio::pin!(read);
+            let frame = loop {
+                tokio::select! {
+                    _ = self.stop.cancelled() => return Ended::Stopped,
+                    frame = &mut read => break frame,
+                    _ = quiet.tick() => {
+                        if let Err(e) = self.cluster.ctl.probe(&stream.conn, every).await {
+                            return Ended::Lost(e);
+                        }
+                    }
+                }
             };
+            quiet.reset();
             let frame = frame
                 .map_err(|e| e.into_error(&format!("subscription stream from broker {broker}")))
                 .and_then(|f| check_response(f, &broker, self.max_tensor_bytes));
