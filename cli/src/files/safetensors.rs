@@ -39,27 +39,7 @@ pub fn write(path: &Path, tensor: &Tensor, key: &str) -> Result<(), FileError> {
             format!("{key:?} is reserved in .safetensors files; choose another key with --key"),
         ));
     }
-    let data = super::host_bytes(path, tensor)?;
-    let encode_error = |e: String| super::io_error(path, "write", io::Error::other(e));
-    let shape = tensor
-        .shape()
-        .iter()
-        .map(|&d| usize::try_from(d))
-        .collect::<Result<Vec<usize>, _>>()
-        .map_err(|e| encode_error(e.to_string()))?;
-    let info = TensorInfo {
-        dtype: to_safetensors(tensor.dtype())
-            .ok_or_else(|| encode_error(format!("a {} tensor", tensor.dtype())))?,
-        shape,
-        data_offsets: (0, data.len()),
-    };
-    let metadata = Metadata::new(None, vec![(key.to_owned(), info)])
-        .map_err(|e| encode_error(e.to_string()))?;
-    // What `safetensors::serialize` writes: the JSON padded with spaces to a multiple of 8.
-    let mut header = serde_json::to_vec(&metadata).map_err(|e| encode_error(e.to_string()))?;
-    header.resize(header.len().next_multiple_of(LEN_PREFIX), b' ');
-    let header_len = (header.len() as u64).to_le_bytes();
-    super::write_atomic(path, &[&header_len, &header, &data])
+    write_all(path, &[(key.to_owned(), tensor.clone())], &BTreeMap::new())
 }
 
 /// Parses a whole `.safetensors` file (see [`read`]). A tensor that is most of the file is
