@@ -85,6 +85,7 @@ mod ctx;
 #[cfg(feature = "daemon")]
 pub mod daemon;
 pub mod device;
+pub mod discover;
 mod endpoint;
 mod error;
 mod inbox;
