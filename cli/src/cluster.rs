@@ -297,19 +297,6 @@ fn ensure_secret(path: &Path) -> Result<()> {
     if path.exists() {
         return Ok(());
     }
-    use std::io::Write;
-    let secret = hex::encode(iroh::SecretKey::generate().to_bytes());
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    let mut file = options
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    file.write_all(format!("{secret}\n").as_bytes())
-        .with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    tb_node::discover::create_secret_file(path)
+        .with_context(|| format!("creating {}", path.display()))
 }

@@ -132,6 +132,22 @@ fn parse_ticket(text: &str, from: &str) -> Result<Ticket, DiscoverError> {
         })
 }
 
+/// Writes a fresh random cluster secret to `path` (mode 0600), failing if the file exists.
+pub fn create_secret_file(path: &Path) -> std::io::Result<()> {
+    use std::io::Write;
+    let secret = hex::encode(iroh::SecretKey::generate().to_bytes());
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    options
+        .open(path)?
+        .write_all(format!("{secret}\n").as_bytes())
+}
+
 /// Reads a ticket file (surrounding whitespace ignored).
 pub fn read_ticket(path: &Path) -> Result<Ticket, DiscoverError> {
     let from = format!("in {}", path.display());
@@ -172,5 +188,20 @@ mod tests {
         let err = cluster_key(None, Some(missing)).expect_err("no file");
         assert!(err.to_string().contains("/nonexistent/tb-secret"), "{err}");
         assert!(cluster_key(Some("short"), None).is_err());
+    }
+
+    #[test]
+    fn a_new_secret_file_is_private_and_usable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("secret");
+        create_secret_file(&file).expect("created");
+        assert!(create_secret_file(&file).is_err(), "never overwrites");
+        assert!(!cluster_key(None, Some(&file)).expect("key").is_open());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&file).expect("meta").permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
     }
 }
