@@ -85,7 +85,8 @@ impl Join {
     }
 }
 
-/// `tb ls`: names, versions, dtypes, shapes, sizes and holder counts.
+/// `tb ls`: names, versions, dtypes, shapes, sizes and holder counts. A version set is one
+/// row of dtype `set`.
 pub async fn ls(join: &Join, prefix: &str) -> Result<()> {
     let node = join.node().await?;
     let listed = node.list(prefix).await;
@@ -100,7 +101,11 @@ pub async fn ls(join: &Join, prefix: &str) -> Result<()> {
         "NAME", "VERSION", "DTYPE", "SHAPE", "SIZE", "HOLDERS"
     );
     for e in entries {
-        let shape = format!("{:?}", e.meta.shape);
+        // A set's shape is its byte count; `tb get` lists its members.
+        let shape = match e.meta.dtype {
+            tb_node::DType::Set => "-".to_owned(),
+            _ => format!("{:?}", e.meta.shape),
+        };
         println!(
             "{:<40} {:>7} {:>8} {:>18} {:>10} {:>7}",
             e.name.as_str(),

@@ -9,10 +9,11 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use tb_node::{Node, PeerAddr, Tensor, TransferProgress, auth::node_id};
+use tb_node::{DType, Node, PeerAddr, Tensor, TensorSet, TransferProgress, auth::node_id};
 
 use crate::{
     cluster::Join,
+    files::Format,
     fmt::{bytes, mb_per_s},
     progress::{self, Bar},
     status::short_id,
@@ -23,12 +24,14 @@ use crate::{
 pub struct PutArgs {
     /// The tensor's name (`model/layer1/w`).
     pub name: String,
-    /// The file: `.npy`, `.safetensors`, or raw bytes (with --dtype and --shape).
+    /// The file: `.npy`, `.safetensors`, or raw bytes (with --dtype and --shape). A
+    /// `.safetensors` file without --key is published whole, as one version of the set NAME
+    /// (each tensor is the member NAME/<key>; readers get all of one version or none).
     pub file: PathBuf,
     /// The worker to hold it (`<node-id>@<ip:port>`). Default: a live worker of the cluster.
     #[arg(long)]
     pub worker: Option<PeerAddr>,
-    /// In a .safetensors file with several tensors, the one to send.
+    /// In a .safetensors file, the one tensor to send (as NAME) instead of the whole file.
     #[arg(long)]
     pub key: Option<String>,
     /// Element type of a raw file (f32, bf16, u8, ...).
@@ -42,30 +45,58 @@ pub struct PutArgs {
 /// `tb put`: sends a tensor file to a worker, which publishes and holds it; prints the
 /// version the cluster gave it.
 pub async fn put(join: &Join, args: PutArgs) -> Result<()> {
-    tb_node::proto::TensorName::new(args.name.as_str())
+    let name = tb_node::proto::TensorName::new(args.name.as_str())
         .with_context(|| format!("tensor name {:?}", args.name))?;
-    let mut opts = crate::files::ReadOptions::new(tb_node::DEFAULT_MAX_TENSOR_BYTES);
-    opts.key = args.key.clone();
-    opts.dtype = args.dtype;
-    opts.shape = match &args.shape {
-        Some(s) => Some(crate::files::parse_shape(s)?),
-        None => None,
-    };
+    let max = tb_node::DEFAULT_MAX_TENSOR_BYTES;
+    let whole_file = Format::of(&args.file) == Format::Safetensors && args.key.is_none();
     let path = args.file.clone();
-    let tensor = tokio::task::spawn_blocking(move || crate::files::read(&path, &opts))
+    let (tensor, what) = if whole_file {
+        if args.dtype.is_some() || args.shape.is_some() {
+            bail!(
+                "{}: --dtype and --shape apply to raw files; a .safetensors file names its own",
+                args.file.display()
+            );
+        }
+        tokio::task::spawn_blocking(move || -> Result<(Tensor, String)> {
+            let file = crate::files::read_safetensors_set(&path, max)?;
+            let what = format!(
+                "set of {} tensors ({})",
+                file.tensors.len(),
+                bytes(file.tensors.iter().map(|(_, t)| t.byte_len()).sum())
+            );
+            let set = TensorSet::pack(&name, &file.tensors, file.metadata, max)
+                .with_context(|| format!("{} as the set {name:?}", path.display()))?;
+            Ok((set, what))
+        })
         .await
-        .context("reading the file")??;
+        .context("reading the file")??
+    } else {
+        let mut opts = crate::files::ReadOptions::new(max);
+        opts.key = args.key.clone();
+        opts.dtype = args.dtype;
+        opts.shape = match &args.shape {
+            Some(s) => Some(crate::files::parse_shape(s)?),
+            None => None,
+        };
+        let tensor = tokio::task::spawn_blocking(move || crate::files::read(&path, &opts))
+            .await
+            .context("reading the file")??;
+        let what = format!(
+            "{} {:?} {}",
+            tensor.dtype().name(),
+            tensor.meta().shape,
+            bytes(tensor.byte_len())
+        );
+        (tensor, what)
+    };
     let node = join.node().await?;
     let result = put_on(&node, &args, &tensor).await;
     crate::cluster::close(&node).await;
     let put = result?;
     println!(
-        "put {} v{}: {} {:?} {} in {:.2} s ({:.0} MB/s) -> worker {}",
+        "put {} v{}: {what} in {:.2} s ({:.0} MB/s) -> worker {}",
         args.name,
         put.version,
-        tensor.dtype().name(),
-        tensor.meta().shape,
-        bytes(tensor.byte_len()),
         put.seconds,
         mb_per_s(tensor.byte_len(), put.seconds),
         short_id(&node_id(&put.worker.id)),
@@ -177,10 +208,11 @@ async fn live_workers(node: &Node) -> Result<Vec<PeerAddr>> {
 /// Options of `tb get`.
 #[derive(Debug, Clone, Args)]
 pub struct GetArgs {
-    /// The tensor's name.
+    /// The tensor's (or set's) name.
     pub name: String,
-    /// Where to write it: `.npy`, `.safetensors`, or raw bytes for any other name.
-    /// Default: `<last part of the name>.npy` in the current folder.
+    /// Where to write it: `.npy`, `.safetensors`, or raw bytes for any other name. A set is
+    /// written as a `.safetensors` file with every member and the set's metadata.
+    /// Default: `<last part of the name>.npy` (`.safetensors` for a set) in the current folder.
     #[arg(short, long)]
     pub output: Option<PathBuf>,
     /// A specific version (default: the newest).
@@ -188,7 +220,7 @@ pub struct GetArgs {
     pub version: Option<u64>,
 }
 
-/// `tb get`: fetches a tensor from the cluster and writes it to a file.
+/// `tb get`: fetches a tensor (or a whole set) from the cluster and writes it to a file.
 pub async fn get(join: &Join, args: GetArgs) -> Result<()> {
     let node = join.node().await?;
     let progress = Arc::new(TransferProgress::default());
@@ -201,22 +233,48 @@ pub async fn get(join: &Join, args: GetArgs) -> Result<()> {
     progress::finish(bar).await;
     crate::cluster::close(&node).await;
     let got = got.with_context(|| format!("getting {:?}", args.name))?;
+    let is_set = got.meta.dtype == DType::Set;
     let output = args.output.clone().unwrap_or_else(|| {
         let last = args.name.rsplit('/').next().unwrap_or("tensor");
-        PathBuf::from(format!("{last}.npy"))
+        PathBuf::from(match is_set {
+            true => format!("{last}.safetensors"),
+            false => format!("{last}.npy"),
+        })
     });
-    let tensor = got.buffer;
-    let key = args.name.clone();
+    let (version, size) = (got.version, got.meta.byte_len);
     let path = output.clone();
-    let format = tokio::task::spawn_blocking(move || crate::files::write(&path, &tensor, &key))
+    let (format, what) = if is_set {
+        if Format::of(&output) != Format::Safetensors {
+            bail!(
+                "{:?} is a set of tensors; write it to a .safetensors file (-o {}.safetensors)",
+                args.name,
+                args.name.rsplit('/').next().unwrap_or("set")
+            );
+        }
+        let set = TensorSet::from_tensor(got.name, got.version, &got.buffer)?;
+        let what = format!(
+            "set of {} tensors ({})",
+            set.members.len(),
+            bytes(set.members_bytes())
+        );
+        tokio::task::spawn_blocking(move || {
+            crate::files::write_safetensors_set(&path, &set.members, &set.metadata)
+        })
         .await
         .context("writing the file")??;
+        (Format::Safetensors, what)
+    } else {
+        let tensor = got.buffer;
+        let key = args.name.clone();
+        let format = tokio::task::spawn_blocking(move || crate::files::write(&path, &tensor, &key))
+            .await
+            .context("writing the file")??;
+        (format, bytes(size))
+    };
     println!(
-        "get {} v{}: {} in {seconds:.2} s ({:.0} MB/s) -> {} ({format})",
+        "get {} v{version}: {what} in {seconds:.2} s ({:.0} MB/s) -> {} ({format})",
         args.name,
-        got.version,
-        bytes(got.meta.byte_len),
-        mb_per_s(got.meta.byte_len, seconds),
+        mb_per_s(size, seconds),
         output.display(),
     );
     Ok(())

@@ -98,6 +98,7 @@ mod pool;
 mod progress;
 pub mod rate;
 mod serve;
+mod set;
 mod store;
 mod tensor;
 mod ticket;
@@ -134,6 +135,7 @@ pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};
 pub use progress::TransferProgress;
+pub use set::TensorSet;
 pub use store::{Inserted, Lookup, Retention, Store};
 /// Why a peer was refused before authenticating (what `auth::server_hello` reports).
 pub use tb_dashboard::AuthFailure;

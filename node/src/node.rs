@@ -256,6 +256,7 @@ impl Node {
         self.check_running()?;
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
+        crate::set::check_publishable(&name, &tensor)?;
         Ok(self.inner.ctx.store.insert(name, tensor))
     }
 

@@ -37,6 +37,9 @@ pub enum DType {
     F8E4M3,
     /// 8-bit float, 5 exponent and 2 mantissa bits.
     F8E5M2,
+    /// Not an element type: the bytes of a version set (see [`crate::set`]), one byte per
+    /// element. Only a set's own registry entry has it; a set's members never do.
+    Set,
 }
 
 /// A dtype name that is not one of ours.
@@ -47,7 +50,7 @@ pub enum DType {
 pub struct UnknownDType(pub String);
 
 impl DType {
-    /// Every dtype.
+    /// Every element type (all but [`DType::Set`]).
     pub const ALL: [DType; 15] = [
         DType::Bool,
         DType::U8,
@@ -69,11 +72,16 @@ impl DType {
     /// Bytes per element.
     pub const fn itemsize(self) -> u64 {
         match self {
-            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
+            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 | DType::Set => 1,
             DType::U16 | DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::U32 | DType::I32 | DType::F32 => 4,
             DType::U64 | DType::I64 | DType::F64 => 8,
         }
+    }
+
+    /// Whether this is an element type (every dtype but [`DType::Set`]).
+    pub const fn is_element(self) -> bool {
+        !matches!(self, DType::Set)
     }
 
     /// The canonical lower-case name (`f32`, `bf16`, ...).
@@ -94,6 +102,7 @@ impl DType {
             DType::F64 => "f64",
             DType::F8E4M3 => "f8e4m3",
             DType::F8E5M2 => "f8e5m2",
+            DType::Set => "set",
         }
     }
 }
@@ -129,6 +138,7 @@ impl FromStr for DType {
             "float64" | "double" => DType::F64,
             "float8_e4m3fn" | "float8_e4m3" => DType::F8E4M3,
             "float8_e5m2" => DType::F8E5M2,
+            "set" => DType::Set,
             _ => return Err(UnknownDType(s.chars().take(64).collect())),
         })
     }

@@ -54,6 +54,7 @@ mod meta;
 pub mod msg;
 mod name;
 mod registry;
+pub mod set;
 
 pub use auth::{
     Access, AccessError, AccessProof, AuthError, AuthProof, ClusterKey, EXAMPLE_SECRETS,
@@ -77,3 +78,4 @@ pub use registry::{
     Entry, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS, Member, Registry,
     RegistryError, RegistryOp, Role, SYNC_BUCKETS, bucket_of, chunk_by_size,
 };
+pub use set::{MAX_SET_MEMBERS, SET_ALIGN, SET_MAGIC, SetError, SetLayout, SetManifest, SetMember};

@@ -12,6 +12,8 @@ mod npy;
 mod pylit;
 mod safetensors;
 
+pub use safetensors::{read_all as read_safetensors_set, write_all as write_safetensors_set};
+
 use std::{
     fmt,
     fs::File,
@@ -277,6 +279,12 @@ pub fn read(path: &Path, opts: &ReadOptions) -> Result<Tensor, FileError> {
 /// first. Returns the format written.
 pub fn write(path: &Path, tensor: &Tensor, key: &str) -> Result<Format, FileError> {
     let format = Format::of(path);
+    if tensor.dtype() == DType::Set {
+        return Err(usage(
+            path,
+            format!("{key:?} is a set of tensors; write it to a .safetensors file"),
+        ));
+    }
     match format {
         Format::Npy => npy::write(path, tensor)?,
         Format::Safetensors => safetensors::write(path, tensor, key)?,

@@ -150,7 +150,7 @@ fn descr_for(dtype: DType) -> Option<&'static str> {
         DType::F16 => "<f2",
         DType::F32 => "<f4",
         DType::F64 => "<f8",
-        DType::BF16 | DType::F8E4M3 | DType::F8E5M2 => return None,
+        DType::BF16 | DType::F8E4M3 | DType::F8E5M2 | DType::Set => return None,
     })
 }
 

@@ -4,7 +4,7 @@
 //! Parsing and validation are the `safetensors` crate's; this module bounds the header, maps
 //! dtypes, picks one tensor, and writes one tensor with the crate's header encoding.
 
-use std::{io, path::Path};
+use std::{collections::BTreeMap, io, path::Path};
 
 use ::safetensors::{
     Dtype, SafeTensors,
@@ -48,7 +48,8 @@ pub fn write(path: &Path, tensor: &Tensor, key: &str) -> Result<(), FileError> {
         .collect::<Result<Vec<usize>, _>>()
         .map_err(|e| encode_error(e.to_string()))?;
     let info = TensorInfo {
-        dtype: to_safetensors(tensor.dtype()),
+        dtype: to_safetensors(tensor.dtype())
+            .ok_or_else(|| encode_error(format!("a {} tensor", tensor.dtype())))?,
         shape,
         data_offsets: (0, data.len()),
     };
@@ -64,6 +65,87 @@ pub fn write(path: &Path, tensor: &Tensor, key: &str) -> Result<(), FileError> {
 /// Parses a whole `.safetensors` file (see [`read`]). A tensor that is most of the file is
 /// a slice of `file`; a smaller one is copied out, so it does not keep the rest alive.
 pub fn decode(path: &Path, file: Bytes, select: Option<&str>) -> Result<Tensor, FileError> {
+    let parsed = parse(path, &file)?;
+    let metadata = &parsed.metadata;
+    let mut names: Vec<String> = metadata.tensors().into_keys().collect();
+    names.sort();
+    let name = match select {
+        Some(key) if metadata.info(key).is_some() => key,
+        Some(key) => {
+            return Err(FileError::NoSuchKey {
+                path: path.to_owned(),
+                key: key.to_owned(),
+                names,
+            });
+        }
+        None => match names.as_slice() {
+            [] => {
+                return Err(FileError::Empty {
+                    path: path.to_owned(),
+                });
+            }
+            [only] => only.as_str(),
+            _ => {
+                return Err(FileError::NeedsKey {
+                    path: path.to_owned(),
+                    names,
+                });
+            }
+        },
+    };
+    parsed.tensor(path, &file, name, false)
+}
+
+/// Reads every tensor of a `.safetensors` file of at most `max_bytes` bytes, in the order
+/// their bytes lie in the file, with the file's `__metadata__`: a version set's members.
+pub fn read_all(path: &Path, max_bytes: u64) -> Result<FileSet, FileError> {
+    let file = super::read_file(path, max_bytes)?;
+    decode_all(path, file)
+}
+
+/// Every tensor of a `.safetensors` file and its metadata.
+#[derive(Debug)]
+pub struct FileSet {
+    /// `(key, tensor)`, in the order their bytes lie in the file; each a slice of the file.
+    pub tensors: Vec<(String, Tensor)>,
+    /// The file's `__metadata__` (empty without one).
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Parses a whole `.safetensors` file into all its tensors (see [`read_all`]).
+pub fn decode_all(path: &Path, file: Bytes) -> Result<FileSet, FileError> {
+    let parsed = parse(path, &file)?;
+    let keys = parsed.metadata.offset_keys();
+    if keys.is_empty() {
+        return Err(FileError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    let tensors = keys
+        .into_iter()
+        .map(|key| {
+            let tensor = parsed.tensor(path, &file, &key, true)?;
+            Ok((key, tensor))
+        })
+        .collect::<Result<_, FileError>>()?;
+    let metadata = parsed
+        .metadata
+        .metadata()
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok(FileSet { tensors, metadata })
+}
+
+/// A `.safetensors` header that parsed and bounds-checked: where the data starts and what
+/// each tensor is.
+struct Parsed {
+    metadata: Metadata,
+    data_start: usize,
+}
+
+fn parse(path: &Path, file: &Bytes) -> Result<Parsed, FileError> {
     let corrupt = |reason: String| super::corrupt(path, Format::Safetensors, reason);
     let Some(&prefix) = file.first_chunk::<LEN_PREFIX>() else {
         return Err(corrupt(format!(
@@ -85,70 +167,114 @@ pub fn decode(path: &Path, file: Bytes, select: Option<&str>) -> Result<Tensor, 
         )));
     };
     check_ends(header, file.len() - data_start).map_err(&corrupt)?;
-    let (_, metadata) = SafeTensors::read_metadata(&file).map_err(|e| corrupt(e.to_string()))?;
+    let (_, metadata) = SafeTensors::read_metadata(file).map_err(|e| corrupt(e.to_string()))?;
+    Ok(Parsed {
+        metadata,
+        data_start,
+    })
+}
 
-    let mut names: Vec<String> = metadata.tensors().into_keys().collect();
-    names.sort();
-    let (name, info) = match select {
-        Some(key) => match metadata.info(key) {
-            Some(info) => (key, info),
-            None => {
-                return Err(FileError::NoSuchKey {
-                    path: path.to_owned(),
-                    key: key.to_owned(),
-                    names,
-                });
-            }
-        },
-        None => match names.as_slice() {
-            [] => {
-                return Err(FileError::Empty {
-                    path: path.to_owned(),
-                });
-            }
-            [only] => match metadata.info(only) {
-                Some(info) => (only.as_str(), info),
-                None => return Err(corrupt(format!("tensor {only:?} has no entry"))),
-            },
-            _ => {
-                return Err(FileError::NeedsKey {
-                    path: path.to_owned(),
-                    names,
-                });
-            }
-        },
-    };
+impl Parsed {
+    /// The tensor `name` (which the header has). With `share`, or when it is most of the
+    /// file, its bytes are a slice of `file`; else a copy, so it does not keep the rest alive.
+    fn tensor(
+        &self,
+        path: &Path,
+        file: &Bytes,
+        name: &str,
+        share: bool,
+    ) -> Result<Tensor, FileError> {
+        let corrupt = |reason: String| super::corrupt(path, Format::Safetensors, reason);
+        let Some(info) = self.metadata.info(name) else {
+            return Err(corrupt(format!("tensor {name:?} has no entry")));
+        };
+        let dtype = from_safetensors(info.dtype).ok_or_else(|| {
+            super::unsupported(
+                path,
+                format!("tensor {name:?} of dtype {}", info.dtype),
+                "this tool handles BOOL, U8, U16, U32, U64, I8, I16, I32, I64, F16, BF16, F32, \
+                 F64, F8_E4M3 and F8_E5M2",
+            )
+        })?;
+        let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
+        tb_proto::byte_len_for(dtype, &shape).map_err(|e| match e {
+            MetaError::RankTooLarge { rank } => super::unsupported(
+                path,
+                format!("tensor {name:?} of {rank} dimensions"),
+                format!("at most {MAX_RANK} are allowed"),
+            ),
+            e => corrupt(format!("tensor {name:?} of shape {shape:?}: {e}")),
+        })?;
+        let (start, end) = info.data_offsets;
+        let data_start = self.data_start;
+        let range = data_start
+            .checked_add(start)
+            .zip(data_start.checked_add(end));
+        let Some((start, end)) = range.filter(|&(s, e)| s <= e && e <= file.len()) else {
+            return Err(corrupt(format!("tensor {name:?} lies outside the file")));
+        };
+        let data = if share || (end - start) * 2 >= file.len() {
+            file.slice(start..end)
+        } else {
+            Bytes::copy_from_slice(&file[start..end])
+        };
+        Tensor::new(dtype, shape, data).map_err(|source| super::tensor_error(path, source))
+    }
+}
 
-    let dtype = from_safetensors(info.dtype).ok_or_else(|| {
-        super::unsupported(
+/// Writes `tensors` (with `metadata` as `__metadata__`) as a `.safetensors` file: a version
+/// set's members. Keys keep their order, so the file lists them as the set does.
+pub fn write_all(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(), FileError> {
+    if let Some((key, _)) = tensors.iter().find(|(key, _)| key == METADATA_KEY) {
+        return Err(super::usage(
             path,
-            format!("tensor {name:?} of dtype {}", info.dtype),
-            "this tool handles BOOL, U8, U16, U32, U64, I8, I16, I32, I64, F16, BF16, F32, F64, \
-             F8_E4M3 and F8_E5M2",
-        )
-    })?;
-    let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
-    tb_proto::byte_len_for(dtype, &shape).map_err(|e| match e {
-        MetaError::RankTooLarge { rank } => super::unsupported(
-            path,
-            format!("tensor {name:?} of {rank} dimensions"),
-            format!("at most {MAX_RANK} are allowed"),
-        ),
-        e => corrupt(format!("tensor {name:?} of shape {shape:?}: {e}")),
-    })?;
-    let (start, end) = info.data_offsets;
-    let range = data_start
-        .checked_add(start)
-        .zip(data_start.checked_add(end));
-    let Some((start, end)) = range.filter(|&(s, e)| s <= e && e <= file.len()) else {
-        return Err(corrupt(format!("tensor {name:?} lies outside the file")));
-    };
-    let data = if (end - start) * 2 >= file.len() {
-        file.slice(start..end)
-    } else {
-        Bytes::copy_from_slice(&file[start..end])
-    };
-    Tensor::new(dtype, shape, data).map_err(|source| super::tensor_error(path, source))
+            format!("member {key:?} is reserved in .safetensors files"),
+        ));
+    }
+    let encode_error = |e: String| super::io_error(path, "write", io::Error::other(e));
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut datas = Vec::with_capacity(tensors.len());
+    let mut offset = 0;
+    for (key, tensor) in tensors {
+        let data = super::host_bytes(path, tensor)?;
+        let dtype = to_safetensors(tensor.dtype()).ok_or_else(|| {
+            encode_error(format!(
+                "member {key:?} of dtype {} has no safetensors dtype",
+                tensor.dtype()
+            ))
+        })?;
+        let shape = tensor
+            .shape()
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<Vec<usize>, _>>()
+            .map_err(|e| encode_error(e.to_string()))?;
+        let info = TensorInfo {
+            dtype,
+            shape,
+            data_offsets: (offset, offset + data.len()),
+        };
+        offset += data.len();
+        infos.push((key.clone(), info));
+        datas.push(data);
+    }
+    let metadata = (!metadata.is_empty()).then(|| {
+        metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    });
+    let header = Metadata::new(metadata, infos).map_err(|e| encode_error(e.to_string()))?;
+    let mut header = serde_json::to_vec(&header).map_err(|e| encode_error(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(LEN_PREFIX), b' ');
+    let header_len = (header.len() as u64).to_le_bytes();
+    let mut parts: Vec<&[u8]> = vec![&header_len, &header];
+    parts.extend(datas.iter().map(|d| &d[..]));
+    super::write_atomic(path, &parts)
 }
 
 /// Checks that every tensor ends within the file's `data_len` bytes of data. The crate
@@ -174,9 +300,9 @@ fn check_ends(header: &[u8], data_len: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// The safetensors dtype of `dtype`.
-fn to_safetensors(dtype: DType) -> Dtype {
-    match dtype {
+/// The safetensors dtype of `dtype` (`None` for [`DType::Set`], not an element type).
+fn to_safetensors(dtype: DType) -> Option<Dtype> {
+    Some(match dtype {
         DType::Bool => Dtype::BOOL,
         DType::U8 => Dtype::U8,
         DType::U16 => Dtype::U16,
@@ -192,12 +318,15 @@ fn to_safetensors(dtype: DType) -> Dtype {
         DType::F64 => Dtype::F64,
         DType::F8E4M3 => Dtype::F8_E4M3,
         DType::F8E5M2 => Dtype::F8_E5M2,
-    }
+        DType::Set => return None,
+    })
 }
 
 /// Our dtype for a safetensors dtype, if we have one (not F4, F6, F8_E8M0, the FNUZ f8s, C64).
 fn from_safetensors(dtype: Dtype) -> Option<DType> {
-    DType::ALL.into_iter().find(|&d| to_safetensors(d) == dtype)
+    DType::ALL
+        .into_iter()
+        .find(|&d| to_safetensors(d) == Some(dtype))
 }
 
 #[cfg(test)]
@@ -257,7 +386,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = dir.path().join("t.safetensors");
         for dtype in DType::ALL {
-            assert_eq!(from_safetensors(to_safetensors(dtype)), Some(dtype));
+            assert_eq!(
+                from_safetensors(to_safetensors(dtype).unwrap()),
+                Some(dtype)
+            );
             for shape in SHAPES {
                 let tensor = sample(dtype, shape);
                 write(&file, &tensor, "model/layer.0/w").expect("write");
@@ -281,7 +413,11 @@ mod tests {
             let tensor = sample(dtype, shape);
             write(&file, &tensor, "a/\"quoted\"/w").expect("write");
             let shape = shape.iter().map(|&d| d as usize).collect();
-            let raw = Raw(to_safetensors(dtype), shape, tensor.data().to_vec());
+            let raw = Raw(
+                to_safetensors(dtype).unwrap(),
+                shape,
+                tensor.data().to_vec(),
+            );
             let theirs = file_of(&[("a/\"quoted\"/w", raw)]);
             assert_eq!(fs::read(&file).expect("read"), theirs.as_ref(), "{dtype}");
         }
@@ -426,7 +562,7 @@ mod tests {
         ) {
             let tensor = sample(dtype, &shape);
             let dims = shape.iter().map(|&d| d as usize).collect();
-            let raw = Raw(to_safetensors(dtype), dims, tensor.data().to_vec());
+            let raw = Raw(to_safetensors(dtype).unwrap(), dims, tensor.data().to_vec());
             let back = decode(path(), file_of(&[("x", raw)]), None).expect("decode");
             prop_assert_eq!(back, tensor);
         }

@@ -1,7 +1,8 @@
-//! The cluster API on [`Node`]: publish, get, get_version, list, members, subscribe. Each
+//! The cluster API on [`Node`]: publish, get, get_version, publish_set, get_set, list,
+//! members, subscribe. Each
 //! call fails with `Standalone` on a node without brokers and `Shutdown` once the node stops.
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
 use tracing::debug;
@@ -15,6 +16,7 @@ use crate::{
     error::{BrokerFailure, Error, Result},
     node::Node,
     progress::TransferProgress,
+    set::TensorSet,
     store::Inserted,
     tensor::Tensor,
 };
@@ -37,6 +39,7 @@ impl Node {
         let cluster = self.cluster()?;
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
+        crate::set::check_publishable(&name, &tensor)?;
         self.guarded(async {
             cluster.ensure_joined().await?;
             let store = &self.ctx().store;
@@ -79,6 +82,37 @@ impl Node {
             Err(lost.unwrap_or_else(|| Error::Io(format!("publishing \"{name}\""))))
         })
         .await
+    }
+
+    /// Publishes `members` (`(key, tensor)` pairs) with `metadata` as the next version of the
+    /// set `prefix` and returns that version: one registry entry whose bytes hold every
+    /// member, so readers of the set ([`get_set`](Self::get_set), subscribers) get all
+    /// members of one version or none. Each `prefix/key` must be a valid name and keys unique.
+    /// Copies the members once into the set's buffer (device members through host memory).
+    pub async fn publish_set(
+        &self,
+        prefix: &str,
+        members: Vec<(String, Tensor)>,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<u64> {
+        self.cluster()?;
+        let name = TensorName::new(prefix)?;
+        let max = self.config().max_tensor_bytes;
+        let packing = name.clone();
+        // Copying and hashing a checkpoint takes a while: off the runtime's threads.
+        let set =
+            tokio::task::spawn_blocking(move || TensorSet::pack(&packing, &members, metadata, max))
+                .await
+                .map_err(|e| Error::Io(format!("packing set \"{name}\": {e}")))??;
+        self.publish(name.as_str(), set).await
+    }
+
+    /// Gets the newest version of the set `prefix` (or `version`), every member of that one
+    /// version. `NotFound` like [`get`](Self::get); `InvalidTensor` when `prefix` names a
+    /// tensor, not a set.
+    pub async fn get_set(&self, prefix: &str, version: Option<u64>) -> Result<TensorSet> {
+        let got = self.get_inner(prefix, version, None).await?;
+        TensorSet::from_tensor(got.name, got.version, &got.buffer)
     }
 
     /// Gets the newest version of `name` from the cluster: asks a broker where it is, pulls it
