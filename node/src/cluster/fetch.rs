@@ -64,7 +64,17 @@ pub(crate) async fn fetch(
     cluster.ensure_joined().await?;
     let inflight = &node.ctx().inflight;
     let early = version.map(|v| inflight.start(&name, v, None));
-    let holders = cluster.lookup(&name, version).await?;
+    let holders = match cluster.lookup(&name, version).await {
+        Ok(holders) => holders,
+        // The broker never names the asker as a source: when this node is the only live
+        // holder (it published the version itself), the answer is "no holder". What it
+        // holds is then the newest version there is to get.
+        Err(e @ Error::NotFound { .. }) => match store.get(&name, version) {
+            Lookup::Found(v, tensor) => return Ok(pulled(name, v, tensor, progress)),
+            _ => return Err(e),
+        },
+        Err(e) => return Err(e),
+    };
     let (v, meta) = (holders.version, holders.meta.clone());
     if let Some(p) = progress {
         p.set_total(meta.byte_len);
