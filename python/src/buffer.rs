@@ -13,7 +13,16 @@ use std::{
     ptr::{self, NonNull},
 };
 
-use pyo3::{exceptions::PyBufferError, ffi, prelude::*, types::PyCapsule};
+use numpy::{
+    PyArrayDescr, PyArrayDescrMethods, PyUntypedArray,
+    npyffi::{self, PY_ARRAY_API, npy_intp},
+};
+use pyo3::{
+    exceptions::{PyBufferError, PyValueError},
+    ffi,
+    prelude::*,
+    types::PyCapsule,
+};
 use tb_node::Tensor;
 
 /// A received tensor's bytes, read-only, with its name, version, dtype and shape.
@@ -309,6 +318,64 @@ impl Buffer {
             unsafe { delete_exported(raw.cast::<DlManagedTensor>()) };
         }
         capsule
+    }
+
+    /// A read-only numpy array of `dtype` over the bytes, shaped as the tensor, whose `base`
+    /// is this buffer (no copy). `dtype`'s item size must fit the tensor's.
+    fn numpy<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Bound<'py, PyArrayDescr>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let py = slf.py();
+        let this = slf.get();
+        let bytes = this.bytes()?;
+        let mut dims = this
+            .tensor
+            .shape()
+            .iter()
+            .map(|d| npy_intp::try_from(*d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| PyValueError::new_err("a dimension does not fit numpy's index type"))?;
+        let elements: u64 = this.tensor.shape().iter().product();
+        let itemsize = dtype.itemsize() as u64;
+        if elements.checked_mul(itemsize) != Some(bytes.len() as u64) {
+            return Err(PyValueError::new_err(format!(
+                "dtype {dtype} does not fit tensor \"{}\" ({} bytes for shape {:?})",
+                this.name,
+                bytes.len(),
+                this.tensor.shape()
+            )));
+        }
+        let ndim = c_int::try_from(dims.len())
+            .map_err(|_| PyValueError::new_err("too many dimensions"))?;
+        // SAFETY: a new array over `bytes` (valid while this buffer lives: the array's base
+        // is set to it below, and it never changes them), C-contiguous, read-only (no
+        // WRITEABLE flag); `dtype`'s reference is stolen by the call, so it is given one.
+        let array = unsafe {
+            let array = PY_ARRAY_API.PyArray_NewFromDescr(
+                py,
+                npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+                dtype.into_dtype_ptr(),
+                ndim,
+                dims.as_mut_ptr(),
+                ptr::null_mut(),
+                bytes.as_ptr().cast_mut().cast::<c_void>(),
+                npyffi::NPY_ARRAY_C_CONTIGUOUS,
+                ptr::null_mut(),
+            );
+            let array = Bound::from_owned_ptr_or_err(py, array)?;
+            // Steals the reference to the buffer it is given.
+            let set = PY_ARRAY_API.PyArray_SetBaseObject(
+                py,
+                array.as_ptr().cast::<npyffi::PyArrayObject>(),
+                slf.clone().into_any().into_ptr(),
+            );
+            if set != 0 {
+                return Err(PyErr::fetch(py));
+            }
+            array.cast_into_unchecked::<PyUntypedArray>()
+        };
+        Ok(array)
     }
 
     /// Where the DLPack tensor lives: `(kDLCPU, 0)`.

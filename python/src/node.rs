@@ -2,7 +2,7 @@
 //! [`Buffer`] or the caller's array), list, status, subscribe, close. Every wait, transfer and
 //! copy runs with the GIL released (see `runtime`).
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use numpy::PyUntypedArray;
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyDict};
@@ -86,6 +86,22 @@ impl Drop for NodeHandle {
             });
         }
     }
+}
+
+/// A received set as `(version, [(key, Buffer)], metadata)`; members named `prefix/key`.
+pub(crate) fn set_parts(
+    set: tb_node::TensorSet,
+) -> (u64, Vec<(String, Buffer)>, BTreeMap<String, String>) {
+    let prefix = set.name.as_str().to_owned();
+    let members = set
+        .members
+        .into_iter()
+        .map(|(key, t)| {
+            let buffer = Buffer::new(format!("{prefix}/{key}"), set.version, t);
+            (key, buffer)
+        })
+        .collect();
+    (set.version, members, set.metadata)
 }
 
 /// Starts a node that joins the cluster of `ticket` with `key`.
@@ -234,6 +250,64 @@ impl NodeHandle {
         }
         py.detach(move || dest.fill(src));
         Ok(buffer.version_of())
+    }
+
+    /// Publishes `members` (`(key, data, dtype, shape)`, data as for `put`) with `metadata`
+    /// as the next version of the set `prefix`, atomically; returns the version.
+    #[pyo3(signature = (prefix, members, metadata=None, keep=None))]
+    fn put_set(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        members: Vec<(String, Bound<'_, PyUntypedArray>, String, Vec<u64>)>,
+        metadata: Option<BTreeMap<String, String>>,
+        keep: Option<usize>,
+    ) -> PyResult<u64> {
+        let node = self.node()?.clone();
+        let mut raws = Vec::with_capacity(members.len());
+        for (key, data, dtype, shape) in &members {
+            let dtype: DType = dtype.parse().map_err(|e: tb_node::proto::UnknownDType| {
+                errors::invalid(format!("{key}: {e}"))
+            })?;
+            raws.push((
+                key.clone(),
+                RawBytes::of(data, false)?,
+                dtype,
+                shape.clone(),
+            ));
+        }
+        // Copies and hashes without the GIL (`members` keeps every array referenced).
+        let tensors = py
+            .detach(move || {
+                raws.into_iter()
+                    .map(|(key, raw, dtype, shape)| {
+                        Ok((key, Tensor::new(dtype, shape, raw.to_vec())?))
+                    })
+                    .collect::<tb_node::Result<Vec<_>>>()
+            })
+            .map_err(to_py)?;
+        if let Some(keep) = keep {
+            node.set_keep(prefix, keep).map_err(to_py)?;
+        }
+        let metadata = metadata.unwrap_or_default();
+        wait(py, node.publish_set(prefix, tensors, metadata))?.map_err(to_py)
+    }
+
+    /// Gets `version` (the newest when `None`) of the set `prefix`: `(version, members,
+    /// metadata)`, members as `(key, Buffer)` in publish order, every one of that version.
+    #[pyo3(signature = (prefix, version=None, timeout=None))]
+    fn get_set(
+        &self,
+        py: Python<'_>,
+        prefix: String,
+        version: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<(u64, Vec<(String, Buffer)>, BTreeMap<String, String>)> {
+        let node = self.node()?.clone();
+        let what = || format!("getting the set \"{prefix}\"");
+        let set =
+            wait_limited(py, timeout, what, node.get_set(&prefix, version))?.map_err(to_py)?;
+        Ok(set_parts(set))
     }
 
     /// The live names starting with `prefix`, in name order.

@@ -2,12 +2,15 @@
 //! (or delete) of a matching name. Skipped versions are folded into the next event of their
 //! name (`skipped`, `skipped_from`), so an iterator yields only versions a caller can load.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
 
 use pyo3::prelude::*;
-use tb_node::{SubEvent, Tensor};
+use tb_node::{SubEvent, Tensor, TensorName, TensorSet};
 
-use crate::{buffer::Buffer, errors::to_py, runtime::wait_limited};
+use crate::{buffer::Buffer, errors::to_py, node::set_parts, runtime::wait_limited};
 
 /// What a subscription reported about one name.
 #[pyclass(frozen, module = "tensor_broker._native")]
@@ -79,6 +82,20 @@ impl Event {
             .as_ref()
             .filter(|t| t.host_data().is_some())
             .map(|t| Buffer::new(self.name.clone(), self.version, t.clone()))
+    }
+
+    /// The members of a fetched set version: `(version, [(key, Buffer)], metadata)`
+    /// (`None` when the node did not fetch it); `InvalidArgument` when this is no set.
+    #[allow(clippy::type_complexity)]
+    fn set_members(
+        &self,
+    ) -> PyResult<Option<(u64, Vec<(String, Buffer)>, BTreeMap<String, String>)>> {
+        let Some(tensor) = &self.tensor else {
+            return Ok(None);
+        };
+        let name = TensorName::new(&self.name).map_err(|e| to_py(e.into()))?;
+        let set = TensorSet::from_tensor(name, self.version, tensor).map_err(to_py)?;
+        Ok(Some(set_parts(set)))
     }
 
     fn __repr__(&self) -> String {

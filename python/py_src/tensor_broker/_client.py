@@ -83,8 +83,25 @@ class Update:
         return buf
 
     def array(self) -> np.ndarray:
-        """This version as a read-only numpy array (no copy)."""
+        """This version as a read-only numpy array (no copy). For a set, see :meth:`arrays`."""
         return _convert.to_numpy(self.buffer())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The members of this version of a set (``put_many``), key to read-only array, all
+        of this one version (no copy)."""
+        return {k: _convert.to_numpy(b) for k, b in self._set_members()}
+
+    def tensors(self) -> dict[str, Any]:
+        """The members of this version of a set as torch tensors (no copy; read-only)."""
+        return {k: _convert.to_torch(b) for k, b in self._set_members()}
+
+    def _set_members(self) -> list[tuple[str, _native.Buffer]]:
+        if self.dtype != "set":
+            raise TypeError(f"{self.name!r} is a {self.dtype} tensor, not a set: use .array()")
+        got = self._event.set_members()
+        if got is None:
+            got = self._client._node.get_set(self.name, self.version)
+        return got[1]
 
     def tensor(self) -> Any:
         """This version as a torch tensor (no copy; treat it as read-only)."""
@@ -221,6 +238,50 @@ class Client:
         read-only (``.clone()`` before changing it in place).
         """
         return _convert.to_torch(self._node.get(name, version, timeout))
+
+    def put_many(
+        self,
+        prefix: str,
+        mapping: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        keep: int | None = None,
+    ) -> int:
+        """Publishes ``mapping`` (key to array or tensor, e.g. a ``state_dict()``) as the next
+        version of the set ``prefix``, atomically: readers get every member of one version,
+        never a mix. Returns the version. Keys become ``prefix/key`` names (``.``, ``/``,
+        ``-``, ``_``, ``:`` and alphanumerics). The same sets as ``tb put`` of a whole
+        ``.safetensors`` file; ``metadata`` is its ``__metadata__``."""
+        members = []
+        for key, value in mapping.items():
+            data, dtype, shape = _convert.to_bytes(value)
+            members.append((str(key), data, dtype, list(shape)))
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        return self._node.put_set(prefix, members, meta, keep)
+
+    def get_many(
+        self, prefix: str, version: int | None = None, *, timeout: float | None = None
+    ) -> dict[str, np.ndarray]:
+        """Gets ``version`` (default: the newest) of the set ``prefix`` as a dict of key to
+        read-only numpy array, every member of that one version (no copy after the transfer:
+        the arrays are slices of the one received buffer)."""
+        _, members, _ = self._node.get_set(prefix, version, timeout)
+        return {k: _convert.to_numpy(b) for k, b in members}
+
+    def get_many_torch(
+        self, prefix: str, version: int | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """:meth:`get_many` as torch tensors (no copy; treat them as read-only), ready for
+        ``model.load_state_dict``."""
+        _, members, _ = self._node.get_set(prefix, version, timeout)
+        return {k: _convert.to_torch(b) for k, b in members}
+
+    def get_set(
+        self, prefix: str, version: int | None = None, *, timeout: float | None = None
+    ) -> tuple[int, dict[str, np.ndarray], dict[str, str]]:
+        """:meth:`get_many` with the version received and the set's metadata."""
+        v, members, meta = self._node.get_set(prefix, version, timeout)
+        return v, {k: _convert.to_numpy(b) for k, b in members}, meta
 
     def subscribe(self, pattern: str) -> Subscription:
         """Watches ``pattern`` (a name, ``prefix/*`` or ``*``): every version published from

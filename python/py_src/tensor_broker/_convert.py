@@ -52,9 +52,11 @@ def _torch_bytes(torch: Any, t: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
 
 
 def to_numpy(buf: Buffer) -> np.ndarray:
-    """A read-only numpy array over ``buf``'s bytes (its ``base`` chain ends at ``buf``)."""
+    """A read-only numpy array over ``buf``'s bytes whose ``base`` is ``buf`` (no copy)."""
+    if buf.dtype == "set":
+        raise TypeError(f"{buf.name!r} is a set: use get_many() (or Update.arrays())")
     dtype = _dtypes.numpy_dtype(buf.dtype)
-    return np.frombuffer(buf, dtype=dtype).reshape(buf.shape)
+    return buf.numpy(dtype)
 
 
 def to_torch(buf: Buffer) -> Any:
@@ -62,6 +64,8 @@ def to_torch(buf: Buffer) -> Any:
     what the node holds and serves: treat it as read-only (``.clone()`` before writing)."""
     import torch
 
+    if buf.dtype == "set":
+        raise TypeError(f"{buf.name!r} is a set: use get_many_torch() (or Update.tensors())")
     dtype = _dtypes.torch_dtype(buf.dtype)
     flat = torch.from_dlpack(buf)
     return flat.view(dtype).reshape(tuple(buf.shape))
