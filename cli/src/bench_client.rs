@@ -37,7 +37,12 @@ impl ClientBenchArgs {
         if self.sizes.len() != self.versions.len() || self.versions.contains(&0) {
             bail!("--sizes and --versions need as many entries, versions at least 1");
         }
-        Ok(self.sizes.iter().copied().zip(self.versions.iter().copied()).collect())
+        Ok(self
+            .sizes
+            .iter()
+            .copied()
+            .zip(self.versions.iter().copied())
+            .collect())
     }
 
     async fn node(&self) -> Result<Node> {
