@@ -149,15 +149,15 @@ mod tests {
 
     #[test]
     fn a_packed_set_reads_back_as_slices_of_one_buffer() {
-        let a = Tensor::new(DType::F32, vec![3], vec![1u8; 12]).unwrap();
-        let b = Tensor::new(DType::BF16, vec![2, 2], vec![2u8; 8]).unwrap();
-        let s = Tensor::new(DType::I64, vec![], vec![3u8; 8]).unwrap();
+        let a = Tensor::new(DType::F32, vec![3], vec![1u8; 12]).expect("valid");
+        let b = Tensor::new(DType::BF16, vec![2, 2], vec![2u8; 8]).expect("valid");
+        let s = Tensor::new(DType::I64, vec![], vec![3u8; 8]).expect("valid");
         let members = vec![("a".to_string(), a), ("l/b".into(), b), ("s".into(), s)];
         let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-        let set = TensorSet::pack(&name("ck"), &members, metadata.clone(), 1 << 20).unwrap();
+        let set = TensorSet::pack(&name("ck"), &members, metadata.clone(), 1 << 20).expect("valid");
         assert_eq!(set.dtype(), DType::Set);
         check_publishable(&name("ck"), &set).expect("valid");
-        let back = TensorSet::from_tensor(name("ck"), 4, &set).unwrap();
+        let back = TensorSet::from_tensor(name("ck"), 4, &set).expect("valid");
         assert_eq!(back.version, 4);
         assert_eq!(back.metadata, metadata);
         assert_eq!(back.members, members);
@@ -174,14 +174,15 @@ mod tests {
 
     #[test]
     fn tensors_that_are_not_sets_are_refused() {
-        let t = Tensor::new(DType::U8, vec![4], vec![0u8; 4]).unwrap();
-        let err = TensorSet::from_tensor(name("x"), 1, &t).unwrap_err();
+        let t = Tensor::new(DType::U8, vec![4], vec![0u8; 4]).expect("valid");
+        let err = TensorSet::from_tensor(name("x"), 1, &t).expect_err("invalid");
         assert!(err.to_string().contains("not a set"), "{err}");
-        let bogus = Tensor::new(DType::Set, vec![4], vec![0u8; 4]).unwrap();
-        let err = check_publishable(&name("x"), &bogus).unwrap_err();
+        let bogus = Tensor::new(DType::Set, vec![4], vec![0u8; 4]).expect("valid");
+        let err = check_publishable(&name("x"), &bogus).expect_err("invalid");
         assert!(err.to_string().contains("set \"x\""), "{err}");
         let members = vec![("a b".to_string(), t)];
-        let err = TensorSet::pack(&name("x"), &members, BTreeMap::new(), 1 << 20).unwrap_err();
+        let err =
+            TensorSet::pack(&name("x"), &members, BTreeMap::new(), 1 << 20).expect_err("invalid");
         assert!(matches!(err, Error::InvalidTensor(_)), "{err}");
     }
 }

@@ -408,6 +408,100 @@ async fn tb_put_and_tb_get_round_trip_a_file() {
     }
 }
 
+/// A `.safetensors` file without `--key` goes in whole as one version of a set (one row of
+/// dtype `set` in `tb ls`) and comes back from `tb get` as a `.safetensors` file with the
+/// same tensors, dtypes, shapes, bytes and `__metadata__`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tb_put_of_a_safetensors_file_publishes_a_set_and_tb_get_writes_it_back() {
+    use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+    let c = Cluster::start(1, 1);
+    let w = pattern(4 * 6, 1);
+    let b = pattern(2 * 5, 2);
+    let ids = pattern(8 * 3, 3);
+    let views = vec![
+        (
+            "model.w",
+            TensorView::new(Dtype::F32, vec![2, 3], &w).expect("valid"),
+        ),
+        (
+            "model.b",
+            TensorView::new(Dtype::BF16, vec![5], &b).expect("valid"),
+        ),
+        (
+            "ids",
+            TensorView::new(Dtype::I64, vec![3], &ids).expect("valid"),
+        ),
+    ];
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let file = safetensors::serialize(views, Some(meta.clone())).expect("serialize");
+    let input = c.data("model.safetensors");
+    std::fs::write(&input, &file).expect("write");
+    let input_s = input.to_string_lossy().to_string();
+
+    let out = tb(&["put", "ckpt", &input_s], &c.ticket, &c.secret_file);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "tb put: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ckpt v1: set of 3 tensors"), "{stdout}");
+    let out = tb(&["ls"], &c.ticket, &c.secret_file);
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let row = listing
+        .lines()
+        .find(|l| l.starts_with("ckpt "))
+        .unwrap_or_else(|| panic!("no ckpt row: {listing}"));
+    assert_eq!(row.split_whitespace().nth(2), Some("set"), "{row}");
+
+    let back = c.data("back.safetensors");
+    let back_s = back.to_string_lossy().to_string();
+    let out = tb(&["get", "ckpt", "-o", &back_s], &c.ticket, &c.secret_file);
+    assert!(
+        out.status.success(),
+        "tb get: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("set of 3 tensors"));
+    let written = std::fs::read(&back).expect("read back");
+    let (_, header) = SafeTensors::read_metadata(&written).expect("valid safetensors");
+    assert_eq!(header.metadata().as_ref(), Some(&meta));
+    let parsed = SafeTensors::deserialize(&written).expect("valid safetensors");
+    let original = SafeTensors::deserialize(&file).expect("valid");
+    let mut names = parsed.names();
+    names.sort();
+    assert_eq!(names, ["ids", "model.b", "model.w"]);
+    for name in names {
+        let (a, b) = (
+            original.tensor(name).expect("valid"),
+            parsed.tensor(name).expect("valid"),
+        );
+        assert_eq!(
+            (a.dtype(), a.shape(), a.data()),
+            (b.dtype(), b.shape(), b.data()),
+            "{name}"
+        );
+    }
+
+    // A set is not one array: writing it to .npy is refused with what to do instead.
+    let npy = c.data("x.npy").to_string_lossy().to_string();
+    let out = tb(&["get", "ckpt", "-o", &npy], &c.ticket, &c.secret_file);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("write it to a .safetensors file"),
+        "{stderr}"
+    );
+    // With --key, one tensor of the file goes in as a plain tensor.
+    let out = tb(
+        &["put", "one", &input_s, "--key", "model.w"],
+        &c.ticket,
+        &c.secret_file,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("one v1: f32 [2, 3]"), "{stdout}");
+}
+
 /// Whether `text` has terminal control characters (a progress bar's `\r` or escapes).
 fn has_control_chars(text: &str) -> bool {
     text.chars().any(|c| c.is_control() && c != '\n')

@@ -71,15 +71,15 @@ async fn a_set_reads_back_whole_on_another_node() {
         ("embed".to_string(), f32_tensor(1000, 1)),
         (
             "layer.0/w".into(),
-            Tensor::new(DType::BF16, vec![3, 5], pattern(30, 2)).unwrap(),
+            Tensor::new(DType::BF16, vec![3, 5], pattern(30, 2)).expect("valid"),
         ),
         (
             "step".into(),
-            Tensor::new(DType::I64, vec![], 7i64.to_le_bytes().to_vec()).unwrap(),
+            Tensor::new(DType::I64, vec![], 7i64.to_le_bytes().to_vec()).expect("valid"),
         ),
         (
             "empty".into(),
-            Tensor::new(DType::F16, vec![0, 4], Vec::new()).unwrap(),
+            Tensor::new(DType::F16, vec![0, 4], Vec::new()).expect("valid"),
         ),
     ];
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
@@ -102,6 +102,17 @@ async fn a_set_reads_back_whole_on_another_node() {
         "same keys, order, dtypes, shapes and bytes"
     );
 
+    // A member is readable by its own name, `set/key`, at the set's version.
+    let w = reader.get("ckpt/layer.0/w").await.expect("member by name");
+    assert_eq!((w.name.as_str(), w.version), ("ckpt/layer.0/w", 1));
+    assert_eq!(w.buffer, members[1].1);
+    let step = reader.get_version("ckpt/step", 1).await.expect("member v1");
+    assert_eq!(step.buffer, members[2].1);
+    for missing in ["ckpt/nope", "ckpt/layer.0/nope", "nothing/here"] {
+        let err = reader.get(missing).await.expect_err(missing);
+        assert!(matches!(err, Error::NotFound { .. }), "{missing}: {err}");
+    }
+
     // One registry entry of dtype `set`; a plain get returns the set's own bytes.
     let listed = reader.list("ckpt").await.expect("list");
     assert_eq!(listed.len(), 1, "{listed:?}");
@@ -121,7 +132,7 @@ async fn a_set_reads_back_whole_on_another_node() {
         matches!(err, Error::InvalidTensor(ref m) if m.contains("not a set")),
         "{err}"
     );
-    let bogus = Tensor::new(DType::Set, vec![16], vec![0u8; 16]).unwrap();
+    let bogus = Tensor::new(DType::Set, vec![16], vec![0u8; 16]).expect("valid");
     let err = publisher
         .publish("bogus", bogus)
         .await

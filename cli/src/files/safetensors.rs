@@ -387,7 +387,7 @@ mod tests {
         let file = dir.path().join("t.safetensors");
         for dtype in DType::ALL {
             assert_eq!(
-                from_safetensors(to_safetensors(dtype).unwrap()),
+                from_safetensors(to_safetensors(dtype).expect("valid")),
                 Some(dtype)
             );
             for shape in SHAPES {
@@ -399,6 +399,38 @@ mod tests {
                 assert_eq!(named, tensor);
             }
         }
+    }
+
+    #[test]
+    fn whole_files_round_trip_with_their_metadata() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("back.safetensors");
+        let tensors: Vec<(String, Tensor)> = DType::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, &dtype)| (format!("m.{i}"), sample(dtype, &[2, 3])))
+            .chain([("empty".to_string(), sample(DType::F32, &[0]))])
+            .collect();
+        let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        write_all(&out, &tensors, &metadata).expect("write");
+        let back = read_all(&out, 1 << 20).expect("read");
+        assert_eq!(
+            back.tensors, tensors,
+            "same order, dtypes, shapes and bytes"
+        );
+        assert_eq!(back.metadata, metadata);
+        // What the crate reads, with the metadata where it looks for it.
+        let bytes = std::fs::read(&out).expect("valid");
+        let (_, header) = SafeTensors::read_metadata(&bytes).expect("crate reads it");
+        assert_eq!(header.metadata().as_ref().expect("valid")["format"], "pt");
+        // A file without tensors is no set.
+        let empty = file_with_header("{}", &[]);
+        assert!(matches!(
+            decode_all(path(), empty),
+            Err(FileError::Empty { .. })
+        ));
+        let reserved = vec![(METADATA_KEY.to_string(), sample(DType::U8, &[1]))];
+        assert!(write_all(&out, &reserved, &BTreeMap::new()).is_err());
     }
 
     #[test]
@@ -414,7 +446,7 @@ mod tests {
             write(&file, &tensor, "a/\"quoted\"/w").expect("write");
             let shape = shape.iter().map(|&d| d as usize).collect();
             let raw = Raw(
-                to_safetensors(dtype).unwrap(),
+                to_safetensors(dtype).expect("valid"),
                 shape,
                 tensor.data().to_vec(),
             );
@@ -562,7 +594,7 @@ mod tests {
         ) {
             let tensor = sample(dtype, &shape);
             let dims = shape.iter().map(|&d| d as usize).collect();
-            let raw = Raw(to_safetensors(dtype).unwrap(), dims, tensor.data().to_vec());
+            let raw = Raw(to_safetensors(dtype).expect("valid"), dims, tensor.data().to_vec());
             let back = decode(path(), file_of(&[("x", raw)]), None).expect("decode");
             prop_assert_eq!(back, tensor);
         }

@@ -117,7 +117,9 @@ impl Node {
 
     /// Gets the newest version of `name` from the cluster: asks a broker where it is, pulls it
     /// from its holders (verified by hash), keeps it (this node becomes a holder) and returns
-    /// it. From the local store when this node holds that version already.
+    /// it. From the local store when this node holds that version already. When no tensor is
+    /// called `name` but a set `prefix` has the member `key` (`name` is `prefix/key`), that
+    /// member of the set's newest version (the version is the set's).
     pub async fn get(&self, name: &str) -> Result<Pulled<Tensor>> {
         self.get_inner(name, None, None).await
     }
@@ -155,8 +157,16 @@ impl Node {
                 what: format!("tensor \"{name}\" v0 (versions start at 1)"),
             });
         }
-        self.guarded(fetch::fetch(self, cluster, name, version, progress))
-            .await
+        let got = self
+            .guarded(fetch::fetch(self, cluster, name.clone(), version, progress))
+            .await;
+        match got {
+            Err(e @ Error::NotFound { .. }) => self
+                .guarded(set_member(self, cluster, &name, version, progress))
+                .await?
+                .ok_or(e),
+            got => got,
+        }
     }
 
     /// Deletes `name` from the cluster (until a later publish): brokers stop offering it and
@@ -246,4 +256,41 @@ impl Node {
     pub fn current_broker(&self) -> Option<&PeerAddr> {
         self.cluster().ok()?.ctl.current()
     }
+}
+
+/// The member `name` of a set, when no tensor is called `name`: for `ckpt/layer.0/w`, the
+/// member `w` of a set `ckpt/layer.0`, else the member `layer.0/w` of a set `ckpt` (the
+/// longest parent first; one look-up each). `Ok(None)` when no ancestor is a set with that member. The member comes with the
+/// set's version; the set itself is fetched whole (and kept, like any get).
+async fn set_member(
+    node: &Node,
+    cluster: &std::sync::Arc<super::Cluster>,
+    name: &TensorName,
+    version: Option<u64>,
+    progress: Option<&TransferProgress>,
+) -> Result<Option<Pulled<Tensor>>> {
+    let full = name.as_str();
+    for (at, _) in full.rmatch_indices('/') {
+        let (parent, key) = (&full[..at], &full[at + 1..]);
+        let parent = TensorName::new(parent)?;
+        let set = match fetch::fetch(node, cluster, parent.clone(), version, progress).await {
+            Ok(set) => set,
+            Err(Error::NotFound { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        if set.meta.dtype != tb_proto::DType::Set {
+            return Ok(None);
+        }
+        let set = TensorSet::from_tensor(parent, set.version, &set.buffer)?;
+        let Some(member) = set.get(key) else {
+            return Ok(None);
+        };
+        return Ok(Some(Pulled {
+            name: name.clone(),
+            version: set.version,
+            meta: member.meta().clone(),
+            buffer: member.clone(),
+        }));
+    }
+    Ok(None)
 }

@@ -99,7 +99,7 @@ fn malformed_sets_are_typed_errors() {
         manifest(vec![member("w", DType::F32, &[2])]),
         u64::MAX,
     )
-    .unwrap();
+    .expect("valid");
     let good = bytes_of(&layout);
     assert!(matches!(
         decode_err("p", &good[..5]),
@@ -162,7 +162,7 @@ fn bad_manifests_are_refused_on_both_sides() {
         let err = SetLayout::new(&prefix, m.clone(), u64::MAX).expect_err(says);
         assert!(err.to_string().contains(says), "{err} (wanted {says:?})");
         // A peer that wrote such a manifest anyway is refused when it is read.
-        let body = postcard::to_stdvec(&m).unwrap();
+        let body = postcard::to_stdvec(&m).expect("valid");
         let mut bytes = SET_MAGIC.to_vec();
         bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&body);
