@@ -88,10 +88,11 @@ impl Drop for NodeHandle {
     }
 }
 
-/// A received set as `(version, [(key, Buffer)], metadata)`; members named `prefix/key`.
-pub(crate) fn set_parts(
-    set: tb_node::TensorSet,
-) -> (u64, Vec<(String, Buffer)>, BTreeMap<String, String>) {
+/// A received set as Python gets it: `(version, [(key, Buffer)], metadata)`.
+pub(crate) type SetParts = (u64, Vec<(String, Buffer)>, BTreeMap<String, String>);
+
+/// A received set as [`SetParts`]; members named `prefix/key`.
+pub(crate) fn set_parts(set: tb_node::TensorSet) -> SetParts {
     let prefix = set.name.as_str().to_owned();
     let members = set
         .members
@@ -302,7 +303,7 @@ impl NodeHandle {
         prefix: String,
         version: Option<u64>,
         timeout: Option<f64>,
-    ) -> PyResult<(u64, Vec<(String, Buffer)>, BTreeMap<String, String>)> {
+    ) -> PyResult<SetParts> {
         let node = self.node()?.clone();
         let what = || format!("getting the set \"{prefix}\"");
         let set =

@@ -2,15 +2,17 @@
 //! (or delete) of a matching name. Skipped versions are folded into the next event of their
 //! name (`skipped`, `skipped_from`), so an iterator yields only versions a caller can load.
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    sync::Arc,
-};
+use std::{collections::HashMap, sync::Arc};
 
 use pyo3::prelude::*;
 use tb_node::{SubEvent, Tensor, TensorName, TensorSet};
 
-use crate::{buffer::Buffer, errors::to_py, node::set_parts, runtime::wait_limited};
+use crate::{
+    buffer::Buffer,
+    errors::to_py,
+    node::{SetParts, set_parts},
+    runtime::wait_limited,
+};
 
 /// What a subscription reported about one name.
 #[pyclass(frozen, module = "tensor_broker._native")]
@@ -86,10 +88,7 @@ impl Event {
 
     /// The members of a fetched set version: `(version, [(key, Buffer)], metadata)`
     /// (`None` when the node did not fetch it); `InvalidArgument` when this is no set.
-    #[allow(clippy::type_complexity)]
-    fn set_members(
-        &self,
-    ) -> PyResult<Option<(u64, Vec<(String, Buffer)>, BTreeMap<String, String>)>> {
+    fn set_members(&self) -> PyResult<Option<SetParts>> {
         let Some(tensor) = &self.tensor else {
             return Ok(None);
         };
