@@ -47,10 +47,18 @@ c.close()
     )
     assert child.line() == "first"
     with cluster.connect() as reader, reader.subscribe("atomic/m") as sub:
+        reads = 0
         for _ in range(ROUNDS):
-            got = reader.get_many("atomic/m")
+            try:
+                got = reader.get_many("atomic/m")
+            except tb.NotFound:
+                # The newest version was evicted while this get fetched it (the publisher
+                # moved on by more than the versions kept): a lost race, never a mix.
+                continue
+            reads += 1
             values = {int(a[0]) for a in got.values()} | {int(a[-1]) for a in got.values()}
             assert len(values) == 1, f"members from different versions: {values}"
+        assert reads > 0
         assert child.line() == "done"
         last = reader.get_many("atomic/m")
         assert {int(a[0]) for a in last.values()} == {ROUNDS}
