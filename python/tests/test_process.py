@@ -56,8 +56,8 @@ def test_ctrl_c_interrupts_a_blocking_wait(spawn) -> None:
         """
 c = tb.connect(TICKET, secret_file=SECRET_FILE)
 sub = c.subscribe("never/*")
-say("waiting")
 try:
+    say("waiting")  # inside the try: the signal may land before next() starts waiting
     sub.next()
 except KeyboardInterrupt:
     say("interrupted")
