@@ -54,11 +54,6 @@ impl RawBytes {
         })
     }
 
-    /// Size in bytes.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// A copy of the bytes. Call with the array alive (the caller holds it).
     pub(crate) fn to_vec(&self) -> Vec<u8> {
         if self.len == 0 {
@@ -69,13 +64,15 @@ impl RawBytes {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
     }
 
-    /// Overwrites the bytes with `src` (same length). Call with the array alive.
-    pub(crate) fn fill(&self, src: &[u8]) {
-        if self.len == 0 || src.len() != self.len {
-            return;
+    /// The bytes as a mutable slice, for receiving into. Call with the array alive and no
+    /// other Rust view of it (the caller holds the array; `self` is borrowed mutably).
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
         }
-        // SAFETY: as in `to_vec`, and `of(.., writable: true)` checked the array is writable;
-        // `src` is the node's own memory, so the two do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr, self.len) };
+        // SAFETY: `of(.., writable: true)` checked the array is writable, contiguous and
+        // `len` bytes long; the caller keeps it alive while the slice is used, and the
+        // mutable borrow of `self` makes this the only Rust view of it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }

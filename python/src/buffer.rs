@@ -43,26 +43,6 @@ impl Buffer {
         }
     }
 
-    /// The tensor's name.
-    pub(crate) fn name_of(&self) -> &str {
-        &self.name
-    }
-
-    /// The version.
-    pub(crate) fn version_of(&self) -> u64 {
-        self.version
-    }
-
-    /// The dtype's name.
-    pub(crate) fn dtype_name(&self) -> &'static str {
-        self.tensor.dtype().name()
-    }
-
-    /// The shape.
-    pub(crate) fn shape_of(&self) -> Vec<u64> {
-        self.tensor.shape().to_vec()
-    }
-
     /// The host bytes.
     pub(crate) fn bytes(&self) -> PyResult<&[u8]> {
         match self.tensor.host_data() {

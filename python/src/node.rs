@@ -217,8 +217,9 @@ impl NodeHandle {
         ))
     }
 
-    /// Gets `name` like `get` and copies it into `out` (a writable C-contiguous array whose
-    /// dtype name is `dtype` and whose shape is `shape`); returns the version.
+    /// Gets `name` into `out` (a writable C-contiguous array whose dtype name is `dtype`
+    /// and whose shape is `shape`), received straight into it (`Node::get_into`); returns
+    /// the version. A tensor of another dtype or shape is refused before anything is written.
     #[pyo3(signature = (name, out, dtype, shape, version=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn get_into(
@@ -231,26 +232,27 @@ impl NodeHandle {
         version: Option<u64>,
         timeout: Option<f64>,
     ) -> PyResult<u64> {
-        let dest = RawBytes::of(out, true)?;
-        let buffer = self.get(py, name, version, timeout)?;
-        let (got_dtype, got_shape) = (buffer.dtype_name(), buffer.shape_of());
-        if got_dtype != dtype || got_shape != shape {
-            return Err(PyValueError::new_err(format!(
-                "tensor \"{}\" v{} is {got_dtype} {got_shape:?}; out is {dtype} {shape:?}",
-                buffer.name_of(),
-                buffer.version_of()
-            )));
-        }
-        let src = buffer.bytes()?;
-        if src.len() != dest.len() {
-            return Err(PyValueError::new_err(format!(
-                "out holds {} bytes, the tensor {}",
-                dest.len(),
-                src.len()
-            )));
-        }
-        py.detach(move || dest.fill(src));
-        Ok(buffer.version_of())
+        let node = self.node()?.clone();
+        let mut dest = RawBytes::of(out, true)?;
+        let want = dtype.to_owned();
+        let check = move |meta: &tb_node::TensorMeta| {
+            if meta.dtype.name() == want && meta.shape == shape {
+                return Ok(());
+            }
+            Err(tb_node::Error::InvalidTensor(format!(
+                "the tensor is {} {:?}; out is {want} {shape:?}",
+                meta.dtype.name(),
+                meta.shape
+            )))
+        };
+        let what = || format!("getting \"{name}\"");
+        // `out` stays referenced (and so alive) for the whole call.
+        let got = wait_limited(py, timeout, what, async {
+            node.get_into(&name, version, dest.as_mut_slice(), check)
+                .await
+        })?
+        .map_err(to_py)?;
+        Ok(got.0)
     }
 
     /// Publishes `members` (`(key, data, dtype, shape)`, data as for `put`) with `metadata`

@@ -214,7 +214,11 @@ class Client:
         Without ``out``: a read-only array over the received bytes (no copy after the
         transfer; its ``base`` is the package's :class:`Buffer`; freed when the array and the
         node's copy are gone). With ``out`` (a writable C-contiguous array, or CPU torch
-        tensor, of the same dtype and shape): the bytes land there and ``out`` is returned.
+        tensor, of the same dtype and shape): the bytes are received straight into it (over
+        QUIC; a same-host transfer or a version this node holds is copied in once) and
+        ``out`` is returned; this node then does not keep or serve the version. A tensor of
+        another dtype or shape is refused before anything is written; if the call fails or is
+        interrupted mid-transfer, ``out`` holds part of the bytes.
         ``timeout``: seconds for the whole call (``Timeout`` past it).
         """
         if out is None:
