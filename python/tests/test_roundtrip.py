@@ -183,3 +183,15 @@ def test_any_dlpack_object_is_accepted(client: tb.Client) -> None:
     a = np.arange(10, dtype=np.int32)
     v = client.put("dl/a", Exporter(a))
     assert client.get("dl/a", v).tolist() == list(range(10))
+
+
+def test_keep_sets_how_many_versions_this_node_serves(client: tb.Client, cluster) -> None:
+    for i in range(3):
+        client.put("keep/two", np.full(2, i, dtype=np.int8))  # the default: the newest 2
+        client.put("keep/one", np.full(2, i, dtype=np.int8), keep=1)
+    with cluster.connect() as other:
+        assert other.get("keep/two", 2).tolist() == [1, 1]
+        assert other.get("keep/one", 3).tolist() == [2, 2]
+        # Evicted at its only holder: NotFound once the broker heard, else no holder serves it.
+        with pytest.raises((tb.NotFound, tb.Unavailable)):
+            other.get("keep/one", 2)

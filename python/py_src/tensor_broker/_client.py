@@ -196,7 +196,8 @@ class Client:
         CPU torch tensor, or any object with ``__dlpack__``; C-contiguous (else ``ValueError``:
         pass ``numpy.ascontiguousarray(a)``). Its bytes are copied once (GIL released), so
         changing the array afterwards does not change the version. ``keep``: how many
-        versions of this name this node keeps serving (default 2).
+        versions of this name this node keeps and serves (default 2; the brokers offer the
+        newest 2 of a name, so more only helps readers of this node's own store).
         """
         data, dtype, shape = _convert.to_bytes(array)
         return self._node.put(name, data, dtype, list(shape), keep)
