@@ -40,6 +40,14 @@ pub struct PutArgs {
     /// Shape of a raw file (`2,3,4`).
     #[arg(long)]
     pub shape: Option<String>,
+    /// Succeed only once this many live nodes hold the new version (the worker that took it
+    /// counts; the others are workers that subscribe to the name and fetch it). With 2 or
+    /// more, the put outlives the worker that took it.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub replicas: u32,
+    /// How long to wait for --replicas, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub replicas_timeout: u64,
 }
 
 /// `tb put`: sends a tensor file to a worker, which publishes and holds it; prints the
@@ -90,11 +98,34 @@ pub async fn put(join: &Join, args: PutArgs) -> Result<()> {
         (tensor, what)
     };
     let node = join.node().await?;
-    let result = put_on(&node, &args, &tensor).await;
+    let result = async {
+        let put = put_on(&node, &args, &tensor).await?;
+        let held = match args.replicas {
+            1 => 1,
+            n => {
+                let wait = Duration::from_secs(args.replicas_timeout);
+                node.wait_for_holders(&args.name, put.version, n, wait)
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "{} v{} is published but not yet on {n} nodes (do workers \
+                             subscribe to it? `tb-worker --subscribe`)",
+                            args.name, put.version
+                        )
+                    })?
+            }
+        };
+        anyhow::Ok((put, held))
+    }
+    .await;
     crate::cluster::close(&node).await;
-    let put = result?;
+    let (put, held) = result?;
+    let replicas = match held {
+        1 => String::new(),
+        n => format!(", held by {n} nodes"),
+    };
     println!(
-        "put {} v{}: {what} in {:.2} s ({:.0} MB/s) -> worker {}",
+        "put {} v{}: {what} in {:.2} s ({:.0} MB/s) -> worker {}{replicas}",
         args.name,
         put.version,
         put.seconds,

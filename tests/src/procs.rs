@@ -107,6 +107,26 @@ impl Proc {
         panic!("{} printed no {prefix:?} line within {limit:?}", self.label);
     }
 
+    /// Waits up to `limit` for the process to exit by itself; its status, or `None` if it is
+    /// still running.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if start.elapsed() >= limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The stdout lines printed so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// SIGKILL: the process dies without any chance to clean up.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

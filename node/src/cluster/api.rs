@@ -23,6 +23,8 @@ use crate::{
 
 /// Tries at one publish when other publishers keep winning the version assigned.
 const PUBLISH_TRIES: u32 = 8;
+/// How often [`Node::wait_for_holders`] asks.
+const HOLDERS_POLL: Duration = Duration::from_millis(50);
 /// Pause after a lost race, times the number of the try.
 const PUBLISH_BACKOFF: Duration = Duration::from_millis(5);
 
@@ -190,6 +192,45 @@ impl Node {
         let timeout = self.config().request_timeout;
         self.guarded(cluster.ctl.list(prefix, MAX_LIST_LIMIT, timeout))
             .await
+    }
+
+    /// Waits until `version` of `name` is held by at least `holders` live nodes (as the
+    /// registry says: holders count once they have the whole version), polling a broker, and
+    /// returns how many hold it. A publish is only as durable as its copies: with worker
+    /// processes that subscribe to the name, `publish` then `wait_for_holders(.., 2, ..)`
+    /// means the version outlives its publisher. A newer version of `name` ends the wait too
+    /// (returning its holder count). `Timeout` after `timeout`, naming the count reached.
+    pub async fn wait_for_holders(
+        &self,
+        name: &str,
+        version: u64,
+        holders: u32,
+        timeout: Duration,
+    ) -> Result<u32> {
+        let cluster = self.cluster()?;
+        let name = TensorName::new(name)?;
+        let request_timeout = self.config().request_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut seen = 0;
+        self.guarded(async {
+            loop {
+                let listed = cluster.ctl.list(name.as_str(), 1, request_timeout).await?;
+                if let Some(e) = listed.iter().find(|e| e.name == name) {
+                    seen = e.holders;
+                    if e.version > version || (e.version == version && e.holders >= holders) {
+                        return Ok(e.holders);
+                    }
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::timeout(
+                        format!("\"{name}\" v{version} held by {seen} of {holders} nodes"),
+                        timeout,
+                    ));
+                }
+                tokio::time::sleep(HOLDERS_POLL).await;
+            }
+        })
+        .await
     }
 
     /// The cluster's membership table: every node with its role, addresses, epoch and

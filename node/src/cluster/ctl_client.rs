@@ -3,9 +3,9 @@
 //!
 //! A request goes on a bi-stream of its own: one `CtlRequest` frame, the send side finished,
 //! then `CtlResponse` frames until one is final, each read bounded by a timeout and validated
-//! before use. A call goes to the first broker whose link is ready: the one that answered last
-//! is dialed first, the next one too if it has not completed its hello within a short stagger
-//! (see `race`), and so on. A broker found unusable moves the call on to the others (see
+//! before use. A call goes to the broker that answered last first, and to the next one too if
+//! the first has not answered (dial, hello and request) within a short stagger (see `race`),
+//! and so on; the first answer wins. A broker found unusable moves the call on to the others (see
 //! `failover`); a broker's `Error` answer, or its refusing our secret, ends the call. Ctl links stay
 //! out of the data pool, which holds `tb/data/1` links only.
 //!
@@ -42,6 +42,11 @@ use crate::{
     error::{BrokerFailure, Error, Result},
     wire,
 };
+
+/// How long a request on a cached ctl link goes unanswered before a fresh link to the same
+/// broker is dialed beside it (see `CtlClient::attempt_redialing`). Longer than the stagger
+/// between brokers: a busy broker should not cost a reconnect.
+const REDIAL_AFTER: Duration = Duration::from_millis(500);
 
 /// Most frames one answer may have (a listing of `MAX_LIST_LIMIT` entries one per frame, and
 /// the final one): a bound on a broker that never says `last`.
@@ -202,10 +207,42 @@ impl CtlClient {
         failover::order_avoiding(start, self.brokers.len(), &lost)
     }
     /// Sends `request` and returns every frame of the answer (the last one final, none an
-    /// `Error`), on the first broker whose link is ready (see [`race`](Self::race)), moving on
-    /// to the others when a broker turns out unusable; each read waits at most `timeout`.
+    /// `Error`). The request goes to the broker that answered last and, whenever the newest
+    /// attempt has gone [`STAGGER`] without an answer, to the next broker too (see
+    /// [`race::staggered`]); the first answer wins. So a broker that died with our link to it
+    /// still open (SIGKILL sends no close; the link looks fine until its idle timeout) costs a
+    /// call one stagger, not a request timeout. Every request but `Heartbeat` is safe to send
+    /// twice (queries, and registry ops that are idempotent). A heartbeat is not hedged: a
+    /// broker that hears a worker judges its liveness from then on, so a worker heartbeats to
+    /// one broker at a time ([`call_one_at_a_time`](Self::call_one_at_a_time)).
+    /// Each read waits at most `timeout`.
     #[tracing::instrument(name = "ctl", skip_all, fields(request = request.kind(), tensor = request.tensor().map(|n| n.as_str())))]
     pub(crate) async fn call(
+        &self,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Result<Vec<CtlResponse>> {
+        if matches!(request, CtlRequest::Heartbeat { .. }) {
+            return self.call_one_at_a_time(request, timeout).await;
+        }
+        let mut failed = Vec::new();
+        let attempt = |i| self.attempt_redialing(i, request, timeout);
+        match race::staggered(&self.order(), STAGGER, &mut failed, attempt).await {
+            Ok((i, frames)) => {
+                self.remember(i);
+                Ok(frames)
+            }
+            Err(Lost::Answered(i, e)) => {
+                self.remember(i);
+                Err(e)
+            }
+            Err(Lost::Exhausted) => Err(self.exhausted(failed)),
+        }
+    }
+
+    /// [`call`](Self::call) without hedging: on the first broker whose link is ready (see
+    /// [`race`](Self::race)), moving on to the others only when a broker turns out unusable.
+    async fn call_one_at_a_time(
         &self,
         request: &CtlRequest,
         timeout: Duration,
@@ -339,6 +376,53 @@ impl CtlClient {
         self.exchange_on(i, conn, fresh, request, timeout).await
     }
 
+    /// One broker, for a hedged [`call`](Self::call): on its open connection, and if that has
+    /// not answered within [`REDIAL_AFTER`], on a freshly dialed one beside it; the first
+    /// answer wins. A broker killed and restarted at the same address answers the fresh link
+    /// at once, while our cached link to its old life would go unanswered until QUIC's idle
+    /// timeout (30 s): nothing told us it died.
+    async fn attempt_redialing(
+        &self,
+        i: usize,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Result<Vec<CtlResponse>, Failure> {
+        let (conn, fresh) = self
+            .connection(i)
+            .await
+            .map_err(failover::connect_failure)?;
+        if fresh {
+            return self.exchange_on(i, conn, true, request, timeout).await;
+        }
+        let cached = self.exchange_on(i, conn.clone(), false, request, timeout);
+        tokio::pin!(cached);
+        tokio::select! {
+            answer = &mut cached => return answer,
+            () = tokio::time::sleep(REDIAL_AFTER) => {}
+        }
+        debug!(broker = %self.brokers[i].addr, "no answer on the cached ctl link; dialing beside it");
+        self.forget(i, &conn);
+        let redial = async {
+            let (conn, _) = self
+                .connection(i)
+                .await
+                .map_err(failover::connect_failure)?;
+            self.exchange_on(i, conn, true, request, timeout).await
+        };
+        tokio::pin!(redial);
+        // The first answer wins; an unusable link waits for the other.
+        tokio::select! {
+            answer = &mut cached => match answer {
+                Err(Failure::Unusable(_)) => redial.await,
+                answer => answer,
+            },
+            answer = &mut redial => match answer {
+                Err(Failure::Unusable(_)) => cached.await,
+                answer => answer,
+            },
+        }
+    }
+
     /// `request` on `conn`, a link to broker `i` (`fresh`: dialed just now); a cached link
     /// that turns out dead is dialed once more.
     async fn exchange_on(
@@ -439,13 +523,17 @@ impl CtlClient {
     /// stall without closing until the QUIC idle timeout), so everything on it, subscriptions
     /// included, fails over now rather than waiting on it.
     fn discard(&self, i: usize, conn: &Connection) {
-        {
-            let mut link = self.brokers[i].link();
-            if matches!(&*link, Link::Ready(c) if c.stable_id() == conn.stable_id()) {
-                *link = Link::Idle;
-            }
-        }
+        self.forget(i, conn);
         conn.close(CloseCode::Normal.code().into(), b"unresponsive");
+    }
+
+    /// Stops using `conn` for broker `i` (if it is still its link) without closing it: a
+    /// request may still be waiting on it. The next call dials afresh.
+    fn forget(&self, i: usize, conn: &Connection) {
+        let mut link = self.brokers[i].link();
+        if matches!(&*link, Link::Ready(c) if c.stable_id() == conn.stable_id()) {
+            *link = Link::Idle;
+        }
     }
 
     /// Closes every ctl connection and cancels every dial under way (at shutdown); the calls

@@ -1,0 +1,440 @@
+//! Chaos as processes: 2 `tb-broker` and 3 `tb-worker` processes on loopback, `tb put`s (single
+//! tensors and whole `.safetensors` sets, each acknowledged only once 2 nodes hold it) running
+//! while brokers and workers are killed with SIGKILL and restarted:
+//!
+//! 1. a broker killed while puts run, then restarted (same data dir and address);
+//! 2. the other broker killed while a 32 MiB set is being published, then restarted;
+//! 3. a subscribing worker killed while puts run, then restarted;
+//! 4. the worker every put went to (the publisher) killed.
+//!
+//! Then every acknowledged put and set must be listed and read back byte-identical from the
+//! survivors. Each scenario's outcome (puts acknowledged, lost, corrupt, recovery time) is
+//! printed as a `chaos:` line (`--nocapture` shows them; docs/RELIABILITY.md has a run's).
+//! Every process is killed by PID when the test ends; every wait is bounded.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use safetensors::{Dtype, tensor::TensorView};
+use tb_node::{Config, Node, PeerAddr, Ticket, proto::ClusterKey};
+use tb_tests::{
+    pattern,
+    procs::{Proc, bin, free_udp_addr},
+    test_config,
+};
+
+const START: Duration = Duration::from_secs(30);
+const SECRET: &str = "chaos-test-cluster-secret-of-32-bytes";
+/// Bytes of each single tensor put.
+const TENSOR_BYTES: usize = 256 << 10;
+/// Tensors in the big set and bytes of each (32 MiB in all).
+const SET_MEMBERS: usize = 8;
+const MEMBER_BYTES: usize = 4 << 20;
+/// Longest a scenario's recovery may take before it counts as not recovered.
+const RECOVERY_LIMIT: Duration = Duration::from_secs(60);
+
+/// What was acknowledged, and the bytes it must read back as.
+enum Expected {
+    Tensor(Vec<u8>),
+    Set(Vec<(String, Vec<u8>)>),
+}
+
+struct Chaos {
+    dir: tempfile::TempDir,
+    secret: PathBuf,
+    brokers: Vec<Option<Proc>>,
+    broker_listen: Vec<std::net::SocketAddr>,
+    ticket: Ticket,
+    workers: Vec<Option<Proc>>,
+    worker_addrs: Vec<PeerAddr>,
+    acked: Vec<(String, Expected)>,
+    rows: Vec<String>,
+}
+
+impl Chaos {
+    fn start() -> Chaos {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
+        let mut c = Chaos {
+            dir,
+            secret,
+            brokers: Vec::new(),
+            broker_listen: Vec::new(),
+            ticket: Ticket {
+                brokers: Vec::new(),
+            },
+            workers: Vec::new(),
+            worker_addrs: Vec::new(),
+            acked: Vec::new(),
+            rows: Vec::new(),
+        };
+        for i in 0..2 {
+            let listen = free_udp_addr();
+            let join = (i > 0).then(|| c.ticket.to_string());
+            let mut p = c.spawn_broker(i, listen, join.as_deref());
+            let printed: Ticket = p.wait_line("ticket:", START).parse().expect("ticket");
+            c.ticket.brokers.push(printed.brokers[0].clone());
+            c.brokers.push(Some(p));
+            c.broker_listen.push(listen);
+        }
+        for i in 0..3 {
+            let (p, addr) = c.spawn_worker(i);
+            c.workers.push(Some(p));
+            c.worker_addrs.push(addr);
+        }
+        c
+    }
+
+    fn path(&self, what: &str) -> PathBuf {
+        self.dir.path().join(what)
+    }
+
+    fn spawn_broker(&self, i: usize, listen: std::net::SocketAddr, join: Option<&str>) -> Proc {
+        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+        cmd.arg("--data-dir")
+            .arg(self.path(&format!("broker-{i}")))
+            .arg("--listen")
+            .arg(listen.to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret)
+            .args(["--liveness-timeout", "2", "--sync-interval", "1"]);
+        if let Some(t) = join {
+            cmd.arg("--join").arg(t);
+        }
+        let log = self.path(&format!("broker-{i}.log"));
+        Proc::start(&format!("broker {i}"), cmd, &log)
+    }
+
+    /// Worker `i`: worker 0 takes the puts, workers 1 and 2 subscribe to everything put.
+    fn spawn_worker(&self, i: usize) -> (Proc, PeerAddr) {
+        let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+        cmd.arg("--join")
+            .arg(self.ticket.to_string())
+            .arg("--data-dir")
+            .arg(self.path(&format!("worker-{i}")))
+            .arg("--listen")
+            .arg(free_udp_addr().to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret);
+        if i > 0 {
+            cmd.args(["--subscribe", "chaos/*"]);
+        }
+        let life = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let log = self.path(&format!("worker-{i}.{life}.log"));
+        let mut p = Proc::start(&format!("worker {i}"), cmd, &log);
+        let addr = p
+            .wait_line("worker:", START)
+            .parse()
+            .expect("worker address");
+        (p, addr)
+    }
+
+    fn restart_broker(&mut self, i: usize) {
+        let join = self.ticket.to_string();
+        let mut p = self.spawn_broker(i, self.broker_listen[i], Some(&join));
+        p.wait_line("ticket:", START);
+        self.brokers[i] = Some(p);
+    }
+
+    /// A `tb put` of `file` as `name` to `worker`, acknowledged once 2 nodes hold it.
+    fn put_command(
+        &self,
+        name: &str,
+        file: &Path,
+        worker: usize,
+        raw_len: Option<usize>,
+    ) -> Command {
+        let mut cmd = Command::new(bin("tb", "tb-cli"));
+        cmd.args(["put", name])
+            .arg(file)
+            .arg("--worker")
+            .arg(self.worker_addrs[worker].to_string())
+            .args([
+                "--replicas",
+                "2",
+                "--replicas-timeout",
+                "20",
+                "--timeout",
+                "5",
+            ])
+            .arg("--join")
+            .arg(self.ticket.to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret);
+        if let Some(len) = raw_len {
+            cmd.args(["--dtype", "u8", "--shape", &len.to_string()]);
+        }
+        cmd
+    }
+
+    /// Puts tensor `name` (raw bytes seeded by `seed`) through `worker`; records it when
+    /// acknowledged. Returns whether it was.
+    fn put_tensor(&mut self, name: &str, seed: u8, worker: usize) -> bool {
+        let bytes = pattern(TENSOR_BYTES, seed).to_vec();
+        let file = self.path(&format!("{}.bin", name.replace('/', "_")));
+        std::fs::write(&file, &bytes).expect("write");
+        let out = self
+            .put_command(name, &file, worker, Some(TENSOR_BYTES))
+            .output()
+            .expect("running tb put");
+        let acked = out.status.success();
+        if acked {
+            self.acked.push((name.to_string(), Expected::Tensor(bytes)));
+        } else {
+            eprintln!(
+                "chaos: put {name} not acknowledged: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        acked
+    }
+
+    fn kill_broker(&mut self, i: usize) {
+        if let Some(mut p) = self.brokers[i].take() {
+            p.kill9();
+        }
+    }
+
+    fn kill_worker(&mut self, i: usize) {
+        if let Some(mut p) = self.workers[i].take() {
+            p.kill9();
+        }
+    }
+
+    async fn client(&self, brokers: Vec<PeerAddr>) -> Node {
+        Node::spawn(Config {
+            brokers,
+            cluster_key: ClusterKey::from_secret(SECRET.as_bytes()).expect("secret"),
+            auto_fetch: false,
+            heartbeats: false,
+            ..test_config()
+        })
+        .await
+        .expect("client node")
+    }
+
+    /// Seconds until broker `i` lists every acknowledged name (`None`: not within the limit).
+    async fn broker_lists_all(&self, i: usize) -> Option<f64> {
+        let started = Instant::now();
+        let client = self.client(vec![self.ticket.brokers[i].clone()]).await;
+        let mut done = None;
+        while started.elapsed() < RECOVERY_LIMIT {
+            if let Ok(listed) = client.list("chaos/").await {
+                let names: Vec<&str> = listed.iter().map(|e| e.name.as_str()).collect();
+                if self.acked.iter().all(|(n, _)| names.contains(&n.as_str())) {
+                    done = Some(started.elapsed().as_secs_f64());
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        client.shutdown().await;
+        done
+    }
+
+    /// Reads every acknowledged put back; returns `(lost, corrupt)` names.
+    async fn verify(&self) -> (Vec<String>, Vec<String>) {
+        let client = self.client(self.ticket.brokers.clone()).await;
+        let (mut lost, mut corrupt) = (Vec::new(), Vec::new());
+        for (name, expected) in &self.acked {
+            match expected {
+                Expected::Tensor(bytes) => match client.get(name).await {
+                    Ok(got) if got.buffer.data()[..] == bytes[..] => {}
+                    Ok(_) => corrupt.push(name.clone()),
+                    Err(e) => lost.push(format!("{name} ({e})")),
+                },
+                Expected::Set(members) => match client.get_set(name, None).await {
+                    Ok(set) => {
+                        let same = set.members.len() == members.len()
+                            && set
+                                .members
+                                .iter()
+                                .zip(members)
+                                .all(|((k, t), (key, b))| k == key && t.data()[..] == b[..]);
+                        if !same {
+                            corrupt.push(name.clone());
+                        }
+                    }
+                    Err(e) => lost.push(format!("{name} ({e})")),
+                },
+            }
+        }
+        client.shutdown().await;
+        (lost, corrupt)
+    }
+
+    fn row(&mut self, scenario: &str, attempted: usize, acked: usize, recovery: Option<f64>) {
+        let recovery = recovery.map_or("not recovered".to_string(), |s| format!("{s:.2} s"));
+        let row =
+            format!("chaos: {scenario} | puts {attempted} | acked {acked} | recovery {recovery}");
+        eprintln!("{row}");
+        self.rows.push(row);
+    }
+}
+
+impl Drop for Chaos {
+    /// On a failure, the last lines of every process's log, for the post-mortem (the temporary
+    /// dir goes with the test).
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+                eprintln!("--- {} (last 40 lines)\n{tail}", path.display());
+            }
+        }
+    }
+}
+
+/// A `.safetensors` file of `SET_MEMBERS` tensors of `MEMBER_BYTES`, seeded by `seed`; its
+/// members as `tb get` of the set must return them.
+fn set_file(path: &Path, seed: u8) -> Vec<(String, Vec<u8>)> {
+    let members: Vec<(String, Vec<u8>)> = (0..SET_MEMBERS)
+        .map(|i| {
+            (
+                format!("layer.{i}"),
+                pattern(MEMBER_BYTES, seed.wrapping_add(i as u8)).to_vec(),
+            )
+        })
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = members
+        .iter()
+        .map(|(k, b)| {
+            let view = TensorView::new(Dtype::U8, vec![b.len()], b).expect("view");
+            (k.as_str(), view)
+        })
+        .collect();
+    std::fs::write(
+        path,
+        safetensors::serialize(views, None).expect("serialize"),
+    )
+    .expect("write");
+    members
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_puts_and_sets_survive_killed_brokers_and_workers() {
+    let mut c = tokio::task::block_in_place(Chaos::start);
+    // Let every worker heartbeat and every subscription register.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // 1. Broker 0 killed while puts run; restarted.
+    let mut acked = 0;
+    for i in 0..6u8 {
+        if i == 2 {
+            c.kill_broker(0);
+        }
+        acked += usize::from(tokio::task::block_in_place(|| {
+            c.put_tensor(&format!("chaos/a{i}"), i, 0)
+        }));
+    }
+    tokio::task::block_in_place(|| c.restart_broker(0));
+    let recovery = c.broker_lists_all(0).await;
+    c.row("broker killed during puts, restarted", 6, acked, recovery);
+    assert_eq!(acked, 6, "one broker stays up: every put is acknowledged");
+
+    // 2. Broker 1 killed mid-set-publish; restarted.
+    let file = c.path("set0.safetensors");
+    let members = set_file(&file, 40);
+    let mut put = Proc::start(
+        "tb put set",
+        c.put_command("chaos/set0", &file, 0, None),
+        &c.path("put-set0.log"),
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.kill_broker(1);
+    let status = tokio::task::block_in_place(|| put.wait_exit(Duration::from_secs(60)));
+    let set_acked = status.is_some_and(|s| s.success());
+    if set_acked {
+        c.acked.push(("chaos/set0".into(), Expected::Set(members)));
+    }
+    // A set put after the broker died is acknowledged (the other broker answers).
+    let file = c.path("set1.safetensors");
+    let members = set_file(&file, 80);
+    let out = tokio::task::block_in_place(|| {
+        c.put_command("chaos/set1", &file, 0, None)
+            .output()
+            .expect("tb put")
+    });
+    assert!(
+        out.status.success(),
+        "set put with one broker down: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.acked.push(("chaos/set1".into(), Expected::Set(members)));
+    tokio::task::block_in_place(|| c.restart_broker(1));
+    let recovery = c.broker_lists_all(1).await;
+    c.row(
+        "broker killed mid-set-publish (32 MiB), restarted",
+        2,
+        1 + usize::from(set_acked),
+        recovery,
+    );
+
+    // 3. A subscribing worker killed while puts run; restarted.
+    let mut acked = 0;
+    for i in 0..4u8 {
+        if i == 1 {
+            c.kill_worker(1);
+        }
+        acked += usize::from(tokio::task::block_in_place(|| {
+            c.put_tensor(&format!("chaos/b{i}"), 100 + i, 0)
+        }));
+    }
+    let started = Instant::now();
+    let (p, addr) = tokio::task::block_in_place(|| c.spawn_worker(1));
+    c.workers[1] = Some(p);
+    c.worker_addrs[1] = addr;
+    let back = started.elapsed().as_secs_f64();
+    c.row(
+        "subscriber killed during puts, restarted",
+        4,
+        acked,
+        Some(back),
+    );
+    assert_eq!(
+        acked, 4,
+        "the publisher and the other subscriber hold every put"
+    );
+
+    // 4. The publisher (the worker every put went to) killed: everything acknowledged must
+    // be read from the survivors.
+    c.kill_worker(0);
+    let started = Instant::now();
+    let mut outcome = c.verify().await;
+    while !(outcome.0.is_empty() && outcome.1.is_empty()) && started.elapsed() < RECOVERY_LIMIT {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        outcome = c.verify().await;
+    }
+    let total = c.acked.len();
+    let recovered = outcome.0.is_empty() && outcome.1.is_empty();
+    let recovery = recovered.then(|| started.elapsed().as_secs_f64());
+    c.row(
+        "publisher killed; every acked put read back",
+        total,
+        total,
+        recovery,
+    );
+    let (lost, corrupt) = outcome;
+    eprintln!(
+        "chaos: summary | acked {total} | lost {} | corrupt {}",
+        lost.len(),
+        corrupt.len()
+    );
+    assert!(corrupt.is_empty(), "corrupt after chaos: {corrupt:?}");
+    assert!(lost.is_empty(), "lost after chaos: {lost:?}");
+}
