@@ -59,6 +59,12 @@ pub enum BenchCommand {
     /// (internal) measure one system's op against a serving process; prints JSON on stdout.
     #[command(hide = true)]
     P2pRecv(crate::bench_recv::RecvArgs),
+    /// (internal) the Rust publisher of `python -m tensor_broker bench`.
+    #[command(hide = true)]
+    ClientPut(crate::bench_client::ClientBenchArgs),
+    /// (internal) the Rust getter of `python -m tensor_broker bench`; prints JSON on stdout.
+    #[command(hide = true)]
+    ClientGet(crate::bench_client::ClientBenchArgs),
 }
 
 /// Options for `tb bench p2p`.
@@ -375,6 +381,8 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Broadcast(args) => crate::bench_cluster::broadcast(args).await,
         BenchCommand::Registry(args) => crate::bench_cluster::registry(args).await,
         BenchCommand::P2pServe(args) => crate::bench_serve::serve(args).await,
+        BenchCommand::ClientPut(args) => crate::bench_client::put(&args).await,
+        BenchCommand::ClientGet(args) => crate::bench_client::get(&args).await,
         BenchCommand::P2pRecv(args) => {
             let report = crate::bench_recv::receive(&args).await?;
             println!("{}", serde_json::to_string(&report)?);

@@ -80,33 +80,9 @@ impl Join {
     }
 
     fn resolve(&self) -> Result<(Ticket, ClusterKey)> {
-        let up = up_dir().ok();
-        let ticket = match (&self.join, &up) {
-            (Some(t), _) => t.clone(),
-            (None, Some(dir)) if dir.join("ticket").exists() => read_ticket(&dir.join("ticket"))?,
-            _ => bail!(
-                "no cluster to talk to: pass --join <ticket> (a broker prints it) or start one \
-                 with `tb up`"
-            ),
-        };
-        let secret_file = match (&self.cluster_secret_file, &up) {
-            (Some(f), _) => Some(f.clone()),
-            (None, Some(dir)) if self.join.is_none() && dir.join("secret").exists() => {
-                Some(dir.join("secret"))
-            }
-            _ => None,
-        };
-        let key = daemon::cluster_key(None, secret_file.as_deref())?;
-        Ok((ticket, key))
+        let file = self.cluster_secret_file.as_deref();
+        Ok(tb_node::discover::resolve(self.join.clone(), file, None)?)
     }
-}
-
-fn read_ticket(path: &Path) -> Result<Ticket> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the ticket in {}", path.display()))?;
-    text.trim()
-        .parse()
-        .with_context(|| format!("the ticket in {}", path.display()))
 }
 
 /// `tb ls`: names, versions, dtypes, shapes, sizes and holder counts. A version set is one
@@ -326,19 +302,6 @@ fn ensure_secret(path: &Path) -> Result<()> {
     if path.exists() {
         return Ok(());
     }
-    use std::io::Write;
-    let secret = hex::encode(iroh::SecretKey::generate().to_bytes());
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    let mut file = options
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    file.write_all(format!("{secret}\n").as_bytes())
-        .with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    tb_node::discover::create_secret_file(path)
+        .with_context(|| format!("creating {}", path.display()))
 }

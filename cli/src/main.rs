@@ -13,6 +13,7 @@
 //!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up.
 
 mod bench;
+mod bench_client;
 mod bench_cluster;
 mod bench_recv;
 mod bench_serve;

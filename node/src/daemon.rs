@@ -130,12 +130,7 @@ impl MetricsServer {
 pub fn data_dir(dir: Option<PathBuf>, role: &str) -> Result<PathBuf, SetupError> {
     let path = match dir {
         Some(dir) => dir,
-        None => {
-            let home = std::env::var_os("HOME").ok_or(SetupError::NoHome)?;
-            PathBuf::from(home)
-                .join(".local/share/tensor-broker")
-                .join(role)
-        }
+        None => crate::discover::default_data_dir(role).ok_or(SetupError::NoHome)?,
     };
     std::fs::create_dir_all(&path).map_err(|source| SetupError::DataDir {
         path: path.clone(),
@@ -148,16 +143,10 @@ pub fn data_dir(dir: Option<PathBuf>, role: &str) -> Result<PathBuf, SetupError>
 /// trailing newline ignored); the open cluster's key when neither is given (the `tb` CLI's
 /// choice: it reaches open clusters; daemons use [`SecretArgs::key`], which refuses that).
 pub fn cluster_key(secret: Option<&str>, file: Option<&Path>) -> Result<ClusterKey, SetupError> {
-    match (secret, file) {
-        (Some(s), _) => Ok(crate::parse_secret(s.as_bytes())?),
-        (None, Some(path)) => crate::read_secret_file(path).map_err(|e| match e {
-            crate::SecretFileError::Read { path, source } => {
-                SetupError::SecretFile { path, source }
-            }
-            crate::SecretFileError::Invalid(e) => SetupError::Secret(e),
-        }),
-        (None, None) => Ok(ClusterKey::open()),
-    }
+    crate::discover::cluster_key(secret, file).map_err(|e| match e {
+        crate::SecretFileError::Read { path, source } => SetupError::SecretFile { path, source },
+        crate::SecretFileError::Invalid(e) => SetupError::Secret(e),
+    })
 }
 
 /// The cluster-secret flags every daemon takes (with env fallbacks).

@@ -228,6 +228,11 @@ impl Receiving {
         });
     }
 
+    /// Whether a server asked for the bytes of this receive.
+    pub(crate) fn wanted(&self) -> bool {
+        self.incoming.wanted.load(Ordering::Acquire)
+    }
+
     /// The bytes received so far turned out wrong (the hash did not match) and the receive
     /// starts over: streams served from them end with an error, and a fresh entry takes this
     /// one's place for pulls that come later.

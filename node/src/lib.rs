@@ -6,7 +6,7 @@
 //! ## Main types
 //! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
 //!   `wait_for`, `shutdown`, pool statistics; and, with brokers configured, the cluster API:
-//!   `publish`, `get`, `get_version`, `delete`, `list`, `members`, `subscribe`.
+//!   `publish`, `get`, `get_version`, `get_into`, `delete`, `list`, `members`, `subscribe`.
 //! - [`TransferProgress`]: the bytes a `push_with_progress` or `get_with_progress` has moved
 //!   so far, for progress bars (one relaxed atomic per chunk on the data path).
 //! - [`Subscription`] and [`SubEvent`]: the versions (and deletes) of names matching a pattern,
@@ -85,6 +85,7 @@ mod ctx;
 #[cfg(feature = "daemon")]
 pub mod daemon;
 pub mod device;
+pub mod discover;
 mod endpoint;
 mod error;
 mod inbox;

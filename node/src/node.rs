@@ -260,6 +260,14 @@ impl Node {
         Ok(self.inner.ctx.store.insert(name, tensor))
     }
 
+    /// Keeps the newest `keep` (at least 1) versions of `name` that this node holds, instead
+    /// of `Config::keep_versions` (for a publisher whose readers ask for older versions).
+    pub fn set_keep(&self, name: &str, keep: usize) -> Result<()> {
+        let name = TensorName::new(name)?;
+        self.inner.ctx.store.set_keep(&name, keep);
+        Ok(())
+    }
+
     /// Pulls `name` (the newest version, or `version`) from the peer at `addr`.
     pub async fn pull(
         &self,

@@ -95,6 +95,8 @@ struct Versions {
     next: u64,
     /// Highest version retention evicted.
     evicted_upto: u64,
+    /// This name's own count of versions to keep ([`Store::set_keep`]), over the retention's.
+    keep: Option<usize>,
     held: BTreeMap<u64, Held>,
 }
 
@@ -177,6 +179,7 @@ impl Store {
         let version = {
             let mut map = self.lock();
             let versions = map.entry(name.clone()).or_default();
+            let keep = versions.keep.unwrap_or(keep);
             versions.next += 1;
             let version = versions.next;
             let since = Instant::now();
@@ -196,6 +199,7 @@ impl Store {
         let inserted = {
             let mut map = self.lock();
             let versions = map.entry(name.clone()).or_default();
+            let keep = versions.keep.unwrap_or(keep);
             let oldest = versions.held.first_key_value().map(|(v, _)| *v);
             match versions.held.get(&version) {
                 Some(held) if held.tensor.hash() == tensor.hash() => Inserted::AlreadyHeld,
@@ -213,6 +217,12 @@ impl Store {
         };
         self.report(evicted);
         inserted
+    }
+
+    /// Keeps the newest `keep` (at least 1) versions of `name` from now on, whatever the
+    /// retention says; older ones go at the next insert.
+    pub fn set_keep(&self, name: &TensorName, keep: usize) {
+        self.lock().entry(name.clone()).or_default().keep = Some(keep.max(1));
     }
 
     /// Forgets `version` of `name` without reporting it (it was never announced); true if it
@@ -338,6 +348,22 @@ mod tests {
         assert!(matches!(store.get(&n, Some(9)), Lookup::Missing));
         assert!(matches!(store.get(&name("other"), None), Lookup::Missing));
         assert_eq!(store.usage(), (2, 8));
+    }
+
+    #[test]
+    fn set_keep_overrides_the_retention_for_one_name() {
+        let store = Store::new(2);
+        let (kept, other) = (name("bench/x"), name("bench/y"));
+        store.set_keep(&kept, 5);
+        for i in 1..=6u8 {
+            store.insert(kept.clone(), tensor(i));
+            store.insert(other.clone(), tensor(i));
+        }
+        assert_eq!(store.held_versions(&kept), vec![2, 3, 4, 5, 6]);
+        assert_eq!(store.held_versions(&other), vec![5, 6]);
+        store.set_keep(&kept, 0);
+        store.insert(kept.clone(), tensor(7));
+        assert_eq!(store.held_versions(&kept), vec![7]);
     }
 
     #[test]

@@ -64,7 +64,17 @@ pub(crate) async fn fetch(
     cluster.ensure_joined().await?;
     let inflight = &node.ctx().inflight;
     let early = version.map(|v| inflight.start(&name, v, None));
-    let holders = cluster.lookup(&name, version).await?;
+    let holders = match cluster.lookup(&name, version).await {
+        Ok(holders) => holders,
+        // The broker never names the asker as a source: when this node is the only live
+        // holder (it published the version itself), the answer is "no holder". What it
+        // holds is then the newest version there is to get.
+        Err(e @ Error::NotFound { .. }) => match store.get(&name, version) {
+            Lookup::Found(v, tensor) => return Ok(pulled(name, v, tensor, progress)),
+            _ => return Err(e),
+        },
+        Err(e) => return Err(e),
+    };
     let (v, meta) = (holders.version, holders.meta.clone());
     if let Some(p) = progress {
         p.set_total(meta.byte_len);
@@ -82,6 +92,7 @@ pub(crate) async fn fetch(
         receiving.done(tensor.clone());
         return Ok(pulled(name, v, tensor, progress));
     }
+    let len = memory_len(&meta)?;
     if let Err(e) = cluster.fetching(&name, v, true).await {
         debug!(%name, v, %e, "broker did not take the fetch start");
     }
@@ -89,9 +100,13 @@ pub(crate) async fn fetch(
         receiving: &mut receiving,
         progress,
     };
-    let fetched = from_holders(node, cluster, &name, holders, feed).await;
+    let mut dest = vec![0u8; len];
+    let fetched = from_holders(node, cluster, &name, holders, feed, &mut dest).await;
     fetch_ended(node, cluster, &name, v);
-    let tensor = fetched?;
+    let tensor = match fetched? {
+        Some(whole) => whole,
+        None => Tensor::from_verified(meta.clone(), Bytes::from(dest)),
+    };
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
     receiving.done(tensor.clone());
     if inserted == Inserted::Stored && cluster.serves {
@@ -106,6 +121,12 @@ pub(crate) async fn fetch(
         meta,
         buffer: tensor,
     })
+}
+
+/// The byte length of a tensor as an in-memory length.
+pub(super) fn memory_len(meta: &TensorMeta) -> Result<usize> {
+    usize::try_from(meta.byte_len)
+        .map_err(|_| Error::TooLarge(format!("{} bytes do not fit in memory", meta.byte_len)))
 }
 
 /// A version this node held already: all its bytes count as received.
@@ -128,7 +149,7 @@ fn pulled(
 }
 
 /// Tells the broker, from a task, that this node stopped fetching (frees its fan-out slot).
-fn fetch_ended(node: &Node, cluster: &Arc<Cluster>, name: &TensorName, version: u64) {
+pub(super) fn fetch_ended(node: &Node, cluster: &Arc<Cluster>, name: &TensorName, version: u64) {
     let (cluster, name) = (cluster.clone(), name.clone());
     let ctx = node.ctx();
     let cancel = ctx.cancel.clone();
@@ -176,20 +197,22 @@ impl Tries {
 
 /// Where a get reports the bytes it receives: the cut-through feed for this node's own
 /// pullers, and the caller's progress.
-struct Feed<'a> {
-    receiving: &'a mut Receiving,
-    progress: Option<&'a TransferProgress>,
+pub(super) struct Feed<'a> {
+    pub(super) receiving: &'a mut Receiving,
+    pub(super) progress: Option<&'a TransferProgress>,
 }
 
 /// Pulls the version `first` describes from its holders, best first, then from those of one
-/// more look-up.
-async fn from_holders(
+/// more look-up, into `dest` (exactly its length): `None` when the bytes are there, `Some`
+/// when a holder handed the whole version over on the pair's channel instead.
+pub(super) async fn from_holders(
     node: &Node,
     cluster: &Cluster,
     name: &TensorName,
     first: Holders,
     feed: Feed<'_>,
-) -> Result<Tensor> {
+    dest: &mut [u8],
+) -> Result<Option<Tensor>> {
     let Feed {
         receiving,
         progress,
@@ -199,9 +222,6 @@ async fn from_holders(
         meta,
         mut holders,
     } = first;
-    let len = usize::try_from(meta.byte_len)
-        .map_err(|_| Error::TooLarge(format!("{} bytes do not fit in memory", meta.byte_len)))?;
-    let mut dest = vec![0u8; len];
     let mut resume = resume::Resume::default();
     let mut tries = Tries::default();
     for round in 0..ROUNDS {
@@ -216,14 +236,13 @@ async fn from_holders(
             tries.count += 1;
             let at = resume.filled();
             let into = resume::Into {
-                dest: &mut dest,
+                dest: &mut *dest,
                 resume: &mut resume,
                 feed: receiving,
                 progress,
             };
             match from_holder(node, holder, name, version, &meta, into).await {
-                Ok(Some(mapped)) => return Ok(mapped),
-                Ok(None) => return Ok(Tensor::from_verified(meta, Bytes::from(dest))),
+                Ok(whole) => return Ok(whole),
                 Err(Error::Shutdown) => return Err(Error::Shutdown),
                 Err(e) => {
                     debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");

@@ -8,7 +8,8 @@
 //! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
 //!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
 //! - `fetch` and `resume`: a get pulls from the holders a broker names, best first, resuming
-//!   at the byte it reached when a holder fails (`Pull { range }`), verified by hash.
+//!   at the byte it reached when a holder fails (`Pull { range }`), verified by hash;
+//!   `get_into` does the same into the caller's buffer (`Node::get_into`).
 //! - `subscribe`: a [`Subscription`] reads a broker's events, keeps per-name order, reports
 //!   gaps as [`SubEvent::Skipped`], fetches the newest pending version of each name, and moves
 //!   to the next broker when its broker goes away.
@@ -24,6 +25,7 @@ mod calls;
 mod ctl_client;
 mod failover;
 mod fetch;
+mod get_into;
 mod members;
 mod race;
 mod resume;

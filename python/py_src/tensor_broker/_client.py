@@ -1,0 +1,383 @@
+"""The Python API: :func:`connect`, :class:`Client`, :class:`LocalCluster`, subscriptions.
+
+Every call that waits (a transfer, a broker round trip, the next update) releases the GIL and
+can be interrupted with Ctrl-C; copies of tensor bytes also run without the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, AsyncIterator, Iterator, Mapping
+
+import numpy as np
+
+from . import _convert, _native
+from ._errors import Timeout
+
+# How long one wait of an async iteration lasts before it yields to the event loop again.
+_ASYNC_SLICE = 0.25
+
+
+class Update:
+    """A new version (or the deletion) of a name a subscription watches.
+
+    Attributes: ``name``, ``version``, ``skipped`` (versions of this name published since the
+    last update and not reported: the subscriber fell behind, only the newest is fetched),
+    ``skipped_from`` (the first of them), ``deleted``, ``dtype``, ``shape``, ``size``.
+    """
+
+    __slots__ = ("_event", "_client")
+
+    def __init__(self, event: _native.Event, client: Client) -> None:
+        self._event = event
+        self._client = client
+
+    @property
+    def name(self) -> str:
+        """The tensor's name."""
+        return self._event.name
+
+    @property
+    def version(self) -> int:
+        """The new version (0 when the name was deleted)."""
+        return self._event.version
+
+    @property
+    def skipped(self) -> int:
+        """How many versions of this name before this one were not reported."""
+        return self._event.skipped
+
+    @property
+    def skipped_from(self) -> int | None:
+        """The first version not reported, if any."""
+        return self._event.skipped_from
+
+    @property
+    def deleted(self) -> bool:
+        """Whether the name was deleted (then there is no array)."""
+        return self._event.deleted
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype's name (``f32``, ``bf16``, ...), ``set`` for a tensor set."""
+        return self._event.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape."""
+        return tuple(self._event.shape)
+
+    @property
+    def size(self) -> int:
+        """Size in bytes."""
+        return self._event.size
+
+    def buffer(self) -> _native.Buffer:
+        """The received bytes (fetched by the subscription, else got now)."""
+        if self.deleted:
+            raise ValueError(f"{self.name!r} was deleted: no array")
+        buf = self._event.buffer()
+        if buf is None:
+            buf = self._client._node.get(self.name, self.version)
+        return buf
+
+    def array(self) -> np.ndarray:
+        """This version as a read-only numpy array (no copy). For a set, see :meth:`arrays`."""
+        return _convert.to_numpy(self.buffer())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The members of this version of a set (``put_many``), key to read-only array, all
+        of this one version (no copy)."""
+        return {k: _convert.to_numpy(b) for k, b in self._set_members()}
+
+    def tensors(self) -> dict[str, Any]:
+        """The members of this version of a set as torch tensors (no copy; read-only)."""
+        return {k: _convert.to_torch(b) for k, b in self._set_members()}
+
+    def _set_members(self) -> list[tuple[str, _native.Buffer]]:
+        if self.dtype != "set":
+            raise TypeError(f"{self.name!r} is a {self.dtype} tensor, not a set: use .array()")
+        got = self._event.set_members()
+        if got is None:
+            got = self._client._node.get_set(self.name, self.version)
+        return got[1]
+
+    def tensor(self) -> Any:
+        """This version as a torch tensor (no copy; treat it as read-only)."""
+        return _convert.to_torch(self.buffer())
+
+    def __repr__(self) -> str:
+        if self.deleted:
+            return f"Update(name={self.name!r}, deleted=True)"
+        return f"Update(name={self.name!r}, version={self.version}, skipped={self.skipped})"
+
+
+class Subscription:
+    """The updates of the names matching a pattern, in increasing version order per name.
+
+    Iterate it (``for u in sub``) or ``async for u in sub``; ``next(timeout=)`` waits for one.
+    Use it as a context manager, or ``close()`` it, to end it.
+    """
+
+    def __init__(self, sub: _native.Subscription, client: Client) -> None:
+        self._sub = sub
+        self._client = client
+
+    @property
+    def pattern(self) -> str:
+        """The pattern watched."""
+        return self._sub.pattern
+
+    def next(self, timeout: float | None = None) -> Update:
+        """The next update; ``Timeout`` after ``timeout`` seconds (the subscription goes on);
+        ``StopIteration`` once it ended."""
+        event = self._sub.next(timeout)
+        if event is None:
+            raise StopIteration
+        return Update(event, self._client)
+
+    def __iter__(self) -> Iterator[Update]:
+        return self
+
+    def __next__(self) -> Update:
+        return self.next()
+
+    def __aiter__(self) -> AsyncIterator[Update]:
+        return self
+
+    async def __anext__(self) -> Update:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                event = await loop.run_in_executor(None, self._sub.next, _ASYNC_SLICE)
+            except Timeout:
+                continue
+            if event is None:
+                raise StopAsyncIteration
+            return Update(event, self._client)
+
+    def close(self) -> None:
+        """Ends the subscription."""
+        self._sub.close()
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """A node of the cluster running in this process: publishes, gets, lists and watches
+    tensors by name. Make one with :func:`connect` or :meth:`LocalCluster.connect`.
+
+    What it publishes it holds and serves to other nodes until a newer version replaces it
+    (the newest 2 by default, see ``put(keep=)``) or the client closes.
+    """
+
+    def __init__(self, node: _native.NodeHandle) -> None:
+        self._node = node
+
+    @property
+    def id(self) -> str:
+        """This node's id."""
+        return self._node.id
+
+    @property
+    def addr(self) -> str:
+        """This node's address, ``<node-id>@<ip:port>``."""
+        return self._node.addr
+
+    def put(self, name: str, array: Any, *, keep: int | None = None) -> int:
+        """Publishes ``array`` as the next version of ``name`` and returns that version.
+
+        ``array``: a numpy array of any supported dtype (bf16/f8 through ``ml_dtypes``), a
+        CPU torch tensor, or any object with ``__dlpack__``; C-contiguous (else ``ValueError``:
+        pass ``numpy.ascontiguousarray(a)``). Its bytes are copied once (GIL released), so
+        changing the array afterwards does not change the version. ``keep``: how many
+        versions of this name this node keeps and serves (default 2; the brokers offer the
+        newest 2 of a name, so more only helps readers of this node's own store).
+        """
+        data, dtype, shape = _convert.to_bytes(array)
+        return self._node.put(name, data, dtype, list(shape), keep)
+
+    def get(
+        self,
+        name: str,
+        version: int | None = None,
+        *,
+        timeout: float | None = None,
+        out: Any = None,
+    ) -> np.ndarray:
+        """Gets ``version`` (default: the newest) of ``name`` as a numpy array.
+
+        Without ``out``: a read-only array over the received bytes (no copy after the
+        transfer; its ``base`` is the package's :class:`Buffer`; freed when the array and the
+        node's copy are gone). With ``out`` (a writable C-contiguous array, or CPU torch
+        tensor, of the same dtype and shape): the bytes are received straight into it (over
+        QUIC; a same-host transfer or a version this node holds is copied in once) and
+        ``out`` is returned; this node then does not keep or serve the version. A tensor of
+        another dtype or shape is refused before anything is written; if the call fails or is
+        interrupted mid-transfer, ``out`` holds part of the bytes.
+        ``timeout``: seconds for the whole call (``Timeout`` past it).
+        """
+        if out is None:
+            return _convert.to_numpy(self._node.get(name, version, timeout))
+        arr, dtype, shape = _convert.check_out(out)
+        self._node.get_into(name, arr, dtype, list(shape), version, timeout)
+        return out
+
+    def get_buffer(
+        self, name: str, version: int | None = None, *, timeout: float | None = None
+    ) -> _native.Buffer:
+        """Gets ``name`` as the package's :class:`Buffer` (buffer protocol and DLPack)."""
+        return self._node.get(name, version, timeout)
+
+    def get_torch(
+        self, name: str, version: int | None = None, *, timeout: float | None = None
+    ) -> Any:
+        """Gets ``name`` as a CPU torch tensor through DLPack, without a copy.
+
+        The tensor shares memory with what this node holds and serves to others: treat it as
+        read-only (``.clone()`` before changing it in place).
+        """
+        return _convert.to_torch(self._node.get(name, version, timeout))
+
+    def put_many(
+        self,
+        prefix: str,
+        mapping: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        keep: int | None = None,
+    ) -> int:
+        """Publishes ``mapping`` (key to array or tensor, e.g. a ``state_dict()``) as the next
+        version of the set ``prefix``, atomically: readers get every member of one version,
+        never a mix. Returns the version. Keys become ``prefix/key`` names (``.``, ``/``,
+        ``-``, ``_``, ``:`` and alphanumerics). The same sets as ``tb put`` of a whole
+        ``.safetensors`` file; ``metadata`` is its ``__metadata__``."""
+        members = []
+        for key, value in mapping.items():
+            data, dtype, shape = _convert.to_bytes(value)
+            members.append((str(key), data, dtype, list(shape)))
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        return self._node.put_set(prefix, members, meta, keep)
+
+    def get_many(
+        self, prefix: str, version: int | None = None, *, timeout: float | None = None
+    ) -> dict[str, np.ndarray]:
+        """Gets ``version`` (default: the newest) of the set ``prefix`` as a dict of key to
+        read-only numpy array, every member of that one version (no copy after the transfer:
+        the arrays are slices of the one received buffer)."""
+        _, members, _ = self._node.get_set(prefix, version, timeout)
+        return {k: _convert.to_numpy(b) for k, b in members}
+
+    def get_many_torch(
+        self, prefix: str, version: int | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """:meth:`get_many` as torch tensors (no copy; treat them as read-only), ready for
+        ``model.load_state_dict``."""
+        _, members, _ = self._node.get_set(prefix, version, timeout)
+        return {k: _convert.to_torch(b) for k, b in members}
+
+    def get_set(
+        self, prefix: str, version: int | None = None, *, timeout: float | None = None
+    ) -> tuple[int, dict[str, np.ndarray], dict[str, str]]:
+        """:meth:`get_many` with the version received and the set's metadata."""
+        v, members, meta = self._node.get_set(prefix, version, timeout)
+        return v, {k: _convert.to_numpy(b) for k, b in members}, meta
+
+    def subscribe(self, pattern: str) -> Subscription:
+        """Watches ``pattern`` (a name, ``prefix/*`` or ``*``): every version published from
+        now on comes as an :class:`Update`, in order per name."""
+        return Subscription(self._node.subscribe(pattern), self)
+
+    def ls(self, prefix: str = "") -> list[_native.Entry]:
+        """The live names starting with ``prefix``: entries with ``name``, ``version``,
+        ``dtype``, ``shape``, ``size`` (bytes) and ``holders``."""
+        return self._node.ls(prefix)
+
+    def status(self) -> dict[str, Any]:
+        """This node (id, address, broker, what it holds) and the cluster's members."""
+        return self._node.status()
+
+    def close(self) -> None:
+        """Stops this node: what it published is no longer served from here. Idempotent."""
+        self._node.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._node.closed
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(addr={self.addr!r})"
+
+
+def connect(
+    join: str | None = None,
+    *,
+    secret_file: str | os.PathLike[str] | None = None,
+    secret: str | None = None,
+    listen: str | None = None,
+) -> Client:
+    """Starts a node in this process that joins a cluster, and returns its :class:`Client`.
+
+    ``join``: a cluster ticket (``tbc1:...``). Without it, the cluster is found as the ``tb``
+    CLI finds it: ``TB_JOIN``, else the ticket of a ``tb up`` running on this machine.
+    ``secret_file`` (else ``TB_CLUSTER_SECRET_FILE``, else ``tb up``'s own when its ticket is
+    used) or ``secret``: the cluster secret. ``listen``: the ``ip:port`` the node serves
+    from (default ``127.0.0.1:<free port>``; give a routable address to serve other machines).
+    """
+    path = os.fspath(secret_file) if secret_file is not None else None
+    return Client(_native.NodeHandle.connect(join, path, secret, listen))
+
+
+class LocalCluster:
+    """A broker (and ``workers`` worker nodes) in this process on free 127.0.0.1 ports, with
+    a fresh secret: a cluster for a notebook or a test. Use it as a context manager.
+
+    Other processes join it with ``connect(cluster.ticket, secret_file=cluster.secret_file)``.
+    """
+
+    def __init__(self, workers: int = 0) -> None:
+        self._cluster = _native.LocalCluster(workers)
+
+    @property
+    def ticket(self) -> str:
+        """The cluster ticket (``tbc1:...``)."""
+        return self._cluster.ticket
+
+    @property
+    def secret_file(self) -> str:
+        """The file holding the cluster secret (removed with the cluster)."""
+        return self._cluster.secret_file
+
+    @property
+    def workers(self) -> list[str]:
+        """The worker nodes' addresses."""
+        return self._cluster.workers
+
+    def connect(self, *, listen: str | None = None) -> Client:
+        """A client of this cluster in this process."""
+        return Client(self._cluster.connect(listen))
+
+    def close(self) -> None:
+        """Stops the workers and the broker. Idempotent."""
+        self._cluster.close()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LocalCluster(ticket={self.ticket!r})"

@@ -1,0 +1,158 @@
+"""Type stubs of the Rust extension ``tensor_broker._native`` (see src/ in the package's
+crate). Users call it through :mod:`tensor_broker`; these names are its building blocks."""
+
+from typing import Any, Optional
+
+import numpy as np
+
+CUDA_COMPILED: bool
+"""Whether the extension was built with tb-node's ``cuda`` feature."""
+
+class Buffer:
+    """A received tensor's bytes, read-only, never copied: the buffer protocol (``memoryview``),
+    DLPack (a 1-D ``uint8`` CPU capsule) and :meth:`numpy` lend them out."""
+
+    @property
+    def name(self) -> str:
+        """The tensor's name."""
+    @property
+    def version(self) -> int:
+        """The version received."""
+    @property
+    def dtype(self) -> str:
+        """The dtype's name as the CLI spells it (``f32``, ``bf16``, ``set``, ...)."""
+    @property
+    def shape(self) -> list[int]:
+        """The shape."""
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+    @property
+    def address(self) -> int:
+        """Address of the first byte."""
+    def numpy(self, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        """A read-only array of ``dtype`` over the bytes whose ``base`` is this buffer."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Any = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A DLPack capsule over the bytes (1-D ``uint8``, CPU)."""
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCPU, 0)``."""
+
+class Entry:
+    """One line of ``ls``: a name's newest version."""
+
+    name: str
+    version: int
+    dtype: str
+    shape: list[int]
+    size: int
+    holders: int
+
+class Event:
+    """What a subscription reported about one name."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def dtype(self) -> Optional[str]: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def skipped(self) -> int: ...
+    @property
+    def skipped_from(self) -> Optional[int]: ...
+    @property
+    def deleted(self) -> bool: ...
+    def buffer(self) -> Optional[Buffer]:
+        """The fetched bytes, if the node fetched them."""
+    def set_members(
+        self,
+    ) -> Optional[tuple[int, list[tuple[str, Buffer]], dict[str, str]]]:
+        """The members of a fetched set version."""
+
+class Subscription:
+    """A live subscription."""
+
+    @property
+    def pattern(self) -> str: ...
+    def next(self, timeout: Optional[float] = None) -> Optional[Event]:
+        """The next event (``None``: ended); ``Timeout`` after ``timeout`` seconds."""
+    def close(self) -> None: ...
+
+class NodeHandle:
+    """A node of the cluster in this process."""
+
+    @staticmethod
+    def connect(
+        join: Optional[str] = None,
+        secret_file: Optional[str] = None,
+        secret: Optional[str] = None,
+        listen: Optional[str] = None,
+    ) -> NodeHandle: ...
+    @property
+    def id(self) -> str: ...
+    @property
+    def addr(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def put(
+        self,
+        name: str,
+        data: np.ndarray[Any, Any],
+        dtype: str,
+        shape: list[int],
+        keep: Optional[int] = None,
+    ) -> int: ...
+    def get(
+        self, name: str, version: Optional[int] = None, timeout: Optional[float] = None
+    ) -> Buffer: ...
+    def get_into(
+        self,
+        name: str,
+        out: np.ndarray[Any, Any],
+        dtype: str,
+        shape: list[int],
+        version: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> int: ...
+    def put_set(
+        self,
+        prefix: str,
+        members: list[tuple[str, np.ndarray[Any, Any], str, list[int]]],
+        metadata: Optional[dict[str, str]] = None,
+        keep: Optional[int] = None,
+    ) -> int: ...
+    def get_set(
+        self, prefix: str, version: Optional[int] = None, timeout: Optional[float] = None
+    ) -> tuple[int, list[tuple[str, Buffer]], dict[str, str]]: ...
+    def ls(self, prefix: str = "") -> list[Entry]: ...
+    def status(self) -> dict[str, Any]: ...
+    def subscribe(self, pattern: str) -> Subscription: ...
+    def close(self) -> None: ...
+
+class LocalCluster:
+    """A broker and ``workers`` worker nodes in this process."""
+
+    def __init__(self, workers: int = 0) -> None: ...
+    @property
+    def ticket(self) -> str: ...
+    @property
+    def secret_file(self) -> str: ...
+    @property
+    def workers(self) -> list[str]: ...
+    @property
+    def closed(self) -> bool: ...
+    def connect(self, listen: Optional[str] = None) -> NodeHandle: ...
+    def close(self) -> None: ...

@@ -1,0 +1,365 @@
+//! [`Buffer`]: the bytes of a received tensor as a Python object, without a copy. It holds
+//! the node's `Tensor` (shared, immutable bytes: the same ones the node's store keeps and
+//! serves) and lends them out read-only through the buffer protocol (numpy's
+//! `frombuffer`, `memoryview`) and as a 1-D `uint8` DLPack capsule (`torch.from_dlpack`).
+//! The bytes live until the last array or tensor made from them is gone.
+
+// The buffer protocol and DLPack are C interfaces: raw pointers handed to Python, checked
+// here once.
+#![allow(unsafe_code)]
+
+use std::{
+    ffi::{CStr, c_int, c_void},
+    ptr::{self, NonNull},
+};
+
+use numpy::{
+    PyArrayDescr, PyArrayDescrMethods, PyUntypedArray,
+    npyffi::{self, PY_ARRAY_API, npy_intp},
+};
+use pyo3::{
+    exceptions::{PyBufferError, PyValueError},
+    ffi,
+    prelude::*,
+    types::PyCapsule,
+};
+use tb_node::Tensor;
+
+/// A received tensor's bytes, read-only, with its name, version, dtype and shape.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct Buffer {
+    tensor: Tensor,
+    name: String,
+    version: u64,
+}
+
+impl Buffer {
+    /// Wraps a host tensor (device tensors have no host bytes to lend).
+    pub(crate) fn new(name: String, version: u64, tensor: Tensor) -> Self {
+        Buffer {
+            tensor,
+            name,
+            version,
+        }
+    }
+
+    /// The host bytes.
+    pub(crate) fn bytes(&self) -> PyResult<&[u8]> {
+        match self.tensor.host_data() {
+            Some(bytes) => Ok(bytes),
+            None => Err(PyBufferError::new_err(format!(
+                "tensor \"{}\" v{} is on {:?}, not in host memory",
+                self.name,
+                self.version,
+                self.tensor.device()
+            ))),
+        }
+    }
+}
+
+/// The name DLPack gives a capsule that has not been consumed yet.
+const DLTENSOR: &CStr = c"dltensor";
+/// `kDLCPU`.
+const DL_CPU: i32 = 1;
+/// `kDLUInt`.
+const DL_UINT: u8 = 1;
+
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+/// DLPack's (unversioned) `DLManagedTensor`.
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// What a capsule owns: the managed tensor (first, so a pointer to it is a pointer to this),
+/// its shape, and a handle on the bytes.
+#[repr(C)]
+struct Exported {
+    managed: DlManagedTensor,
+    shape: [i64; 1],
+    _tensor: Tensor,
+}
+
+/// DLPack's deleter: frees what [`Buffer::__dlpack__`] allocated (any thread, no GIL needed).
+unsafe extern "C" fn delete_exported(managed: *mut DlManagedTensor) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` is the first field of a boxed `Exported` (see `__dlpack__`), and a
+    // consumer calls the deleter once.
+    unsafe { drop(Box::from_raw(managed.cast::<Exported>())) };
+}
+
+/// The capsule's destructor: frees the tensor unless a consumer took it (and renamed the
+/// capsule `used_dltensor`; then the consumer calls the deleter).
+unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by Python with the capsule being destroyed.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr());
+            delete_exported(managed.cast::<DlManagedTensor>());
+        }
+    }
+}
+
+#[pymethods]
+impl Buffer {
+    /// The tensor's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The version received.
+    #[getter]
+    fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The dtype's name as the CLI spells it (`f32`, `bf16`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.tensor.dtype().name()
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape(&self) -> Vec<u64> {
+        self.tensor.shape().to_vec()
+    }
+
+    /// Size in bytes.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.tensor.byte_len()
+    }
+
+    /// Address of the first byte (to check that arrays share these bytes).
+    #[getter]
+    fn address(&self) -> PyResult<usize> {
+        Ok(self.bytes()?.as_ptr() as usize)
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.bytes()?.len())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Buffer(name={:?}, version={}, dtype={}, shape={:?})",
+            self.name,
+            self.version,
+            self.tensor.dtype().name(),
+            self.tensor.shape()
+        )
+    }
+
+    /// Lends the bytes read-only, as unsigned bytes (`B`); a writable request is refused.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("no view to fill"));
+        }
+        if (flags & ffi::PyBUF_WRITABLE) == ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err(
+                "a received tensor is read-only (copy it to write: numpy.array(a))",
+            ));
+        }
+        let (buf, len) = {
+            let data = slf.get().bytes()?;
+            (data.as_ptr(), data.len())
+        };
+        let len = isize::try_from(len).map_err(|_| PyBufferError::new_err("buffer too large"))?;
+        // SAFETY: `view` is the non-null view Python asks us to fill; the bytes stay valid
+        // while `view.obj` (a reference to this object, released by Python) lives, because the
+        // object holds them and never changes them. `format` points to a static string, and
+        // `shape`/`strides` into the view itself, as the protocol allows.
+        unsafe {
+            (*view).obj = slf.into_any().into_ptr();
+            (*view).buf = buf.cast_mut().cast::<c_void>();
+            (*view).len = len;
+            (*view).readonly = 1;
+            (*view).itemsize = 1;
+            (*view).format = match (flags & ffi::PyBUF_FORMAT) == ffi::PyBUF_FORMAT {
+                true => c"B".as_ptr().cast_mut(),
+                false => ptr::null_mut(),
+            };
+            (*view).ndim = 1;
+            (*view).shape = match (flags & ffi::PyBUF_ND) == ffi::PyBUF_ND {
+                true => &raw mut (*view).len,
+                false => ptr::null_mut(),
+            };
+            (*view).strides = match (flags & ffi::PyBUF_STRIDES) == ffi::PyBUF_STRIDES {
+                true => &raw mut (*view).itemsize,
+                false => ptr::null_mut(),
+            };
+            (*view).suboffsets = ptr::null_mut();
+            (*view).internal = ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    /// The bytes as a DLPack capsule: a 1-D `uint8` CPU tensor over them, no copy (the
+    /// package views it as the real dtype and shape). `stream` and the other arguments of
+    /// the protocol are accepted; only CPU is exported.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        slf: &Bound<'py, Self>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<Bound<'py, PyAny>>,
+        dl_device: Option<Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let _ = (stream, max_version, dl_device);
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "a copy was asked for: the package exports its bytes without copying",
+            ));
+        }
+        let this = slf.get();
+        let bytes = this.bytes()?;
+        let len = i64::try_from(bytes.len()).map_err(|_| PyBufferError::new_err("too large"))?;
+        let data = bytes.as_ptr().cast_mut().cast::<c_void>();
+        let exported = Box::new(Exported {
+            managed: DlManagedTensor {
+                dl_tensor: DlTensor {
+                    data,
+                    device: DlDevice {
+                        device_type: DL_CPU,
+                        device_id: 0,
+                    },
+                    ndim: 1,
+                    dtype: DlDataType {
+                        code: DL_UINT,
+                        bits: 8,
+                        lanes: 1,
+                    },
+                    shape: ptr::null_mut(),
+                    strides: ptr::null_mut(),
+                    byte_offset: 0,
+                },
+                manager_ctx: ptr::null_mut(),
+                deleter: Some(delete_exported),
+            },
+            shape: [len],
+            _tensor: this.tensor.clone(),
+        });
+        let raw = Box::into_raw(exported);
+        // SAFETY: `raw` is a valid, uniquely owned allocation; the shape pointer points into
+        // it (stable: it is boxed) and the data pointer into bytes it keeps alive.
+        unsafe {
+            (*raw).managed.dl_tensor.shape = (&raw mut (*raw).shape).cast::<i64>();
+            (*raw).managed.manager_ctx = raw.cast::<c_void>();
+        }
+        let pointer = NonNull::new(raw.cast::<c_void>())
+            .ok_or_else(|| PyBufferError::new_err("allocation failed"))?;
+        // SAFETY: the capsule points to the managed tensor (first field of `Exported`); its
+        // destructor frees it unless a consumer renamed the capsule and took ownership.
+        let capsule = unsafe {
+            PyCapsule::new_with_pointer_and_destructor(
+                slf.py(),
+                pointer,
+                DLTENSOR,
+                Some(drop_capsule),
+            )
+        };
+        if capsule.is_err() {
+            // SAFETY: the capsule was not made, so nobody else owns `raw`.
+            unsafe { delete_exported(raw.cast::<DlManagedTensor>()) };
+        }
+        capsule
+    }
+
+    /// A read-only numpy array of `dtype` over the bytes, shaped as the tensor, whose `base`
+    /// is this buffer (no copy). `dtype`'s item size must fit the tensor's.
+    fn numpy<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Bound<'py, PyArrayDescr>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let py = slf.py();
+        let this = slf.get();
+        let bytes = this.bytes()?;
+        let mut dims = this
+            .tensor
+            .shape()
+            .iter()
+            .map(|d| npy_intp::try_from(*d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| PyValueError::new_err("a dimension does not fit numpy's index type"))?;
+        let elements: u64 = this.tensor.shape().iter().product();
+        let itemsize = dtype.itemsize() as u64;
+        if elements.checked_mul(itemsize) != Some(bytes.len() as u64) {
+            return Err(PyValueError::new_err(format!(
+                "dtype {dtype} does not fit tensor \"{}\" ({} bytes for shape {:?})",
+                this.name,
+                bytes.len(),
+                this.tensor.shape()
+            )));
+        }
+        let ndim = c_int::try_from(dims.len())
+            .map_err(|_| PyValueError::new_err("too many dimensions"))?;
+        // SAFETY: a new array over `bytes` (valid while this buffer lives: the array's base
+        // is set to it below, and it never changes them), C-contiguous, read-only (no
+        // WRITEABLE flag); `dtype`'s reference is stolen by the call, so it is given one.
+        let array = unsafe {
+            let array = PY_ARRAY_API.PyArray_NewFromDescr(
+                py,
+                npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+                dtype.into_dtype_ptr(),
+                ndim,
+                dims.as_mut_ptr(),
+                ptr::null_mut(),
+                bytes.as_ptr().cast_mut().cast::<c_void>(),
+                npyffi::NPY_ARRAY_C_CONTIGUOUS,
+                ptr::null_mut(),
+            );
+            let array = Bound::from_owned_ptr_or_err(py, array)?;
+            // Steals the reference to the buffer it is given.
+            let set = PY_ARRAY_API.PyArray_SetBaseObject(
+                py,
+                array.as_ptr().cast::<npyffi::PyArrayObject>(),
+                slf.clone().into_any().into_ptr(),
+            );
+            if set != 0 {
+                return Err(PyErr::fetch(py));
+            }
+            array.cast_into_unchecked::<PyUntypedArray>()
+        };
+        Ok(array)
+    }
+
+    /// Where the DLPack tensor lives: `(kDLCPU, 0)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (DL_CPU, 0)
+    }
+}

@@ -1,0 +1,39 @@
+//! # tensor_broker._native: the Rust core of the Python package
+//!
+//! A thin PyO3 layer over `tb-node`'s client API; the Python modules in
+//! `py_src/tensor_broker` turn its buffers into numpy arrays and torch tensors (as
+//! safetensors' bindings do). It holds no logic the Rust crates do not already have.
+//!
+//! - `runtime`: the process's one tokio runtime; waits release the GIL and check signals in
+//!   short slices (Ctrl-C interrupts); a forked child gets a clear error, not a hang.
+//! - `node`: [`node::NodeHandle`], the embedded node a `Client` drives (put, get, get_into,
+//!   ls, status, subscribe, close), and `Entry` rows of `ls`.
+//! - `buffer`: [`buffer::Buffer`], received bytes lent read-only to numpy (buffer protocol)
+//!   and torch (DLPack), never copied.
+//! - `array`: reading and writing numpy arrays' bytes (checked contiguous).
+//! - `subscription`: versions of matching names as `Event`s, skips folded in.
+//! - `cluster`: [`cluster::LocalCluster`], a broker (and workers) in this process.
+//! - `errors`: `tb_node::Error` as the package's exception classes.
+
+mod array;
+mod buffer;
+mod cluster;
+mod errors;
+mod node;
+mod runtime;
+mod subscription;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<node::NodeHandle>()?;
+    m.add_class::<node::Entry>()?;
+    m.add_class::<buffer::Buffer>()?;
+    m.add_class::<subscription::Subscription>()?;
+    m.add_class::<subscription::Event>()?;
+    m.add_class::<cluster::LocalCluster>()?;
+    m.add("CUDA_COMPILED", tb_node::CUDA_COMPILED)?;
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! [`Subscription`]: a node subscription read from Python, one [`Event`] per new version
+//! (or delete) of a matching name. Skipped versions are folded into the next event of their
+//! name (`skipped`, `skipped_from`), so an iterator yields only versions a caller can load.
+
+use std::{collections::HashMap, sync::Arc};
+
+use pyo3::prelude::*;
+use tb_node::{SubEvent, Tensor, TensorName, TensorSet};
+
+use crate::{
+    buffer::Buffer,
+    errors::to_py,
+    node::{SetParts, set_parts},
+    runtime::wait_limited,
+};
+
+/// What a subscription reported about one name.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct Event {
+    name: String,
+    version: u64,
+    dtype: Option<&'static str>,
+    shape: Vec<u64>,
+    size: u64,
+    skipped: u64,
+    skipped_from: Option<u64>,
+    deleted: bool,
+    tensor: Option<Tensor>,
+}
+
+#[pymethods]
+impl Event {
+    /// The tensor's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The new version (0 for a delete).
+    #[getter]
+    fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Its dtype name (`None` for a delete).
+    #[getter]
+    fn dtype(&self) -> Option<&'static str> {
+        self.dtype
+    }
+
+    /// Its shape.
+    #[getter]
+    fn shape(&self) -> Vec<u64> {
+        self.shape.clone()
+    }
+
+    /// Its size in bytes.
+    #[getter]
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Versions of this name published since the last one reported and not reported.
+    #[getter]
+    fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// The first of those versions (`None` when none were skipped).
+    #[getter]
+    fn skipped_from(&self) -> Option<u64> {
+        self.skipped_from
+    }
+
+    /// Whether the name was deleted.
+    #[getter]
+    fn deleted(&self) -> bool {
+        self.deleted
+    }
+
+    /// The fetched bytes (`None` when the node did not fetch them).
+    fn buffer(&self) -> Option<Buffer> {
+        self.tensor
+            .as_ref()
+            .filter(|t| t.host_data().is_some())
+            .map(|t| Buffer::new(self.name.clone(), self.version, t.clone()))
+    }
+
+    /// The members of a fetched set version: `(version, [(key, Buffer)], metadata)`
+    /// (`None` when the node did not fetch it); `InvalidArgument` when this is no set.
+    fn set_members(&self) -> PyResult<Option<SetParts>> {
+        let Some(tensor) = &self.tensor else {
+            return Ok(None);
+        };
+        let name = TensorName::new(&self.name).map_err(|e| to_py(e.into()))?;
+        let set = TensorSet::from_tensor(name, self.version, tensor).map_err(to_py)?;
+        Ok(Some(set_parts(set)))
+    }
+
+    fn __repr__(&self) -> String {
+        match self.deleted {
+            true => format!("Event(name={:?}, deleted=True)", self.name),
+            false => format!(
+                "Event(name={:?}, version={}, skipped={})",
+                self.name, self.version, self.skipped
+            ),
+        }
+    }
+}
+
+/// A live subscription.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct Subscription {
+    inner: Arc<tokio::sync::Mutex<Reader>>,
+    pattern: String,
+}
+
+/// The node's subscription and the skips not reported yet.
+struct Reader {
+    sub: Option<tb_node::Subscription>,
+    skipped: HashMap<String, (u64, u64)>,
+}
+
+impl Subscription {
+    pub(crate) fn new(sub: tb_node::Subscription) -> Self {
+        Subscription {
+            pattern: sub.pattern().to_string(),
+            inner: Arc::new(tokio::sync::Mutex::new(Reader {
+                sub: Some(sub),
+                skipped: HashMap::new(),
+            })),
+        }
+    }
+}
+
+impl Reader {
+    /// The next version or delete (`None`: the subscription ended).
+    async fn next(&mut self) -> Option<tb_node::Result<Event>> {
+        // Bounded by what the node sends: every event is either returned or a skip folded
+        // into a later one.
+        loop {
+            let event = match self.sub.as_mut()?.next().await {
+                None => {
+                    self.sub = None;
+                    return None;
+                }
+                Some(Err(e)) => return Some(Err(e)),
+                Some(Ok(event)) => event,
+            };
+            match event {
+                SubEvent::Skipped { name, from, to } => {
+                    let entry = self
+                        .skipped
+                        .entry(name.as_str().to_owned())
+                        .or_insert((from, 0));
+                    entry.1 += to.saturating_sub(from) + 1;
+                }
+                SubEvent::Version {
+                    name,
+                    version,
+                    meta,
+                    tensor,
+                } => {
+                    let name = name.as_str().to_owned();
+                    let (from, count) = self.skipped.remove(&name).unzip();
+                    return Some(Ok(Event {
+                        name,
+                        version,
+                        dtype: Some(meta.dtype.name()),
+                        shape: meta.shape.clone(),
+                        size: meta.byte_len,
+                        skipped: count.unwrap_or(0),
+                        skipped_from: from,
+                        deleted: false,
+                        tensor,
+                    }));
+                }
+                SubEvent::Deleted { name } => {
+                    let name = name.as_str().to_owned();
+                    self.skipped.remove(&name);
+                    return Some(Ok(Event {
+                        name,
+                        version: 0,
+                        dtype: None,
+                        shape: Vec::new(),
+                        size: 0,
+                        skipped: 0,
+                        skipped_from: None,
+                        deleted: true,
+                        tensor: None,
+                    }));
+                }
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl Subscription {
+    /// The pattern it watches.
+    #[getter]
+    fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    /// The next event, waiting at most `timeout` seconds (`Timeout` then; the subscription
+    /// goes on) or forever; `None` once the subscription ended.
+    #[pyo3(signature = (timeout=None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Event>> {
+        let inner = self.inner.clone();
+        let what = || format!("an update for {:?}", self.pattern);
+        let got = wait_limited(
+            py,
+            timeout,
+            what,
+            async move { inner.lock().await.next().await },
+        )?;
+        got.transpose().map_err(to_py)
+    }
+
+    /// Ends the subscription.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.inner.clone();
+        crate::runtime::wait(py, async move { inner.lock().await.sub = None })
+    }
+}
