@@ -58,6 +58,8 @@ pub enum BrokerMsg {
         addrs: Vec<String>,
         /// Its restart counter.
         epoch: u64,
+        /// Its upload limit, when its heartbeat carried stats (0: unlimited).
+        upload_limit: Option<u64>,
         /// The answer.
         reply: RpcReplyPort<Result<(), BrokerError>>,
     },
@@ -87,6 +89,8 @@ pub enum BrokerMsg {
         name: TensorName,
         /// The version, or the newest.
         version: Option<u64>,
+        /// Sources the asker dropped during this fetch.
+        exclude: Vec<NodeId>,
         /// The answer.
         reply: RpcReplyPort<Result<Holders, BrokerError>>,
     },
@@ -222,9 +226,13 @@ impl Actor for BrokerActor {
                 role,
                 addrs,
                 epoch,
+                upload_limit,
                 reply,
             } => {
                 let result = state.heartbeat(from, role, addrs, epoch, now);
+                if let (Ok(_), Some(limit)) = (&result, upload_limit) {
+                    state.upload_limit(from, limit);
+                }
                 answer_with_changes(st, reply, result);
             }
             BrokerMsg::Announce {
@@ -253,9 +261,11 @@ impl Actor for BrokerActor {
                 from,
                 name,
                 version,
+                exclude,
                 reply,
             } => {
-                let _ = reply.send(state.lookup(&name, version, from, now));
+                let found = state.lookup_excluding(&name, version, from, &exclude, now);
+                let _ = reply.send(found);
             }
             BrokerMsg::Fetching {
                 from,
@@ -488,6 +498,7 @@ mod tests {
                 role: Role::Worker,
                 addrs: vec![format!("127.0.0.1:{}", 1000 + u16::from(i))],
                 epoch: 1,
+                upload_limit: None,
                 reply,
             })
             .await;

@@ -274,6 +274,7 @@ impl Broker {
                 role: Role::Broker,
                 addrs,
                 epoch,
+                upload_limit: None,
                 reply,
             }
         })

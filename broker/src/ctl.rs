@@ -224,11 +224,13 @@ impl CtlProtocol {
                 epoch,
                 stats,
             } => {
+                let upload_limit = stats.as_ref().map(|s| s.upload_limit);
                 let answered = ask(actor, t, |reply| BrokerMsg::Heartbeat {
                     from,
                     role,
                     addrs,
                     epoch,
+                    upload_limit,
                     reply,
                 })
                 .await;
@@ -252,10 +254,15 @@ impl CtlProtocol {
                     .await
                     .map(|version| CtlResponse::Version { version })
             }
-            CtlRequest::Lookup { name, version } => ask(actor, t, |reply| BrokerMsg::Lookup {
+            CtlRequest::Lookup {
+                name,
+                version,
+                exclude,
+            } => ask(actor, t, |reply| BrokerMsg::Lookup {
                 from,
                 name,
                 version,
+                exclude,
                 reply,
             })
             .await

@@ -19,12 +19,22 @@
 //!   the next fetcher branches off the shallowest source with room, starting a new chain.
 //! - **Small**: latency first. Complete holders come before fetchers in flight, so each
 //!   fetcher is as few hops from a complete copy as the fan-out allows.
+//!
+//! Slow sources (large tensors): a node whose upload limit (from its heartbeats) is below
+//! 1/[`SLOW_SOURCE_FACTOR`] of the fastest candidate's would hold back every fetcher below
+//! it in a chain. It comes after every other source with room, and as a child it takes no
+//! slot: a fast fetcher takes its source's next link, and the slow child, which looks up
+//! again while it fetches, moves on to a chain's tail, where it holds nobody back. A look-up may exclude sources (the asker dropped them as slow or
+//! failed); they are not offered to that asker.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use tb_proto::{Entry, HolderAddr, MAX_HOLDERS_REPLY, NodeId, TensorName};
 
 use crate::state::oldest_kept;
+
+/// A source is slow when its upload limit times this is below the fastest candidate's.
+pub(crate) const SLOW_SOURCE_FACTOR: u64 = 4;
 
 /// Fetches in flight per `(name, version)`.
 #[derive(Debug)]
@@ -34,6 +44,9 @@ pub(crate) struct FanOut {
     chain_min_bytes: u64,
     max_depth: usize,
     transfers: BTreeMap<(TensorName, u64), Transfer>,
+    /// Upload limits nodes reported in their heartbeats here (`u64::MAX`: unlimited; absent:
+    /// unknown, never slow and not compared with).
+    limits: BTreeMap<NodeId, u64>,
 }
 
 /// The fetches of one version.
@@ -96,6 +109,33 @@ impl Transfer {
     }
 }
 
+/// Who asks, and which sources it does not want offered.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Asker<'a> {
+    /// The fetcher.
+    pub(crate) node: NodeId,
+    /// Sources it dropped during this fetch.
+    pub(crate) exclude: &'a [NodeId],
+}
+
+/// The nodes of `nodes` that are slow next to the fastest of them, by their upload `limits`
+/// (a node whose limit is unknown is neither slow nor compared with).
+fn slow_among(limits: &BTreeMap<NodeId, u64>, nodes: &[NodeId]) -> BTreeSet<NodeId> {
+    let fastest = nodes.iter().filter_map(|n| limits.get(n)).max().copied();
+    let Some(fastest) = fastest else {
+        return BTreeSet::new();
+    };
+    nodes
+        .iter()
+        .filter(|n| {
+            limits
+                .get(n)
+                .is_some_and(|l| l.saturating_mul(SLOW_SOURCE_FACTOR) < fastest)
+        })
+        .copied()
+        .collect()
+}
+
 /// The version a look-up wants.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Wanted<'a> {
@@ -119,24 +159,45 @@ enum Policy {
 /// What [`Policy`] ranks a source by.
 #[derive(Debug, Clone, Copy)]
 struct Candidate {
+    /// Fetchers pointed at it.
     children: usize,
+    /// Those of them that are not slow.
+    fast_children: usize,
     complete: bool,
     depth: usize,
+    /// Its upload limit is far below the fastest candidate's.
+    slow: bool,
+    /// The asker's source until this look-up (a repeated look-up keeps it on a tie).
+    current: bool,
 }
 
+/// A [`Candidate`]'s sort key, smallest best.
+type Rank = (bool, bool, bool, usize, bool, usize, bool);
+
 impl Candidate {
-    /// Sort key, smallest best: full sources last whatever the policy.
-    fn rank(self, policy: Policy, limit: usize) -> (bool, bool, usize, bool, usize) {
-        let full = self.children >= limit;
+    /// Sort key, smallest best: full sources last whatever the policy. Slow children take
+    /// no slot (they move on to a chain's tail when they look up again).
+    fn rank(self, policy: Policy, limit: usize) -> Rank {
+        let full = self.fast_children >= limit;
         match policy {
-            Policy::Latency => (full, false, 0, !self.complete, self.children),
+            Policy::Latency => (
+                full,
+                false,
+                false,
+                0,
+                !self.complete,
+                self.children,
+                !self.current,
+            ),
             Policy::Bandwidth { max_depth } => (
                 full,
+                self.slow,
                 // A child of this source would be more than `max_depth` hops deep.
                 self.depth >= max_depth,
-                self.children,
+                self.fast_children,
                 !self.complete,
                 self.depth,
+                !self.current,
             ),
         }
     }
@@ -158,7 +219,19 @@ impl FanOut {
             chain_min_bytes,
             max_depth: max_depth.max(1),
             transfers: BTreeMap::new(),
+            limits: BTreeMap::new(),
         }
+    }
+
+    /// Notes `node`'s upload limit in bytes per second, from its heartbeat (0: unlimited).
+    pub(crate) fn upload_limit(&mut self, node: NodeId, limit: u64) {
+        let limit = if limit == 0 { u64::MAX } else { limit };
+        self.limits.insert(node, limit);
+    }
+
+    /// Forgets the upload limits of nodes for which `keep` is false (no longer heard).
+    pub(crate) fn retain_limits(&mut self, keep: impl Fn(&NodeId) -> bool) {
+        self.limits.retain(|n, _| keep(n));
     }
 
     fn policy(&self, byte_len: u64) -> Policy {
@@ -172,13 +245,13 @@ impl FanOut {
 
     /// The sources for `asker` fetching `want`, best first, and records the fetch (pointed at
     /// the first source). `complete` are the holders by the registry;
-    /// `addrs_of` gives a node's addresses if it is alive and reachable. The asker itself and
-    /// nodes fetching through it are never offered. Empty (and nothing recorded) if there is no
-    /// source.
+    /// `addrs_of` gives a node's addresses if it is alive and reachable. The asker itself,
+    /// nodes fetching through it and the sources it excludes are never offered. Empty (and
+    /// nothing recorded) if there is no source.
     pub(crate) fn plan(
         &mut self,
         want: Wanted<'_>,
-        asker: NodeId,
+        asker: Asker<'_>,
         complete: &[NodeId],
         addrs_of: impl Fn(&NodeId) -> Option<Vec<String>>,
         now_ms: u64,
@@ -186,42 +259,59 @@ impl FanOut {
         let key = (want.name.clone(), want.version);
         let (policy, limit) = (self.policy(want.byte_len), self.limit);
         let t = self.transfers.entry(key.clone()).or_default();
-        // A repeated look-up (a retry) gives up the asker's previous slot.
-        t.sources.remove(&asker);
-        let below = t.below(asker);
-        let mut children: BTreeMap<NodeId, usize> = BTreeMap::new();
+        // A repeated look-up (a retry, or a fetcher checking for a better source) gives up
+        // the asker's previous slot.
+        let current = t.sources.remove(&asker.node);
+        let below = t.below(asker.node);
+        let in_flight = t.fetchers.keys().filter(|n| !complete.contains(n));
+        let sources: Vec<(NodeId, bool, Vec<String>)> = complete
+            .iter()
+            .map(|n| (*n, true))
+            .chain(in_flight.map(|n| (*n, false)))
+            .filter(|(n, _)| *n != asker.node && !below.contains(n))
+            .filter(|(n, _)| !asker.exclude.contains(n))
+            .filter_map(|(n, is_complete)| Some((n, is_complete, addrs_of(&n)?)))
+            .collect();
+        let nodes: Vec<NodeId> = sources.iter().map(|(n, ..)| *n).collect();
+        let slow = match policy {
+            Policy::Bandwidth { .. } => slow_among(&self.limits, &nodes),
+            Policy::Latency => BTreeSet::new(),
+        };
+        let mut children: BTreeMap<NodeId, (usize, usize)> = BTreeMap::new();
         for (child, source) in &t.sources {
             // A dead child frees its slot at once.
             if addrs_of(child).is_some() {
-                *children.entry(*source).or_default() += 1;
+                let c = children.entry(*source).or_default();
+                c.0 += 1;
+                c.1 += usize::from(!slow.contains(child));
             }
         }
-        let in_flight = t.fetchers.keys().filter(|n| !complete.contains(n));
-        let candidates = complete.iter().map(|n| (n, true));
-        let mut offered: Vec<(Candidate, HolderAddr)> = candidates
-            .chain(in_flight.map(|n| (n, false)))
-            .filter(|(n, _)| **n != asker && !below.contains(n))
-            .filter_map(|(&node, is_complete)| {
-                let addrs = addrs_of(&node)?;
+        let mut offered: Vec<(Candidate, HolderAddr)> = sources
+            .into_iter()
+            .map(|(node, is_complete, addrs)| {
+                let (all, fast) = children.get(&node).copied().unwrap_or((0, 0));
                 let candidate = Candidate {
-                    children: children.get(&node).copied().unwrap_or(0),
+                    children: all,
+                    fast_children: fast,
                     complete: is_complete,
                     depth: t.depth(node, complete),
+                    slow: slow.contains(&node),
+                    current: current == Some(node),
                 };
                 let holder = HolderAddr {
                     node,
                     addrs,
                     complete: is_complete,
                 };
-                Some((candidate, holder))
+                (candidate, holder)
             })
             .collect();
         offered.sort_by_key(|(c, h)| (c.rank(policy, limit), h.node));
         offered.truncate(MAX_HOLDERS_REPLY);
         match offered.first() {
-            Some((_, first)) if !complete.contains(&asker) => {
-                t.fetchers.insert(asker, now_ms);
-                t.sources.insert(asker, first.node);
+            Some((_, first)) if !complete.contains(&asker.node) => {
+                t.fetchers.insert(asker.node, now_ms);
+                t.sources.insert(asker.node, first.node);
             }
             _ if t.is_empty() => {
                 self.transfers.remove(&key);

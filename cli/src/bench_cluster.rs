@@ -6,7 +6,11 @@
 //!   `single` = one receiver gets a new version; `broadcast` = all N get the next version
 //!   through the cluster at once (the broker points them at each other, and nodes serve what
 //!   they are still receiving, so they form a pipelined tree); `naive` = all N pull the next
-//!   version straight from the publisher.
+//!   version straight from the publisher. With `--slow-receivers K`, K receivers upload at
+//!   `--slow-upload-rate` only and ask first (so the broker knows them as sources before the
+//!   others ask: the worst place for them); `others_s` is when every other receiver is done,
+//!   `all_s` when all are. Nodes run QUIC only unless `--channels` says otherwise: they share
+//!   this host, where shm would hand each receiver the whole version at once.
 //! - registry: names published one after another (a few in flight) on one broker, and the time
 //!   until each is visible on every broker (seen by a subscriber on each); then a new broker
 //!   joins and the time until it lists every name (catch-up by anti-entropy).
@@ -22,7 +26,7 @@ use bytes::Bytes;
 use clap::Args;
 use serde::Serialize;
 use tb_broker::{Broker, BrokerConfig, BrokerOptions};
-use tb_node::{Config, Node, PeerAddr, SubEvent, Tensor, rate};
+use tb_node::{Config, Node, PeerAddr, SubEvent, Tensor, proto::ChannelKind, rate};
 use tokio::task::JoinSet;
 
 use crate::fmt;
@@ -49,9 +53,30 @@ pub struct BroadcastArgs {
     /// latency first (a shallow tree), like `tb-broker --chain-min-size`.
     #[arg(long, default_value = "8MiB", value_parser = rate::parse_size)]
     chain_min_size: u64,
+    /// Receivers whose upload is limited to `--slow-upload-rate` instead (at most
+    /// `--receivers - 1`; the first receiver, timed alone as `single`, is never slow).
+    #[arg(long, default_value_t = 0)]
+    slow_receivers: usize,
+    /// Upload limit of the slow receivers.
+    #[arg(long, default_value = "5MB/s", value_parser = parse_rate)]
+    slow_upload_rate: u64,
+    /// Data channels every node runs, best first (`quic`, `tcp,quic`, `shm,tcp,quic`).
+    #[arg(long, default_value = "quic", value_parser = parse_channels)]
+    channels: Channels,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// The kinds `--channels` names, QUIC always among them (a newtype: clap would read a bare
+/// `Vec` as many values).
+#[derive(Debug, Clone)]
+struct Channels(Vec<ChannelKind>);
+
+fn parse_channels(list: &str) -> Result<Channels, String> {
+    ChannelKind::parse_list(list)
+        .map(Channels)
+        .map_err(|e| e.to_string())
 }
 
 /// Options for `tb bench registry`.
@@ -91,6 +116,14 @@ struct BroadcastReport {
     single_transfer_s: f64,
     broadcast_s: f64,
     naive_s: f64,
+    slow_receivers: usize,
+    /// When every receiver that is not slow had the whole version (the broadcast's start
+    /// to the last one done).
+    others_s: f64,
+    /// When every receiver had it (`broadcast_s`).
+    all_s: f64,
+    /// Payload bytes the slow receivers uploaded during the broadcast.
+    slow_uploaded_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -126,6 +159,7 @@ fn node_config(brokers: Vec<PeerAddr>, max_upload_rate: u64) -> Config {
     Config {
         brokers,
         max_upload_rate,
+        channels: vec![ChannelKind::Quic],
         // One version per node: the benchmark publishes a new one per phase, and the old
         // ones would only take memory.
         keep_versions: 1,
@@ -147,6 +181,9 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
     if args.receivers == 0 {
         bail!("--receivers must be at least 1");
     }
+    if args.slow_receivers >= args.receivers {
+        bail!("--slow-receivers must be below --receivers (the first receiver is never slow)");
+    }
     let len = usize::try_from(args.size).context("--size does not fit in memory")?;
     let state = BrokerConfig {
         fanout: args.fanout.max(1),
@@ -156,34 +193,49 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
     let broker = start_broker_with(&[], state).await?;
     let brokers = vec![broker.broker.addr().clone()];
     let rate = args.max_upload_rate;
-    let publisher = Node::spawn(node_config(brokers.clone(), rate)).await?;
+    let config = |rate| Config {
+        channels: args.channels.0.clone(),
+        ..node_config(brokers.clone(), rate)
+    };
+    let publisher = Node::spawn(config(rate)).await?;
     let mut receivers = Vec::new();
-    for _ in 0..args.receivers {
-        receivers.push(Node::spawn(node_config(brokers.clone(), rate)).await?);
+    for i in 0..args.receivers {
+        let slow = i >= args.receivers - args.slow_receivers;
+        let rate = if slow { args.slow_upload_rate } else { rate };
+        receivers.push(Node::spawn(config(rate)).await?);
     }
     if !args.json {
         eprintln!(
-            "broadcast: {} to {} receivers, upload limit {} per node, fan-out {}, chains from {}",
+            "broadcast: {} to {} receivers ({} of them uploading at {}), upload limit {} per \
+             node, fan-out {}, chains from {}, channels {:?}",
             fmt::bytes(args.size),
             args.receivers,
+            args.slow_receivers,
+            rate::format_rate(args.slow_upload_rate),
             rate::format_rate(rate),
             args.fanout,
-            fmt::bytes(args.chain_min_size)
+            fmt::bytes(args.chain_min_size),
+            args.channels.0,
         );
     }
-    let result = broadcast_phases(&publisher, &receivers, len).await;
+    let (fast, slow) = receivers.split_at(args.receivers - args.slow_receivers);
+    let result = broadcast_phases(&publisher, fast, slow, len).await;
     for node in receivers.iter().chain([&publisher]) {
         node.shutdown().await;
     }
     broker.broker.shutdown().await;
-    let (single, bcast, naive) = result?;
+    let m = result?;
     let report = BroadcastReport {
         bench: "broadcast",
         receivers: args.receivers,
         size_bytes: args.size,
-        single_transfer_s: round3(single),
-        broadcast_s: round3(bcast),
-        naive_s: round3(naive),
+        single_transfer_s: round3(m.single),
+        broadcast_s: round3(m.all),
+        naive_s: round3(m.naive),
+        slow_receivers: args.slow_receivers,
+        others_s: round3(m.others),
+        all_s: round3(m.all),
+        slow_uploaded_bytes: m.slow_uploaded,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -192,27 +244,50 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
             "{:<28} {:>10} {:>10} {:>10}",
             "", "seconds", "x single", "MB/s each"
         );
-        for (label, secs) in [
-            ("single transfer (1 rcv)", single),
-            ("broadcast (fan-out tree)", bcast),
-            ("naive (all from publisher)", naive),
-        ] {
+        let mut rows = vec![
+            ("single transfer (1 rcv)", m.single),
+            ("broadcast (fan-out tree)", m.all),
+        ];
+        if args.slow_receivers > 0 {
+            rows.push(("  all but the slow ones", m.others));
+        }
+        rows.push(("naive (all from publisher)", m.naive));
+        for (label, secs) in rows {
             println!(
                 "{label:<28} {secs:>10.3} {:>10.2} {:>10.1}",
-                secs / single.max(f64::MIN_POSITIVE),
+                secs / m.single.max(f64::MIN_POSITIVE),
                 fmt::mb_per_s(args.size, secs)
+            );
+        }
+        if args.slow_receivers > 0 {
+            println!(
+                "the slow receivers uploaded {} during the broadcast",
+                fmt::bytes(m.slow_uploaded)
             );
         }
     }
     Ok(())
 }
 
-/// The three measurements, each on a version of its own.
+/// What `broadcast_phases` measured, in seconds.
+struct Measured {
+    single: f64,
+    /// Broadcast: every receiver done.
+    all: f64,
+    /// Broadcast: every receiver that is not slow done.
+    others: f64,
+    naive: f64,
+    slow_uploaded: u64,
+}
+
+/// The measurements, each on a version of its own. `slow` receivers start the broadcast
+/// first (each once it is receiving), then the `fast` ones.
 async fn broadcast_phases(
     publisher: &Node,
-    receivers: &[Node],
+    fast: &[Node],
+    slow: &[Node],
     len: usize,
-) -> Result<(f64, f64, f64)> {
+) -> Result<Measured> {
     const NAME: &str = "bench/broadcast";
     let publish = |seed: u8| {
         let tensor = Tensor::from_bytes(pattern(len, seed));
@@ -228,63 +303,86 @@ async fn broadcast_phases(
 
     let v = publish(1).await?;
     let (got, single) = timed("single transfer", async {
-        Ok(receivers[0].get_version(NAME, v).await?)
+        Ok(fast[0].get_version(NAME, v).await?)
     })
     .await?;
     check(&got.buffer, &got.meta.hash)?;
     drop(got);
 
     let v = publish(2).await?;
+    let uploaded =
+        |nodes: &[Node]| -> u64 { nodes.iter().map(|n| n.metrics().bytes_out.get()).sum() };
+    let slow_before = uploaded(slow);
     let t0 = Instant::now();
-    let (_, bcast) = timed(
-        "broadcast",
-        all(receivers, move |node| async move {
-            let got = node.get_version(NAME, v).await?;
-            tracing::info!(
-                receiver = %node.id().fmt_short(),
-                after_s = t0.elapsed().as_secs_f64(),
-                served_while_receiving = node.inflight_bytes_served(),
-                "broadcast receiver done"
-            );
-            Ok(got.meta.hash == got.buffer.hash())
-        }),
-    )
+    let get = move |node: Node| async move {
+        let got = node.get_version(NAME, v).await?;
+        let after_s = t0.elapsed().as_secs_f64();
+        tracing::info!(
+            receiver = %node.id().fmt_short(),
+            after_s,
+            served_while_receiving = node.inflight_bytes_served(),
+            "broadcast receiver done"
+        );
+        Ok((got.meta.hash == got.buffer.hash(), after_s))
+    };
+    let ((slow_done, fast_done), _) = timed("broadcast", async {
+        let mut slow_set = JoinSet::new();
+        for node in slow {
+            slow_set.spawn(get(node.clone()));
+            // The broker counts it as a source once its look-up is answered.
+            let asked = Instant::now();
+            while node.versions_receiving() == 0 && asked.elapsed() < ASK_FIRST_LIMIT {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let mut fast_set = JoinSet::new();
+        for node in fast {
+            fast_set.spawn(get(node.clone()));
+        }
+        let fast_done = join_all(fast_set).await?;
+        let slow_done = join_all(slow_set).await?;
+        Ok((slow_done, fast_done))
+    })
     .await?;
+    let others = fast_done;
+    let all = others.max(slow_done);
+    let slow_uploaded = uploaded(slow) - slow_before;
 
     let v = publish(3).await?;
     let from = publisher.addr().clone();
-    let (_, naive) = timed(
-        "naive",
-        all(receivers, move |node| {
-            let from = from.clone();
-            async move {
-                let got = node.pull(&from, NAME, Some(v)).await?;
-                Ok(got.meta.hash == got.buffer.hash())
-            }
-        }),
-    )
-    .await?;
-    Ok((single, bcast, naive))
+    let mut naive_set = JoinSet::new();
+    for node in fast.iter().chain(slow) {
+        let (node, from) = (node.clone(), from.clone());
+        naive_set.spawn(async move {
+            let got = node.pull(&from, NAME, Some(v)).await?;
+            Ok((got.meta.hash == got.buffer.hash(), 0.0))
+        });
+    }
+    let (_, naive) = timed("naive", join_all(naive_set)).await?;
+    Ok(Measured {
+        single,
+        all,
+        others,
+        naive,
+        slow_uploaded,
+    })
 }
 
-/// Runs `job` on every node at once; fails if any fails or reports a bad hash.
-async fn all<F, Fut>(nodes: &[Node], job: F) -> Result<()>
-where
-    F: Fn(Node) -> Fut,
-    Fut: Future<Output = Result<bool, tb_node::Error>> + Send + 'static,
-{
-    let mut set = JoinSet::new();
-    for node in nodes {
-        set.spawn(job(node.clone()));
-    }
+/// How long a slow receiver may take to start receiving before the others ask anyway.
+const ASK_FIRST_LIMIT: Duration = Duration::from_secs(10);
+
+/// Waits for every receiver task; fails if any fails or reports a bad hash. The latest of the
+/// times they report (0 if none).
+async fn join_all(mut set: JoinSet<Result<(bool, f64), tb_node::Error>>) -> Result<f64> {
+    let mut latest: f64 = 0.0;
     while let Some(done) = set.join_next().await {
         match done.context("a receiver task")? {
-            Ok(true) => {}
-            Ok(false) => bail!("a receiver got bytes with the wrong hash"),
+            Ok((true, at)) => latest = latest.max(at),
+            Ok((false, _)) => bail!("a receiver got bytes with the wrong hash"),
             Err(e) => return Err(e).context("a receiver"),
         }
     }
-    Ok(())
+    Ok(latest)
 }
 
 fn pattern(len: usize, seed: u8) -> Bytes {

@@ -499,8 +499,9 @@ impl Metrics {
             latency_p50_s: self.latency_quantile(0.5),
             latency_p99_s: self.latency_quantile(0.99),
             metrics_url,
-            // The node fills in its links (this crate does not know the pool).
+            // The node fills in its links and upload limit (this crate knows neither).
             links: Vec::new(),
+            upload_limit: 0,
         }
     }
 }

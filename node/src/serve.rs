@@ -366,6 +366,8 @@ async fn serve_pull_inflight(
             timer.discard();
             let _ = reply_error(&mut send, code, message).await;
         }
+        // Like a striped pull's stream: a puller that moved on had no complaint.
+        Err(InflightError::Left) => timer.ok(),
         Err(InflightError::Aborted(err)) => {
             timer.error();
             debug!(%err, %name, version, "pull of a version in flight not served");

@@ -49,6 +49,9 @@ pub(crate) enum InflightError {
     Refused(tb_proto::ErrorCode, String),
     /// After the header: the stream is reset so the puller resumes elsewhere.
     Aborted(Error),
+    /// The puller stopped the stream as finished: it took what it wanted from here (it moved
+    /// to another source).
+    Left,
 }
 
 /// Serves bytes `range` (all of them when `None`) of `version` of `name`, which this node is
@@ -99,6 +102,7 @@ pub(crate) async fn serve_inflight(
     let sent = stream_pieces(ctx, send, &mut rx, start, end, total, &what).await;
     match sent {
         Ok(()) => Ok(end - start),
+        Err(_) if crate::channel::quic::stopped_for_stripe(send).await => Err(InflightError::Left),
         Err(e) => {
             let _ = send.reset(VarInt::from_u32(CloseCode::SourceAborted.code()));
             Err(InflightError::Aborted(e))

@@ -336,16 +336,18 @@ fn ctl_heartbeat_and_announce() {
                 peer: NodeId([0x11; 32]),
                 channel: ChannelKind::Quic,
             }],
+            upload_limit: 50_000_000,
         }),
     };
-    // len 81 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
+    // len 85 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
     // bytes 300 (varint ac 02) | in 1.5 (f64 LE) | out 0.0 | in total 5 | out total 0 |
-    // p50 Some(0.25) | p99 None | url Some("http://a") | 1 link { peer, Quic=1 }
+    // p50 Some(0.25) | p99 None | url Some("http://a") | 1 link { peer, Quic=1 } |
+    // upload limit 50 MB/s (varint 80 e1 eb 17)
     golden(
         &msg,
         &format!(
-            "51000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
-             01 000000000000d03f 00 01 08 687474703a2f2f61 01 {H_11} 01"
+            "55000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
+             01 000000000000d03f 00 01 08 687474703a2f2f61 01 {H_11} 01 80e1eb17"
         ),
     );
     let msg = CtlRequest::Announce {
@@ -367,10 +369,18 @@ fn ctl_versions_and_lookups() {
     let lookup = |version| CtlRequest::Lookup {
         name: name("a"),
         version,
+        exclude: vec![],
     };
-    // Lookup=3 | "a" | Some(7) / None
-    golden(&lookup(Some(7)), "05000000 03 0161 01 07");
-    golden(&lookup(None), "04000000 03 0161 00");
+    // Lookup=3 | "a" | Some(7) / None | nothing excluded
+    golden(&lookup(Some(7)), "06000000 03 0161 01 07 00");
+    golden(&lookup(None), "05000000 03 0161 00 00");
+    let msg = CtlRequest::Lookup {
+        name: name("a"),
+        version: Some(7),
+        exclude: vec![NodeId([0x11; 32])],
+    };
+    // Lookup | "a" | Some(7) | 1 excluded source
+    golden(&msg, &format!("26000000 03 0161 01 07 01 {H_11}"));
     let msg = CtlRequest::Fetching {
         name: name("a"),
         version: 2,
@@ -512,14 +522,14 @@ fn ctl_members_and_sync_diff() {
         }],
         last: false,
     };
-    // len 101 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
+    // len 102 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
     // { links 1 | tensors 2 | bytes 0 | in 0.0 | out 0.0 | totals 0 0 | no p50, p99, url |
-    // no links }, age 1500 ms (dc 0b) }) } | not last
+    // no links | unlimited upload }, age 1500 ms (dc 0b) }) } | not last
     golden(
         &msg,
         &format!(
-            "65000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
-             0000000000000000 0000000000000000 00 00 00 00 00 00 dc0b 00"
+            "66000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
+             0000000000000000 0000000000000000 00 00 00 00 00 00 00 dc0b 00"
         ),
     );
     let msg = CtlResponse::SyncDiff {

@@ -145,10 +145,15 @@ fn node_stats() -> impl Strategy<Value = NodeStats> {
             proptest::option::of(0.0..1e4f64),
             proptest::option::of("http://[a-z0-9.:]{1,40}"),
         ),
-        vec(link_channel(), 0..=3),
+        (vec(link_channel(), 0..=3), any::<u64>()),
     )
         .prop_map(
-            |((links, tensors, bytes, rin, rout), (tin, tout), (p50, p99, url), channels)| {
+            |(
+                (links, tensors, bytes, rin, rout),
+                (tin, tout),
+                (p50, p99, url),
+                (channels, cap),
+            )| {
                 NodeStats {
                     pool_links: links,
                     tensors,
@@ -161,6 +166,7 @@ fn node_stats() -> impl Strategy<Value = NodeStats> {
                     latency_p99_s: p99,
                     metrics_url: url,
                     links: channels,
+                    upload_limit: cap,
                 }
             },
         )
@@ -294,8 +300,16 @@ fn ctl_request() -> impl Strategy<Value = CtlRequest> {
             }),
         vec(registry_op(), 0..4).prop_map(|ops| CtlRequest::Announce { ops }),
         tensor_name().prop_map(|name| CtlRequest::NextVersion { name }),
-        (tensor_name(), proptest::option::of(version()))
-            .prop_map(|(name, version)| CtlRequest::Lookup { name, version }),
+        (
+            tensor_name(),
+            proptest::option::of(version()),
+            vec(node(), 0..=3)
+        )
+            .prop_map(|(name, version, exclude)| CtlRequest::Lookup {
+                name,
+                version,
+                exclude
+            }),
         (tensor_name(), version(), any::<bool>()).prop_map(|(name, version, active)| {
             CtlRequest::Fetching {
                 name,

@@ -39,10 +39,41 @@ fn bench_broadcast_prints_the_promised_json() {
     assert_eq!(v["bench"], "broadcast");
     assert_eq!(v["receivers"], 3);
     assert_eq!(v["size_bytes"], 2 << 20);
-    for field in ["single_transfer_s", "broadcast_s", "naive_s"] {
+    for field in [
+        "single_transfer_s",
+        "broadcast_s",
+        "naive_s",
+        "others_s",
+        "all_s",
+    ] {
         seconds(&v, field);
     }
-    assert_eq!(v.as_object().map(|o| o.len()), Some(6), "{v}");
+    assert_eq!(v["slow_receivers"], 0);
+    assert_eq!(v["others_s"], v["all_s"], "no slow receivers: {v}");
+    assert_eq!(v["broadcast_s"], v["all_s"]);
+    assert_eq!(v["slow_uploaded_bytes"], 0);
+    assert_eq!(v.as_object().map(|o| o.len()), Some(10), "{v}");
+}
+
+#[test]
+fn bench_broadcast_with_slow_receivers_reports_both_times() {
+    let v = bench_json(&[
+        "broadcast",
+        "--receivers",
+        "3",
+        "--size",
+        "2MiB",
+        "--max-upload-rate",
+        "20MB/s",
+        "--slow-receivers",
+        "1",
+        "--slow-upload-rate",
+        "1MB/s",
+    ]);
+    assert_eq!(v["slow_receivers"], 1);
+    let (others, all) = (seconds(&v, "others_s"), seconds(&v, "all_s"));
+    assert!(others <= all, "{v}");
+    assert!(v["slow_uploaded_bytes"].as_u64().is_some(), "{v}");
 }
 
 #[test]

@@ -222,3 +222,139 @@ async fn a_child_of_a_holder_that_dies_mid_receive_fails_over_to_another_holder(
     }
     broker.shutdown().await;
 }
+
+/// 16 MiB at 4 MB/s: about 4 s from one source.
+const BIG: usize = 16 << 20;
+const FAST: u64 = 4_000_000;
+/// Far below a quarter of `FAST`: a node the broker ranks last as a source.
+const CRAWL: u64 = 100_000;
+
+/// Waits until every node has heartbeated (so the broker knows its upload limit).
+async fn joined(nodes: &[&Node]) {
+    for n in nodes {
+        let ok = eventually(LIMIT, || n.is_joined()).await;
+        assert!(ok, "a node never joined");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_with_a_tiny_upload_limit_holds_no_one_back() {
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let origin = node(config(broker.addr(), FAST)).await;
+    let slow = node(config(broker.addr(), CRAWL)).await;
+    let mut fast = Vec::new();
+    for _ in 0..3 {
+        fast.push(node(config(broker.addr(), FAST)).await);
+    }
+    joined(&[&origin, &slow, &fast[0], &fast[1], &fast[2]]).await;
+    let tensor = Tensor::from_bytes(pattern(BIG, 5));
+    let v = within(LIMIT, "publish", origin.publish(NAME, tensor.clone()))
+        .await
+        .expect("publish");
+
+    // The slow receiver asks first: by fewest children alone the broker would make it the
+    // second link of the chain, and everyone after it would receive at 100 kB/s.
+    let slow_get = get(&slow, v);
+    receiving(&slow, "the slow receiver").await;
+    let mut gets = Vec::new();
+    for n in &fast {
+        gets.push(get(n, v));
+        receiving(n, "a fast receiver").await;
+    }
+    for (i, g) in gets.into_iter().enumerate() {
+        let got = within(LIMIT, "fast get", g)
+            .await
+            .expect("task")
+            .expect("fast get");
+        assert_eq!(got.data(), tensor.data(), "fast receiver {i}'s bytes");
+    }
+    let got = within(LIMIT, "slow get", slow_get)
+        .await
+        .expect("task")
+        .expect("slow get");
+    assert_eq!(got.data(), tensor.data(), "the slow receiver's bytes");
+
+    // Nobody pulled from the slow receiver, and it left the origin to the fast ones (it
+    // moved to the chain's tail): the origin's upload carried about one copy.
+    assert_eq!(slow.metrics().bytes_out.get(), 0, "the slow one served");
+    let from_origin = origin.metrics().bytes_out.get();
+    assert!(
+        from_origin < BIG as u64 * 3 / 2,
+        "the origin sent {from_origin} bytes for a {BIG}-byte tensor"
+    );
+    for n in fast.into_iter().chain([slow, origin]) {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_slows_down_is_dropped_for_another() {
+    use tb_dashboard::TransferKind;
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    // Two complete holders at the same limit; the fetcher is pointed at `busy` first.
+    let publisher = node(config(broker.addr(), FAST)).await;
+    let copy = node(config(broker.addr(), FAST)).await;
+    let tensor = Tensor::from_bytes(pattern(BIG, 9));
+    let v = within(LIMIT, "publish", publisher.publish(NAME, tensor.clone()))
+        .await
+        .expect("publish");
+    within(LIMIT, "copy get", copy.get_version(NAME, v))
+        .await
+        .expect("copy get");
+    let (busy, spare) = match first_of(&publisher, &copy) {
+        true => (publisher, copy),
+        false => (copy, publisher),
+    };
+    let fetcher = node(config(broker.addr(), 0)).await;
+    let crowd = node(config(broker.addr(), 0)).await;
+    joined(&[&busy, &spare, &fetcher, &crowd]).await;
+    let (busy_out, spare_out) = (
+        busy.metrics().bytes_out.get(),
+        spare.metrics().bytes_out.get(),
+    );
+
+    let fetch = get(&fetcher, v);
+    // Once the fetcher has seen `busy`'s full rate, five direct pulls crowd it out: its
+    // share of `busy`'s upload drops to a sixth.
+    let seen = eventually(LIMIT, || {
+        busy.metrics().bytes_out.get() - busy_out >= 6 << 20
+    })
+    .await;
+    assert!(seen, "the fetcher never got going");
+    let mut pulls = Vec::new();
+    for _ in 0..5 {
+        let (crowd, at) = (crowd.clone(), busy.addr().clone());
+        pulls.push(tokio::spawn(
+            async move { crowd.pull(&at, NAME, Some(v)).await },
+        ));
+    }
+    let got = within(LIMIT, "fetch", fetch)
+        .await
+        .expect("task")
+        .expect("the fetch completes");
+    assert_eq!(got.data(), tensor.data());
+    assert_eq!(got.hash(), tensor.hash());
+    // Most of what was left came from the spare holder, at the byte reached.
+    let from_spare = spare.metrics().bytes_out.get() - spare_out;
+    assert!(
+        from_spare >= BIG as u64 / 4,
+        "the spare sent only {from_spare} bytes"
+    );
+    assert!(from_spare < BIG as u64, "the fetch started over");
+    // Dropping `busy` harmed nothing there: no serve of it failed.
+    assert_eq!(busy.metrics().transfers(TransferKind::Serve, false), 0);
+    assert_eq!(fetcher.metrics().transfers(TransferKind::Pull, false), 0);
+    assert_eq!(fetcher.metrics().transfers(TransferKind::Pull, true), 1);
+    for p in pulls {
+        p.abort();
+    }
+    for n in [crowd, fetcher, spare, busy] {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}

@@ -34,6 +34,11 @@ struct Heard {
 }
 
 impl LastHeard {
+    /// Whether this broker hears `node` directly.
+    pub(super) fn knows(&self, node: &NodeId) -> bool {
+        self.0.contains_key(node)
+    }
+
     /// After a restart: every member `registry` holds as alive, except `me`, counts as heard
     /// at `now_ms`.
     pub(super) fn resumed(registry: &Registry, me: NodeId, now_ms: u64) -> Self {
@@ -141,6 +146,8 @@ impl BrokerState {
             })
             .collect();
         self.heard.0.retain(|_, h| !silent(h));
+        let heard = &self.heard;
+        self.fanout.retain_limits(|n| heard.knows(n));
         self.fanout.expire(now_ms);
         let mut changes = Changes::default();
         for row in dead {

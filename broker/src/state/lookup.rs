@@ -4,7 +4,10 @@
 use tb_proto::{CtlResponse, Entry, HolderAddr, NodeId, Registry, TensorMeta, TensorName};
 
 use super::{BrokerState, oldest_kept, reachable};
-use crate::{BrokerError, fanout::Wanted};
+use crate::{
+    BrokerError,
+    fanout::{Asker, Wanted},
+};
 
 /// Where to fetch one version: the answer to a `Lookup`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +53,19 @@ impl BrokerState {
         asker: NodeId,
         now_ms: u64,
     ) -> Result<Holders, BrokerError> {
+        self.lookup_excluding(name, version, asker, &[], now_ms)
+    }
+
+    /// [`lookup`](Self::lookup), never offering the sources in `exclude` (the asker dropped
+    /// them during this fetch).
+    pub fn lookup_excluding(
+        &mut self,
+        name: &TensorName,
+        version: Option<u64>,
+        asker: NodeId,
+        exclude: &[NodeId],
+        now_ms: u64,
+    ) -> Result<Holders, BrokerError> {
         let registry = &self.registry;
         let (entry, version) = kept(registry, name, version, self.config.keep_versions)?;
         let meta =
@@ -69,6 +85,10 @@ impl BrokerState {
             version,
             byte_len: meta.byte_len,
         };
+        let asker = Asker {
+            node: asker,
+            exclude,
+        };
         let holders = self.fanout.plan(want, asker, &complete, addrs_of, now_ms);
         if holders.is_empty() {
             return Err(BrokerError::NoHolder {
@@ -82,6 +102,14 @@ impl BrokerState {
             meta,
             holders,
         })
+    }
+
+    /// Notes `node`'s upload limit (bytes per second, 0: unlimited) from a heartbeat this
+    /// broker took: for large tensors, a source far slower than the others is offered last.
+    pub fn upload_limit(&mut self, node: NodeId, limit: u64) {
+        if self.heard.knows(&node) {
+            self.fanout.upload_limit(node, limit);
+        }
     }
 
     /// `node` started (`active`) or stopped fetching `version` of `name`. While active (and

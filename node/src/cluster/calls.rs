@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use tb_proto::{
-    CtlRequest, CtlResponse, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MemberStatus, NodeStats,
-    RegistryOp, Role, TensorMeta, TensorName,
+    CtlRequest, CtlResponse, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MemberStatus, NodeId,
+    NodeStats, RegistryOp, Role, TensorMeta, TensorName,
 };
 
 use super::ctl_client::CtlClient;
@@ -105,11 +105,13 @@ impl CtlClient {
         &self,
         name: &TensorName,
         version: Option<u64>,
+        exclude: &[NodeId],
         timeout: Duration,
     ) -> Result<Holders> {
         let request = CtlRequest::Lookup {
             name: name.clone(),
             version,
+            exclude: exclude.to_vec(),
         };
         match single("Lookup", self.call(&request, timeout).await?)? {
             CtlResponse::Holders {

@@ -13,21 +13,37 @@
 //! puller the broker points here may arrive before the look-up's answer does), and its bytes
 //! are published as they land. Only the verified tensor reaches the store.
 //!
+//! While it pulls a version over QUIC, the get asks the broker again every [`REFRESH`]
+//! (which also keeps its fan-out slot fresh) and moves, resuming at the byte it reached, when
+//! the broker now names another source first (it moves slow fetchers off sources that fast
+//! ones need, onto a chain's tail) or when `pace` judges the current source slow: it
+//! delivered under a quarter of the best rate this get has seen. A slow source is dropped for
+//! the rest of the get and excluded from its look-ups. The source loses nothing: its stream is
+//! stopped as a finished one, and the abandoned pull counts as no transfer.
+//!
 //! When nothing of the version has arrived yet and the pair's channel is not QUIC, the holder
 //! hands it over whole on that channel (`by_channel`): on this host as its sealed memfd
 //! (shm: zero-copy), or over verified TCP sockets. A holder still receiving the version
 //! declines shm (Busy) and answers a TCP pull over QUIC on the ticket's stream, so QUIC
 //! carries it cut-through as between hosts.
 
-use std::{collections::HashSet, net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    collections::HashSet,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use bytes::Bytes;
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
-use tb_proto::{HolderAddr, NodeId, TensorMeta, TensorName};
+use tb_proto::{HolderAddr, MAX_LOOKUP_EXCLUDE, NodeId, TensorMeta, TensorName};
 use tracing::{debug, warn};
 
-use super::{Cluster, calls::Holders, resume};
+use super::{Cluster, calls::Holders, pace::Pace, resume};
 use crate::{
     channel::{self, Channel},
     client::{self, Failure, Pulled},
@@ -45,6 +61,10 @@ use crate::{
 const ROUNDS: usize = 2;
 /// Pause before the second look-up, so holders still receiving the version can finish.
 const RELOOKUP_DELAY: Duration = Duration::from_millis(100);
+/// How often a pull in progress asks the broker again.
+pub(crate) const REFRESH: Duration = Duration::from_millis(500);
+/// Most moves to another source in one get; after that it stays with the source it has.
+const MAX_MOVES: usize = 64;
 
 /// Gets `version` (the newest if `None`) of `name` through the cluster, recording the bytes
 /// received on `progress` as they land.
@@ -182,6 +202,14 @@ impl Tries {
         self.last = Some(error);
     }
 
+    /// The sources to exclude from a look-up: those dropped, at most the protocol's limit.
+    fn excluded(&self) -> Vec<NodeId> {
+        let mut dropped: Vec<NodeId> = self.dropped.iter().copied().collect();
+        dropped.sort();
+        dropped.truncate(MAX_LOOKUP_EXCLUDE);
+        dropped
+    }
+
     fn exhausted(self, what: String) -> Error {
         let last = self.last.map_or_else(
             || "the broker named no other holder".into(),
@@ -202,9 +230,33 @@ pub(super) struct Feed<'a> {
     pub(super) progress: Option<&'a TransferProgress>,
 }
 
-/// Pulls the version `first` describes from its holders, best first, then from those of one
-/// more look-up, into `dest` (exactly its length): `None` when the bytes are there, `Some`
-/// when a holder handed the whole version over on the pair's channel instead.
+/// The version one get is after.
+#[derive(Clone, Copy)]
+struct Want<'a> {
+    cluster: &'a Cluster,
+    name: &'a TensorName,
+    version: u64,
+    meta: &'a TensorMeta,
+}
+
+/// How a pull from one holder ended well.
+enum Ended {
+    /// The whole version came over the pair's channel.
+    Whole(Tensor),
+    /// Every byte is in the destination buffer, verified.
+    Filled,
+    /// The get moves on to these sources (the broker's latest answer) from where it got;
+    /// `slow`: the holder left behind was judged slow.
+    Moved {
+        holders: Vec<HolderAddr>,
+        slow: bool,
+    },
+}
+
+/// Pulls the version `first` describes from its holders, best first, moving to another source
+/// when the broker names one or the current one is slow, then from the holders of one more
+/// look-up, into `dest` (exactly its length): `None` when the bytes are there, `Some` when a
+/// holder handed the whole version over on the pair's channel instead.
 pub(super) async fn from_holders(
     node: &Node,
     cluster: &Cluster,
@@ -222,13 +274,19 @@ pub(super) async fn from_holders(
         meta,
         mut holders,
     } = first;
+    let want = Want {
+        cluster,
+        name,
+        version,
+        meta: &meta,
+    };
     let mut resume = resume::Resume::default();
+    let reached = AtomicU64::new(0);
+    let mut pace = Pace::default();
     let mut tries = Tries::default();
-    for round in 0..ROUNDS {
-        if round > 0 {
-            tokio::time::sleep(RELOOKUP_DELAY).await;
-            holders = cluster.lookup(name, Some(version)).await?.holders;
-        }
+    let (mut round, mut moves) = (0, 0);
+    while round < ROUNDS {
+        let mut next = None;
         for holder in &holders {
             if holder.node == cluster.me() || tries.dropped.contains(&holder.node) {
                 continue;
@@ -240,42 +298,79 @@ pub(super) async fn from_holders(
                 resume: &mut resume,
                 feed: receiving,
                 progress,
+                reached: &reached,
             };
-            match from_holder(node, holder, name, version, &meta, into).await {
-                Ok(whole) => return Ok(whole),
+            let watch = (moves < MAX_MOVES).then(|| Watch {
+                want,
+                current: holder.node,
+                exclude: tries.excluded(),
+                pace: &mut pace,
+            });
+            match from_holder(node, holder, want, into, watch).await {
+                Ok(Ended::Whole(mapped)) => return Ok(Some(mapped)),
+                Ok(Ended::Filled) => return Ok(None),
+                Ok(Ended::Moved { holders, slow }) => {
+                    debug!(%name, version, holder = ?holder.node, at = resume.filled(), slow, "moving to another source");
+                    if slow {
+                        tries.dropped.insert(holder.node);
+                    }
+                    moves += 1;
+                    next = Some(holders);
+                    break;
+                }
                 Err(Error::Shutdown) => return Err(Error::Shutdown),
                 Err(e) => {
                     debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");
                     if matches!(e, Error::Corrupt(_)) {
                         resume.reset();
+                        reached.store(0, Ordering::Relaxed);
                         receiving.restart();
                     }
                     tries.failed(holder, e);
                 }
             }
         }
+        holders = match next {
+            // A move is not a round: the broker's answer is fresh.
+            Some(fresh) => fresh,
+            None => {
+                round += 1;
+                if round == ROUNDS {
+                    break;
+                }
+                tokio::time::sleep(RELOOKUP_DELAY).await;
+                let exclude = tries.excluded();
+                let found = cluster.lookup_excluding(name, Some(version), &exclude);
+                found.await?.holders
+            }
+        };
     }
     Err(tries.exhausted(format!("tensor \"{name}\" v{version}")))
 }
 
 /// Pulls the rest of the version from one holder, at the first of its addresses that links:
-/// `Some`, the whole version over the pair's channel (nothing of it received yet); `None`,
-/// the bytes are in `into.dest`.
-#[tracing::instrument(name = "fetch", skip_all, fields(peer = ?holder.node, tensor = %name, version))]
+/// the whole version over the pair's channel (nothing of it received yet), or the bytes into
+/// `into.dest` over QUIC, unless `watch` moves the get elsewhere first.
+#[tracing::instrument(name = "fetch", skip_all, fields(peer = ?holder.node, tensor = %want.name, version = want.version))]
 async fn from_holder(
     node: &Node,
     holder: &HolderAddr,
-    name: &TensorName,
-    version: u64,
-    meta: &TensorMeta,
+    want: Want<'_>,
     into: resume::Into<'_>,
-) -> Result<Option<Tensor>> {
+    watch: Option<Watch<'_>>,
+) -> Result<Ended> {
     let unreachable = |reason: String| Error::PeerUnreachable {
         peer: format!("{:?}", holder.node),
         reason,
     };
     let id = EndpointId::from_bytes(&holder.node.0)
         .map_err(|e| unreachable(format!("not a valid node id: {e}")))?;
+    let Want {
+        name,
+        version,
+        meta,
+        ..
+    } = want;
     let mut last = None;
     for addr in holder
         .addrs
@@ -289,16 +384,103 @@ async fn from_holder(
                     && let Some(whole) =
                         by_channel(node, &peer, name, version, meta, into.progress).await?
                 {
-                    return Ok(Some(whole));
+                    return Ok(Ended::Whole(whole));
                 }
+                let reached = into.reached;
                 let pull = pull_from(node, &peer, link, name, version, meta, into);
-                let pulled = node.ctx().timed(TransferKind::Pull, pull).await;
-                return pulled.map(|()| None);
+                return watched(node, pull, watch, reached).await;
             }
             Err(e) => last = Some(e),
         }
     }
     Err(last.unwrap_or_else(|| unreachable("no address to dial".into())))
+}
+
+/// Runs `pull` (counted as one pull) while `watch`, if any, looks for a reason to move. A move
+/// drops the pull, which stops its stream as finished, and counts as no transfer: the get's
+/// pull that completes is the one counted.
+async fn watched(
+    node: &Node,
+    pull: impl Future<Output = Result<()>>,
+    watch: Option<Watch<'_>>,
+    reached: &AtomicU64,
+) -> Result<Ended> {
+    let timer = node.ctx().metrics.start_transfer(TransferKind::Pull);
+    let moved = async {
+        match watch {
+            Some(watch) => watch.run(reached).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        pulled = pull => {
+            timer.result(pulled.is_ok());
+            pulled.map(|()| Ended::Filled)
+        }
+        (holders, slow) = moved => {
+            timer.discard();
+            Ok(Ended::Moved { holders, slow })
+        }
+    }
+}
+
+/// Watches one pull: asks the broker again every [`REFRESH`] and judges the source's pace.
+struct Watch<'a> {
+    want: Want<'a>,
+    /// The source being pulled from.
+    current: NodeId,
+    /// Sources this get dropped.
+    exclude: Vec<NodeId>,
+    pace: &'a mut Pace,
+}
+
+impl Watch<'_> {
+    /// Returns the broker's answer when the get should move: the broker names another source
+    /// first, or the current one is slow (`true`; then it is excluded from the look-up, and
+    /// the get stays with it if the broker has nothing else). Never returns otherwise.
+    async fn run(self, reached: &AtomicU64) -> (Vec<HolderAddr>, bool) {
+        let Want {
+            cluster,
+            name,
+            version,
+            ..
+        } = self.want;
+        self.pace.source(reached.load(Ordering::Relaxed));
+        loop {
+            tokio::time::sleep(REFRESH).await;
+            let slow = self
+                .pace
+                .slow(Instant::now(), reached.load(Ordering::Relaxed));
+            let mut exclude = self.exclude.clone();
+            if slow {
+                exclude.truncate(MAX_LOOKUP_EXCLUDE - 1);
+                exclude.push(self.current);
+            }
+            let holders = match cluster
+                .lookup_excluding(name, Some(version), &exclude)
+                .await
+            {
+                Ok(found) => found.holders,
+                Err(e) => {
+                    debug!(%name, version, %e, "a look-up while pulling failed; staying");
+                    continue;
+                }
+            };
+            let me = cluster.me();
+            let best = holders
+                .iter()
+                .find(|h| h.node != me && !exclude.contains(&h.node));
+            match best {
+                Some(b) if slow || b.node != self.current => {
+                    let best_rate = self.pace.best();
+                    debug!(%name, version, slow, best_rate, to = ?b.node, "a better source");
+                    return (holders, slow);
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 /// Gets the whole version from `peer` over the pair's channel when that is not QUIC: shm

@@ -8,8 +8,10 @@
 //! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
 //!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
 //! - `fetch` and `resume`: a get pulls from the holders a broker names, best first, resuming
-//!   at the byte it reached when a holder fails (`Pull { range }`), verified by hash;
-//!   `get_into` does the same into the caller's buffer (`Node::get_into`).
+//!   at the byte it reached when a holder fails (`Pull { range }`), verified by hash; while
+//!   it pulls it asks the broker again now and then, and moves to the source the broker names
+//!   or away from one that `pace` judges slow. `get_into` does the same into the caller's
+//!   buffer (`Node::get_into`).
 //! - `subscribe`: a [`Subscription`] reads a broker's events, keeps per-name order, reports
 //!   gaps as [`SubEvent::Skipped`], fetches the newest pending version of each name, and moves
 //!   to the next broker when its broker goes away.
@@ -27,6 +29,7 @@ mod failover;
 mod fetch;
 mod get_into;
 mod members;
+mod pace;
 mod race;
 mod resume;
 mod subscribe;
@@ -200,6 +203,7 @@ impl Cluster {
             ctx.refresh_metrics();
             let mut stats = ctx.metrics.node_stats(ctx.config.metrics_url.clone());
             stats.links = crate::cluster::stats_links(&ctx.links());
+            stats.upload_limit = ctx.config.max_upload_rate;
             stats
         });
         let sent = self
@@ -238,7 +242,18 @@ impl Cluster {
     }
 
     async fn lookup(&self, name: &TensorName, version: Option<u64>) -> Result<Holders> {
-        self.ctl.lookup(name, version, self.request_timeout).await
+        self.lookup_excluding(name, version, &[]).await
+    }
+
+    /// [`lookup`](Self::lookup), the broker offering none of `exclude`.
+    async fn lookup_excluding(
+        &self,
+        name: &TensorName,
+        version: Option<u64>,
+        exclude: &[NodeId],
+    ) -> Result<Holders> {
+        let timeout = self.request_timeout;
+        self.ctl.lookup(name, version, exclude, timeout).await
     }
 
     async fn fetching(&self, name: &TensorName, version: u64, active: bool) -> Result<()> {

@@ -3,6 +3,8 @@
 //! slice), and the hash runs over the whole buffer in order, so a resumed transfer is verified
 //! exactly like one that never broke.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use tb_proto::{
     ByteRange, ContentHash, ContentHasher, DataRequest, DataResponse, TensorMeta, TensorName,
 };
@@ -64,12 +66,14 @@ impl Resume {
 }
 
 /// Where one version is received: the buffer, how far it got, the cut-through feed that
-/// publishes the bytes to this node's own pullers, and the caller's progress, if any.
+/// publishes the bytes to this node's own pullers, the caller's progress, if any, and the
+/// bytes received so far for whoever watches the pace while the pull runs.
 pub(crate) struct Into<'a> {
     pub(crate) dest: &'a mut [u8],
     pub(crate) resume: &'a mut Resume,
     pub(crate) feed: &'a Receiving,
     pub(crate) progress: Option<&'a TransferProgress>,
+    pub(crate) reached: &'a AtomicU64,
 }
 
 impl Into<'_> {
@@ -80,6 +84,7 @@ impl Into<'_> {
             resume: &mut *self.resume,
             feed: self.feed,
             progress: self.progress,
+            reached: self.reached,
         }
     }
 }
@@ -101,6 +106,7 @@ pub(crate) async fn pull_rest(
         resume,
         feed,
         progress,
+        reached,
     } = into;
     let what = format!(
         "tensor \"{name}\" v{version} at {}",
@@ -139,6 +145,7 @@ pub(crate) async fn pull_rest(
         match wire::read_some(&mut recv, &mut dest[at..], &mut watchdog, at, total).await {
             Ok(n) => {
                 resume.advance(dest, n);
+                reached.store(resume.filled as u64, Ordering::Relaxed);
                 feed.advance(dest, resume.filled);
                 // One relaxed atomic per read, and none without a caller watching.
                 progress::reached(progress, resume.filled as u64);

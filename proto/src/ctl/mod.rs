@@ -45,6 +45,8 @@ pub const MAX_ANNOUNCE_OPS: usize = 256;
 pub const MAX_LIST_LIMIT: u32 = 100_000;
 /// Most holders one `Holders` answer names.
 pub const MAX_HOLDERS_REPLY: usize = 64;
+/// Most sources one `Lookup` may exclude (a reply names at most [`MAX_HOLDERS_REPLY`]).
+pub const MAX_LOOKUP_EXCLUDE: usize = MAX_HOLDERS_REPLY;
 /// Most member rows or member digests one frame carries; clusters beyond this many nodes
 /// cannot sync membership by anti-entropy (gossip still carries it).
 pub const MAX_SYNC_MEMBERS: usize = 4096;
@@ -88,6 +90,10 @@ pub enum CtlRequest {
         name: TensorName,
         /// A specific version (at least 1), or the newest.
         version: Option<u64>,
+        /// Sources not to offer: those the asker dropped during this fetch (too slow, or
+        /// failed), at most [`MAX_LOOKUP_EXCLUDE`]. The broker ranks a source some fetcher
+        /// dropped after the others for the rest of that version's fetches.
+        exclude: Vec<NodeId>,
     },
     /// The asker started (or stopped) fetching a version and serves what it has so far
     /// (cut-through).

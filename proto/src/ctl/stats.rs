@@ -48,6 +48,9 @@ pub struct NodeStats {
     pub metrics_url: Option<String>,
     /// Each pooled link's peer and data channel, at most [`MAX_STATS_LINKS`].
     pub links: Vec<LinkChannel>,
+    /// The node's upload limit in bytes per second (0: unlimited). Brokers rank a source
+    /// whose limit is far below the others' last for large tensors.
+    pub upload_limit: u64,
 }
 
 impl NodeStats {

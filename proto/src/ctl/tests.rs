@@ -165,8 +165,22 @@ fn versions_start_at_one() {
     let lookup = |version| CtlRequest::Lookup {
         name: name("a"),
         version,
+        exclude: vec![],
     };
     assert_eq!(lookup(None).validate(MAX), Ok(()));
+    let excluding = |count| CtlRequest::Lookup {
+        name: name("a"),
+        version: None,
+        exclude: vec![id(1); count],
+    };
+    assert_eq!(excluding(MAX_LOOKUP_EXCLUDE).validate(MAX), Ok(()));
+    assert!(matches!(
+        excluding(MAX_LOOKUP_EXCLUDE + 1).validate(MAX),
+        Err(CtlError::TooMany {
+            what: "excluded sources",
+            ..
+        })
+    ));
     assert_eq!(lookup(Some(1)).validate(MAX), Ok(()));
     assert_eq!(lookup(Some(0)).validate(MAX), Err(zero.clone().into()));
     let fetching = CtlRequest::Fetching {
@@ -338,6 +352,7 @@ fn fat_stats() -> NodeStats {
             };
             MAX_STATS_LINKS
         ],
+        upload_limit: u64::MAX,
     }
 }
 
@@ -604,6 +619,7 @@ fn every_request_names_the_access_it_needs() {
         CtlRequest::Lookup {
             name: n(),
             version: None,
+            exclude: vec![NodeId([1; 32])],
         },
         CtlRequest::Fetching {
             name: n(),

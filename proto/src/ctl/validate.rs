@@ -3,7 +3,7 @@
 
 use super::{
     CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MAX_HOLDERS_REPLY,
-    MAX_LIST_LIMIT, MAX_SYNC_MEMBERS, MemberStatus,
+    MAX_LIST_LIMIT, MAX_LOOKUP_EXCLUDE, MAX_SYNC_MEMBERS, MemberStatus,
 };
 use crate::{
     MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, NameError, RegistryError, SYNC_BUCKETS, TensorName,
@@ -104,9 +104,16 @@ impl CtlRequest {
             }
             CtlRequest::Lookup {
                 name,
-                version: Some(version),
+                version,
+                exclude,
+            } => {
+                at_most("excluded sources", exclude.len(), MAX_LOOKUP_EXCLUDE)?;
+                match version {
+                    Some(version) => Ok(check_version(name, *version)?),
+                    None => Ok(()),
+                }
             }
-            | CtlRequest::Fetching { name, version, .. } => Ok(check_version(name, *version)?),
+            CtlRequest::Fetching { name, version, .. } => Ok(check_version(name, *version)?),
             CtlRequest::List { prefix, limit } => {
                 TensorName::validate_prefix(prefix).map_err(CtlError::Prefix)?;
                 at_most(
@@ -123,8 +130,7 @@ impl CtlRequest {
                 }
                 at_most("member digests", members.len(), MAX_SYNC_MEMBERS)
             }
-            CtlRequest::Lookup { version: None, .. }
-            | CtlRequest::NextVersion { .. }
+            CtlRequest::NextVersion { .. }
             | CtlRequest::Subscribe { .. }
             | CtlRequest::Members
             | CtlRequest::SyncNames { .. } => Ok(()),

@@ -330,3 +330,133 @@ fn a_large_fetch_prefers_a_complete_source_with_room() {
         [(id(12), true), (id(11), false), (id(1), true)]
     );
 }
+
+/// Askers of a new large version published by 1 (upload limit 50 MB/s), each asking after the
+/// last; `limits` are the askers' upload limits from their heartbeats (absent: unlimited).
+fn capped_askers(askers: &[u8], limits: &[(u8, u64)]) -> (BrokerState, Vec<NodeId>) {
+    let mut b = BrokerState::new(
+        BROKER,
+        BrokerConfig::default(),
+        tb_proto::Registry::new(),
+        0,
+    );
+    for &n in [1].iter().chain(askers) {
+        let addrs = vec![format!("10.0.0.{n}:4433")];
+        b.heartbeat(id(n), Role::Worker, addrs, 1, 0)
+            .expect("heartbeat");
+    }
+    b.upload_limit(id(1), 50_000_000);
+    for &(n, limit) in limits {
+        b.upload_limit(id(n), limit);
+    }
+    let w = name("m/big");
+    b.publish(w.clone(), large_meta(1), id(1), 10);
+    let firsts = askers
+        .iter()
+        .map(|&a| b.lookup(&w, None, id(a), 20).expect("found").holders[0].node)
+        .collect();
+    (b, firsts)
+}
+
+#[test]
+fn a_source_with_a_far_lower_upload_limit_is_offered_after_the_others() {
+    // 11 uploads at 5 MB/s, a tenth of everyone else: it asks first (so the old ranking made
+    // it the chain's second link), but nobody is pointed at it, and as a child it takes no
+    // slot from the fast: 12 shares the publisher with it, 13 chains off 12.
+    let (b, firsts) = capped_askers(&[11, 12, 13, 14], &[(11, 5_000_000)]);
+    assert_eq!(firsts, [id(1), id(1), id(12), id(13)]);
+    // It is still offered, after every other source (the publisher feeds one fast fetcher:
+    // it has room).
+    let mut b = b;
+    b.heartbeat(id(15), Role::Worker, vec!["10.0.0.15:1".into()], 1, 30)
+        .expect("hb");
+    let found = b.lookup(&name("m/big"), None, id(15), 31).expect("found");
+    let order: Vec<NodeId> = found.holders.iter().map(|h| h.node).collect();
+    assert_eq!(order, [id(14), id(1), id(12), id(13), id(11)]);
+    // A quarter of the fastest is not slow: 12 chains off 11.
+    let (_, firsts) = capped_askers(&[11, 12], &[(11, 12_500_000), (12, 50_000_000)]);
+    assert_eq!(firsts, [id(1), id(11)]);
+}
+
+#[test]
+fn a_slow_fetcher_looking_again_moves_to_a_chain_tail() {
+    let (mut b, firsts) = capped_askers(&[11, 12, 13, 14], &[(11, 5_000_000)]);
+    assert_eq!(firsts[0], id(1));
+    // 11 asks again while it fetches: the tail of the chain (14, feeding nobody) comes first;
+    // the publisher, now feeding 12 alone, after it.
+    let again = b.lookup(&name("m/big"), None, id(11), 40).expect("found");
+    assert_eq!(again.holders[0].node, id(14));
+    // The fast ones asking again keep their sources.
+    for (asker, source) in [(12, 1), (13, 12), (14, 13)] {
+        let again = b
+            .lookup(&name("m/big"), None, id(asker), 41)
+            .expect("found");
+        assert_eq!(again.holders[0].node, id(source), "asker {asker}");
+    }
+}
+
+#[test]
+fn excluded_sources_are_not_offered_to_the_asker() {
+    let (mut b, firsts) = large_askers(BrokerConfig::default(), &[11, 12, 13]);
+    assert_eq!(firsts, [id(1), id(11), id(12)]);
+    let w = name("m/big");
+    // 13 dropped 12 (too slow): it is pointed elsewhere, and 12 stays on offer to others.
+    let found = b
+        .lookup_excluding(&w, None, id(13), &[id(12)], 30)
+        .expect("found");
+    assert!(found.holders.iter().all(|h| h.node != id(12)));
+    assert_eq!(found.holders[0].node, id(1));
+    b.heartbeat(id(14), Role::Worker, vec!["10.0.0.14:1".into()], 1, 30)
+        .expect("hb");
+    let other = b.lookup(&w, None, id(14), 31).expect("found");
+    assert!(other.holders.iter().any(|h| h.node == id(12)));
+    // Excluding every source leaves none.
+    assert_eq!(
+        b.lookup_excluding(&w, None, id(13), &[id(1), id(11), id(12), id(14)], 32),
+        Err(BrokerError::NoHolder {
+            name: w.clone(),
+            version: 1
+        })
+    );
+}
+
+#[test]
+fn upload_limits_are_forgotten_with_the_nodes_that_went_silent() {
+    let (mut b, firsts) = capped_askers(&[11, 12], &[(11, 1_000_000)]);
+    assert_eq!(firsts, [id(1), id(1)]);
+    // 11 goes silent, is marked dead and forgotten; it comes back without a limit.
+    for n in [1, 12] {
+        let addrs = vec![format!("10.0.0.{n}:4433")];
+        b.heartbeat(id(n), Role::Worker, addrs, 1, 15_000)
+            .expect("hb");
+    }
+    b.expire(15_000);
+    b.heartbeat(
+        id(11),
+        Role::Worker,
+        vec!["10.0.0.11:4433".into()],
+        1,
+        15_001,
+    )
+    .expect("hb");
+    b.heartbeat(
+        id(13),
+        Role::Worker,
+        vec!["10.0.0.13:4433".into()],
+        1,
+        15_001,
+    )
+    .expect("hb");
+    // Its fetch is still in flight and no longer known as slow: it ties with 12 and comes
+    // first by id.
+    let found = b
+        .lookup(&name("m/big"), None, id(13), 15_002)
+        .expect("found");
+    assert_eq!(found.holders[0].node, id(11));
+    // A limit from a node never heard here is not taken.
+    b.upload_limit(id(99), 1);
+    let found = b
+        .lookup(&name("m/big"), None, id(13), 15_003)
+        .expect("found");
+    assert_eq!(found.holders[0].node, id(11));
+}

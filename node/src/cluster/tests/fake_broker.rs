@@ -119,7 +119,7 @@ impl FakeCluster {
                 version: st.registry.next_version(&name),
             },
             CtlRequest::Announce { ops } => announce(st, ops, &mut events),
-            CtlRequest::Lookup { name, version } => lookup(st, sender, &name, version),
+            CtlRequest::Lookup { name, version, .. } => lookup(st, sender, &name, version),
             CtlRequest::Fetching {
                 name,
                 version,
