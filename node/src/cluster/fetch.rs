@@ -53,7 +53,7 @@ use crate::{
     node::Node,
     pool::LinkGuard,
     progress::TransferProgress,
-    store::{Inserted, Lookup},
+    store::{Inserted, Lookup, Store},
     tensor::Tensor,
 };
 
@@ -84,16 +84,9 @@ pub(crate) async fn fetch(
     cluster.ensure_joined().await?;
     let inflight = &node.ctx().inflight;
     let early = version.map(|v| inflight.start(&name, v, None));
-    let holders = match cluster.lookup(&name, version).await {
-        Ok(holders) => holders,
-        // The broker never names the asker as a source: when this node is the only live
-        // holder (it published the version itself), the answer is "no holder". What it
-        // holds is then the newest version there is to get.
-        Err(e @ Error::NotFound { .. }) => match store.get(&name, version) {
-            Lookup::Found(v, tensor) => return Ok(pulled(name, v, tensor, progress)),
-            _ => return Err(e),
-        },
-        Err(e) => return Err(e),
+    let holders = match look_up(cluster, store, &name, version).await? {
+        Found::Holders(holders) => holders,
+        Found::Held(v, tensor) => return Ok(pulled(name, v, tensor, progress)),
     };
     let (v, meta) = (holders.version, holders.meta.clone());
     if let Some(p) = progress {
@@ -141,6 +134,33 @@ pub(crate) async fn fetch(
         meta,
         buffer: tensor,
     })
+}
+
+/// Where a get's bytes are: with the holders a broker named, or in this node's store.
+pub(super) enum Found {
+    /// Pull from these.
+    Holders(Holders),
+    /// This node holds the version (and no other live node does).
+    Held(u64, Tensor),
+}
+
+/// Asks a broker where `version` (the newest when `None`) of `name` is. The broker never
+/// names the asker as a source: when this node is the only live holder (it published the
+/// version itself), the answer is "no holder", and what it holds is the version to get.
+pub(super) async fn look_up(
+    cluster: &Cluster,
+    store: &Store,
+    name: &TensorName,
+    version: Option<u64>,
+) -> Result<Found> {
+    match cluster.lookup(name, version).await {
+        Ok(holders) => Ok(Found::Holders(holders)),
+        Err(e @ Error::NotFound { .. }) => match store.get(name, version) {
+            Lookup::Found(v, tensor) => Ok(Found::Held(v, tensor)),
+            _ => Err(e),
+        },
+        Err(e) => Err(e),
+    }
 }
 
 /// The byte length of a tensor as an in-memory length.

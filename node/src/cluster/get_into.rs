@@ -116,14 +116,9 @@ where
         return held(v, tensor, dest, check);
     }
     cluster.ensure_joined().await?;
-    let holders = match cluster.lookup(&name, version).await {
-        Ok(holders) => holders,
-        // As in `fetch`: the broker never names the asker, which may be the only holder.
-        Err(e @ Error::NotFound { .. }) => match store.get(&name, version) {
-            Lookup::Found(v, tensor) => return held(v, tensor, dest, check),
-            _ => return Err(e),
-        },
-        Err(e) => return Err(e),
+    let holders = match fetch::look_up(cluster, store, &name, version).await? {
+        fetch::Found::Holders(holders) => holders,
+        fetch::Found::Held(v, tensor) => return held(v, tensor, dest, check),
     };
     let (v, meta) = (holders.version, holders.meta.clone());
     if let Lookup::Found(_, tensor) = store.get(&name, Some(v))
