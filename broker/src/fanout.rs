@@ -24,12 +24,23 @@
 //! 1/[`SLOW_SOURCE_FACTOR`] of the fastest candidate's would hold back every fetcher below
 //! it in a chain. It comes after every other source with room, and as a child it takes no
 //! slot: a fast fetcher takes its source's next link, and the slow child, which looks up
-//! again while it fetches, moves on to a chain's tail, where it holds nobody back. A look-up may exclude sources (the asker dropped them as slow or
-//! failed); they are not offered to that asker.
+//! again while it fetches, moves on to a chain's tail, where it holds nobody back. A
+//! look-up may exclude sources (the asker dropped them as slow or failed); they are not
+//! offered to that asker.
+//!
+//! Sets of sources: a fetcher pulls pieces from up to [`MAX_SOURCES`] sources at once. The
+//! first source is its place in the chain or tree, as above; the others are *helpers*,
+//! sources with capacity to spare, and each takes one of that source's slots, so that no
+//! source is swamped. For a large tensor a helper must have no fast fetcher of this version
+//! yet (its uplink is idle: a source already feeding a fetcher would only split its upload,
+//! and a chain already runs every uplink at its rate); for a small one, room is enough. So a
+//! broadcast still forms a chain whose publisher uplink carries one copy, while a fetcher
+//! among several idle complete holders (a checkpoint replicated to a few nodes, or
+//! receivers that finished) pulls from all of them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tb_proto::{Entry, HolderAddr, MAX_HOLDERS_REPLY, NodeId, TensorName};
+use tb_proto::{Entry, HolderAddr, MAX_HOLDERS_REPLY, NodeId, TensorName, piece::MAX_SOURCES};
 
 use crate::state::oldest_kept;
 
@@ -56,6 +67,9 @@ struct Transfer {
     fetchers: BTreeMap<NodeId, u64>,
     /// The source each fetcher was pointed at first. Every key is also in `fetchers`.
     sources: BTreeMap<NodeId, NodeId>,
+    /// The helpers each fetcher was given besides its first source (each holds a slot there).
+    /// Every key is also in `fetchers`.
+    helpers: BTreeMap<NodeId, Vec<NodeId>>,
 }
 
 impl Transfer {
@@ -63,6 +77,16 @@ impl Transfer {
     fn release(&mut self, node: &NodeId) {
         self.fetchers.remove(node);
         self.sources.remove(node);
+        self.helpers.remove(node);
+    }
+
+    /// Every `(fetcher, source)` slot: first sources and helpers.
+    fn slots(&self) -> impl Iterator<Item = (&NodeId, &NodeId)> {
+        let helpers = self
+            .helpers
+            .iter()
+            .flat_map(|(child, hs)| hs.iter().map(move |h| (child, h)));
+        self.sources.iter().chain(helpers)
     }
 
     fn is_empty(&self) -> bool {
@@ -171,10 +195,27 @@ struct Candidate {
     current: bool,
 }
 
+/// A look-up's answer: sources best first, the first `sources` of them to pull from at once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub(crate) holders: Vec<HolderAddr>,
+    pub(crate) sources: usize,
+}
+
 /// A [`Candidate`]'s sort key, smallest best.
 type Rank = (bool, bool, bool, usize, bool, usize, bool);
 
 impl Candidate {
+    /// Whether a source ranked after the first may help the asker: not slow, with room, and
+    /// for a large tensor with no fast fetcher of this version (its uplink is idle).
+    fn spare(self, policy: Policy, limit: usize) -> bool {
+        let room = self.fast_children < limit && !self.slow;
+        match policy {
+            Policy::Latency => room,
+            Policy::Bandwidth { .. } => room && self.fast_children == 0,
+        }
+    }
+
     /// Sort key, smallest best: full sources last whatever the policy. Slow children take
     /// no slot (they move on to a chain's tail when they look up again).
     fn rank(self, policy: Policy, limit: usize) -> Rank {
@@ -244,10 +285,10 @@ impl FanOut {
     }
 
     /// The sources for `asker` fetching `want`, best first, and records the fetch (pointed at
-    /// the first source). `complete` are the holders by the registry;
-    /// `addrs_of` gives a node's addresses if it is alive and reachable. The asker itself,
-    /// nodes fetching through it and the sources it excludes are never offered. Empty (and
-    /// nothing recorded) if there is no source.
+    /// the first source, helped by the next `sources - 1`). `complete` are the holders by the
+    /// registry; `addrs_of` gives a node's addresses if it is alive and reachable. The asker
+    /// itself, nodes fetching through it and the sources it excludes are never offered.
+    /// Empty (and nothing recorded) if there is no source.
     pub(crate) fn plan(
         &mut self,
         want: Wanted<'_>,
@@ -255,13 +296,14 @@ impl FanOut {
         complete: &[NodeId],
         addrs_of: impl Fn(&NodeId) -> Option<Vec<String>>,
         now_ms: u64,
-    ) -> Vec<HolderAddr> {
+    ) -> Plan {
         let key = (want.name.clone(), want.version);
         let (policy, limit) = (self.policy(want.byte_len), self.limit);
         let t = self.transfers.entry(key.clone()).or_default();
         // A repeated look-up (a retry, or a fetcher checking for a better source) gives up
         // the asker's previous slot.
         let current = t.sources.remove(&asker.node);
+        t.helpers.remove(&asker.node);
         let below = t.below(asker.node);
         let in_flight = t.fetchers.keys().filter(|n| !complete.contains(n));
         let sources: Vec<(NodeId, bool, Vec<String>)> = complete
@@ -278,7 +320,7 @@ impl FanOut {
             Policy::Latency => BTreeSet::new(),
         };
         let mut children: BTreeMap<NodeId, (usize, usize)> = BTreeMap::new();
-        for (child, source) in &t.sources {
+        for (child, source) in t.slots() {
             // A dead child frees its slot at once.
             if addrs_of(child).is_some() {
                 let c = children.entry(*source).or_default();
@@ -307,18 +349,32 @@ impl FanOut {
             })
             .collect();
         offered.sort_by_key(|(c, h)| (c.rank(policy, limit), h.node));
+        // Helpers move up behind the first source, in rank order.
+        let (mut set, rest): (Vec<_>, Vec<_>) = offered
+            .into_iter()
+            .enumerate()
+            .partition(|(i, (c, _))| *i == 0 || c.spare(policy, limit));
+        set.truncate(MAX_SOURCES);
+        let sources = set.len();
+        let (set, rest) = (set.into_iter(), rest.into_iter());
+        let mut offered: Vec<HolderAddr> = set.chain(rest).map(|(_, (_, h))| h).collect();
         offered.truncate(MAX_HOLDERS_REPLY);
         match offered.first() {
-            Some((_, first)) if !complete.contains(&asker.node) => {
+            Some(first) if !complete.contains(&asker.node) => {
                 t.fetchers.insert(asker.node, now_ms);
                 t.sources.insert(asker.node, first.node);
+                let helpers = offered[1..sources].iter().map(|h| h.node).collect();
+                t.helpers.insert(asker.node, helpers);
             }
             _ if t.is_empty() => {
                 self.transfers.remove(&key);
             }
             _ => {}
         }
-        offered.into_iter().map(|(_, h)| h).collect()
+        Plan {
+            holders: offered,
+            sources,
+        }
     }
 
     /// Records (or refreshes) that `node` is fetching `version` of `name`.
@@ -366,6 +422,7 @@ impl FanOut {
                 .retain(|_, at| now_ms.saturating_sub(*at) <= timeout);
             let fetchers = &t.fetchers;
             t.sources.retain(|child, _| fetchers.contains_key(child));
+            t.helpers.retain(|child, _| fetchers.contains_key(child));
             !t.is_empty()
         });
     }

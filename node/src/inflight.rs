@@ -14,6 +14,12 @@
 //! made while receiving (no full-tensor copy at the end). When the receive completes, the
 //! verified tensor replaces the pieces and servers send the rest from it.
 //!
+//! A receive that fetches the version in pieces from several sources (`cluster::swarm`)
+//! publishes each piece once it is verified, in whatever order pieces land, and lists it in
+//! [`Progress::have`] with the version's outline ([`Progress::outline`]): peers that fetch in
+//! pieces too learn from it which pieces this node serves (a `Pieces` request), and pull each
+//! one's range. A plain pull of the bytes in order is served as they become contiguous.
+//!
 //! Only complete, verified versions reach the store and local readers; this table is only
 //! ever read by peers' pulls of an exact version. If the receive fails for good, or must
 //! start over because the bytes did not hash right, every stream served from it is reset with
@@ -22,6 +28,7 @@
 
 use std::{
     collections::HashMap,
+    ops::Range,
     sync::{
         Arc, Mutex, MutexGuard,
         atomic::{AtomicBool, Ordering},
@@ -32,7 +39,7 @@ use bytes::Bytes;
 use tb_proto::{TensorMeta, TensorName};
 use tokio::sync::watch;
 
-use crate::tensor::Tensor;
+use crate::tensor::{Outline, Tensor};
 
 /// Received bytes are published to servers in pieces of at least this size (a piece is
 /// copied once; smaller ones would cost more wake-ups than they save latency).
@@ -74,6 +81,7 @@ impl Inflight {
             key,
             incoming,
             ended: false,
+            backlog: Vec::new(),
         }
     }
 
@@ -113,34 +121,45 @@ pub(crate) enum End {
 pub(crate) struct Progress {
     /// The version's metadata, once the receiver knows it.
     pub(crate) meta: Option<TensorMeta>,
-    /// Published pieces, contiguous from byte 0: `(offset, bytes)`.
+    /// Published pieces in offset order, not overlapping: `(offset, bytes)`. Contiguous from
+    /// byte 0 for a receive in one stream; with gaps for one in pieces.
     pieces: Vec<(u64, Bytes)>,
-    /// Bytes published (the end of the last piece).
+    /// Bytes published contiguously from byte 0 (a receive in one stream).
     published: u64,
+    /// The version's outline, once a receive in pieces checked it.
+    pub(crate) outline: Option<Outline>,
+    /// Pieces published so far (a receive in pieces), in the order they were.
+    pub(crate) have: Vec<u32>,
+    /// The receive takes the version in one stream: it has no pieces to offer.
+    pub(crate) one_stream: bool,
     /// Set once, when the receive ends.
     pub(crate) end: Option<End>,
 }
 
 impl Progress {
-    /// Slices of the published bytes in `from..to` (empty when none are published there yet).
+    /// Slices of the published bytes in `from..to` that follow on from `from` without a gap
+    /// (empty when byte `from` is not published yet).
     pub(crate) fn slices(&self, from: u64, to: u64) -> Vec<Bytes> {
-        let to = to.min(self.published);
         if from >= to {
             return Vec::new();
         }
         // The piece holding `from`: the last one starting at or before it.
         let first = self.pieces.partition_point(|(at, _)| *at <= from);
         let mut out = Vec::new();
+        let mut next = from;
         for (at, bytes) in self.pieces.iter().skip(first.saturating_sub(1)) {
-            if *at >= to {
+            let end_of_piece = at + bytes.len() as u64;
+            if *at > next || next >= to {
                 break;
             }
-            let start = from.saturating_sub(*at);
-            let end = (to - at).min(bytes.len() as u64);
-            if start < end {
-                // Both bounds lie inside this piece, whose length fits in usize.
-                out.push(bytes.slice(start as usize..end as usize));
+            if end_of_piece <= next {
+                continue;
             }
+            let start = next - at;
+            let end = (to - at).min(bytes.len() as u64);
+            // Both bounds lie inside this piece, whose length fits in usize.
+            out.push(bytes.slice(start as usize..end as usize));
+            next = at + end;
         }
         out
     }
@@ -197,6 +216,8 @@ pub(crate) struct Receiving {
     key: Key,
     incoming: Arc<Incoming>,
     ended: bool,
+    /// Pieces in but not published (nobody wanted them yet): index and bytes in the buffer.
+    backlog: Vec<(u32, Range<usize>)>,
 }
 
 impl Receiving {
@@ -228,6 +249,53 @@ impl Receiving {
         });
     }
 
+    /// The receive takes the version in one stream: peers asking for its pieces are told at
+    /// once that there are none.
+    pub(crate) fn in_one_stream(&self) {
+        self.incoming.progress.send_modify(|p| p.one_stream = true);
+    }
+
+    /// The receive goes in pieces with this outline (checked against the version's hash).
+    pub(crate) fn set_outline(&self, outline: Outline) {
+        self.incoming
+            .progress
+            .send_modify(|p| p.outline = Some(outline));
+    }
+
+    /// Notes that piece `index` (bytes `range` of `dest`, verified) is in: when a server
+    /// wants the bytes, publishes it — `bytes` when given (its own buffer, no copy), else a
+    /// copy from `dest` — with every piece that came in before anybody wanted them (copied
+    /// from `dest`), and wakes the servers. Until then nothing is published or copied.
+    pub(crate) fn piece(
+        &mut self,
+        dest: &[u8],
+        index: u32,
+        range: Range<usize>,
+        bytes: Option<Bytes>,
+    ) {
+        self.backlog.push((index, range));
+        if !self.wanted() {
+            return;
+        }
+        let mut backlog = std::mem::take(&mut self.backlog);
+        let own = backlog.pop().map(|(i, r)| {
+            let b = bytes.unwrap_or_else(|| Bytes::copy_from_slice(&dest[r.clone()]));
+            (i, r, b)
+        });
+        let copies = backlog
+            .into_iter()
+            .filter_map(|(i, r)| Some((i, r.clone(), Bytes::copy_from_slice(dest.get(r)?))));
+        let new: Vec<(u32, Range<usize>, Bytes)> = copies.chain(own).collect();
+        self.incoming.progress.send_modify(|p| {
+            for (i, r, b) in new {
+                let at = r.start as u64;
+                let slot = p.pieces.partition_point(|(o, _)| *o < at);
+                p.pieces.insert(slot, (at, b));
+                p.have.push(i);
+            }
+        });
+    }
+
     /// Whether a server asked for the bytes of this receive.
     pub(crate) fn wanted(&self) -> bool {
         self.incoming.wanted.load(Ordering::Acquire)
@@ -241,6 +309,7 @@ impl Receiving {
         self.incoming
             .fail("the bytes received did not hash right; receiving again".into());
         let fresh = Arc::new(Incoming::new(meta));
+        self.backlog.clear();
         let mut map = Inflight::lock(&self.map);
         map.insert(self.key.clone(), fresh.clone());
         self.incoming = fresh;

@@ -230,6 +230,9 @@ async fn serve_stream(
                 serve_pull(ctx, send, &name, version, None).await;
             }
         }
+        DataRequest::Pieces { name, version } => {
+            upload::serve_outline(ctx, send, &name, version).await;
+        }
         DataRequest::Channels { offers } => {
             ctx.channels.learn(peer, offers);
             let offers = ctx.channels.offers_for(peer, access);
@@ -388,7 +391,11 @@ pub(crate) fn byte_range(byte_len: u64, range: Option<ByteRange>) -> Option<Rang
     Some(usize::try_from(offset).ok()?..usize::try_from(end).ok()?)
 }
 
-async fn reply_error(send: &mut SendStream, code: ErrorCode, message: String) -> Result<(), Error> {
+pub(crate) async fn reply_error(
+    send: &mut SendStream,
+    code: ErrorCode,
+    message: String,
+) -> Result<(), Error> {
     wire::write_frame(send, &DataResponse::Error { code, message }).await?;
     send.finish().map_err(|e| Error::io("finishing stream", e))
 }

@@ -1,6 +1,8 @@
 //! [`Tensor`]: metadata plus immutable bytes (in host memory or on a CUDA device), hashed once
 //! when it is made.
 
+use std::sync::{Arc, OnceLock};
+
 use bytes::Bytes;
 use tb_proto::{ContentHash, DType, TensorMeta};
 
@@ -25,7 +27,16 @@ pub struct Tensor {
     /// The bytes in a sealed memfd, for same-host peers: made on first need and shared by
     /// every clone (or given, when the bytes came from a peer's memfd).
     shm: ShmCache,
+    /// The version's piece outline (see `tb_proto::piece`): made on first need, or given
+    /// when the bytes were fetched in pieces; shared by every clone.
+    outline: OutlineCache,
 }
+
+/// Each piece's BLAKE3 chaining value, in order.
+pub(crate) type Outline = Arc<[[u8; 32]]>;
+
+/// A tensor's outline once made.
+type OutlineCache = Arc<OnceLock<Outline>>;
 
 /// Where the bytes are.
 #[derive(Clone)]
@@ -75,6 +86,7 @@ impl Tensor {
             meta,
             data: Data::Host(data),
             shm: ShmCache::default(),
+            outline: OutlineCache::default(),
         })
     }
 
@@ -95,6 +107,7 @@ impl Tensor {
             meta,
             data: Data::Cuda(buffer),
             shm: ShmCache::default(),
+            outline: OutlineCache::default(),
         })
     }
 
@@ -114,6 +127,7 @@ impl Tensor {
             meta: self.meta.clone(),
             data,
             shm: ShmCache::default(),
+            outline: OutlineCache::default(),
         })
     }
 
@@ -130,6 +144,7 @@ impl Tensor {
             meta,
             data: Data::Host(data),
             shm: ShmCache::default(),
+            outline: OutlineCache::default(),
         }
     }
 
@@ -140,6 +155,7 @@ impl Tensor {
             meta,
             data: Data::Host(data),
             shm: ShmCache::default(),
+            outline: OutlineCache::default(),
         }
     }
 
@@ -152,6 +168,7 @@ impl Tensor {
             meta,
             data: Data::Host(data),
             shm,
+            outline: OutlineCache::default(),
         }
     }
 
@@ -173,6 +190,7 @@ impl Tensor {
             meta,
             data: Data::Cuda(buffer),
             shm: ShmCache::default(),
+            outline: OutlineCache::default(),
         }
     }
 
@@ -235,5 +253,26 @@ impl Tensor {
     /// The BLAKE3 hash of the bytes.
     pub fn hash(&self) -> ContentHash {
         self.meta.hash
+    }
+
+    /// The piece outline: each piece's chaining value, hashed on first need (a pass over the
+    /// bytes on every core: run it off the async threads) and kept. `None` for a device
+    /// tensor (its bytes are hashed through staging buffers, not in pieces).
+    pub(crate) fn outline(&self) -> Option<Outline> {
+        let Data::Host(bytes) = &self.data else {
+            return None;
+        };
+        Some(
+            self.outline
+                .get_or_init(|| crate::channel::verify::outline(bytes).into())
+                .clone(),
+        )
+    }
+
+    /// Keeps an outline already checked against this tensor's hash (the pieces it was
+    /// fetched in).
+    pub(crate) fn with_outline(self, outline: Outline) -> Self {
+        let _ = self.outline.set(outline);
+        self
     }
 }

@@ -1,18 +1,23 @@
-//! Sending payloads to pullers: under the node's upload limit ([`send_limited`]), and from a
+//! Sending payloads to pullers: under the node's upload limit ([`send_limited`]), from a
 //! version still arriving ([`serve_inflight`], the serving half of cut-through; see
-//! `inflight`).
+//! `inflight`), and the outline and pieces a puller in pieces may ask of this node
+//! ([`serve_outline`]).
 
 use std::{ops::Range, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use iroh::endpoint::{SendStream, VarInt};
-use tb_proto::{CloseCode, DataResponse, TensorName};
+use tb_proto::{CloseCode, DataResponse, ErrorCode, TensorName};
 use tokio::sync::watch;
+
+use tracing::debug;
 
 use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
     inflight::{End, Incoming, Progress},
+    serve::NotHeld,
+    tensor::Tensor,
     wire::{self, Watchdog},
 };
 
@@ -197,4 +202,148 @@ async fn changed(rx: &mut watch::Receiver<Progress>, limit: Duration) -> Result<
 
 fn not_found(what: &str, reason: &str) -> InflightError {
     InflightError::Refused(tb_proto::ErrorCode::NotFound, format!("{what}: {reason}"))
+}
+
+/// Answers a `Pieces` request: the outline of `version` of `name` and the pieces this node
+/// serves — all of them when it holds the version (the outline is hashed on first need, off
+/// the async threads), else those its receive in pieces has verified, then each new one as
+/// it is, until the receive completes (or fails: the stream is reset) or the puller stops
+/// the stream. A version held on a device, or received here in one stream, has no pieces to
+/// offer (`NotFound`: the puller fetches it in one stream).
+pub(crate) async fn serve_outline(
+    ctx: &NodeCtx,
+    mut send: SendStream,
+    name: &TensorName,
+    version: u64,
+) {
+    let what = format!("pieces of tensor \"{name}\" v{version}");
+    let held = match crate::serve::lookup(ctx, name, Some(version)) {
+        Ok((_, tensor)) => tensor,
+        Err(NotHeld::Arriving(_, incoming)) => {
+            match serve_outline_inflight(ctx, &mut send, incoming).await {
+                Ok(()) => return,
+                Err(OutlineRefused::Held(tensor)) => tensor,
+                Err(OutlineRefused::No(reason)) => {
+                    let message = format!("{what}: {reason}");
+                    let _ =
+                        crate::serve::reply_error(&mut send, ErrorCode::NotFound, message).await;
+                    return;
+                }
+                Err(OutlineRefused::Aborted(e)) => {
+                    debug!(%e, "{what}: not served");
+                    let _ = send.reset(VarInt::from_u32(CloseCode::SourceAborted.code()));
+                    return;
+                }
+            }
+        }
+        Err(NotHeld::Refused(code, message)) => {
+            let message = format!("{what}: {message}");
+            let _ = crate::serve::reply_error(&mut send, code, message).await;
+            return;
+        }
+    };
+    let byte_len = held.byte_len();
+    let outline = tokio::task::spawn_blocking(move || held.outline()).await;
+    let frame = match outline {
+        Ok(Some(values)) => DataResponse::Outline {
+            piece_len: tb_proto::piece::piece_len(byte_len),
+            values: values.to_vec(),
+            complete: true,
+            have: Vec::new(),
+        },
+        Ok(None) => DataResponse::Error {
+            code: ErrorCode::NotFound,
+            message: format!("{what}: held on a device, served in one stream only"),
+        },
+        Err(e) => DataResponse::Error {
+            code: ErrorCode::Internal,
+            message: format!("{what}: hashing the outline failed: {e}"),
+        },
+    };
+    if wire::write_frame(&mut send, &frame).await.is_ok() {
+        let _ = send.finish();
+    }
+}
+
+/// Why a version still arriving here did not get its pieces served as such.
+enum OutlineRefused {
+    /// It completed before its outline was sent: answer from the tensor.
+    Held(Tensor),
+    /// It has no pieces to offer (received in one stream, or failed, or no outline in time).
+    No(String),
+    /// The stream broke after the outline was sent.
+    Aborted(Error),
+}
+
+/// Serves the outline and pieces of a version this node receives in pieces, as above.
+async fn serve_outline_inflight(
+    ctx: &NodeCtx,
+    send: &mut SendStream,
+    incoming: Arc<Incoming>,
+) -> Result<(), OutlineRefused> {
+    let mut rx = incoming.watch();
+    let wait = ctx.config.request_timeout.min(ctx.config.stall_timeout);
+    // The outline first: a receive that has not looked its version up yet has none.
+    let (outline, have) = loop {
+        let seen = {
+            let p = rx.borrow_and_update();
+            match (&p.end, &p.outline) {
+                (Some(End::Done(t)), _) => Err(OutlineRefused::Held(t.clone())),
+                (Some(End::Failed(reason)), _) => Err(OutlineRefused::No(reason.clone())),
+                (None, Some(outline)) => Ok(Some((outline.clone(), p.have.clone()))),
+                (None, None) if p.one_stream => Err(OutlineRefused::No(
+                    "received here in one stream, no pieces to offer".into(),
+                )),
+                (None, None) => Ok(None),
+            }
+        };
+        match seen? {
+            Some(found) => break found,
+            None => changed(&mut rx, wait)
+                .await
+                .map_err(|e| OutlineRefused::No(e.to_string()))?,
+        }
+    };
+    let byte_len = rx.borrow().meta.as_ref().map_or(0, |m| m.byte_len);
+    let mut sent = have.len();
+    let first = DataResponse::Outline {
+        piece_len: tb_proto::piece::piece_len(byte_len),
+        values: outline.to_vec(),
+        complete: false,
+        have,
+    };
+    let write = |e| OutlineRefused::Aborted(e);
+    wire::write_frame(send, &first).await.map_err(write)?;
+    loop {
+        let (pieces, complete) = {
+            let p = rx.borrow_and_update();
+            match &p.end {
+                Some(End::Failed(reason)) => {
+                    let e = Error::SourceAborted(reason.clone());
+                    return Err(OutlineRefused::Aborted(e));
+                }
+                Some(End::Done(_)) => (Vec::new(), true),
+                None => (p.have.get(sent..).unwrap_or_default().to_vec(), false),
+            }
+        };
+        if complete || !pieces.is_empty() {
+            sent += pieces.len();
+            let frame = DataResponse::Have { pieces, complete };
+            wire::write_frame(send, &frame).await.map_err(write)?;
+        }
+        if complete {
+            return send
+                .finish()
+                .map_err(|e| write(Error::io("finishing stream", e)));
+        }
+        // Bounded by the receive (which ends within its own stall timeouts) and the puller
+        // (which stops the stream when it is done with this source).
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() {
+                let e = Error::SourceAborted("the receive is gone".into());
+                return Err(OutlineRefused::Aborted(e));
+            },
+            _ = send.stopped() => return Ok(()),
+        }
+    }
 }

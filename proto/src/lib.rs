@@ -11,6 +11,8 @@
 //!   peers exchange on first contact ([`ChannelOffer`]) and the rule that picks one per pair.
 //! - [`msg`]: the `tb/data/1` messages ([`DataRequest`], [`DataResponse`], [`ErrorCode`]),
 //!   ALPN constants, and the one enum of QUIC close codes ([`CloseCode`]).
+//! - [`piece`]: how a large version is cut into pieces that several sources serve at once,
+//!   each checked on its own against the version's BLAKE3 tree.
 //! - [`ctl`]: the `tb/ctl/1` messages ([`CtlRequest`], [`CtlResponse`], [`Event`]) between
 //!   nodes and brokers and between brokers, with their limits and [`CtlError`].
 //! - [`ClusterKey`], [`Access`], [`Hello`], [`HelloReply`]: the cluster secret and the
@@ -53,6 +55,7 @@ mod hlc;
 mod meta;
 pub mod msg;
 mod name;
+pub mod piece;
 mod registry;
 pub mod set;
 

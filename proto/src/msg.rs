@@ -6,6 +6,9 @@
 //! - `Push { name, meta }` + payload -> `Ack` or `Error`.
 //! - `Channels { offers }` -> `Channels { offers }`: the first request on a new link, the
 //!   channels each side runs besides QUIC (see [`crate::channel`]).
+//! - `Pieces { name, version }` -> `Outline { .. }` then `Have { .. }` frames as the server
+//!   gets more pieces, or `Error`: the version's piece outline and which pieces the server
+//!   can serve (see [`crate::piece`]); the pieces themselves are `Pull`s of their ranges.
 
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +66,15 @@ pub enum DataRequest {
         /// Sockets the puller will open, 1 to [`MAX_TCP_SOCKETS`](crate::channel::MAX_TCP_SOCKETS).
         sockets: u8,
     },
+    /// Send me the outline of this version and the pieces you can serve
+    /// ([`DataResponse::Outline`]), then, while you are still receiving it, each piece you
+    /// get ([`DataResponse::Have`]), until you have them all. See [`crate::piece`].
+    Pieces {
+        /// The tensor.
+        name: TensorName,
+        /// The version.
+        version: u64,
+    },
 }
 
 impl DataRequest {
@@ -71,7 +83,8 @@ impl DataRequest {
         match self {
             DataRequest::Pull { name, .. }
             | DataRequest::Push { name, .. }
-            | DataRequest::TcpPull { name, .. } => Some(name),
+            | DataRequest::TcpPull { name, .. }
+            | DataRequest::Pieces { name, .. } => Some(name),
             DataRequest::Channels { .. } => None,
         }
     }
@@ -83,7 +96,8 @@ impl DataRequest {
             DataRequest::Push { .. } => Some("pushing a tensor (a publish)"),
             DataRequest::Pull { .. }
             | DataRequest::Channels { .. }
-            | DataRequest::TcpPull { .. } => None,
+            | DataRequest::TcpPull { .. }
+            | DataRequest::Pieces { .. } => None,
         }
     }
 
@@ -100,7 +114,7 @@ impl DataRequest {
                 .checked_add(r.len)
                 .map(|_| ())
                 .ok_or(MetaError::Overflow),
-            DataRequest::Pull { .. } => Ok(()),
+            DataRequest::Pull { .. } | DataRequest::Pieces { .. } => Ok(()),
             DataRequest::TcpPull { sockets, .. } => {
                 crate::channel::validate_tcp_sockets(*sockets).map_err(MetaError::from)
             }
@@ -143,6 +157,49 @@ pub enum DataResponse {
         /// Presented in each socket's [`TcpHello`](crate::channel::TcpHello).
         token: [u8; 32],
     },
+    /// The answer to [`DataRequest::Pieces`]: the version's outline and the pieces the
+    /// server can serve now. The puller checks the outline against the version's hash and the
+    /// indexes against the piece count ([`crate::piece::check_outline`],
+    /// [`crate::piece::check_indexes`]) before using either.
+    Outline {
+        /// The length of every piece but the last ([`crate::piece::piece_len`]).
+        piece_len: u64,
+        /// Each piece's BLAKE3 chaining value (its subtree's), in order, at most
+        /// [`MAX_PIECES`](crate::piece::MAX_PIECES).
+        values: Vec<[u8; 32]>,
+        /// The server has the whole version: it serves every piece (`have` is empty).
+        complete: bool,
+        /// Pieces the server has verified and serves, when not `complete`.
+        have: Vec<u32>,
+    },
+    /// More pieces a server still receiving the version has verified since its last frame.
+    Have {
+        /// Their indexes, at most [`MAX_PIECES`](crate::piece::MAX_PIECES).
+        pieces: Vec<u32>,
+        /// The server has the whole version now (this is its last frame).
+        complete: bool,
+    },
+}
+
+impl DataResponse {
+    /// Checks the lengths of an answer that came from the network (the outline's fit to
+    /// the version is checked by the puller, which knows the version's size).
+    pub fn validate(&self) -> Result<(), crate::piece::PieceError> {
+        use crate::piece::{MAX_PIECES, PieceError};
+        let too_many = |got: usize| PieceError::TooMany { got };
+        match self {
+            DataResponse::Outline { values, have, .. } => {
+                if values.len() > MAX_PIECES || have.len() > MAX_PIECES {
+                    return Err(too_many(values.len().max(have.len())));
+                }
+                crate::piece::check_indexes(have, values.len())
+            }
+            DataResponse::Have { pieces, .. } if pieces.len() > MAX_PIECES => {
+                Err(too_many(pieces.len()))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Typed failure reasons on the wire.

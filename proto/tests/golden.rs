@@ -172,6 +172,29 @@ fn tcp_frames() {
     };
     // len 70 | TcpTicket=4 | BF16=10 | shape [] | byte_len 2 | hash | version 300 | token
     golden(&ticket, &format!("46000000 04 0a 00 02 {H_11} ac02 {H_AB}"));
+    let pieces = DataRequest::Pieces {
+        name: TensorName::new("w").expect("name"),
+        version: 300,
+    };
+    // len 5 | Pieces=4 | name "w" | version 300
+    golden(&pieces, "05000000 04 0177 ac02");
+    let outline = DataResponse::Outline {
+        piece_len: 4 << 20,
+        values: vec![[0x11; 32], [0xab; 32]],
+        complete: false,
+        have: vec![1],
+    };
+    // len 73 | Outline=5 | piece_len 4 MiB | 2 values | not complete | have [1]
+    golden(
+        &outline,
+        &format!("49000000 05 80808002 02 {H_11} {H_AB} 00 0101"),
+    );
+    let have = DataResponse::Have {
+        pieces: vec![0, 300],
+        complete: true,
+    };
+    // len 6 | Have=6 | [0, 300] | complete
+    golden(&have, "06000000 06 02 00 ac02 01");
     let hello = TcpHello {
         token: [0x11; 32],
         range: tb_proto::ByteRange {
@@ -446,11 +469,12 @@ fn ctl_holders_and_listing() {
             addrs: vec!["h:1".into()],
             complete: false,
         }],
+        sources: 1,
     };
-    // len 80 | Holders=2 | "w" | v1 | meta | 1 holder { node, ["h:1"], incomplete }
+    // len 81 | Holders=2 | "w" | v1 | meta | 1 holder { node, ["h:1"], incomplete } | 1 source
     golden(
         &msg,
-        &format!("50000000 02 0177 01 0b 02 02 03 18 {H_AB} 01 {H_11} 01 03 683a31 00"),
+        &format!("51000000 02 0177 01 0b 02 02 03 18 {H_AB} 01 {H_11} 01 03 683a31 00 01"),
     );
     let msg = CtlResponse::Listing {
         entries: vec![ListedEntry {

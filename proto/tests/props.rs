@@ -81,6 +81,8 @@ fn request() -> impl Strategy<Value = DataRequest> {
                 version,
                 sockets
             }),
+        (tensor_name(), any::<u64>())
+            .prop_map(|(name, version)| DataRequest::Pieces { name, version }),
     ]
 }
 
@@ -107,6 +109,22 @@ fn response() -> impl Strategy<Value = DataResponse> {
                 token,
             }
         }),
+        (
+            any::<u64>(),
+            proptest::collection::vec(any::<[u8; 32]>(), 0..8),
+            any::<bool>(),
+            proptest::collection::vec(any::<u32>(), 0..8)
+        )
+            .prop_map(
+                |(piece_len, values, complete, have)| DataResponse::Outline {
+                    piece_len,
+                    values,
+                    complete,
+                    have
+                }
+            ),
+        (proptest::collection::vec(any::<u32>(), 0..8), any::<bool>())
+            .prop_map(|(pieces, complete)| DataResponse::Have { pieces, complete }),
     ]
 }
 
@@ -371,6 +389,7 @@ fn ctl_response() -> impl Strategy<Value = CtlResponse> {
                 name,
                 version,
                 meta,
+                sources: holders.len().min(1) as u8,
                 holders,
             }
         ),

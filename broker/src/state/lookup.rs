@@ -21,6 +21,9 @@ pub struct Holders {
     /// Sources best first: complete holders and fetchers in flight (`complete: false`), never
     /// the asker.
     pub holders: Vec<HolderAddr>,
+    /// How many of the first holders the asker may pull pieces from at once (each counted
+    /// one of its fan-out slots for the asker).
+    pub sources: usize,
 }
 
 impl From<Holders> for CtlResponse {
@@ -30,6 +33,8 @@ impl From<Holders> for CtlResponse {
             version: h.version,
             meta: h.meta,
             holders: h.holders,
+            // At most MAX_SOURCES.
+            sources: u8::try_from(h.sources).unwrap_or(u8::MAX),
         }
     }
 }
@@ -89,8 +94,8 @@ impl BrokerState {
             node: asker,
             exclude,
         };
-        let holders = self.fanout.plan(want, asker, &complete, addrs_of, now_ms);
-        if holders.is_empty() {
+        let plan = self.fanout.plan(want, asker, &complete, addrs_of, now_ms);
+        if plan.holders.is_empty() {
             return Err(BrokerError::NoHolder {
                 name: name.clone(),
                 version,
@@ -100,7 +105,8 @@ impl BrokerState {
             name: name.clone(),
             version,
             meta,
-            holders,
+            holders: plan.holders,
+            sources: plan.sources,
         })
     }
 

@@ -108,6 +108,35 @@ impl Pieces {
         Pieces { len, ranges }
     }
 
+    /// The fixed cut every node makes of a `len`-byte version for fetching from several
+    /// sources (`tb_proto::piece`): pieces of `piece_len(len)` bytes, each a whole subtree
+    /// (a power of two of chunks at a multiple of its size, or the tail after the last such).
+    pub(crate) fn fixed(len: u64) -> Pieces {
+        let ranges = (0..tb_proto::piece::piece_count(len))
+            .map(|i| tb_proto::piece::piece_range(len, i))
+            .collect::<Vec<_>>();
+        let ranges = if ranges.is_empty() {
+            vec![0..0]
+        } else {
+            ranges
+        };
+        Pieces { len, ranges }
+    }
+
+    /// The root hash that pieces with these chaining values (one per piece, in order) make;
+    /// `None` when the count does not match.
+    pub(crate) fn root_of_values(&self, values: &[[u8; 32]]) -> Option<ContentHash> {
+        if values.len() != self.ranges.len() {
+            return None;
+        }
+        if let [only] = values {
+            // A single piece is the root itself.
+            return Some(ContentHash(*only));
+        }
+        let (left, right) = self.children(0..self.len, 0..self.ranges.len(), values);
+        Some(merge_subtrees_root(&left, &right, Mode::Hash).into())
+    }
+
     /// The pieces' byte ranges, in order.
     #[allow(dead_code)] // tests, and channels that send pieces one by one (tcp)
     pub(crate) fn ranges(&self) -> &[Range<u64>] {
@@ -264,6 +293,34 @@ impl PieceHasher {
             value,
         })
     }
+}
+
+impl PieceHash {
+    /// The chaining value (the root hash, for a payload of one piece).
+    pub(crate) fn value(&self) -> [u8; 32] {
+        match &self.value {
+            PieceValue::Root(h) => h.0,
+            PieceValue::Subtree(cv) => *cv,
+        }
+    }
+}
+
+/// The outline of `bytes` (each [`Pieces::fixed`] piece's chaining value, in order; for one
+/// piece, its root hash), each piece hashed on every core.
+pub(crate) fn outline(bytes: &[u8]) -> Vec<[u8; 32]> {
+    let pieces = Pieces::fixed(bytes.len() as u64);
+    let mut values = Vec::with_capacity(pieces.ranges.len());
+    for (i, r) in pieces.ranges.iter().enumerate() {
+        let mut h = pieces.hasher(i);
+        // Ranges lie inside `bytes`: the cut was made from its length.
+        h.update(&bytes[r.start as usize..r.end as usize]);
+        let value = match h.finish() {
+            Ok(done) => done.value(),
+            Err(e) => unreachable!("a piece fed exactly its bytes: {e}"),
+        };
+        values.push(value);
+    }
+    values
 }
 
 /// Hashes a contiguous run of pieces as its bytes arrive in order (one stream's share).

@@ -20,6 +20,8 @@ pub(crate) struct Holders {
     pub(crate) meta: TensorMeta,
     /// Best source first.
     pub(crate) holders: Vec<HolderAddr>,
+    /// How many of the first holders to pull pieces from at once (the broker's set).
+    pub(crate) sources: usize,
 }
 
 /// The variant's name, for messages about answers nobody expected.
@@ -119,10 +121,12 @@ impl CtlClient {
                 version: found,
                 meta,
                 holders,
+                sources,
             } if answered == *name && version.is_none_or(|v| v == found) => Ok(Holders {
                 version: found,
                 meta,
                 holders,
+                sources: usize::from(sources),
             }),
             CtlResponse::Holders {
                 name: answered,

@@ -43,7 +43,7 @@ use tb_dashboard::TransferKind;
 use tb_proto::{HolderAddr, MAX_LOOKUP_EXCLUDE, NodeId, TensorMeta, TensorName};
 use tracing::{debug, warn};
 
-use super::{Cluster, calls::Holders, pace::Pace, resume};
+use super::{Cluster, calls::Holders, pace::Pace, resume, swarm};
 use crate::{
     channel::{self, Channel},
     client::{self, Failure, Pulled},
@@ -54,7 +54,7 @@ use crate::{
     pool::LinkGuard,
     progress::TransferProgress,
     store::{Inserted, Lookup, Store},
-    tensor::Tensor,
+    tensor::{Outline, Tensor},
 };
 
 /// Rounds of holders: the broker's first answer, then one more look-up.
@@ -117,8 +117,11 @@ pub(crate) async fn fetch(
     let fetched = from_holders(node, cluster, &name, holders, feed, &mut dest).await;
     fetch_ended(node, cluster, &name, v);
     let tensor = match fetched? {
-        Some(whole) => whole,
-        None => Tensor::from_verified(meta.clone(), Bytes::from(dest)),
+        Received::Whole(whole) => whole,
+        Received::Filled(None) => Tensor::from_verified(meta.clone(), Bytes::from(dest)),
+        Received::Filled(Some(outline)) => {
+            Tensor::from_verified(meta.clone(), Bytes::from(dest)).with_outline(outline)
+        }
     };
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
     receiving.done(tensor.clone());
@@ -273,10 +276,20 @@ enum Ended {
     },
 }
 
-/// Pulls the version `first` describes from its holders, best first, moving to another source
-/// when the broker names one or the current one is slow, then from the holders of one more
-/// look-up, into `dest` (exactly its length): `None` when the bytes are there, `Some` when a
-/// holder handed the whole version over on the pair's channel instead.
+/// How a get's bytes came in.
+pub(super) enum Received {
+    /// A holder handed the whole version over on the pair's channel.
+    Whole(Tensor),
+    /// Every byte is in the destination, verified: in pieces against this outline, or in
+    /// one stream (`None`).
+    Filled(Option<Outline>),
+}
+
+/// Receives the version `first` describes into `dest` (exactly its length): a large one in
+/// pieces from the broker's set of sources (`swarm`) unless the pair's channel with the first
+/// is not QUIC or no source offers pieces; otherwise in one stream from its holders, best
+/// first, moving to another source when the broker names one or the current one is slow,
+/// then from the holders of one more look-up.
 pub(super) async fn from_holders(
     node: &Node,
     cluster: &Cluster,
@@ -284,15 +297,27 @@ pub(super) async fn from_holders(
     first: Holders,
     feed: Feed<'_>,
     dest: &mut [u8],
-) -> Result<Option<Tensor>> {
+) -> Result<Received> {
     let Feed {
         receiving,
         progress,
     } = feed;
+    if first.meta.byte_len >= swarm::MIN_BYTES && !whole_by_channel(node, cluster, &first).await {
+        let feed = Feed {
+            receiving: &mut *receiving,
+            progress,
+        };
+        match swarm::fetch(node, cluster, name, &first, feed, &mut *dest).await? {
+            swarm::Swarmed::Filled(outline) => return Ok(Received::Filled(Some(outline))),
+            swarm::Swarmed::OneStream => {}
+        }
+    }
+    receiving.in_one_stream();
     let Holders {
         version,
         meta,
         mut holders,
+        ..
     } = first;
     let want = Want {
         cluster,
@@ -327,8 +352,8 @@ pub(super) async fn from_holders(
                 pace: &mut pace,
             });
             match from_holder(node, holder, want, into, watch).await {
-                Ok(Ended::Whole(mapped)) => return Ok(Some(mapped)),
-                Ok(Ended::Filled) => return Ok(None),
+                Ok(Ended::Whole(mapped)) => return Ok(Received::Whole(mapped)),
+                Ok(Ended::Filled) => return Ok(Received::Filled(None)),
                 Ok(Ended::Moved { holders, slow }) => {
                     debug!(%name, version, holder = ?holder.node, at = resume.filled(), slow, "moving to another source");
                     if slow {
@@ -501,6 +526,27 @@ impl Watch<'_> {
             }
         }
     }
+}
+
+/// Whether the first source of `holders` (not this node) would hand the whole version over
+/// on a channel other than QUIC (same-host shared memory, TCP): then a large version is not
+/// fetched in pieces.
+async fn whole_by_channel(node: &Node, cluster: &Cluster, holders: &Holders) -> bool {
+    let Some(first) = holders.holders.iter().find(|h| h.node != cluster.me()) else {
+        return false;
+    };
+    let (Ok(id), Some(addr)) = (
+        EndpointId::from_bytes(&first.node.0),
+        first
+            .addrs
+            .iter()
+            .find_map(|a| a.parse::<SocketAddr>().ok()),
+    ) else {
+        return false;
+    };
+    let peer = PeerAddr { id, addr };
+    let links = || node.link(&peer);
+    matches!(channel::route(node.ctx(), &id, links).await, Ok(Some(_)))
 }
 
 /// Gets the whole version from `peer` over the pair's channel when that is not QUIC: shm

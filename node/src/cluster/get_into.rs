@@ -137,7 +137,7 @@ where
     };
     let fetched = fetch::from_holders(node, cluster, &name, holders, feed, &mut *dest).await;
     fetch::fetch_ended(node, cluster, &name, v);
-    if let Some(whole) = fetched? {
+    if let fetch::Received::Whole(whole) = fetched? {
         copy_in(&name, &whole, dest)?;
     }
     if receiving.wanted() {

@@ -33,6 +33,7 @@ mod pace;
 mod race;
 mod resume;
 mod subscribe;
+mod swarm;
 #[cfg(test)]
 mod tests;
 

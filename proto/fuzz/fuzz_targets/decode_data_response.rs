@@ -13,6 +13,16 @@ fn check(resp: &DataResponse) {
         let _ = meta.validate(MAX_TENSOR);
         let _ = meta.numel();
     }
+    if resp.validate().is_ok()
+        && let DataResponse::Outline {
+            piece_len, values, ..
+        } = resp
+    {
+        // An outline that passed is checked against every size a puller might hold.
+        for len in [0, 1, *piece_len, piece_len.saturating_mul(values.len() as u64)] {
+            let _ = tb_proto::piece::check_outline(len, *piece_len, values.len());
+        }
+    }
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -218,6 +218,10 @@ pub enum CtlResponse {
         meta: TensorMeta,
         /// Nodes that hold it or are fetching it, at most [`MAX_HOLDERS_REPLY`].
         holders: Vec<HolderAddr>,
+        /// How many of the first holders the asker may pull pieces from at once: the broker
+        /// counted the asker at each of them (1 when there are holders and only the first has
+        /// room to spare; at most [`MAX_SOURCES`](crate::piece::MAX_SOURCES)).
+        sources: u8,
     },
     /// A piece of a listing.
     Listing {

@@ -262,10 +262,36 @@ fn holders_are_limited_and_checked() {
                 complete: i % 2 == 0,
             })
             .collect(),
+        sources: n.min(1) as u8,
     };
     assert_eq!(
         holders(MAX_HOLDERS_REPLY, vec!["h:1".into()]).validate(MAX),
         Ok(())
+    );
+    let with_sources = |n: usize, sources| match holders(n, vec![]) {
+        CtlResponse::Holders {
+            name,
+            version,
+            meta,
+            holders,
+            ..
+        } => CtlResponse::Holders {
+            name,
+            version,
+            meta,
+            holders,
+            sources,
+        },
+        other => other,
+    };
+    assert_eq!(with_sources(8, 4).validate(MAX), Ok(()));
+    assert_eq!(
+        with_sources(8, 5).validate(MAX),
+        Err(too_many("sources", 5, 4))
+    );
+    assert_eq!(
+        with_sources(2, 3).validate(MAX),
+        Err(too_many("sources", 3, 2))
     );
     assert_eq!(
         holders(MAX_HOLDERS_REPLY + 1, vec![]).validate(MAX),

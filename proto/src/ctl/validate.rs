@@ -151,10 +151,13 @@ impl CtlResponse {
                 version,
                 meta,
                 holders,
+                sources,
             } => {
                 check_version(name, *version)?;
                 check_meta(name, *version, meta, max_tensor_bytes)?;
                 at_most("holders", holders.len(), MAX_HOLDERS_REPLY)?;
+                let most = holders.len().min(crate::piece::MAX_SOURCES);
+                at_most("sources", usize::from(*sources), most)?;
                 for HolderAddr { node, addrs, .. } in holders {
                     check_addrs(node, addrs)?;
                 }

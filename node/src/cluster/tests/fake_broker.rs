@@ -237,6 +237,8 @@ fn lookup(st: &FakeState, asker: NodeId, name: &TensorName, version: Option<u64>
         version,
         meta: meta.clone(),
         holders,
+        // The fake broker's answers name one source at a time.
+        sources: 1,
     }
 }
 
