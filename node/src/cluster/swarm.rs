@@ -20,7 +20,8 @@
 //! [`MAX_LATE`] such races, or fails a request, is dropped for the rest of the fetch and
 //! excluded from its look-ups. Every [`REFRESH`] the fetch looks up again (which keeps its
 //! fan-out slots fresh): sources that joined the broker's set are added, those that left it
-//! get no new requests while another source has the piece.
+//! get no new requests while a source in the set may serve (so a fetcher the broker moves
+//! to a chain's tail leaves its old source to the fetchers that need it).
 //!
 //! Verified pieces are published to this node's pullers at once (`Receiving::piece`), in
 //! whatever order they land. When no source can offer pieces (a version held on a device,
@@ -119,6 +120,8 @@ struct Source {
     dropped: bool,
     /// Races for late pieces lost.
     late: usize,
+    /// Cancels its requests outstanding (when it leaves the broker's set).
+    cancel: CancellationToken,
 }
 
 impl Source {
@@ -343,8 +346,17 @@ impl<'a> Swarm<'a> {
             .take(sources.clamp(1, MAX_SOURCES))
             .collect();
         for s in &mut self.sources {
-            s.retired = !set.iter().any(|h| h.node == s.node);
+            let retired = !set.iter().any(|h| h.node == s.node);
+            if retired && !s.retired {
+                // Its pieces in flight go back to missing: the broker moved this fetch off
+                // it, to leave its upload to fetchers that need it.
+                s.cancel.cancel();
+                s.cancel = CancellationToken::new();
+            }
+            s.retired = retired;
         }
+        let nodes: Vec<_> = set.iter().map(|h| h.node).collect();
+        debug!(name = %self.name, version = self.version, ?nodes, "the broker's set");
         for holder in set {
             if self.sources.iter().any(|s| s.node == holder.node) {
                 continue;
@@ -358,6 +370,7 @@ impl<'a> Swarm<'a> {
                 retired: false,
                 dropped: false,
                 late: 0,
+                cancel: CancellationToken::new(),
             });
             streams.push(Box::pin(open(
                 self.node,
@@ -517,10 +530,11 @@ impl<'a> Swarm<'a> {
                 let Some(p) = self.pick(i, now, late) else {
                     break;
                 };
-                let (Some(peer), Some(token)) = (self.sources[i].peer.clone(), self.tokens.get(p))
+                let (Some(peer), Some(piece)) = (self.sources[i].peer.clone(), self.tokens.get(p))
                 else {
                     break;
                 };
+                let cancels = [piece.clone(), self.sources[i].cancel.clone()];
                 match &mut self.state[p] {
                     State::Fetching { from } => from.push((i, now)),
                     state => {
@@ -540,29 +554,25 @@ impl<'a> Swarm<'a> {
                     &self.pieces,
                     p,
                     range,
-                    token.clone(),
+                    cancels,
                 );
                 requests.push(Box::pin(async move { (i, p, job.await) }));
             }
         }
     }
 
-    /// The piece source `i` should fetch next: the lowest missing one it has (one that no
-    /// active source has, if `i` is retired), else a late one it has that is fetched from one
-    /// source only.
+    /// The piece source `i` should fetch next: the lowest missing one it has, else a late one
+    /// it has that is fetched from one source only; nothing while `i` is retired and a source
+    /// in the broker's set may serve.
     fn pick(&self, i: usize, now: Instant, late: Duration) -> Option<usize> {
         let source = &self.sources[i];
-        let others_have = |p: usize| {
-            self.sources
-                .iter()
-                .enumerate()
-                .any(|(j, s)| j != i && !s.retired && s.usable() && s.has(p))
-        };
-        let missing = (0..self.state.len()).find(|&p| {
-            matches!(self.state[p], State::Missing)
-                && source.has(p)
-                && (!source.retired || !others_have(p))
-        });
+        // A source that left the broker's set stays idle while one in it may serve.
+        let active = |s: &Source| !s.retired && (s.usable() || s.pending());
+        if source.retired && self.sources.iter().any(active) {
+            return None;
+        }
+        let missing = (0..self.state.len())
+            .find(|&p| matches!(self.state[p], State::Missing) && source.has(p));
         missing.or_else(|| {
             (0..self.state.len()).find(|&p| match &self.state[p] {
                 State::Fetching { from } => match from.as_slice() {
@@ -643,6 +653,7 @@ impl<'a> Swarm<'a> {
         self.state[p] = State::Done;
         self.done += 1;
         let took = Instant::now().saturating_duration_since(asked);
+        tracing::trace!(piece = p, source = ?self.sources[i].node, ?took, "piece verified");
         self.best_piece = Some(self.best_piece.map_or(took, |b| b.min(took)));
         receiving.piece(dest, p as u32, range, Some(Bytes::from(bytes)));
     }
@@ -737,7 +748,8 @@ async fn next_frame(i: usize, mut recv: RecvStream, send: SendStream) -> (usize,
 }
 
 /// Pulls bytes `range` (piece `index`) of the version from `peer`, hashing them as they
-/// land; stops when `cancel` fires (another copy was verified first).
+/// land; stops when either of `cancel` fires (another copy of the piece was verified first,
+/// or the source left the broker's set).
 #[allow(clippy::too_many_arguments)]
 fn fetch_piece<'a>(
     node: &'a Node,
@@ -748,7 +760,7 @@ fn fetch_piece<'a>(
     pieces: &Pieces,
     index: usize,
     range: Range<u64>,
-    cancel: CancellationToken,
+    cancel: [CancellationToken; 2],
 ) -> impl Future<Output = Got> + Send + 'a {
     let mut hasher = pieces.hasher(index);
     async move {
@@ -801,9 +813,11 @@ fn fetch_piece<'a>(
                 .value();
             Ok(Some((buf, value)))
         };
+        let [piece, source] = cancel;
         tokio::select! {
             biased;
-            _ = cancel.cancelled() => Ok(None),
+            _ = piece.cancelled() => Ok(None),
+            _ = source.cancelled() => Ok(None),
             got = pull => got,
         }
     }
