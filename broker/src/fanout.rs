@@ -28,7 +28,8 @@
 //! look-up may exclude sources (the asker dropped them as slow or failed); they are not
 //! offered to that asker.
 //!
-//! Sets of sources: a fetcher pulls pieces from up to [`MAX_SOURCES`] sources at once. The
+//! Sets of sources: a fetcher of a version of at least [`MULTI_SOURCE_MIN_BYTES`] pulls
+//! pieces from up to [`MAX_SOURCES`] sources at once (smaller ones get a set of one). The
 //! first source is its place in the chain or tree, as above; the others are *helpers*,
 //! sources with capacity to spare, and each takes one of that source's slots, so that no
 //! source is swamped. For a large tensor a helper must have no fast fetcher of this version
@@ -40,7 +41,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tb_proto::{Entry, HolderAddr, MAX_HOLDERS_REPLY, NodeId, TensorName, piece::MAX_SOURCES};
+use tb_proto::{
+    Entry, HolderAddr, MAX_HOLDERS_REPLY, NodeId, TensorName,
+    piece::{MAX_SOURCES, MULTI_SOURCE_MIN_BYTES},
+};
 
 use crate::state::oldest_kept;
 
@@ -350,14 +354,21 @@ impl FanOut {
             .collect();
         offered.sort_by_key(|(c, h)| (c.rank(policy, limit), h.node));
         // Helpers move up behind the first source, in rank order.
-        let (mut set, rest): (Vec<_>, Vec<_>) = offered
-            .into_iter()
-            .enumerate()
-            .partition(|(i, (c, _))| *i == 0 || c.spare(policy, limit));
-        set.truncate(MAX_SOURCES);
+        // Smaller versions are fetched in one stream: one source at a time.
+        let most = match want.byte_len >= MULTI_SOURCE_MIN_BYTES {
+            true => MAX_SOURCES,
+            false => 1,
+        };
+        let mut in_set = 0;
+        let (set, rest): (Vec<_>, Vec<_>) =
+            offered.into_iter().enumerate().partition(|(i, (c, _))| {
+                let takes = in_set < most && (*i == 0 || c.spare(policy, limit));
+                in_set += usize::from(takes);
+                takes
+            });
         let sources = set.len();
-        let (set, rest) = (set.into_iter(), rest.into_iter());
-        let mut offered: Vec<HolderAddr> = set.chain(rest).map(|(_, (_, h))| h).collect();
+        let mut offered: Vec<HolderAddr> =
+            set.into_iter().chain(rest).map(|(_, (_, h))| h).collect();
         offered.truncate(MAX_HOLDERS_REPLY);
         match offered.first() {
             Some(first) if !complete.contains(&asker.node) => {

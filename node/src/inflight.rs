@@ -397,6 +397,46 @@ mod tests {
     }
 
     #[test]
+    fn pieces_are_published_in_any_order_and_served_where_contiguous() {
+        let table = Inflight::default();
+        let mut receiving = table.start(&name(), 4, None);
+        let src = data(4000);
+        let piece = |i: usize| i * 1000..(i + 1) * 1000;
+        // Nobody wants the bytes yet: piece 2 is kept in mind, not copied.
+        receiving.piece(&src, 2, piece(2), None);
+        let rx = table.get(&name(), 4).expect("registered").watch();
+        assert!(rx.borrow().have.is_empty());
+        // Once a server wants them, the next piece publishes the earlier one too.
+        let own = Bytes::copy_from_slice(&src[piece(0)]);
+        receiving.piece(&src, 0, piece(0), Some(own));
+        {
+            let p = rx.borrow();
+            assert_eq!(p.have, vec![2, 0]);
+            // Bytes 0..1000 follow on from 0; nothing follows on from 1000 yet.
+            assert_eq!(joined(&p, 0, 4000), src[..1000]);
+            assert_eq!(joined(&p, 500, 4000), src[500..1000]);
+            assert!(p.slices(1000, 4000).is_empty());
+            assert_eq!(joined(&p, 2100, 2200), src[2100..2200]);
+        }
+        receiving.piece(&src, 1, piece(1), None);
+        let p = rx.borrow();
+        assert_eq!(p.have, vec![2, 0, 1]);
+        assert_eq!(joined(&p, 0, 4000), src[..3000]);
+        assert!(p.slices(3000, 4000).is_empty());
+    }
+
+    #[test]
+    fn a_receive_in_one_stream_says_so() {
+        let table = Inflight::default();
+        let receiving = table.start(&name(), 1, None);
+        let rx = table.get(&name(), 1).expect("registered").watch();
+        assert!(!rx.borrow().one_stream);
+        receiving.in_one_stream();
+        assert!(rx.borrow().one_stream);
+        assert!(rx.borrow().outline.is_none());
+    }
+
+    #[test]
     fn done_hands_over_the_tensor_and_leaves_the_table() {
         let table = Inflight::default();
         let receiving = table.start(&name(), 1, None);

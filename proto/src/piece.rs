@@ -19,6 +19,9 @@ pub const MIN_PIECE_LEN: u64 = 4 << 20;
 pub const MAX_PIECES: usize = 1024;
 /// The most sources one fetch pulls pieces from at once.
 pub const MAX_SOURCES: usize = 4;
+/// Versions of at least this many bytes (four pieces) are fetched in pieces from several
+/// sources; smaller ones in one stream from one source at a time.
+pub const MULTI_SOURCE_MIN_BYTES: u64 = 4 * MIN_PIECE_LEN;
 
 /// The length of every piece but the last of a `byte_len`-byte version.
 pub fn piece_len(byte_len: u64) -> u64 {

@@ -478,6 +478,63 @@ mod tests {
     }
 
     #[test]
+    fn a_fixed_cuts_outline_merges_into_the_hash() {
+        let piece = tb_proto::piece::MIN_PIECE_LEN as usize;
+        for len in [
+            0,
+            1,
+            piece - 1,
+            piece,
+            piece + 5,
+            4 * piece,
+            4 * piece + 1023,
+            5 * piece + 1,
+        ] {
+            let bytes = data(len);
+            let pieces = Pieces::fixed(len as u64);
+            let values = outline(&bytes);
+            assert_eq!(values.len(), pieces.ranges().len(), "len {len}");
+            assert_eq!(
+                values.len(),
+                tb_proto::piece::piece_count(len as u64).max(1),
+                "len {len}"
+            );
+            let want = ContentHash::of(&bytes);
+            assert_eq!(pieces.root_of_values(&values), Some(want), "len {len}");
+            // Each piece hashed on its own, as a puller does, gives its value.
+            for (i, r) in pieces.ranges().iter().enumerate() {
+                let mut h = pieces.hasher(i);
+                h.update(&bytes[r.start as usize..r.end as usize]);
+                assert_eq!(
+                    h.finish().expect("finish").value(),
+                    values[i],
+                    "len {len} piece {i}"
+                );
+            }
+            assert_eq!(pieces.root_of_values(&values[1..]), None);
+        }
+    }
+
+    #[test]
+    fn a_flipped_byte_changes_its_pieces_value_only() {
+        let piece = tb_proto::piece::MIN_PIECE_LEN as usize;
+        let mut bytes = data(4 * piece + 77);
+        let before = outline(&bytes);
+        bytes[2 * piece + 5] ^= 1;
+        let after = outline(&bytes);
+        let changed: Vec<usize> = (0..before.len())
+            .filter(|&i| before[i] != after[i])
+            .collect();
+        assert_eq!(changed, vec![2]);
+        // The outline of the changed bytes does not merge into the old hash.
+        let pieces = Pieces::fixed(bytes.len() as u64);
+        assert_ne!(
+            pieces.root_of_values(&after),
+            pieces.root_of_values(&before)
+        );
+    }
+
+    #[test]
     fn a_flipped_byte_is_a_mismatch() {
         let mut bytes = data(300_000);
         let want = ContentHash::of(&bytes);

@@ -68,7 +68,7 @@ use crate::{
 };
 
 /// Tensors of at least this many bytes are fetched in pieces (four or more).
-pub(crate) const MIN_BYTES: u64 = 4 * piece::MIN_PIECE_LEN;
+pub(crate) const MIN_BYTES: u64 = piece::MULTI_SOURCE_MIN_BYTES;
 /// Piece requests one source has outstanding at a time (two keep its link busy between
 /// requests).
 const DEPTH: usize = 2;

@@ -460,3 +460,74 @@ fn upload_limits_are_forgotten_with_the_nodes_that_went_silent() {
         .expect("found");
     assert_eq!(found.holders[0].node, id(11));
 }
+
+/// A broker whose workers 1 (the publisher), 2 and 3 hold version 1 of `m/set`, of `byte_len`
+/// bytes, and whose workers 11.. are alive to ask.
+fn three_holders(byte_len: u64) -> BrokerState {
+    let mut b = broker_with(&[1, 2, 3, 11, 12, 13], 0);
+    let w = name("m/set");
+    let hash = tb_proto::ContentHash([7; 32]);
+    let meta = TensorMeta::new(tb_proto::DType::U8, vec![byte_len], hash).expect("meta");
+    b.publish(w.clone(), meta, id(1), 10);
+    for n in [2, 3] {
+        let hold = RegistryOp::AddHolder {
+            name: w.clone(),
+            version: 1,
+            node: id(n),
+            stamp: Stamp::ZERO,
+        };
+        b.announce(id(n), hold, 10).expect("hold");
+    }
+    b
+}
+
+const MULTI: u64 = tb_proto::piece::MULTI_SOURCE_MIN_BYTES;
+
+#[test]
+fn idle_complete_holders_make_one_fetchers_set_of_sources() {
+    let mut b = three_holders(4 * MULTI);
+    let w = name("m/set");
+    let first = b.lookup(&w, None, id(11), 20).expect("found");
+    assert_eq!(first.sources, 3);
+    let mut set: Vec<NodeId> = first.holders[..3].iter().map(|h| h.node).collect();
+    set.sort();
+    assert_eq!(set, [id(1), id(2), id(3)]);
+    assert_eq!(CtlResponse::from(first.clone()).validate(u64::MAX), Ok(()));
+    // Each holder now feeds 11: none has its upload to spare, so the next fetcher gets one
+    // source — the fetcher in flight that feeds nobody (a chain), not a busy holder.
+    let second = b.lookup(&w, None, id(12), 21).expect("found");
+    assert_eq!(second.sources, 1);
+    assert_eq!(second.holders[0].node, id(11));
+    // Asking again gives up the slots held: 11 gets the three holders back.
+    let again = b.lookup(&w, None, id(11), 22).expect("found");
+    assert_eq!(again.sources, 3);
+    // When 11 is done, the holders it used are free for the next one.
+    b.fetching(&w, 1, id(11), false, 23).expect("ended");
+    let third = b.lookup(&w, None, id(13), 24).expect("found");
+    assert!(third.sources >= 2, "{third:?}");
+}
+
+#[test]
+fn small_versions_get_one_source_at_a_time() {
+    let mut b = three_holders(MULTI - 1);
+    let found = b.lookup(&name("m/set"), None, id(11), 20).expect("found");
+    assert_eq!(found.sources, 1);
+    assert_eq!(found.holders.len(), 3);
+}
+
+#[test]
+fn a_broadcast_of_a_large_version_still_forms_a_chain() {
+    let mut b = broker_with(&[1, 11, 12, 13, 14], 0);
+    let w = name("m/big");
+    let hash = tb_proto::ContentHash([9; 32]);
+    let meta = TensorMeta::new(tb_proto::DType::U8, vec![4 * MULTI], hash).expect("meta");
+    b.publish(w.clone(), meta, id(1), 10);
+    let answers: Vec<Holders> = [11, 12, 13, 14]
+        .iter()
+        .map(|&a| b.lookup(&w, None, id(a), 20).expect("found"))
+        .collect();
+    // Every source already feeds the next fetcher: nobody gets a helper, and the publisher's
+    // upload carries one copy.
+    assert_eq!(first_sources(&answers), [id(1), id(11), id(12), id(13)]);
+    assert!(answers.iter().all(|a| a.sources == 1), "{answers:?}");
+}
