@@ -124,6 +124,8 @@ struct BroadcastReport {
     all_s: f64,
     /// Payload bytes the slow receivers uploaded during the broadcast.
     slow_uploaded_bytes: u64,
+    /// Payload bytes the publisher uploaded during the broadcast (one copy is `size_bytes`).
+    publisher_uploaded_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -236,6 +238,7 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
         others_s: round3(m.others),
         all_s: round3(m.all),
         slow_uploaded_bytes: m.slow_uploaded,
+        publisher_uploaded_bytes: m.publisher_uploaded,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -259,6 +262,11 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
                 fmt::mb_per_s(args.size, secs)
             );
         }
+        println!(
+            "the publisher uploaded {} during the broadcast ({:.2} copies)",
+            fmt::bytes(m.publisher_uploaded),
+            m.publisher_uploaded as f64 / args.size.max(1) as f64
+        );
         if args.slow_receivers > 0 {
             println!(
                 "the slow receivers uploaded {} during the broadcast",
@@ -278,6 +286,7 @@ struct Measured {
     others: f64,
     naive: f64,
     slow_uploaded: u64,
+    publisher_uploaded: u64,
 }
 
 /// The measurements, each on a version of its own. `slow` receivers start the broadcast
@@ -313,6 +322,7 @@ async fn broadcast_phases(
     let uploaded =
         |nodes: &[Node]| -> u64 { nodes.iter().map(|n| n.metrics().bytes_out.get()).sum() };
     let slow_before = uploaded(slow);
+    let publisher_before = publisher.metrics().bytes_out.get();
     let t0 = Instant::now();
     let get = move |node: Node| async move {
         let got = node.get_version(NAME, v).await?;
@@ -347,6 +357,7 @@ async fn broadcast_phases(
     let others = fast_done;
     let all = others.max(slow_done);
     let slow_uploaded = uploaded(slow) - slow_before;
+    let publisher_uploaded = publisher.metrics().bytes_out.get() - publisher_before;
 
     let v = publish(3).await?;
     let from = publisher.addr().clone();
@@ -365,6 +376,7 @@ async fn broadcast_phases(
         others,
         naive,
         slow_uploaded,
+        publisher_uploaded,
     })
 }
 
