@@ -360,3 +360,101 @@ async fn a_source_that_slows_down_is_dropped_for_another() {
     }
     broker.shutdown().await;
 }
+
+/// 32 MiB: eight pieces, at 4 MB/s about 8 s from one source.
+const WIDE: usize = 32 << 20;
+
+/// Three complete holders of `WIDE` bytes (the publisher and two nodes that got it), each
+/// uploading at `FAST`; returns them with the version.
+async fn three_holders(broker: &PeerAddr, seed: u8) -> (Vec<Node>, Tensor, u64) {
+    let publisher = node(config(broker, FAST)).await;
+    let tensor = Tensor::from_bytes(pattern(WIDE, seed));
+    let v = within(LIMIT, "publish", publisher.publish(NAME, tensor.clone()))
+        .await
+        .expect("publish");
+    let mut holders = vec![publisher];
+    for _ in 0..2 {
+        let copy = node(config(broker, FAST)).await;
+        let got = within(LIMIT, "copy get", copy.get_version(NAME, v))
+            .await
+            .expect("copy get");
+        assert_eq!(got.buffer.data(), tensor.data());
+        holders.push(copy);
+    }
+    (holders, tensor, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetcher_takes_pieces_from_every_idle_holder_at_once() {
+    use tb_dashboard::TransferKind;
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (holders, tensor, v) = three_holders(broker.addr(), 21).await;
+    let fetcher = node(config(broker.addr(), 0)).await;
+    let refs: Vec<&Node> = holders.iter().chain([&fetcher]).collect();
+    joined(&refs).await;
+    let before: Vec<u64> = holders.iter().map(|h| h.metrics().bytes_out.get()).collect();
+
+    let got = within(LIMIT, "fetch", get(&fetcher, v))
+        .await
+        .expect("task")
+        .expect("the fetch completes");
+    assert_eq!(got.data(), tensor.data());
+    assert_eq!(got.hash(), tensor.hash());
+    // Every holder served pieces, and together about one copy: no piece went twice.
+    let sent: Vec<u64> = holders
+        .iter()
+        .zip(&before)
+        .map(|(h, b)| h.metrics().bytes_out.get() - b)
+        .collect();
+    assert!(sent.iter().all(|&s| s > 0), "a holder served nothing: {sent:?}");
+    let total: u64 = sent.iter().sum();
+    assert!(
+        total >= WIDE as u64 && total < WIDE as u64 * 3 / 2,
+        "the holders sent {sent:?} for a {WIDE}-byte tensor"
+    );
+    assert_eq!(fetcher.metrics().transfers(TransferKind::Pull, true), 1);
+    assert_eq!(fetcher.metrics().transfers(TransferKind::Pull, false), 0);
+    // The fetcher holds the version it assembled from pieces and serves it.
+    let again = node(config(broker.addr(), 0)).await;
+    let from_fetcher = within(LIMIT, "pull", again.pull(fetcher.addr(), NAME, Some(v)))
+        .await
+        .expect("pull from the fetcher");
+    assert_eq!(from_fetcher.buffer.data(), tensor.data());
+    for n in holders.into_iter().chain([fetcher, again]) {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_dies_mid_fetch_leaves_its_pieces_to_the_others() {
+    tb_tests::init_logs();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (mut holders, tensor, v) = three_holders(broker.addr(), 23).await;
+    let fetcher = node(config(broker.addr(), 0)).await;
+    let refs: Vec<&Node> = holders.iter().chain([&fetcher]).collect();
+    joined(&refs).await;
+    let before = holders[1].metrics().bytes_out.get();
+
+    let fetch = get(&fetcher, v);
+    // Once the second holder has served some of its pieces, it goes away mid-piece.
+    let serving = eventually(LIMIT, || {
+        holders[1].metrics().bytes_out.get() - before >= 1 << 20
+    })
+    .await;
+    assert!(serving, "the second holder never served");
+    holders.remove(1).shutdown().await;
+    let got = within(LIMIT, "fetch", fetch)
+        .await
+        .expect("task")
+        .expect("the fetch completes from the other holders");
+    assert_eq!(got.data(), tensor.data());
+    assert_eq!(got.hash(), tensor.hash());
+    for n in holders.into_iter().chain([fetcher]) {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}

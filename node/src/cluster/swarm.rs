@@ -525,14 +525,18 @@ impl<'a> Swarm<'a> {
         }
         let late = self.late_after();
         let now = Instant::now();
-        for i in 0..self.sources.len() {
-            while self.sources[i].usable() && self.sources[i].busy < DEPTH {
+        // Round by round, so that every source gets a piece before any gets a second.
+        for depth in 1..=DEPTH {
+            for i in 0..self.sources.len() {
+                if !self.sources[i].usable() || self.sources[i].busy >= depth {
+                    continue;
+                }
                 let Some(p) = self.pick(i, now, late) else {
-                    break;
+                    continue;
                 };
                 let (Some(peer), Some(piece)) = (self.sources[i].peer.clone(), self.tokens.get(p))
                 else {
-                    break;
+                    continue;
                 };
                 let cancels = [piece.clone(), self.sources[i].cancel.clone()];
                 match &mut self.state[p] {
