@@ -9,8 +9,11 @@
 //!   version straight from the publisher. With `--slow-receivers K`, K receivers upload at
 //!   `--slow-upload-rate` only and ask first (so the broker knows them as sources before the
 //!   others ask: the worst place for them); `others_s` is when every other receiver is done,
-//!   `all_s` when all are. Nodes run QUIC only unless `--channels` says otherwise: they share
-//!   this host, where shm would hand each receiver the whole version at once.
+//!   `all_s` when all are; `publisher_uploaded_bytes` is what the publisher sent meanwhile.
+//!   Then one more node gets the broadcast version, which the publisher and every receiver
+//!   hold by then (`from_holders_s`: pieces from several idle holders at once). Nodes run QUIC
+//!   only unless `--channels` says otherwise: they share this host, where shm would hand each
+//!   receiver the whole version at once.
 //! - registry: names published one after another (a few in flight) on one broker, and the time
 //!   until each is visible on every broker (seen by a subscriber on each); then a new broker
 //!   joins and the time until it lists every name (catch-up by anti-entropy).
@@ -126,6 +129,9 @@ struct BroadcastReport {
     slow_uploaded_bytes: u64,
     /// Payload bytes the publisher uploaded during the broadcast (one copy is `size_bytes`).
     publisher_uploaded_bytes: u64,
+    /// One more node's get of the version once the publisher and every receiver hold it
+    /// (pieces from several idle holders at once).
+    from_holders_s: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -220,9 +226,11 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
             args.channels.0,
         );
     }
+    // Gets the broadcast version once every receiver holds it: from several idle holders.
+    let late = Node::spawn(config(rate)).await?;
     let (fast, slow) = receivers.split_at(args.receivers - args.slow_receivers);
-    let result = broadcast_phases(&publisher, fast, slow, len).await;
-    for node in receivers.iter().chain([&publisher]) {
+    let result = broadcast_phases(&publisher, fast, slow, &late, len).await;
+    for node in receivers.iter().chain([&publisher, &late]) {
         node.shutdown().await;
     }
     broker.broker.shutdown().await;
@@ -239,6 +247,7 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
         all_s: round3(m.all),
         slow_uploaded_bytes: m.slow_uploaded,
         publisher_uploaded_bytes: m.publisher_uploaded,
+        from_holders_s: round3(m.from_holders),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -255,6 +264,7 @@ pub async fn broadcast(args: BroadcastArgs) -> Result<()> {
             rows.push(("  all but the slow ones", m.others));
         }
         rows.push(("naive (all from publisher)", m.naive));
+        rows.push(("1 more, from idle holders", m.from_holders));
         for (label, secs) in rows {
             println!(
                 "{label:<28} {secs:>10.3} {:>10.2} {:>10.1}",
@@ -287,6 +297,7 @@ struct Measured {
     naive: f64,
     slow_uploaded: u64,
     publisher_uploaded: u64,
+    from_holders: f64,
 }
 
 /// The measurements, each on a version of its own. `slow` receivers start the broadcast
@@ -295,6 +306,7 @@ async fn broadcast_phases(
     publisher: &Node,
     fast: &[Node],
     slow: &[Node],
+    late: &Node,
     len: usize,
 ) -> Result<Measured> {
     const NAME: &str = "bench/broadcast";
@@ -358,6 +370,12 @@ async fn broadcast_phases(
     let all = others.max(slow_done);
     let slow_uploaded = uploaded(slow) - slow_before;
     let publisher_uploaded = publisher.metrics().bytes_out.get() - publisher_before;
+    let (got, from_holders) = timed("from several holders", async {
+        Ok(late.get_version(NAME, v).await?)
+    })
+    .await?;
+    check(&got.buffer, &got.meta.hash)?;
+    drop(got);
 
     let v = publish(3).await?;
     let from = publisher.addr().clone();
@@ -377,6 +395,7 @@ async fn broadcast_phases(
         naive,
         slow_uploaded,
         publisher_uploaded,
+        from_holders,
     })
 }
 
