@@ -394,7 +394,10 @@ async fn a_fetcher_takes_pieces_from_every_idle_holder_at_once() {
     let fetcher = node(config(broker.addr(), 0)).await;
     let refs: Vec<&Node> = holders.iter().chain([&fetcher]).collect();
     joined(&refs).await;
-    let before: Vec<u64> = holders.iter().map(|h| h.metrics().bytes_out.get()).collect();
+    let before: Vec<u64> = holders
+        .iter()
+        .map(|h| h.metrics().bytes_out.get())
+        .collect();
 
     let got = within(LIMIT, "fetch", get(&fetcher, v))
         .await
@@ -408,7 +411,10 @@ async fn a_fetcher_takes_pieces_from_every_idle_holder_at_once() {
         .zip(&before)
         .map(|(h, b)| h.metrics().bytes_out.get() - b)
         .collect();
-    assert!(sent.iter().all(|&s| s > 0), "a holder served nothing: {sent:?}");
+    assert!(
+        sent.iter().all(|&s| s > 0),
+        "a holder served nothing: {sent:?}"
+    );
     let total: u64 = sent.iter().sum();
     assert!(
         total >= WIDE as u64 && total < WIDE as u64 * 3 / 2,

@@ -246,6 +246,14 @@ impl FakeHolder {
                     .write_all(&reply(&DataResponse::Channels { offers }))
                     .await;
             }
+            DataRequest::Pieces { .. } => {
+                // This holder serves in one stream only.
+                let no = DataResponse::Error {
+                    code: tb_node::proto::ErrorCode::NotFound,
+                    message: "no pieces here".into(),
+                };
+                let _ = send.write_all(&reply(&no)).await;
+            }
             DataRequest::TcpPull { .. } => {
                 let ticket = DataResponse::TcpTicket {
                     meta,

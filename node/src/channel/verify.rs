@@ -116,7 +116,8 @@ impl Pieces {
             .map(|i| tb_proto::piece::piece_range(len, i))
             .collect::<Vec<_>>();
         let ranges = if ranges.is_empty() {
-            vec![0..0]
+            // An empty version is one (empty) piece: its value is the root hash.
+            std::iter::once(0..0).collect()
         } else {
             ranges
         };

@@ -7,11 +7,13 @@
 //!   `members` merges the membership tables of several brokers (`tb status`).
 //! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
 //!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
-//! - `fetch` and `resume`: a get pulls from the holders a broker names, best first, resuming
-//!   at the byte it reached when a holder fails (`Pull { range }`), verified by hash; while
-//!   it pulls it asks the broker again now and then, and moves to the source the broker names
-//!   or away from one that `pace` judges slow. `get_into` does the same into the caller's
-//!   buffer (`Node::get_into`).
+//! - `fetch`, `swarm` and `resume`: a get of a version of at least 16 MiB takes it in pieces
+//!   from the broker's set of sources at once, each piece checked against the version's
+//!   outline (`swarm`); a smaller one (or one no source offers in pieces) is pulled from the
+//!   holders a broker names, best first, resuming at the byte it reached when a holder fails
+//!   (`Pull { range }`), verified by hash; while it pulls it asks the broker again now and
+//!   then, and moves to the source the broker names or away from one that `pace` judges
+//!   slow. `get_into` does the same into the caller's buffer (`Node::get_into`).
 //! - `subscribe`: a [`Subscription`] reads a broker's events, keeps per-name order, reports
 //!   gaps as [`SubEvent::Skipped`], fetches the newest pending version of each name, and moves
 //!   to the next broker when its broker goes away.
