@@ -284,6 +284,113 @@ async fn a_holder_that_breaks_mid_transfer_is_resumed_at_the_byte_by_the_next() 
     }
 }
 
+/// A holder that offers every piece of `tensor` honestly but sends piece 1 with a byte
+/// flipped.
+#[derive(Debug, Clone)]
+struct LyingPieceServer {
+    me: iroh::EndpointId,
+    tensor: Tensor,
+}
+
+impl ProtocolHandler for LyingPieceServer {
+    async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
+        let key = tb_proto::ClusterKey::open();
+        let admission = auth::Admission::new(&Config::default());
+        if auth::server_hello(&conn, self.me, &key, DATA_ALPN, &admission, 1 << 40, |_| {})
+            .await
+            .is_err()
+        {
+            return Ok(());
+        }
+        let len = self.tensor.byte_len();
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            match wire::read_frame(&mut recv).await {
+                Ok(DataRequest::Pieces { .. }) => {
+                    let outline = DataResponse::Outline {
+                        piece_len: tb_proto::piece::piece_len(len),
+                        values: crate::channel::verify::outline(self.tensor.data()),
+                        complete: true,
+                        have: Vec::new(),
+                    };
+                    let _ = wire::write_frame(&mut send, &outline).await;
+                }
+                Ok(DataRequest::Pull {
+                    version,
+                    range: Some(range),
+                    ..
+                }) => {
+                    let header = DataResponse::Header {
+                        meta: self.tensor.meta().clone(),
+                        version: version.unwrap_or(1),
+                    };
+                    let (at, end) = (range.offset as usize, (range.offset + range.len) as usize);
+                    let mut bytes = self.tensor.data()[at..end].to_vec();
+                    if tb_proto::piece::piece_range(len, 1).start == range.offset {
+                        bytes[7] ^= 0x40;
+                    }
+                    let _ = wire::write_frame(&mut send, &header).await;
+                    let _ = send.write_all(&bytes).await;
+                }
+                // No channels besides QUIC.
+                Ok(DataRequest::Channels { .. }) => {
+                    let none = DataResponse::Channels { offers: Vec::new() };
+                    let _ = wire::write_frame(&mut send, &none).await;
+                }
+                _ => break,
+            }
+            let _ = send.finish();
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_sends_a_bad_piece_is_dropped_and_its_good_pieces_kept() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let (a, c) = (
+        worker(config(std::slice::from_ref(&b))).await,
+        worker(config(&[b])).await,
+    );
+    // 16 MiB: four pieces, fetched in pieces.
+    let t = tensor(4 << 20, 6);
+    assert_eq!(tb_proto::piece::piece_count(t.byte_len()), 4);
+    within("publish", a.publish("m/big", t.clone()))
+        .await
+        .expect("publish");
+    let ep = bind_endpoint(&Config::default(), SecretKey::generate())
+        .await
+        .expect("endpoint");
+    let liar = LyingPieceServer {
+        me: ep.id(),
+        tensor: t.clone(),
+    };
+    let holder = HolderAddr {
+        node: auth::node_id(&ep.id()),
+        addrs: vec![ep.bound_sockets()[0].to_string()],
+        complete: true,
+    };
+    let router = Router::builder(ep).accept(DATA_ALPN, liar).spawn();
+    fake.state().first_holder = Some(holder);
+    let sent_before = a.ctx().metrics.bytes_out.get();
+    let got = within("get", c.get("m/big")).await.expect("get");
+    assert_eq!(got.buffer.data(), t.data());
+    assert_eq!(got.buffer.hash(), t.hash());
+    // The bad piece came again from the honest holder; the liar's first piece, verified on
+    // arrival, was kept.
+    let from_a = a.ctx().metrics.bytes_out.get() - sent_before;
+    let piece = tb_proto::piece::piece_len(t.byte_len());
+    assert!(from_a >= piece, "the honest holder sent {from_a} bytes");
+    assert!(
+        from_a < t.byte_len(),
+        "the fetch started over: {from_a} bytes"
+    );
+    let _ = router.shutdown().await;
+    for node in [a, c, broker] {
+        node.shutdown().await;
+    }
+}
+
 /// Collects events until `done` says the subscriber has seen enough; returns per name the
 /// versions delivered and skipped.
 async fn collect(
