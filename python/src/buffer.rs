@@ -2,7 +2,9 @@
 //! the node's `Tensor` (shared, immutable bytes: the same ones the node's store keeps and
 //! serves) and lends them out read-only through the buffer protocol (numpy's
 //! `frombuffer`, `memoryview`) and as a 1-D `uint8` DLPack capsule (`torch.from_dlpack`).
-//! The bytes live until the last array or tensor made from them is gone.
+//! A tensor on a CUDA device is lent as a DLPack capsule of that device (`kDLCUDA`), its
+//! device memory shared, not copied. The bytes live until the last array or tensor made from
+//! them is gone.
 
 // The buffer protocol and DLPack are C interfaces: raw pointers handed to Python, checked
 // here once.
@@ -34,13 +36,38 @@ pub struct Buffer {
 }
 
 impl Buffer {
-    /// Wraps a host tensor (device tensors have no host bytes to lend).
+    /// Wraps a tensor (a device tensor lends its bytes through DLPack only).
     pub(crate) fn new(name: String, version: u64, tensor: Tensor) -> Self {
         Buffer {
             tensor,
             name,
             version,
         }
+    }
+
+    /// What a DLPack capsule points at: the first byte, the length, and the device.
+    fn exported_memory(&self) -> PyResult<(*mut c_void, usize, DlDevice)> {
+        if let Some(buf) = self.tensor.device_buffer() {
+            let device = DlDevice {
+                device_type: DL_CUDA,
+                device_id: i32::try_from(buf.ordinal())
+                    .map_err(|_| PyBufferError::new_err("device ordinal out of range"))?,
+            };
+            // A device address, never dereferenced here: DLPack consumers read it on the
+            // device. The capsule keeps the buffer alive.
+            let data = buf.device_ptr() as usize as *mut c_void;
+            return Ok((data, buf.len(), device));
+        }
+        let bytes = self.bytes()?;
+        let device = DlDevice {
+            device_type: DL_CPU,
+            device_id: 0,
+        };
+        Ok((
+            bytes.as_ptr().cast_mut().cast::<c_void>(),
+            bytes.len(),
+            device,
+        ))
     }
 
     /// The host bytes.
@@ -61,6 +88,8 @@ impl Buffer {
 const DLTENSOR: &CStr = c"dltensor";
 /// `kDLCPU`.
 const DL_CPU: i32 = 1;
+/// `kDLCUDA`.
+const DL_CUDA: i32 = 2;
 /// `kDLUInt`.
 const DL_UINT: u8 = 1;
 
@@ -229,9 +258,11 @@ impl Buffer {
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 
-    /// The bytes as a DLPack capsule: a 1-D `uint8` CPU tensor over them, no copy (the
-    /// package views it as the real dtype and shape). `stream` and the other arguments of
-    /// the protocol are accepted; only CPU is exported.
+    /// The bytes as a DLPack capsule: a 1-D `uint8` tensor over them, no copy (the package
+    /// views it as the real dtype and shape), on the CPU or on the CUDA device that holds
+    /// them. `stream` and the other arguments of the protocol are accepted: a device
+    /// tensor's bytes were written and synchronized before the buffer was made, so they are
+    /// ready on any stream.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
@@ -247,17 +278,13 @@ impl Buffer {
             ));
         }
         let this = slf.get();
-        let bytes = this.bytes()?;
-        let len = i64::try_from(bytes.len()).map_err(|_| PyBufferError::new_err("too large"))?;
-        let data = bytes.as_ptr().cast_mut().cast::<c_void>();
+        let (data, len, device) = this.exported_memory()?;
+        let len = i64::try_from(len).map_err(|_| PyBufferError::new_err("too large"))?;
         let exported = Box::new(Exported {
             managed: DlManagedTensor {
                 dl_tensor: DlTensor {
                     data,
-                    device: DlDevice {
-                        device_type: DL_CPU,
-                        device_id: 0,
-                    },
+                    device,
                     ndim: 1,
                     dtype: DlDataType {
                         code: DL_UINT,
@@ -358,8 +385,34 @@ impl Buffer {
         Ok(array)
     }
 
-    /// Where the DLPack tensor lives: `(kDLCPU, 0)`.
+    /// Where the DLPack tensor lives: `(kDLCPU, 0)`, or `(kDLCUDA, ordinal)`.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (DL_CPU, 0)
+        match self.tensor.device_buffer() {
+            Some(buf) => (DL_CUDA, i32::try_from(buf.ordinal()).unwrap_or(i32::MAX)),
+            None => (DL_CPU, 0),
+        }
     }
+
+    /// The CUDA device holding the bytes, or `None` for host memory.
+    #[getter]
+    fn cuda_device(&self) -> Option<usize> {
+        self.tensor.device_buffer().map(|b| b.ordinal())
+    }
+}
+
+/// Copies the `len` bytes of a CUDA tensor at device address `ptr` on device `ordinal` into a
+/// buffer of the node's, device to device (blocks until done).
+///
+/// The caller (`Client.put`) passes a contiguous torch CUDA tensor's `data_ptr()` and
+/// `nbytes` after synchronizing the stream that produced it, and keeps the tensor referenced
+/// for the whole call.
+pub(crate) fn copy_cuda(
+    ordinal: usize,
+    ptr: u64,
+    len: usize,
+) -> tb_node::Result<tb_node::DeviceBuffer> {
+    // SAFETY: per the caller's contract above, `ptr..ptr + len` is live device memory of this
+    // process on `ordinal` (torch allocates in the primary context, which the node's CUDA
+    // context is), finished and not written while the copy runs.
+    unsafe { tb_node::DeviceBuffer::copy_from_device_ptr(ordinal, ptr, len) }
 }

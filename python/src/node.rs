@@ -186,14 +186,53 @@ impl NodeHandle {
         wait(py, node.publish(name, tensor))?.map_err(to_py)
     }
 
-    /// Gets `version` (the newest when `None`) of `name`, within `timeout` seconds if given.
-    #[pyo3(signature = (name, version=None, timeout=None))]
+    /// Publishes the `nbytes` bytes of a CUDA tensor at device address `ptr` on device
+    /// `ordinal` (`tensor` is the tensor itself, kept referenced for the call) as the next
+    /// version of `name`, copied device to device into the node's memory, where it stays and
+    /// is served from; returns the version. `Unavailable` in a build without CUDA.
+    #[pyo3(signature = (name, tensor, ptr, nbytes, ordinal, dtype, shape, keep=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_cuda(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        tensor: &Bound<'_, PyAny>,
+        ptr: u64,
+        nbytes: usize,
+        ordinal: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        keep: Option<usize>,
+    ) -> PyResult<u64> {
+        let node = self.node()?.clone();
+        let dtype: DType = dtype
+            .parse()
+            .map_err(|e: tb_node::proto::UnknownDType| errors::invalid(e.to_string()))?;
+        // `tensor` stays referenced (its memory allocated) for the whole call.
+        let _alive = tensor;
+        let tensor = py
+            .detach(move || {
+                let buf = crate::buffer::copy_cuda(ordinal, ptr, nbytes)?;
+                Tensor::from_device(dtype, shape, buf)
+            })
+            .map_err(to_py)?;
+        if let Some(keep) = keep {
+            node.set_keep(name, keep).map_err(to_py)?;
+        }
+        wait(py, node.publish(name, tensor))?.map_err(to_py)
+    }
+
+    /// Gets `version` (the newest when `None`) of `name`, within `timeout` seconds if given,
+    /// in host memory, or on CUDA device `device` (copied there from host memory unless this
+    /// node holds it on that device already).
+    #[pyo3(signature = (name, version=None, timeout=None, device=None))]
     fn get(
         &self,
         py: Python<'_>,
         name: String,
         version: Option<u64>,
         timeout: Option<f64>,
+        device: Option<usize>,
     ) -> PyResult<Buffer> {
         let node = self.node()?.clone();
         let what = || format!("getting \"{name}\"");
@@ -204,11 +243,10 @@ impl NodeHandle {
             }
         })?
         .map_err(to_py)?;
+        let want = device.map_or(Device::Host, Device::Cuda);
         let tensor = match got.buffer.device() {
-            Device::Host => got.buffer,
-            _ => py
-                .detach(|| got.buffer.to_device(Device::Host))
-                .map_err(to_py)?,
+            now if now == want => got.buffer,
+            _ => py.detach(|| got.buffer.to_device(want)).map_err(to_py)?,
         };
         Ok(Buffer::new(
             got.name.as_str().to_owned(),

@@ -1,4 +1,5 @@
-"""torch tensors in and out (CPU), through DLPack, without copies."""
+"""torch tensors in and out (CPU, and CUDA where there is a device), through DLPack,
+without copies."""
 
 from __future__ import annotations
 
@@ -61,11 +62,43 @@ def test_torch_inputs_that_need_fixing(client: tb.Client) -> None:
     assert out.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_cuda_tensors(client: tb.Client) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: this machine has no GPU (or torch has no CUDA)")
-    t = torch.arange(16, dtype=torch.float32, device="cuda")
-    with pytest.raises(ValueError, match="cpu"):
-        client.put("torch/cuda", t)
-    client.put("torch/cuda", t.cpu())
-    assert torch.equal(client.get_torch("torch/cuda").cuda(), t)
+CUDA_HERE = torch.cuda.is_available()
+NO_CUDA = (
+    "no CUDA device on this machine (torch.cuda.is_available() is False): the device-to-device "
+    "path is not exercised here"
+)
+
+
+def test_get_torch_names_its_device(client: tb.Client) -> None:
+    client.put("torch/dev", torch.arange(6, dtype=torch.int32))
+    assert client.get_torch("torch/dev", device="cpu").device.type == "cpu"
+    for bad in ["tpu:0", "cuda:x", -1]:
+        with pytest.raises(ValueError, match="device"):
+            client.get_torch("torch/dev", device=bad)
+
+
+@pytest.mark.skipif(CUDA_HERE, reason="this machine has a CUDA device")
+def test_a_cuda_get_without_a_device_is_unavailable(client: tb.Client) -> None:
+    client.put("torch/nodev", torch.arange(6, dtype=torch.int32))
+    with pytest.raises(tb.Unavailable):
+        client.get_torch("torch/nodev", device="cuda:0")
+
+
+@pytest.mark.skipif(not CUDA_HERE, reason=NO_CUDA)
+def test_cuda_tensors_round_trip_device_to_device(
+    client: tb.Client, cluster: tb.LocalCluster
+) -> None:
+    if not tb._native.CUDA_COMPILED:
+        pytest.skip("the extension was built without tb-node's cuda feature")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t = torch.randn(1024, 257, generator=g, device="cuda").to(torch.bfloat16)
+    v = client.put("torch/cuda", t)
+    # The publisher keeps it on the device: its own get is the same device memory's bytes.
+    mine = client.get_torch("torch/cuda", v, device="cuda")
+    assert mine.device.type == "cuda" and torch.equal(mine, t)
+    with cluster.connect() as other:
+        got = other.get_torch("torch/cuda", v, device=t.device)
+        assert got.device == t.device and got.dtype == torch.bfloat16
+        assert torch.equal(got, t)
+        # And as host bytes for a reader without a GPU in mind.
+        assert torch.equal(other.get_torch("torch/cuda", v), t.cpu())

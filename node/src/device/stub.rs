@@ -38,6 +38,21 @@ impl DeviceBuffer {
         Err(unavailable())
     }
 
+    /// Copies device memory to a new buffer: `DeviceUnavailable` in this build.
+    ///
+    /// # Safety
+    ///
+    /// None needed here (nothing is read); the CUDA build's contract is in its docs.
+    #[allow(unsafe_code)]
+    pub unsafe fn copy_from_device_ptr(_ordinal: usize, _src: u64, _len: usize) -> Result<Self> {
+        Err(unavailable())
+    }
+
+    /// The device address of the first byte.
+    pub fn device_ptr(&self) -> u64 {
+        match self.never {}
+    }
+
     /// Copies the bytes to host memory.
     pub fn to_host(&self) -> Result<Vec<u8>> {
         match self.never {}

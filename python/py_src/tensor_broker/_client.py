@@ -193,12 +193,22 @@ class Client:
         """Publishes ``array`` as the next version of ``name`` and returns that version.
 
         ``array``: a numpy array of any supported dtype (bf16/f8 through ``ml_dtypes``), a
-        CPU torch tensor, or any object with ``__dlpack__``; C-contiguous (else ``ValueError``:
+        torch tensor, or any object with ``__dlpack__``; C-contiguous (else ``ValueError``:
         pass ``numpy.ascontiguousarray(a)``). Its bytes are copied once (GIL released), so
-        changing the array afterwards does not change the version. ``keep``: how many
+        changing the array afterwards does not change the version. A CUDA torch tensor is
+        copied device to device (after its device's current stream is synchronized) and the
+        node keeps and serves it from device memory (same-host peers pulling to a device get
+        it by CUDA IPC); that needs a build with CUDA (``Unavailable`` otherwise). ``keep``: how many
         versions of this name this node keeps and serves (default 2; the brokers offer the
         newest 2 of a name, so more only helps readers of this node's own store).
         """
+        cuda = _convert.cuda_tensor(array)
+        if cuda is not None:
+            t, dtype, shape, ordinal = cuda
+            nbytes = t.numel() * t.element_size()
+            return self._node.put_cuda(
+                name, t, t.data_ptr(), nbytes, ordinal, dtype, list(shape), keep
+            )
         data, dtype, shape = _convert.to_bytes(array)
         return self._node.put(name, data, dtype, list(shape), keep)
 
@@ -235,14 +245,24 @@ class Client:
         return self._node.get(name, version, timeout)
 
     def get_torch(
-        self, name: str, version: int | None = None, *, timeout: float | None = None
+        self,
+        name: str,
+        version: int | None = None,
+        *,
+        timeout: float | None = None,
+        device: Any = None,
     ) -> Any:
-        """Gets ``name`` as a CPU torch tensor through DLPack, without a copy.
+        """Gets ``name`` as a torch tensor through DLPack, without a copy.
 
-        The tensor shares memory with what this node holds and serves to others: treat it as
-        read-only (``.clone()`` before changing it in place).
+        ``device``: ``None``/``"cpu"`` for host memory, or ``"cuda"``, ``"cuda:N"``, a torch
+        device or an ordinal: the tensor on that CUDA device (the bytes arrive in host memory
+        and are copied to the device once, unless this node holds them there already, as
+        after its own ``put`` of a CUDA tensor; ``Unavailable`` without CUDA). The tensor
+        shares memory with what this node holds and serves to others: treat it as read-only
+        (``.clone()`` before changing it in place).
         """
-        return _convert.to_torch(self._node.get(name, version, timeout))
+        ordinal = _convert.cuda_ordinal(device)
+        return _convert.to_torch(self._node.get(name, version, timeout, ordinal))
 
     def put_many(
         self,

@@ -37,11 +37,51 @@ def to_bytes(obj: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
     )
 
 
+def cuda_tensor(obj: Any) -> tuple[Any, str, tuple[int, ...], int] | None:
+    """``obj`` as (a contiguous CUDA tensor whose bytes are its, dtype name, shape, device
+    ordinal) when it is a torch CUDA tensor, else ``None``. The work that produced it is
+    finished first (its device's current stream synchronized), so its bytes can be copied."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cuda":
+        return None
+    name = _dtypes.name_of_torch(obj.dtype)
+    if not obj.is_contiguous():
+        raise ValueError("the tensor is not contiguous: pass t.contiguous()")
+    t = obj.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    ordinal = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    torch.cuda.current_stream(t.device).synchronize()
+    return t, name, tuple(t.shape), ordinal
+
+
+def cuda_ordinal(device: Any) -> int | None:
+    """The CUDA device ordinal ``device`` names (``"cuda"``, ``"cuda:1"``, a torch device,
+    an int), or ``None`` for ``"cpu"``/``None``."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device {device}: a CUDA ordinal is at least 0")
+        return device
+    text = str(device)
+    if text == "cpu":
+        return None
+    if text == "cuda":
+        import torch
+
+        return int(torch.cuda.current_device())
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise ValueError(f"device {device!r}: expected 'cpu', 'cuda', 'cuda:N' or an int")
+
+
 def _torch_bytes(torch: Any, t: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
     name = _dtypes.name_of_torch(t.dtype)
     if t.device.type != "cpu":
         raise ValueError(
-            f"the tensor is on {t.device}: this build sends host tensors; pass t.cpu()"
+            f"the tensor is on {t.device}: put() sends CUDA tensors device to device; "
+            "put_many() and out= take host tensors: pass t.cpu()"
         )
     if not t.is_contiguous():
         raise ValueError("the tensor is not contiguous: pass t.contiguous()")
@@ -60,8 +100,9 @@ def to_numpy(buf: Buffer) -> np.ndarray:
 
 
 def to_torch(buf: Buffer) -> Any:
-    """A torch tensor over ``buf``'s bytes through DLPack (no copy). It shares memory with
-    what the node holds and serves: treat it as read-only (``.clone()`` before writing)."""
+    """A torch tensor over ``buf``'s bytes through DLPack (no copy), on the CPU or on the
+    CUDA device holding them. It shares memory with what the node holds and serves: treat it
+    as read-only (``.clone()`` before writing)."""
     import torch
 
     if buf.dtype == "set":

@@ -10,7 +10,8 @@ CUDA_COMPILED: bool
 
 class Buffer:
     """A received tensor's bytes, read-only, never copied: the buffer protocol (``memoryview``),
-    DLPack (a 1-D ``uint8`` CPU capsule) and :meth:`numpy` lend them out."""
+    DLPack (a 1-D ``uint8`` capsule, on the CPU or the CUDA device holding the bytes) and
+    :meth:`numpy` lend them out."""
 
     @property
     def name(self) -> str:
@@ -29,7 +30,10 @@ class Buffer:
         """Size in bytes."""
     @property
     def address(self) -> int:
-        """Address of the first byte."""
+        """Address of the first byte (host bytes only)."""
+    @property
+    def cuda_device(self) -> Optional[int]:
+        """The CUDA device holding the bytes, or ``None`` for host memory."""
     def numpy(self, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
         """A read-only array of ``dtype`` over the bytes whose ``base`` is this buffer."""
     def __len__(self) -> int: ...
@@ -115,8 +119,23 @@ class NodeHandle:
         shape: list[int],
         keep: Optional[int] = None,
     ) -> int: ...
+    def put_cuda(
+        self,
+        name: str,
+        tensor: Any,
+        ptr: int,
+        nbytes: int,
+        ordinal: int,
+        dtype: str,
+        shape: list[int],
+        keep: Optional[int] = None,
+    ) -> int: ...
     def get(
-        self, name: str, version: Optional[int] = None, timeout: Optional[float] = None
+        self,
+        name: str,
+        version: Optional[int] = None,
+        timeout: Optional[float] = None,
+        device: Optional[int] = None,
     ) -> Buffer: ...
     def get_into(
         self,

@@ -7,7 +7,7 @@ use std::{
     sync::Arc,
 };
 
-use cudarc::driver::{CudaSlice, DevicePtr, result, sys};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, result, sys};
 use tb_proto::{ContentHash, ContentHasher};
 
 use super::{driver_error, gpu};
@@ -123,6 +123,41 @@ impl DeviceBuffer {
             .synchronize()
             .map_err(|e| driver_error("copying host bytes to the device", e))?;
         Ok(buf)
+    }
+
+    /// Copies the `len` bytes at device address `src` on device `ordinal` — memory another
+    /// library of this process allocated, such as a torch CUDA tensor's `data_ptr()` — into
+    /// a new buffer, device to device (blocks until done).
+    ///
+    /// # Safety
+    ///
+    /// `src..src + len` must be memory of this process that device `ordinal` can read (an
+    /// allocation in its primary context, as torch's are), and nothing may write it while the
+    /// copy runs: the caller finishes the work that produced the bytes first (for torch,
+    /// `torch.cuda.current_stream().synchronize()`).
+    pub unsafe fn copy_from_device_ptr(ordinal: usize, src: u64, len: usize) -> Result<Self> {
+        let mut buf = DeviceBuffer::alloc(ordinal, len)?;
+        if len == 0 {
+            return Ok(buf);
+        }
+        let slice = buf.slice_mut()?;
+        let stream = slice.stream().clone();
+        {
+            let (dst, _written) = slice.device_ptr_mut(&stream);
+            // SAFETY: `dst` is this fresh buffer's `len` bytes; the caller vouches for `src`.
+            unsafe { result::memcpy_dtod_async(dst, src, len, stream.cu_stream()) }
+                .map_err(|e| driver_error(format!("copying {len} bytes on cuda:{ordinal}"), e))?;
+        }
+        stream
+            .synchronize()
+            .map_err(|e| driver_error(format!("copying {len} bytes on cuda:{ordinal}"), e))?;
+        Ok(buf)
+    }
+
+    /// The device address of the first byte, for C interfaces that share device memory
+    /// (DLPack, `__cuda_array_interface__`). Valid while this buffer (or a clone) lives.
+    pub fn device_ptr(&self) -> u64 {
+        self.raw_ptr()
     }
 
     /// Wraps memory cudarc allocated (for example the output of a kernel).
