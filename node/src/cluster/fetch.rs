@@ -393,6 +393,20 @@ pub(super) async fn from_holders(
     Err(tries.exhausted(format!("tensor \"{name}\" v{version}")))
 }
 
+/// The addresses of `holder` to dial, in the broker's order (those that do not parse are
+/// skipped); `PeerUnreachable` when its node id is not a valid key.
+pub(super) fn peers_of(holder: &HolderAddr) -> Result<Vec<PeerAddr>> {
+    let id = EndpointId::from_bytes(&holder.node.0).map_err(|e| Error::PeerUnreachable {
+        peer: format!("{:?}", holder.node),
+        reason: format!("not a valid node id: {e}"),
+    })?;
+    let addrs = holder
+        .addrs
+        .iter()
+        .filter_map(|a| a.parse::<SocketAddr>().ok());
+    Ok(addrs.map(|addr| PeerAddr { id, addr }).collect())
+}
+
 /// Pulls the rest of the version from one holder, at the first of its addresses that links:
 /// the whole version over the pair's channel (nothing of it received yet), or the bytes into
 /// `into.dest` over QUIC, unless `watch` moves the get elsewhere first.
@@ -408,8 +422,6 @@ async fn from_holder(
         peer: format!("{:?}", holder.node),
         reason,
     };
-    let id = EndpointId::from_bytes(&holder.node.0)
-        .map_err(|e| unreachable(format!("not a valid node id: {e}")))?;
     let Want {
         name,
         version,
@@ -417,12 +429,7 @@ async fn from_holder(
         ..
     } = want;
     let mut last = None;
-    for addr in holder
-        .addrs
-        .iter()
-        .filter_map(|a| a.parse::<SocketAddr>().ok())
-    {
-        let peer = PeerAddr { id, addr };
+    for peer in peers_of(holder)? {
         match node.link(&peer).await {
             Ok(link) => {
                 if into.resume.filled() == 0
@@ -535,18 +542,14 @@ async fn whole_by_channel(node: &Node, cluster: &Cluster, holders: &Holders) -> 
     let Some(first) = holders.holders.iter().find(|h| h.node != cluster.me()) else {
         return false;
     };
-    let (Ok(id), Some(addr)) = (
-        EndpointId::from_bytes(&first.node.0),
-        first
-            .addrs
-            .iter()
-            .find_map(|a| a.parse::<SocketAddr>().ok()),
-    ) else {
+    let Some(peer) = peers_of(first).ok().and_then(|p| p.into_iter().next()) else {
         return false;
     };
-    let peer = PeerAddr { id, addr };
     let links = || node.link(&peer);
-    matches!(channel::route(node.ctx(), &id, links).await, Ok(Some(_)))
+    matches!(
+        channel::route(node.ctx(), &peer.id, links).await,
+        Ok(Some(_))
+    )
 }
 
 /// Gets the whole version from `peer` over the pair's channel when that is not QUIC: shm

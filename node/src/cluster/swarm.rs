@@ -31,17 +31,13 @@
 use std::{
     collections::HashSet,
     future::Future,
-    net::SocketAddr,
     ops::Range,
     pin::Pin,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
-use iroh::{
-    EndpointId,
-    endpoint::{RecvStream, SendStream, VarInt},
-};
+use iroh::endpoint::{RecvStream, SendStream, VarInt};
 use n0_future::{FuturesUnordered, StreamExt};
 use tb_dashboard::TransferKind;
 use tb_proto::{
@@ -703,17 +699,8 @@ async fn open(
     i: usize,
 ) -> (usize, Heard) {
     let heard = async {
-        let id = EndpointId::from_bytes(&holder.node.0).map_err(|e| Error::PeerUnreachable {
-            peer: format!("{:?}", holder.node),
-            reason: format!("not a valid node id: {e}"),
-        })?;
         let mut last = None;
-        for addr in holder
-            .addrs
-            .iter()
-            .filter_map(|a| a.parse::<SocketAddr>().ok())
-        {
-            let peer = PeerAddr { id, addr };
+        for peer in super::fetch::peers_of(&holder)? {
             let link = match node.link(&peer).await {
                 Ok(link) => link,
                 Err(e) => {

@@ -200,6 +200,16 @@ async fn a_dead_holder_is_passed_over_for_the_next() {
     }
 }
 
+/// The serving side of the `tb/data/1` hello on the open key, as a raw server does it:
+/// whether it succeeded.
+async fn data_hello(conn: &Connection, me: iroh::EndpointId) -> bool {
+    let key = tb_proto::ClusterKey::open();
+    let admission = auth::Admission::new(&Config::default());
+    auth::server_hello(conn, me, &key, DATA_ALPN, &admission, 1 << 40, |_| {})
+        .await
+        .is_ok()
+}
+
 /// A holder that sends the header and the first half of the payload, then ends the stream.
 #[derive(Debug, Clone)]
 struct HalfServer {
@@ -209,12 +219,7 @@ struct HalfServer {
 
 impl ProtocolHandler for HalfServer {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let key = tb_proto::ClusterKey::open();
-        let admission = auth::Admission::new(&Config::default());
-        if auth::server_hello(&conn, self.me, &key, DATA_ALPN, &admission, 1 << 40, |_| {})
-            .await
-            .is_err()
-        {
+        if !data_hello(&conn, self.me).await {
             return Ok(());
         }
         while let Ok((mut send, mut recv)) = conn.accept_bi().await {
@@ -294,12 +299,7 @@ struct LyingPieceServer {
 
 impl ProtocolHandler for LyingPieceServer {
     async fn accept(&self, conn: Connection) -> Result<(), AcceptError> {
-        let key = tb_proto::ClusterKey::open();
-        let admission = auth::Admission::new(&Config::default());
-        if auth::server_hello(&conn, self.me, &key, DATA_ALPN, &admission, 1 << 40, |_| {})
-            .await
-            .is_err()
-        {
+        if !data_hello(&conn, self.me).await {
             return Ok(());
         }
         let len = self.tensor.byte_len();
