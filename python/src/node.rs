@@ -223,8 +223,9 @@ impl NodeHandle {
     }
 
     /// Gets `version` (the newest when `None`) of `name`, within `timeout` seconds if given,
-    /// in host memory, or on CUDA device `device` (copied there from host memory unless this
-    /// node holds it on that device already).
+    /// in host memory, or on CUDA device `device` (`Node::get_to`: device to device by CUDA
+    /// IPC from a same-host holder that keeps it on a device, through pinned staging into
+    /// device memory from others; not kept by this node).
     #[pyo3(signature = (name, version=None, timeout=None, device=None))]
     fn get(
         &self,
@@ -236,14 +237,16 @@ impl NodeHandle {
     ) -> PyResult<Buffer> {
         let node = self.node()?.clone();
         let what = || format!("getting \"{name}\"");
+        let want = device.map_or(Device::Host, Device::Cuda);
         let got = wait_limited(py, timeout, what, async {
-            match version {
-                Some(v) => node.get_version(&name, v).await,
-                None => node.get(&name).await,
+            match (want, version) {
+                (Device::Cuda(_), _) => node.get_to(&name, version, want).await,
+                (_, Some(v)) => node.get_version(&name, v).await,
+                (_, None) => node.get(&name).await,
             }
         })?
         .map_err(to_py)?;
-        let want = device.map_or(Device::Host, Device::Cuda);
+        // A host get of a version this node keeps on a device: its bytes, in host memory.
         let tensor = match got.buffer.device() {
             now if now == want => got.buffer,
             _ => py.detach(|| got.buffer.to_device(want)).map_err(to_py)?,

@@ -30,6 +30,7 @@ mod ctl_client;
 mod failover;
 mod fetch;
 mod get_into;
+mod get_to;
 mod members;
 mod pace;
 mod race;

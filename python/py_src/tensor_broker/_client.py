@@ -255,9 +255,11 @@ class Client:
         """Gets ``name`` as a torch tensor through DLPack, without a copy.
 
         ``device``: ``None``/``"cpu"`` for host memory, or ``"cuda"``, ``"cuda:N"``, a torch
-        device or an ordinal: the tensor on that CUDA device (the bytes arrive in host memory
-        and are copied to the device once, unless this node holds them there already, as
-        after its own ``put`` of a CUDA tensor; ``Unavailable`` without CUDA). The tensor
+        device or an ordinal: the tensor on that CUDA device, received into device memory
+        (device to device by CUDA IPC from a holder on this host that keeps it on a GPU,
+        through pinned staging from others; this node does not keep that copy), or this
+        node's own device copy after its ``put`` of a CUDA tensor. ``Unavailable`` without
+        CUDA. The tensor
         shares memory with what this node holds and serves to others: treat it as read-only
         (``.clone()`` before changing it in place).
         """

@@ -597,3 +597,30 @@ async fn a_delete_reaches_subscribers_and_hides_the_name() {
         node.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_to_the_host_is_a_get_and_to_a_missing_device_is_unavailable() {
+    let fake = FakeCluster::new();
+    let (broker, b) = fake.broker(config(&[])).await;
+    let (a, c) = (
+        worker(config(std::slice::from_ref(&b))).await,
+        worker(config(&[b])).await,
+    );
+    let t = tensor(1000, 8);
+    let v = within("publish", a.publish("m/dev", t.clone()))
+        .await
+        .expect("publish");
+    let got = within("get_to", c.get_to("m/dev", Some(v), crate::Device::Host))
+        .await
+        .expect("get_to the host");
+    assert_eq!(got.buffer.data(), t.data());
+    if crate::device::probe(0).is_err() {
+        let err = within("get_to", c.get_to("m/dev", None, crate::Device::Cuda(0)))
+            .await
+            .expect_err("no device here");
+        assert!(matches!(err, Error::DeviceUnavailable(_)), "{err:?}");
+    }
+    for node in [a, c, broker] {
+        node.shutdown().await;
+    }
+}
