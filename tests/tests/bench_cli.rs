@@ -54,7 +54,9 @@ fn bench_broadcast_prints_the_promised_json() {
     assert_eq!(v["broadcast_s"], v["all_s"]);
     assert_eq!(v["slow_uploaded_bytes"], 0);
     // The publisher sent at least one copy (someone got it from the publisher).
-    let sent = v["publisher_uploaded_bytes"].as_u64().expect("a byte count");
+    let sent = v["publisher_uploaded_bytes"]
+        .as_u64()
+        .expect("a byte count");
     assert!(sent >= 2 << 20, "{v}");
     assert_eq!(v.as_object().map(|o| o.len()), Some(12), "{v}");
 }
