@@ -378,9 +378,13 @@ impl<'a> Swarm<'a> {
         }
     }
 
-    /// A look-up of the version that excludes the sources dropped.
+    /// A look-up of the version that excludes the sources dropped, and those holding a late
+    /// piece that no other source of the set has (so that the broker names another source
+    /// to ask for it: a source that died without closing its link looks like this until its
+    /// requests time out).
     fn look_up(&self) -> Job<'a, Result<Holders>> {
         let mut exclude: Vec<NodeId> = self.dropped.iter().copied().collect();
+        exclude.extend(self.stuck());
         exclude.sort();
         exclude.truncate(MAX_LOOKUP_EXCLUDE);
         let (cluster, name, version) = (self.cluster, self.name, self.version);
@@ -483,9 +487,12 @@ impl<'a> Swarm<'a> {
                 Ok(!complete)
             }
             DataResponse::Error { code, message } => {
-                // A source with no pieces to offer serves the version in one stream.
+                // A source with no pieces to offer may serve the version in one stream (a
+                // device holder, an older node), or not have it at all (restarted): look-ups
+                // leave it out from now on, so the broker names others.
                 debug!(source = ?self.sources[i].node, ?code, %message, "no pieces offered");
                 self.sources[i].offer = Offer::None;
+                self.dropped.insert(self.sources[i].node);
                 Ok(false)
             }
             other => Err(bad(format!("unexpected answer {other:?}"))),
@@ -584,6 +591,31 @@ impl<'a> Swarm<'a> {
                 _ => false,
             })
         })
+    }
+
+    /// Sources holding a late piece that no other usable source in the set has.
+    fn stuck(&self) -> Vec<NodeId> {
+        let (late, now) = (self.late_after(), Instant::now());
+        let mut stuck = Vec::new();
+        for (p, state) in self.state.iter().enumerate() {
+            let State::Fetching { from } = state else {
+                continue;
+            };
+            let [(only, since)] = from.as_slice() else {
+                continue;
+            };
+            let elsewhere = self
+                .sources
+                .iter()
+                .enumerate()
+                .any(|(j, s)| j != *only && !s.retired && s.usable() && s.has(p));
+            if now.saturating_duration_since(*since) > late && !elsewhere {
+                stuck.push(self.sources[*only].node);
+            }
+        }
+        stuck.sort();
+        stuck.dedup();
+        stuck
     }
 
     /// How long a piece may be outstanding before another source is asked for it too.
