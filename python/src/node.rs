@@ -172,9 +172,7 @@ impl NodeHandle {
         keep: Option<usize>,
     ) -> PyResult<u64> {
         let node = self.node()?.clone();
-        let dtype: DType = dtype
-            .parse()
-            .map_err(|e: tb_node::proto::UnknownDType| errors::invalid(e.to_string()))?;
+        let dtype = parse_dtype(dtype)?;
         let raw = RawBytes::of(data, false)?;
         // The copy and its hash, without the GIL (`data` stays referenced meanwhile).
         let tensor = py
@@ -205,9 +203,7 @@ impl NodeHandle {
         keep: Option<usize>,
     ) -> PyResult<u64> {
         let node = self.node()?.clone();
-        let dtype: DType = dtype
-            .parse()
-            .map_err(|e: tb_node::proto::UnknownDType| errors::invalid(e.to_string()))?;
+        let dtype = parse_dtype(dtype)?;
         // `tensor` stays referenced (its memory allocated) for the whole call.
         let _alive = tensor;
         let tensor = py
@@ -428,4 +424,10 @@ impl NodeHandle {
     fn closed(&self) -> PyResult<bool> {
         Ok(self.node()?.is_shut_down())
     }
+}
+
+/// A dtype name as the CLI spells it (`f32`, `bf16`, ...); `InvalidArgument` otherwise.
+fn parse_dtype(name: &str) -> PyResult<DType> {
+    name.parse()
+        .map_err(|e: tb_node::proto::UnknownDType| errors::invalid(e.to_string()))
 }

@@ -118,9 +118,12 @@ pub(crate) async fn fetch(
     fetch_ended(node, cluster, &name, v);
     let tensor = match fetched? {
         Received::Whole(whole) => whole,
-        Received::Filled(None) => Tensor::from_verified(meta.clone(), Bytes::from(dest)),
-        Received::Filled(Some(outline)) => {
-            Tensor::from_verified(meta.clone(), Bytes::from(dest)).with_outline(outline)
+        Received::Filled(outline) => {
+            let tensor = Tensor::from_verified(meta.clone(), Bytes::from(dest));
+            match outline {
+                Some(outline) => tensor.with_outline(outline),
+                None => tensor,
+            }
         }
     };
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
