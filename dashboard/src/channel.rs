@@ -3,7 +3,7 @@
 //! Every kind's series exist from the start (at zero), and each is a plain atomic picked by
 //! index, so counting a transfer on the data path takes no lock and no label look-up.
 
-use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 use tb_proto::ChannelKind;
 
 use crate::metrics::MetricsError;
@@ -30,7 +30,8 @@ impl Direction {
 const KINDS: usize = ChannelKind::ALL.len();
 
 /// `tb_channel_bytes_total{channel,direction}`, `tb_channel_transfers_total{channel}`,
-/// `tb_channel_fallbacks_total{channel}` and `tb_channel_refused_total{channel}`. Clones
+/// `tb_channel_fallbacks_total{channel}`, `tb_channel_refused_total{channel}` and
+/// `tb_channel_unavailable{channel}`. Clones
 /// share the counts.
 #[derive(Debug, Clone)]
 pub struct ChannelMetrics {
@@ -39,6 +40,7 @@ pub struct ChannelMetrics {
     transfers: [IntCounter; KINDS],
     fallbacks: [IntCounter; KINDS],
     refused: [IntCounter; KINDS],
+    unavailable: [IntGauge; KINDS],
 }
 
 impl ChannelMetrics {
@@ -68,6 +70,14 @@ impl ChannelMetrics {
             "Connections to this node's channel closed before any tensor byte (no valid token, or over its limit of sockets)",
             &["channel"],
         )?;
+        let unavailable = IntGaugeVec::new(
+            Opts::new(
+                "tb_channel_unavailable",
+                "1 when this node is configured for the channel but could not start it (a kernel that refuses sealed memfd mappings, no TCP port)",
+            ),
+            &["channel"],
+        )?;
+        registry.register(Box::new(unavailable.clone()))?;
         Ok(ChannelMetrics {
             bytes: ChannelKind::ALL.map(|k| {
                 [Direction::In, Direction::Out]
@@ -76,6 +86,7 @@ impl ChannelMetrics {
             transfers: ChannelKind::ALL.map(|k| transfers.with_label_values(&[k.as_str()])),
             fallbacks: ChannelKind::ALL.map(|k| fallbacks.with_label_values(&[k.as_str()])),
             refused: ChannelKind::ALL.map(|k| refused.with_label_values(&[k.as_str()])),
+            unavailable: ChannelKind::ALL.map(|k| unavailable.with_label_values(&[k.as_str()])),
         })
     }
 
@@ -100,6 +111,16 @@ impl ChannelMetrics {
     /// elsewhere (one socket's share of it).
     pub fn moved(&self, channel: ChannelKind, direction: Direction, bytes: u64) {
         self.bytes[index(channel)][direction as usize].inc_by(bytes);
+    }
+
+    /// Records that this node is configured for `channel` but could not start it.
+    pub fn set_unavailable(&self, channel: ChannelKind) {
+        self.unavailable[index(channel)].set(1);
+    }
+
+    /// Whether this node is configured for `channel` but could not start it.
+    pub fn is_unavailable(&self, channel: ChannelKind) -> bool {
+        self.unavailable[index(channel)].get() == 1
     }
 
     /// Counts one connection to `channel` refused before any tensor byte.

@@ -44,16 +44,16 @@ pub struct Pulled<B> {
     pub buffer: B,
 }
 
-impl Pulled<Vec<u8>> {
+impl Pulled<crate::channel::HostBuf> {
     /// The received (verified) bytes as a tensor that owns them.
-    pub(crate) fn into_tensor(self) -> Pulled<Tensor> {
-        let tensor = Tensor::from_verified(self.meta.clone(), bytes::Bytes::from(self.buffer));
-        Pulled {
+    pub(crate) fn into_tensor(self) -> Result<Pulled<Tensor>> {
+        let tensor = self.buffer.into_tensor(self.meta.clone())?;
+        Ok(Pulled {
             name: self.name,
             version: self.version,
             meta: self.meta,
             buffer: tensor,
-        }
+        })
     }
 }
 

@@ -95,6 +95,7 @@ mod node_actor;
 #[cfg(feature = "daemon")]
 mod observe;
 mod pool;
+mod private;
 mod progress;
 pub mod rate;
 mod serve;
@@ -111,6 +112,11 @@ pub mod framing {
     pub use crate::wire::{ReadFrameError, read_frame, write_frame};
 }
 
+/// Test hook: makes every later mapping of a sealed memfd in this process fail, as on a
+/// kernel that refuses it (the shm channel then switches itself off).
+#[cfg(target_os = "linux")]
+#[doc(hidden)]
+pub use channel::force_map_failures_for_tests;
 pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
@@ -134,6 +140,7 @@ pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
 pub use node::Node;
 pub use pool::{LinkGuard, PoolStats};
+pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use set::TensorSet;
 pub use store::{Inserted, Lookup, Retention, Store};

@@ -113,6 +113,7 @@ impl Node {
         endpoint: Endpoint,
         extra: Vec<(&'static [u8], Box<dyn DynProtocolHandler>)>,
     ) -> Result<Node> {
+        raise_fd_limit();
         let mut addr = endpoint::local_peer_addr(&endpoint)?;
         // Peers dial what the node advertises, when it says (bound to 0.0.0.0, behind a NAT).
         if let Some(advertised) = config.advertise_addrs.first() {
@@ -145,6 +146,11 @@ impl Node {
             channels: Channels::new(&config),
             config,
         });
+        for &kind in &ctx.config.channels {
+            if !ctx.channels.runs(kind) {
+                ctx.metrics.channels.set_unavailable(kind);
+            }
+        }
         Channels::start(&ctx)?;
         let (actor, handle) = Actor::spawn(None, NodeActor, ctx.clone())
             .await
@@ -283,8 +289,8 @@ impl Node {
                 return Ok(pulled);
             }
         }
-        let pulled = self.quic_pull_into(addr, name, version, channel::alloc_vec);
-        Ok(pulled.await?.into_tensor())
+        let pulled = self.quic_pull_into(addr, name, version, channel::alloc_host);
+        pulled.await?.into_tensor()
     }
 
     /// Pulls `name` into a buffer the caller supplies once it knows the metadata (the
@@ -617,4 +623,23 @@ fn into_tensor(pulled: Pulled<DeviceBuffer>) -> Pulled<Tensor> {
         version: pulled.version,
         meta: pulled.meta,
     }
+}
+
+/// Raises this process's soft limit on open files to its hard limit, once: every host tensor
+/// above 64 KiB is a memfd, held open by the node and by each same-host reader, and Python's
+/// common soft limit (1024) is a few hundred tensors.
+fn raise_fd_limit() {
+    static RAISED: std::sync::Once = std::sync::Once::new();
+    RAISED.call_once(|| {
+        use rustix::process::{Resource, getrlimit, setrlimit};
+        let mut limit = getrlimit(Resource::Nofile);
+        if limit.current < limit.maximum {
+            let from = limit.current;
+            limit.current = limit.maximum;
+            match setrlimit(Resource::Nofile, limit.clone()) {
+                Ok(()) => debug!(?from, to = ?limit.current, "raised the open-file limit"),
+                Err(e) => debug!(%e, "could not raise the open-file limit"),
+            }
+        }
+    });
 }

@@ -275,7 +275,7 @@ async fn channel_exchange(ctx: &NodeCtx, conn: &Connection, access: Access) {
         }
     };
     match exchange.await {
-        Ok(offers) => ctx.channels.learn(peer, offers),
+        Ok(offers) => ctx.channels.learn(peer, access, offers),
         Err(reason) => {
             debug!(peer = %peer.fmt_short(), %reason, "no channel offers: QUIC only");
             ctx.channels.forget(&peer);

@@ -167,7 +167,7 @@ async fn serve_stream(
 ) {
     let request = tokio::time::timeout(
         ctx.config.request_timeout,
-        wire::read_frame::<DataRequest>(&mut recv),
+        wire::read_frame_within::<DataRequest>(&mut recv, tb_proto::MAX_DATA_REQUEST_FRAME),
     )
     .await;
     let request = match request {
@@ -178,7 +178,14 @@ async fn serve_stream(
                 _ => ErrorCode::Malformed,
             };
             debug!(%err, "refusing a bad request frame");
-            refuse(&mut send, &mut recv, code, err.to_string()).await;
+            refuse(
+                &mut send,
+                &mut recv,
+                ctx.config.stall_timeout,
+                code,
+                err.to_string(),
+            )
+            .await;
             return;
         }
         Ok(Err(ReadFrameError::Closed(reason))) => {
@@ -187,7 +194,14 @@ async fn serve_stream(
         }
         Err(_) => {
             let msg = format!("no request within {:?}", ctx.config.request_timeout);
-            refuse(&mut send, &mut recv, ErrorCode::Malformed, msg).await;
+            refuse(
+                &mut send,
+                &mut recv,
+                ctx.config.stall_timeout,
+                ErrorCode::Malformed,
+                msg,
+            )
+            .await;
             return;
         }
     };
@@ -197,6 +211,7 @@ async fn serve_stream(
         refuse(
             &mut send,
             &mut recv,
+            ctx.config.stall_timeout,
             ErrorCode::Unauthorized,
             err.to_string(),
         )
@@ -208,7 +223,14 @@ async fn serve_stream(
             tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,
             _ => ErrorCode::InvalidTensor,
         };
-        refuse(&mut send, &mut recv, code, err.to_string()).await;
+        refuse(
+            &mut send,
+            &mut recv,
+            ctx.config.stall_timeout,
+            code,
+            err.to_string(),
+        )
+        .await;
         return;
     }
     if let Some(name) = request.name() {
@@ -234,18 +256,26 @@ async fn serve_stream(
             upload::serve_outline(ctx, send, &name, version).await;
         }
         DataRequest::Channels { offers } => {
-            ctx.channels.learn(peer, offers);
+            ctx.channels.learn(peer, access, offers);
             let offers = ctx.channels.offers_for(peer, access);
-            let _ = wire::write_frame(&mut send, &DataResponse::Channels { offers }).await;
+            let answer = DataResponse::Channels { offers };
+            let _ = wire::write_frame_within(&mut send, &answer, ctx.config.stall_timeout).await;
             let _ = send.finish();
         }
     }
 }
 
 /// Answers with an `Error` frame and stops reading the rest of the stream.
-async fn refuse(send: &mut SendStream, recv: &mut RecvStream, code: ErrorCode, message: String) {
+async fn refuse(
+    send: &mut SendStream,
+    recv: &mut RecvStream,
+    stall: Duration,
+    code: ErrorCode,
+    message: String,
+) {
     let _ = recv.stop(VarInt::from_u32(CloseCode::ProtocolError.code()));
-    let _ = wire::write_frame(send, &DataResponse::Error { code, message }).await;
+    let answer = DataResponse::Error { code, message };
+    let _ = wire::write_frame_within(send, &answer, stall).await;
     let _ = send.finish();
 }
 
@@ -264,13 +294,19 @@ async fn serve_pull(
             return;
         }
         Err(NotHeld::Refused(code, what)) => {
-            let _ = reply_error(&mut send, code, what).await;
+            let _ = reply_error(&mut send, ctx.config.stall_timeout, code, what).await;
             return;
         }
     };
     let Some(payload) = byte_range(tensor.byte_len(), range) else {
         let msg = format!("range {range:?} is outside the {} bytes", tensor.byte_len());
-        let _ = reply_error(&mut send, ErrorCode::InvalidTensor, msg).await;
+        let _ = reply_error(
+            &mut send,
+            ctx.config.stall_timeout,
+            ErrorCode::InvalidTensor,
+            msg,
+        )
+        .await;
         return;
     };
     let timer = ctx.metrics.start_transfer(TransferKind::Serve);
@@ -282,7 +318,7 @@ async fn serve_pull(
         match (&ctx.upload, tensor.device_buffer()) {
             // Under an upload limit, host bytes go out chunk by chunk as the bucket allows.
             (Some(_), None) => {
-                wire::write_frame(&mut send, &header).await?;
+                wire::write_frame_within(&mut send, &header, ctx.config.stall_timeout).await?;
                 let data = tensor.data().slice(payload);
                 let mut watchdog = ctx.quic_watchdog(tb_dashboard::Direction::Out);
                 let total = data.len();
@@ -367,7 +403,7 @@ async fn serve_pull_inflight(
         Err(InflightError::Refused(code, message)) => {
             // Nothing was sent: not a transfer.
             timer.discard();
-            let _ = reply_error(&mut send, code, message).await;
+            let _ = reply_error(&mut send, ctx.config.stall_timeout, code, message).await;
         }
         // Like a striped pull's stream: a puller that moved on had no complaint.
         Err(InflightError::Left) => timer.ok(),
@@ -393,10 +429,11 @@ pub(crate) fn byte_range(byte_len: u64, range: Option<ByteRange>) -> Option<Rang
 
 pub(crate) async fn reply_error(
     send: &mut SendStream,
+    stall: Duration,
     code: ErrorCode,
     message: String,
 ) -> Result<(), Error> {
-    wire::write_frame(send, &DataResponse::Error { code, message }).await?;
+    wire::write_frame_within(send, &DataResponse::Error { code, message }, stall).await?;
     send.finish().map_err(|e| Error::io("finishing stream", e))
 }
 
@@ -414,6 +451,7 @@ async fn serve_push(
         refuse(
             &mut send,
             &mut recv,
+            ctx.config.stall_timeout,
             ErrorCode::TooLarge,
             "does not fit in memory".into(),
         )
@@ -437,7 +475,7 @@ async fn serve_push(
             };
             let msg =
                 format!("push of \"{name}\" refused by the {placement} push budget: {err}; {hint}");
-            refuse(&mut send, &mut recv, code, msg).await;
+            refuse(&mut send, &mut recv, ctx.config.stall_timeout, code, msg).await;
             return;
         }
     };
@@ -454,6 +492,7 @@ async fn serve_push(
                 refuse(
                     &mut send,
                     &mut recv,
+                    ctx.config.stall_timeout,
                     code,
                     format!("push of \"{name}\": {err}"),
                 )
@@ -475,7 +514,7 @@ async fn serve_push(
             "push of \"{name}\": expected hash {}, got {hash}",
             meta.hash
         );
-        let _ = reply_error(&mut send, ErrorCode::Corrupt, msg).await;
+        let _ = reply_error(&mut send, ctx.config.stall_timeout, ErrorCode::Corrupt, msg).await;
         return;
     }
     let tensor = match data {
@@ -498,7 +537,10 @@ async fn serve_push(
             (busy, false)
         }
     };
-    let answered = wire::write_frame(&mut send, &reply).await.is_ok();
+    let stall = ctx.config.stall_timeout;
+    let answered = wire::write_frame_within(&mut send, &reply, stall)
+        .await
+        .is_ok();
     if answered {
         let _ = send.finish();
     }

@@ -131,6 +131,27 @@ impl Tensor {
         })
     }
 
+    /// Makes a tensor of a copy of `src`, checking the length, and hashes the copy (on every
+    /// core for large payloads). On Linux, payloads above 64 KiB are copied into a sealed memfd
+    /// that the node then serves to same-host peers and lends to readers without another
+    /// copy.
+    pub fn copy_from(dtype: DType, shape: Vec<u64>, src: &[u8]) -> Result<Self> {
+        let expected = tb_proto::byte_len_for(dtype, &shape)?;
+        if expected != src.len() as u64 {
+            return Err(Error::InvalidTensor(format!(
+                "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
+                src.len()
+            )));
+        }
+        let mut buf = crate::channel::HostBuf::new(src.len())?;
+        buf.as_mut().copy_from_slice(src);
+        // The hash of the copy, not of `src`: `src` may change meanwhile (another thread
+        // writing the array), the copy cannot.
+        let hash = crate::channel::verify::hash_all(buf.as_mut());
+        let meta = TensorMeta::new(dtype, shape, hash)?;
+        buf.into_tensor(meta)
+    }
+
     /// A 1-D `u8` tensor over `data`.
     pub fn from_bytes(data: impl Into<Bytes>) -> Self {
         let data = data.into();
@@ -157,6 +178,39 @@ impl Tensor {
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
         }
+    }
+
+    /// Wraps a sealed region whose bytes were verified against `meta` (the receive path into
+    /// a memfd): the tensor's bytes are the region's, served and lent without a copy.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn from_region(meta: TensorMeta, region: crate::channel::Region) -> Self {
+        let region = Arc::new(region);
+        let data = region.slice(0..region.len());
+        debug_assert_eq!(meta.byte_len, data.len() as u64);
+        Tensor {
+            meta,
+            data: Data::Host(data),
+            shm: ShmCache::of(region),
+            outline: OutlineCache::default(),
+        }
+    }
+
+    /// The bytes as a private, writable buffer of the caller's own (for code that may write
+    /// into what it is given, such as a Python user's in-place op): a copy-on-write mapping
+    /// of the tensor's sealed memfd (made, one copy, on first need for a tensor that has
+    /// none), or a copy for small tensors and where memfds cannot be mapped. Nothing written into
+    /// it changes this tensor, what the node serves, or another reader's bytes.
+    pub fn private_view(&self) -> Result<crate::PrivateBytes> {
+        let Data::Host(bytes) = &self.data else {
+            return Err(Error::InvalidTensor(
+                "a device tensor has no host bytes to view".into(),
+            ));
+        };
+        #[cfg(target_os = "linux")]
+        if bytes.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
+            return self.shm_region()?.private_view();
+        }
+        Ok(crate::PrivateBytes::copy_of(bytes))
     }
 
     /// Wraps bytes that a same-host holder verified, mapped from its sealed memfd (which can

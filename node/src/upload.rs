@@ -99,7 +99,7 @@ pub(crate) async fn serve_inflight(
         ));
     };
     let header = DataResponse::Header { meta, version };
-    wire::write_frame(send, &header)
+    wire::write_frame_within(send, &header, ctx.config.stall_timeout)
         .await
         .map_err(InflightError::Aborted)?;
     let (start, end) = (start as u64, end as u64);
@@ -225,8 +225,13 @@ pub(crate) async fn serve_outline(
                 Err(OutlineRefused::Held(tensor)) => tensor,
                 Err(OutlineRefused::No(reason)) => {
                     let message = format!("{what}: {reason}");
-                    let _ =
-                        crate::serve::reply_error(&mut send, ErrorCode::NotFound, message).await;
+                    let _ = crate::serve::reply_error(
+                        &mut send,
+                        ctx.config.stall_timeout,
+                        ErrorCode::NotFound,
+                        message,
+                    )
+                    .await;
                     return;
                 }
                 Err(OutlineRefused::Aborted(e)) => {
@@ -238,7 +243,8 @@ pub(crate) async fn serve_outline(
         }
         Err(NotHeld::Refused(code, message)) => {
             let message = format!("{what}: {message}");
-            let _ = crate::serve::reply_error(&mut send, code, message).await;
+            let _ =
+                crate::serve::reply_error(&mut send, ctx.config.stall_timeout, code, message).await;
             return;
         }
     };
@@ -260,7 +266,10 @@ pub(crate) async fn serve_outline(
             message: format!("{what}: hashing the outline failed: {e}"),
         },
     };
-    if wire::write_frame(&mut send, &frame).await.is_ok() {
+    if wire::write_frame_within(&mut send, &frame, ctx.config.stall_timeout)
+        .await
+        .is_ok()
+    {
         let _ = send.finish();
     }
 }
@@ -282,7 +291,8 @@ async fn serve_outline_inflight(
     incoming: Arc<Incoming>,
 ) -> Result<(), OutlineRefused> {
     let mut rx = incoming.watch();
-    let wait = ctx.config.request_timeout.min(ctx.config.stall_timeout);
+    let stall = ctx.config.stall_timeout;
+    let wait = ctx.config.request_timeout.min(stall);
     // The outline first: a receive that has not looked its version up yet has none.
     let (outline, have) = loop {
         let seen = {
@@ -313,7 +323,9 @@ async fn serve_outline_inflight(
         have,
     };
     let write = |e| OutlineRefused::Aborted(e);
-    wire::write_frame(send, &first).await.map_err(write)?;
+    wire::write_frame_within(send, &first, stall)
+        .await
+        .map_err(write)?;
     loop {
         let (pieces, complete) = {
             let p = rx.borrow_and_update();
@@ -329,7 +341,9 @@ async fn serve_outline_inflight(
         if complete || !pieces.is_empty() {
             sent += pieces.len();
             let frame = DataResponse::Have { pieces, complete };
-            wire::write_frame(send, &frame).await.map_err(write)?;
+            wire::write_frame_within(send, &frame, stall)
+                .await
+                .map_err(write)?;
         }
         if complete {
             return send

@@ -79,6 +79,28 @@ pub async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result
         .map_err(|e| Error::io("sending a frame", e))
 }
 
+/// Writes one frame, failing with `Timeout` if the peer does not take it within `stall`: a
+/// server's every write is bounded, so a peer that grants a tiny stream window and stops
+/// reading cannot keep a stream (and so its link) in use.
+pub(crate) async fn write_frame_within<T: Serialize>(
+    send: &mut SendStream,
+    msg: &T,
+    stall: Duration,
+) -> Result<()> {
+    match tokio::time::timeout(stall, write_frame(send, msg)).await {
+        Ok(written) => written,
+        Err(_) => Err(Error::timeout("a peer taking a frame", stall)),
+    }
+}
+
+/// Writes `bytes` within `stall` (see [`write_frame_within`]).
+async fn write_all_within(send: &mut SendStream, bytes: &[u8], stall: Duration) -> Result<()> {
+    match tokio::time::timeout(stall, send.write_all(bytes)).await {
+        Ok(written) => written.map_err(|e| Error::io("sending a frame", e)),
+        Err(_) => Err(Error::timeout("a peer taking a frame", stall)),
+    }
+}
+
 /// Writes a header frame and then the payload. Small payloads go out in the same write as
 /// the header (one copy of at most `COALESCE_MAX` bytes saves a packet and a round of
 /// wake-ups); large ones as slices of the shared buffer. The payload bytes handed to QUIC
@@ -93,16 +115,12 @@ pub(crate) async fn write_header_and_payload<T: Serialize>(
     let mut bytes = frame::encode(header).map_err(|e| Error::io("encoding a frame", e))?;
     if payload.len() <= COALESCE_MAX {
         bytes.extend_from_slice(payload);
-        send.write_all(&bytes)
-            .await
-            .map_err(|e| Error::io("sending a frame", e))?;
+        write_all_within(send, &bytes, watchdog.stall).await?;
         watchdog.moved(payload.len());
         progress::reached(progress, payload.len() as u64);
         return Ok(());
     }
-    send.write_all(&bytes)
-        .await
-        .map_err(|e| Error::io("sending a frame", e))?;
+    write_all_within(send, &bytes, watchdog.stall).await?;
     send_payload(send, payload, watchdog, progress).await
 }
 

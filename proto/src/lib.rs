@@ -75,7 +75,10 @@ pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};
 pub use hash::{ContentHash, ContentHasher};
 pub use hlc::{ClockError, Hlc, MAX_DRIFT_MS, NodeId, Stamp};
 pub use meta::{MAX_RANK, MetaError, TensorMeta, byte_len_for};
-pub use msg::{ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode};
+pub use msg::{
+    ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
+    MAX_DATA_REQUEST_FRAME,
+};
 pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};
 pub use registry::{
     Entry, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS, Member, Registry,

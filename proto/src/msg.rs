@@ -31,6 +31,12 @@ pub struct ByteRange {
     pub len: u64,
 }
 
+/// The largest [`DataRequest`] frame body a node reads (checked on the length prefix, before
+/// anything is allocated). The largest valid request (a `Push` of a 256-byte name and a
+/// rank-32 shape, or `Channels` with every offer) is under 1 KiB; the 1 MiB control-frame cap
+/// is for answers and broker frames, so a peer cannot make a node hold a MiB per stream.
+pub const MAX_DATA_REQUEST_FRAME: u32 = 4 << 10;
+
 /// What a requester sends first on a `tb/data/1` stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DataRequest {

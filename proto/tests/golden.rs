@@ -595,3 +595,41 @@ fn ctl_sync_entries() {
         ),
     );
 }
+
+/// The largest valid data requests fit the data-request frame cap with room to spare, so the
+/// cap refuses only what no honest node sends.
+#[test]
+fn the_largest_data_requests_fit_the_request_frame_cap() {
+    let longest = name(&"n".repeat(tb_proto::MAX_NAME_LEN));
+    let push = DataRequest::Push {
+        name: longest.clone(),
+        meta: TensorMeta {
+            dtype: DType::F64,
+            shape: vec![u64::MAX; tb_proto::MAX_RANK],
+            byte_len: u64::MAX,
+            hash: ContentHash::of(b"x"),
+        },
+    };
+    let offers = (0..tb_proto::channel::MAX_CHANNEL_OFFERS)
+        .map(|_| tb_proto::ChannelOffer::Shm {
+            socket: [0xff; tb_proto::channel::SHM_SOCKET_NAME_LEN],
+            token: [0xff; 32],
+        })
+        .collect();
+    let channels = DataRequest::Channels { offers };
+    let pull = DataRequest::Pull {
+        name: longest,
+        version: Some(u64::MAX),
+        range: Some(ByteRange {
+            offset: u64::MAX,
+            len: u64::MAX,
+        }),
+    };
+    for request in [push, channels, pull] {
+        let body = frame::encode(&request).expect("encode").len() - frame::LEN_PREFIX;
+        assert!(
+            (body as u32) * 2 < tb_proto::MAX_DATA_REQUEST_FRAME,
+            "{body} bytes: {request:?}"
+        );
+    }
+}

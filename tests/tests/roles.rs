@@ -689,3 +689,52 @@ mod procs {
         }
     }
 }
+
+/// Regression: shm between a read-write node and a read-only one failed its admission (the
+/// holder's token named the access it could verify, the client presented its own), so every
+/// link paid two `bad_proof` failures and fell back to QUIC. Both directions now go over
+/// shm, with no auth failure and no fallback (and the read-only holder's bytes are hashed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_works_between_read_only_and_read_write_nodes() {
+    use tb_node::{AuthFailure, proto::ChannelKind};
+    let rw = node(Config {
+        cluster_key: root(),
+        ..test_config()
+    })
+    .await;
+    let ro = node(Config {
+        cluster_key: read_only(),
+        ..test_config()
+    })
+    .await;
+    // Above the 64 KiB inline limit: each goes as a memfd.
+    let (a, b) = (f32_tensor(100_000, 1), f32_tensor(100_000, 2));
+    rw.publish_local("shm/a", a.clone()).expect("publish");
+    ro.publish_local("shm/b", b.clone()).expect("publish");
+    for _ in 0..2 {
+        let got = within(LIMIT, "pull from ro", rw.pull(ro.addr(), "shm/b", None))
+            .await
+            .expect("a read-write node pulls from a read-only holder");
+        assert_eq!(got.buffer.data(), b.data());
+        let got = within(LIMIT, "pull from rw", ro.pull(rw.addr(), "shm/a", None))
+            .await
+            .expect("a read-only node pulls from a read-write holder");
+        assert_eq!(got.buffer.data(), a.data());
+    }
+    for n in [&rw, &ro] {
+        let m = n.metrics();
+        assert_eq!(
+            m.auth_failures.get(AuthFailure::BadProof),
+            0,
+            "no bad proof"
+        );
+        assert_eq!(m.channels.fallbacks(ChannelKind::Shm), 0, "no shm fallback");
+        assert_eq!(
+            m.channels.transfers(ChannelKind::Shm),
+            4,
+            "every pull on shm"
+        );
+    }
+    rw.shutdown().await;
+    ro.shutdown().await;
+}

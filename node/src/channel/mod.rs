@@ -38,7 +38,9 @@ use tb_proto::{Access, ChannelKind, ChannelOffer, TensorMeta, TensorName};
 use tracing::warn;
 
 #[cfg(target_os = "linux")]
-pub(crate) use shm::{Region, Shm, ShmCache, ShmRoute};
+pub use shm::force_map_failures_for_tests;
+#[cfg(target_os = "linux")]
+pub(crate) use shm::{Region, Shm, ShmCache, ShmRoute, memfds_work};
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
 use crate::{
@@ -89,8 +91,8 @@ pub(crate) trait Channel {
         name: &TensorName,
         version: Option<u64>,
     ) -> Result<Pulled<Tensor>, ChannelError> {
-        let pulled = self.pull_into(ctx, name, version, alloc_vec).await?;
-        Ok(pulled.into_tensor())
+        let pulled = self.pull_into(ctx, name, version, alloc_host).await?;
+        pulled.into_tensor().map_err(ChannelError::Final)
     }
 
     /// Pushes `tensor` to the peer, filed as `name` (by default not on this channel).
@@ -105,11 +107,58 @@ pub(crate) trait Channel {
     }
 }
 
-/// A zeroed buffer for a tensor of `meta` (the allocation of a `pull` into memory).
-pub(crate) fn alloc_vec(meta: &TensorMeta) -> Result<Vec<u8>> {
+/// A receive buffer for a tensor of `meta` (the allocation of a `pull` into memory).
+pub(crate) fn alloc_host(meta: &TensorMeta) -> Result<HostBuf> {
     let len = usize::try_from(meta.byte_len)
         .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
-    Ok(vec![0u8; len])
+    HostBuf::new(len)
+}
+
+/// Tensors at most this large are lent to readers as copies, not copy-on-write mappings, and
+/// received into plain memory, not a memfd (a mapping costs more than such a copy).
+#[cfg(target_os = "linux")]
+pub(crate) const PRIVATE_COPY_MAX: usize = 64 << 10;
+
+/// Where a host tensor's bytes are received (or copied at publish): on Linux, payloads above
+/// [`PRIVATE_COPY_MAX`] go straight into a memfd that is sealed once full, so the node keeps
+/// one copy that it serves to same-host peers and lends to readers without copying again
+/// (plain memory where this kernel refuses to map sealed memfds).
+pub(crate) enum HostBuf {
+    /// Plain zeroed memory.
+    Heap(Vec<u8>),
+    /// A memfd being filled.
+    #[cfg(target_os = "linux")]
+    Memfd(shm::RegionWriter),
+}
+
+impl HostBuf {
+    /// A buffer of `len` bytes.
+    pub(crate) fn new(len: usize) -> Result<HostBuf> {
+        #[cfg(target_os = "linux")]
+        if len > PRIVATE_COPY_MAX && shm::memfds_work() {
+            return shm::RegionWriter::new(len).map(HostBuf::Memfd);
+        }
+        Ok(HostBuf::Heap(vec![0u8; len]))
+    }
+
+    /// The filled buffer as a tensor of `meta` (whose hash its bytes were verified against).
+    pub(crate) fn into_tensor(self, meta: TensorMeta) -> Result<Tensor> {
+        match self {
+            HostBuf::Heap(vec) => Ok(Tensor::from_verified(meta, bytes::Bytes::from(vec))),
+            #[cfg(target_os = "linux")]
+            HostBuf::Memfd(writer) => Ok(Tensor::from_region(meta, writer.seal()?)),
+        }
+    }
+}
+
+impl AsMut<[u8]> for HostBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostBuf::Heap(vec) => vec,
+            #[cfg(target_os = "linux")]
+            HostBuf::Memfd(writer) => writer.as_mut(),
+        }
+    }
 }
 
 /// The channel a transfer with one peer takes, when it is not QUIC.
@@ -192,14 +241,22 @@ impl Channel for Route {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ShmCache;
 
+/// What a peer offered on its latest link.
+#[derive(Debug)]
+struct Offered {
+    /// The access it proved on that link: bytes from a read-only holder are verified.
+    access: Access,
+    offers: Vec<ChannelOffer>,
+}
+
 /// What this node knows about its peers' channels, and the channels it runs itself.
 #[derive(Debug)]
 pub(crate) struct Channels {
     /// `Config::channels`: the kinds this node runs, best first.
     order: Vec<ChannelKind>,
     /// What each peer offered on its latest link (replaced when it offers again, e.g. after
-    /// a restart).
-    offered: Mutex<HashMap<EndpointId, Vec<ChannelOffer>>>,
+    /// a restart), and the access it proved on that link.
+    offered: Mutex<HashMap<EndpointId, Offered>>,
     /// This node's end of the shm channel, when it runs it.
     #[cfg(target_os = "linux")]
     shm: Option<Arc<Shm>>,
@@ -219,7 +276,14 @@ impl Channels {
             .and_then(|bound| match bound {
                 Ok(shm) => Some(Arc::new(shm)),
                 Err(err) => {
-                    warn!(%err, "the shm channel could not start: same-host peers use QUIC");
+                    // One warning per process: every later node fails the same way.
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    let mut first = false;
+                    WARNED.call_once(|| first = true);
+                    match first {
+                        true => warn!(%err, "the shm channel is off in this process: same-host peers use QUIC"),
+                        false => tracing::debug!(%err, "the shm channel is off"),
+                    }
                     None
                 }
             });
@@ -255,7 +319,7 @@ impl Channels {
     }
 
     /// Whether this node runs `kind` now (QUIC always).
-    fn runs(&self, kind: ChannelKind) -> bool {
+    pub(crate) fn runs(&self, kind: ChannelKind) -> bool {
         match kind {
             ChannelKind::Quic => true,
             #[cfg(target_os = "linux")]
@@ -266,7 +330,7 @@ impl Channels {
         }
     }
 
-    fn offered(&self) -> MutexGuard<'_, HashMap<EndpointId, Vec<ChannelOffer>>> {
+    fn offered(&self) -> MutexGuard<'_, HashMap<EndpointId, Offered>> {
         self.offered.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -284,10 +348,11 @@ impl Channels {
         offers
     }
 
-    /// Records what `peer` offered (its offers were validated by the frame's reader). Idle
-    /// same-host connections to it are dropped: the offer may come from a restarted process.
-    pub(crate) fn learn(&self, peer: EndpointId, offers: Vec<ChannelOffer>) {
-        self.offered().insert(peer, offers);
+    /// Records what `peer`, which proved `access` on its link, offered (its offers were
+    /// validated by the frame's reader). Idle same-host connections to it are dropped: the
+    /// offer may come from a restarted process.
+    pub(crate) fn learn(&self, peer: EndpointId, access: Access, offers: Vec<ChannelOffer>) {
+        self.offered().insert(peer, Offered { access, offers });
         #[cfg(target_os = "linux")]
         if let Some(shm) = &self.shm {
             shm.forget(&peer);
@@ -307,8 +372,8 @@ impl Channels {
     /// Withdraws `kind` for `peer` after it failed (e.g. its shm socket cannot be reached
     /// from here: another network namespace): its transfers use the next channel.
     pub(crate) fn failed(&self, peer: &EndpointId, kind: ChannelKind) {
-        if let Some(offers) = self.offered().get_mut(peer) {
-            offers.retain(|o| o.kind() != kind);
+        if let Some(offered) = self.offered().get_mut(peer) {
+            offered.offers.retain(|o| o.kind() != kind);
         }
         #[cfg(target_os = "linux")]
         if let (ChannelKind::Shm, Some(shm)) = (kind, &self.shm) {
@@ -331,18 +396,19 @@ impl Channels {
     /// The channel a transfer with `peer` uses now.
     pub(crate) fn pick(&self, peer: &EndpointId) -> ChannelKind {
         let offered = self.offered();
-        let offers = offered.get(peer).map(Vec::as_slice).unwrap_or_default();
+        let offers = offered
+            .get(peer)
+            .map(|o| o.offers.as_slice())
+            .unwrap_or_default();
         tb_proto::channel::pick(&self.order, offers, |kind| self.runs(kind))
     }
 
-    /// `peer`'s offer for `kind`, if it made one.
-    fn offer(&self, peer: &EndpointId, kind: ChannelKind) -> Option<ChannelOffer> {
+    /// `peer`'s offer for `kind`, if it made one, and the access it proved.
+    fn offer(&self, peer: &EndpointId, kind: ChannelKind) -> Option<(ChannelOffer, Access)> {
         let offered = self.offered();
-        offered
-            .get(peer)?
-            .iter()
-            .find(|o| o.kind() == kind)
-            .cloned()
+        let offered = offered.get(peer)?;
+        let offer = offered.offers.iter().find(|o| o.kind() == kind).cloned()?;
+        Some((offer, offered.access))
     }
 
     /// The route of a pair whose channel is `kind` (`link`: a pooled link to `peer`, which
@@ -353,11 +419,12 @@ impl Channels {
         kind: ChannelKind,
         link: Option<LinkGuard>,
     ) -> Option<Route> {
-        match (kind, self.offer(&peer, kind)?) {
+        let (offer, access) = self.offer(&peer, kind)?;
+        match (kind, offer) {
             #[cfg(target_os = "linux")]
             (ChannelKind::Shm, ChannelOffer::Shm { socket, token }) => {
                 let shm = self.shm.clone()?;
-                Some(Route::Shm(ShmRoute::new(shm, peer, socket, token)))
+                Some(Route::Shm(ShmRoute::new(shm, peer, access, socket, token)))
             }
             (ChannelKind::Tcp, ChannelOffer::Tcp { port }) => {
                 TcpRoute::new(link?, port).map(Route::Tcp)

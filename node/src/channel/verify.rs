@@ -52,6 +52,29 @@ pub(crate) enum VerifyError {
 /// hand-off costs more than a second core wins).
 const RAYON_MIN: usize = 512 << 10;
 
+/// The BLAKE3 hash of `bytes`, on every core for large payloads (the rayon pool). It blocks
+/// for as long as hashing takes: call it off the async threads, or on payloads whose hashing
+/// the caller accounts for.
+pub(crate) fn hash_all(bytes: &[u8]) -> ContentHash {
+    if bytes.len() < RAYON_MIN {
+        return ContentHash::of(bytes);
+    }
+    let mut hasher = blake3::Hasher::new();
+    hasher.update_rayon(bytes);
+    hasher.finalize().into()
+}
+
+/// Checks that `bytes` hash to `expected` ([`hash_all`]): `Corrupt` naming `what` if not.
+pub(crate) fn check_all(bytes: &[u8], expected: ContentHash, what: &str) -> crate::Result<()> {
+    let got = hash_all(bytes);
+    if got != expected {
+        return Err(crate::Error::Corrupt(format!(
+            "{what}: expected hash {expected}, got {got}"
+        )));
+    }
+    Ok(())
+}
+
 /// The most pieces a payload is cut into (bounds the split's work and the merge's recursion).
 pub(crate) const MAX_PIECES: usize = 1024;
 

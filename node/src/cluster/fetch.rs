@@ -37,7 +37,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{HolderAddr, MAX_LOOKUP_EXCLUDE, NodeId, TensorMeta, TensorName};
@@ -45,7 +44,7 @@ use tracing::{debug, warn};
 
 use super::{Cluster, calls::Holders, pace::Pace, resume, swarm};
 use crate::{
-    channel::{self, Channel},
+    channel::{self, Channel, HostBuf},
     client::{self, Failure, Pulled},
     endpoint::PeerAddr,
     error::{Error, Result},
@@ -113,13 +112,13 @@ pub(crate) async fn fetch(
         receiving: &mut receiving,
         progress,
     };
-    let mut dest = vec![0u8; len];
-    let fetched = from_holders(node, cluster, &name, holders, feed, &mut dest).await;
+    let mut dest = HostBuf::new(len)?;
+    let fetched = from_holders(node, cluster, &name, holders, feed, dest.as_mut()).await;
     fetch_ended(node, cluster, &name, v);
     let tensor = match fetched? {
         Received::Whole(whole) => whole,
         Received::Filled(outline) => {
-            let tensor = Tensor::from_verified(meta.clone(), Bytes::from(dest));
+            let tensor = dest.into_tensor(meta.clone())?;
             match outline {
                 Some(outline) => tensor.with_outline(outline),
                 None => tensor,

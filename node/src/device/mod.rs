@@ -167,7 +167,7 @@ pub(crate) async fn write_header_and_tensor<T: Serialize>(
             wire::write_header_and_payload(send, header, &payload, watchdog, progress).await
         }
         Some(buf) => {
-            wire::write_frame(send, header).await?;
+            wire::write_frame_within(send, header, config.stall_timeout).await?;
             send_payload(send, buf, range, watchdog, &config.cuda, progress).await
         }
     }

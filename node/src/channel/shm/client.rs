@@ -10,14 +10,14 @@ use std::os::fd::{AsFd, OwnedFd};
 use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{
-    ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
+    Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
     TensorName, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixStream;
 
 use super::{INLINE_MAX, Region, socket::ShmStream, socket::within};
 use crate::{
-    channel::{Channel, ChannelError, ShmRoute},
+    channel::{Channel, ChannelError, ShmRoute, verify},
     client::{Pulled, remote_error_from},
     ctx::NodeCtx,
     error::{Error, Result},
@@ -31,6 +31,9 @@ pub(crate) struct ShmPull {
     /// Its metadata (for a memfd payload, as verified by its holder).
     pub(crate) meta: TensorMeta,
     payload: Payload,
+    /// Hash a memfd payload before handing its bytes out (the holder proved only read-only
+    /// access), naming this transfer in a `Corrupt` error.
+    verify: Option<String>,
 }
 
 enum Payload {
@@ -46,7 +49,13 @@ impl ShmPull {
     pub(crate) fn into_tensor(self) -> Result<Tensor> {
         match self.payload {
             Payload::Inline(bytes) => Ok(Tensor::from_verified(self.meta, bytes)),
-            Payload::Memfd { fd, offset } => super::tensor_from_memfd(fd, offset, self.meta),
+            Payload::Memfd { fd, offset } => {
+                let tensor = super::tensor_from_memfd(fd, offset, self.meta)?;
+                if let Some(what) = &self.verify {
+                    verify::check_all(tensor.data(), tensor.hash(), what)?;
+                }
+                Ok(tensor)
+            }
         }
     }
 
@@ -72,7 +81,11 @@ impl ShmPull {
                     ))
                 })?;
                 Region::check_peer_fd(&fd, end)?;
-                super::region::pread_parallel(fd.as_fd(), dest, offset).await
+                super::region::pread_parallel(fd.as_fd(), dest, offset).await?;
+                match &self.verify {
+                    Some(what) => verify::check_all(dest, self.meta.hash, what),
+                    None => Ok(()),
+                }
             }
         }
     }
@@ -168,7 +181,10 @@ async fn pull(
         attempts += 1;
         let mut conn = connection(ctx, route, peer).await?;
         match pull_on(ctx, &mut conn, peer, &request, &what).await {
-            Ok(pulled) => {
+            Ok(mut pulled) => {
+                if route.access != Access::ReadWrite {
+                    pulled.verify = Some(what);
+                }
                 route.shm.put_idle(peer, conn);
                 return Ok(pulled);
             }
@@ -249,6 +265,7 @@ async fn pull_on(
         version,
         meta,
         payload,
+        verify: None,
     })
 }
 

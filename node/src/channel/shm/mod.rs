@@ -16,10 +16,13 @@
 //!
 //! Integrity: inline payloads are hashed and checked as on QUIC. A memfd is accepted only
 //! sealed against writes and resizes (checked with `F_GET_SEALS`), so its bytes cannot change
-//! after its holder made it from a tensor whose hash it had verified (or computed): readers
-//! on the host do not hash it again. What this trusts is the holder — an authenticated member
-//! running as the same user, who could as well have published different bytes.
-
+//! once its holder sealed it. Whether its bytes are hashed depends on who sent it:
+//! - a pull from a holder that proved read-write access is not hashed again: the holder
+//!   verified (or computed) the hash, and a member that could publish any bytes it likes
+//!   gains nothing by lying here;
+//! - a pull from a holder that proved only read-only access, and every push, is hashed on
+//!   every core before anyone sees the bytes; a mismatch is `Corrupt`.
+//!
 mod client;
 mod region;
 mod serve;
@@ -35,7 +38,8 @@ use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKET_NAME_LEN};
 
-pub(crate) use region::Region;
+pub use region::force_map_failures_for_tests;
+pub(crate) use region::{Region, RegionWriter};
 pub(crate) use serve::spawn_listener;
 use socket::ShmStream;
 
@@ -85,27 +89,39 @@ impl ShmCache {
     }
 }
 
-/// What a transfer to a peer needs to use the shm channel: this node's end, the peer, and
-/// the peer's socket name and this node's token on it.
+/// Whether this kernel makes, seals and maps memfds as the channel and the memfd store do
+/// (checked once per process).
+pub(crate) fn memfds_work() -> bool {
+    region::probe().is_ok()
+}
+
+/// What a transfer to a peer needs to use the shm channel: this node's end, the peer (and
+/// the access it proved), and the peer's socket name and this node's token on it.
 #[derive(Debug, Clone)]
 pub(crate) struct ShmRoute {
     pub(crate) shm: Arc<Shm>,
     pub(crate) peer: EndpointId,
+    /// What the peer proved on its link: a memfd from a read-only holder is hashed before
+    /// anyone sees its bytes (a read-write member could as well publish other bytes).
+    pub(crate) access: Access,
     pub(crate) socket: [u8; SHM_SOCKET_NAME_LEN],
     pub(crate) token: [u8; 32],
 }
 
 impl ShmRoute {
-    /// The route to `peer`, whose offer named `socket` and gave this node `token`.
+    /// The route to `peer`, which proved `access`, whose offer named `socket` and gave this
+    /// node `token`.
     pub(crate) fn new(
         shm: Arc<Shm>,
         peer: EndpointId,
+        access: Access,
         socket: [u8; SHM_SOCKET_NAME_LEN],
         token: [u8; 32],
     ) -> Self {
         ShmRoute {
             shm,
             peer,
+            access,
             socket,
             token,
         }
@@ -126,6 +142,9 @@ pub(crate) struct Shm {
 impl Shm {
     /// Binds a fresh abstract socket (the accept loop starts with [`spawn_listener`]).
     pub(crate) fn bind() -> Result<Shm> {
+        // Before anything is offered or copied: a kernel that refuses the mappings switches
+        // the channel off for the process (the caller warns once and counts it).
+        region::probe().map_err(|e| Error::Io(format!("this kernel refuses shm: {e}")))?;
         let mut name = [0u8; SHM_SOCKET_NAME_LEN];
         let mut key = [0u8; 32];
         super::fill_random(&mut name)?;
@@ -193,9 +212,10 @@ fn tensor_from_memfd(fd: OwnedFd, offset: u64, meta: TensorMeta) -> Result<Tenso
     let end = offset.checked_add(meta.byte_len).ok_or_else(too_large)?;
     let start = usize::try_from(offset).map_err(|_| too_large())?;
     let stop = usize::try_from(end).map_err(|_| too_large())?;
-    let region = Arc::new(Region::from_peer(fd, end)?);
+    let (region, whole) = Region::from_peer(fd, end)?;
+    let region = Arc::new(region);
     let bytes = region.slice(start..stop);
-    let cache = if start == 0 && stop == region.len() {
+    let cache = if start == 0 && whole {
         ShmCache::of(region)
     } else {
         ShmCache::default()
@@ -230,3 +250,6 @@ fn socket_addr(name: &[u8; SHM_SOCKET_NAME_LEN]) -> Result<SocketAddr> {
     SocketAddr::from_abstract_name(text.as_bytes())
         .map_err(|e| Error::io("naming the same-host socket", e))
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,10 +1,20 @@
-//! [`Region`]: a tensor's bytes in a sealed memfd, mapped read-only.
+//! [`Region`]: a tensor's bytes in a sealed memfd, mapped read-only; [`RegionWriter`]: a
+//! region being filled.
 //!
-//! A region is written once (by `pwrite`, never through a writable mapping), then sealed
-//! against writes, shrinking, growing and further seal changes, and only then mapped. A peer
-//! that receives the fd checks those seals before it maps it: from then on nobody, the
-//! sender included, can change the bytes it reads, and the mapping (with the fd) stays valid
-//! for as long as anyone holds it, whatever happens to the version in the sender's store.
+//! A region is written once (by `pwrite`, or through a shared writable mapping that is
+//! unmapped before sealing), then sealed against writes, shrinking, growing and further seal
+//! changes, and only then mapped. A peer that receives the fd checks those seals before it
+//! maps it: from then on nobody, the sender included, can change the bytes it reads, and the
+//! mapping (with the fd) stays valid for as long as anyone holds it, whatever happens to the
+//! version in the sender's store.
+//!
+//! Sealed regions are mapped `MAP_PRIVATE`: before Linux 6.7 a `MAP_SHARED` mapping of an
+//! `F_SEAL_WRITE` memfd is refused with `EPERM` even read-only, while a private mapping of
+//! the same file shows the same bytes on every kernel. A private mapping can even be
+//! writable: writes then copy the touched pages into the writer's process and never reach
+//! the file, which is what a Python user's in-place op on a received tensor gets
+//! ([`Region::private_view`]). A peer's memfd is mapped only up to the payload's end, whatever the
+//! file's size.
 
 #![allow(unsafe_code)] // mmap/munmap: the only unsafe code of the shm channel, checked below.
 
@@ -20,7 +30,10 @@ use rustix::{
     mm::{self, MapFlags, ProtFlags},
 };
 
-use crate::error::{Error, Result};
+use crate::{
+    error::{Error, Result},
+    private::PrivateBytes,
+};
 
 /// The seals every shared region carries.
 const SEALS: SealFlags = SealFlags::WRITE
@@ -67,16 +80,20 @@ impl Region {
         Region::map(fd, data.len())
     }
 
-    /// Maps a memfd a peer passed, after checking that it is sealed as [`Region::copy_of`]
-    /// seals (so its bytes can never change) and holds at least `end` bytes.
-    pub(crate) fn from_peer(fd: OwnedFd, end: u64) -> Result<Region> {
-        let len = Region::check_peer_fd(&fd, end)?;
-        Region::map(fd, len)
+    /// Maps the first `end` bytes of a memfd a peer passed, after checking that it is sealed
+    /// as [`Region::copy_of`] seals (so its bytes can never change) and holds at least `end`
+    /// bytes. Returns the region and whether the payload is the whole file (then the fd can
+    /// be passed on as it is).
+    pub(crate) fn from_peer(fd: OwnedFd, end: u64) -> Result<(Region, bool)> {
+        let size = Region::check_peer_fd(&fd, end)?;
+        let len = usize::try_from(end)
+            .map_err(|_| Error::TooLarge(format!("a payload ending at {end}")))?;
+        Ok((Region::map(fd, len)?, size == end))
     }
 
     /// Checks that a peer's memfd is sealed as [`Region::copy_of`] seals and holds at least
-    /// `end` bytes; returns its length.
-    pub(crate) fn check_peer_fd(fd: &OwnedFd, end: u64) -> Result<usize> {
+    /// `end` bytes; returns its size.
+    pub(crate) fn check_peer_fd(fd: &OwnedFd, end: u64) -> Result<u64> {
         let seals = fs::fcntl_get_seals(fd)
             .map_err(|e| Error::Io(format!("a peer's memfd has no seals: {e}")))?;
         if !seals.contains(SEALS) {
@@ -88,16 +105,23 @@ impl Region {
             .map_err(|e| io("reading a memfd's size", e))?
             .st_size;
         let size = u64::try_from(size).unwrap_or(0);
-        if size < end || size == 0 {
+        if size < end || end == 0 {
             return Err(Error::Io(format!(
                 "a peer's memfd holds {size} bytes, the payload ends at {end}"
             )));
         }
-        usize::try_from(size).map_err(|_| Error::TooLarge(format!("a memfd of {size} bytes")))
+        Ok(size)
     }
 
+    /// Maps the first `len` bytes of a sealed memfd, read-only and private (see the module
+    /// docs: a shared mapping of a write-sealed memfd fails before Linux 6.7).
     fn map(fd: OwnedFd, len: usize) -> Result<Region> {
-        // SAFETY: a fresh shared read-only mapping of `len` bytes of a file sealed against
+        if fail_maps_for_tests() {
+            return Err(Error::Io(
+                "mapping a memfd: refused (forced by a test hook)".into(),
+            ));
+        }
+        // SAFETY: a fresh private read-only mapping of `len` bytes of a file sealed against
         // shrinking (so no access through it can fault with SIGBUS) and writing; the kernel
         // picks the address, and nothing else in the process refers to it.
         let ptr = unsafe {
@@ -105,7 +129,7 @@ impl Region {
                 std::ptr::null_mut(),
                 len,
                 ProtFlags::READ,
-                MapFlags::SHARED,
+                MapFlags::PRIVATE,
                 &fd,
                 0,
             )
@@ -114,6 +138,30 @@ impl Region {
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
         Ok(Region { fd, ptr, len })
+    }
+
+    /// A private, writable copy-on-write mapping of the region's bytes: reads share the
+    /// file's pages, a write copies the page it touches into this process only. Nothing
+    /// written through it reaches the file, this region, or any other reader.
+    pub(crate) fn private_view(self: &Arc<Self>) -> Result<PrivateBytes> {
+        // SAFETY: a fresh private mapping of `len` bytes of a sealed file (no shrink: no
+        // SIGBUS); writes through it stay in this mapping (MAP_PRIVATE), so the sealed file
+        // and every other mapping of it are untouched.
+        let ptr = unsafe {
+            mm::mmap(
+                std::ptr::null_mut(),
+                self.len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+                &self.fd,
+                0,
+            )
+        }
+        .map_err(|e| io("mapping a memfd copy-on-write", e))?;
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
+        // SAFETY: `ptr` is a fresh mapping of `len` bytes that nothing else refers to.
+        Ok(unsafe { PrivateBytes::mapped(ptr, self.len) })
     }
 
     /// The whole mapped file.
@@ -145,6 +193,117 @@ impl Drop for Region {
         // borrow of it (`bytes`, the `Bytes` of `slice`) holds the region alive.
         let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
+}
+
+/// A memfd being filled through a shared writable mapping, before it is sealed: the
+/// receive buffer of a tensor that is then served (and viewed) from its region without a
+/// copy.
+#[derive(Debug)]
+pub(crate) struct RegionWriter {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the writer owns its mapping exclusively (no other reference to it exists until it
+// is sealed); moving it between threads moves that ownership.
+unsafe impl Send for RegionWriter {}
+// SAFETY: shared references only read through `as_ref`, like a `&[u8]`.
+unsafe impl Sync for RegionWriter {}
+
+impl RegionWriter {
+    /// A new memfd of `len` bytes (not empty), mapped writable.
+    pub(crate) fn new(len: usize) -> Result<RegionWriter> {
+        if len == 0 {
+            return Err(Error::Io("an empty memfd cannot be mapped".into()));
+        }
+        let fd = fs::memfd_create(
+            "tensor-broker",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(|e| io("creating a memfd", e))?;
+        fs::ftruncate(&fd, len as u64).map_err(|e| io("sizing a memfd", e))?;
+        // SAFETY: a fresh shared writable mapping of a file of exactly `len` bytes that only
+        // this writer can resize (it does not); unmapped in `seal` or `Drop`.
+        let ptr = unsafe {
+            mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .map_err(|e| io("mapping a memfd for writing", e))?;
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
+        Ok(RegionWriter { fd, ptr, len })
+    }
+
+    /// Unmaps the writable mapping, seals the file and maps it read-only: a [`Region`].
+    pub(crate) fn seal(self) -> Result<Region> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the mapping made in `new`, unmapped once (`Drop` will not run: the writer
+        // is consumed), before sealing (a write seal is refused while it exists).
+        let _ = unsafe { mm::munmap(this.ptr.as_ptr().cast(), this.len) };
+        // SAFETY: the fd is moved out exactly once; `this` is never used again.
+        let fd = unsafe { std::ptr::read(&this.fd) };
+        fs::fcntl_add_seals(&fd, SEALS).map_err(|e| io("sealing a memfd", e))?;
+        Region::map(fd, this.len)
+    }
+}
+
+impl AsRef<[u8]> for RegionWriter {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `ptr` maps `len` bytes while the writer lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl AsMut<[u8]> for RegionWriter {
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and the writer is borrowed mutably: the only view of the bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for RegionWriter {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped exactly once.
+        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Set by [`fail_maps_for_tests`]' hook: every later mapping of a sealed memfd fails, as it
+/// would on a kernel that refused it.
+static FAIL_MAPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every later read-only mapping of a sealed memfd in this process fail (a test hook:
+/// how the shm channel behaves on a kernel that refuses the mapping).
+pub fn force_map_failures_for_tests() {
+    FAIL_MAPS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn fail_maps_for_tests() -> bool {
+    FAIL_MAPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether this kernel maps sealed memfds as the shm channel does (made, sealed and mapped
+/// once per process; the answer is kept). `Err` says why not.
+pub(crate) fn probe() -> std::result::Result<(), String> {
+    static PROBED: std::sync::OnceLock<std::result::Result<(), String>> =
+        std::sync::OnceLock::new();
+    PROBED
+        .get_or_init(|| {
+            let probe = Region::copy_of(&[0u8; 1]).and_then(|region| {
+                let view = Arc::new(region).private_view()?;
+                drop(view);
+                Ok(())
+            });
+            probe.map_err(|e| e.to_string())
+        })
+        .clone()
 }
 
 /// Payloads at least this large are copied on two threads.
@@ -228,11 +387,39 @@ mod tests {
     }
 
     #[test]
+    fn a_writer_seals_into_a_region_whose_private_views_do_not_write_through() {
+        let mut writer = RegionWriter::new(10_000).expect("writer");
+        writer.as_mut().fill(7);
+        let region = Arc::new(writer.seal().expect("seal"));
+        assert!(region.bytes().iter().all(|&b| b == 7));
+        assert!(rustix::io::pwrite(region.fd(), b"x", 0).is_err(), "sealed");
+        let view = region.private_view().expect("view");
+        // SAFETY (test): the view is this test's own writable mapping of `len` bytes.
+        let written = unsafe { std::slice::from_raw_parts_mut(view.as_mut_ptr(), view.len()) };
+        written[0] = 1;
+        written[9_999] = 1;
+        assert_eq!((region.bytes()[0], region.bytes()[9_999]), (7, 7));
+        let other = region.private_view().expect("view");
+        // SAFETY (test): as above.
+        let fresh = unsafe { std::slice::from_raw_parts(other.as_mut_ptr(), other.len()) };
+        assert!(fresh.iter().all(|&b| b == 7));
+        assert!(
+            RegionWriter::new(0).is_err(),
+            "an empty memfd cannot be mapped"
+        );
+    }
+
+    #[test]
     fn a_peer_fd_must_be_sealed_and_long_enough() {
         let region = Region::copy_of(b"hello").expect("region");
         let dup = region.fd.try_clone().expect("dup");
-        let peer = Region::from_peer(dup, 5).expect("sealed");
+        let (peer, whole) = Region::from_peer(dup, 5).expect("sealed");
         assert_eq!(peer.bytes(), b"hello");
+        assert!(whole);
+        // Only the payload is mapped, however long the file.
+        let dup = region.fd.try_clone().expect("dup");
+        let (peer, whole) = Region::from_peer(dup, 3).expect("sealed");
+        assert_eq!((peer.bytes(), whole), (&b"hel"[..], false));
         let dup = region.fd.try_clone().expect("dup");
         assert!(Region::from_peer(dup, 6).is_err());
         // An unsealed memfd (its owner could still change it) is refused.

@@ -6,8 +6,8 @@ use std::{os::fd::AsFd, sync::Arc};
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{
-    Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
-    TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
+    Access, AuthProof, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload,
+    TensorMeta, TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixListener;
 use tracing::debug;
@@ -70,7 +70,8 @@ async fn serve_connection(ctx: &NodeCtx, shm: &Shm, mut conn: ShmStream) {
     loop {
         let idle = ctx.config.idle_timeout;
         let read = within(idle, "a same-host request", async {
-            conn.read_frame::<DataRequest>(MAX_CONTROL_FRAME).await
+            conn.read_frame::<DataRequest>(tb_proto::MAX_DATA_REQUEST_FRAME)
+                .await
         });
         let Ok(request) = read.await else { return };
         if let Err(err) = serve_request(ctx, &mut conn, peer, access, request).await {
@@ -101,22 +102,25 @@ async fn admit(ctx: &NodeCtx, shm: &Shm, conn: &mut ShmStream) -> Result<(Endpoi
         conn.read_frame::<ShmHello>(MAX_SHM_HELLO_FRAME).await
     })
     .await?;
-    let expected = shm.token(&hello.node, hello.access);
-    if !constant_time_eq(&expected, &hello.token) {
+    // The token names the access this node verified on the peer's link, which is not always
+    // the access the peer holds (a read-only node cannot verify a read-write proof, so it
+    // grants read-only): the hello's own claim is ignored, and the access whose token
+    // matches is the one granted.
+    let proof = AuthProof(hello.token);
+    let granted = [Access::ReadWrite, Access::ReadOnly]
+        .into_iter()
+        .find(|&access| AuthProof(shm.token(&hello.node, access)) == proof);
+    let Some(access) = granted else {
         ctx.metrics
             .auth_failures
             .inc(tb_dashboard::AuthFailure::BadProof);
         return Err(Error::Unauthorized(
             "a same-host hello with a bad token".into(),
         ));
-    }
+    };
     let peer = EndpointId::from_bytes(&hello.node)
         .map_err(|e| Error::Unauthorized(format!("a same-host hello's node id: {e}")))?;
-    Ok((peer, hello.access))
-}
-
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    Ok((peer, access))
 }
 
 /// Serves one request. `Err`: the connection must close (the protocol broke, or bytes of a
@@ -288,7 +292,8 @@ async fn serve_push(
     answered
 }
 
-/// Receives a pushed payload: inline bytes (hash-checked) or the pusher's sealed memfd.
+/// Receives a pushed payload: inline bytes or the pusher's sealed memfd, hash-checked either
+/// way.
 async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
     let len = usize::try_from(meta.byte_len)
         .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
@@ -298,7 +303,10 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
             Ok(Tensor::from_verified(meta.clone(), bytes))
         }
         ShmPayload::Memfd { offset } if len > 0 => {
-            super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())
+            // Every push is verified: its hash is what arrived, never the sender's claim.
+            let tensor = super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())?;
+            crate::channel::verify::check_all(tensor.data(), meta.hash, "a same-host push")?;
+            Ok(tensor)
         }
         other => Err(Error::Io(format!(
             "a same-host push of {len} bytes sent as {other:?}"

@@ -56,8 +56,12 @@ const TCP_MIN_BYTES: u64 = 1 << 20;
 /// Outstanding tickets per node; a pull asking beyond it is answered over QUIC on its own
 /// stream.
 const MAX_TICKETS: usize = 256;
-/// Sockets served at once per node; more are closed unserved (their pullers fall back).
+/// Sockets served at once per node (counted from the admission of their token); more are
+/// closed unserved (their pullers fall back).
 const MAX_SERVING: usize = 64;
+/// Sockets awaiting their hello at once per node (each holds a few bytes for at most the
+/// hello timeout); more are closed at once.
+const MAX_HELLOS: usize = 256;
 
 /// How many sockets a pull of `len` bytes opens: one per [`SOCKET_MIN_BYTES`], at least
 /// one, at most [`SOCKETS`].

@@ -11,11 +11,11 @@ use tb_proto::{
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
-    sync::Semaphore,
+    sync::{OwnedSemaphorePermit, Semaphore},
 };
 use tracing::debug;
 
-use super::{MAX_SERVING, TCP_MIN_BYTES, Tcp};
+use super::{MAX_HELLOS, MAX_SERVING, TCP_MIN_BYTES, Tcp};
 use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
@@ -91,6 +91,7 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
         TcpListener::from_std(std).map_err(|e| Error::io("listening on the TCP channel", e))?;
     let (ctx, tcp) = (ctx.clone(), tcp.clone());
     let serving = Arc::new(Semaphore::new(MAX_SERVING));
+    let hellos = Arc::new(Semaphore::new(MAX_HELLOS));
     let tracker = ctx.tracker.clone();
     tracker.spawn(async move {
         // Bounded by the node's life: ends when it is cancelled.
@@ -104,17 +105,18 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
                 tokio::time::sleep(crate::channel::ACCEPT_BACKOFF).await;
                 continue;
             };
-            let Ok(permit) = serving.clone().try_acquire_owned() else {
-                debug!(%from, "TCP channel at its limit of sockets: closed unserved");
+            // A socket waiting for its hello holds only a hello slot; a serving slot is
+            // taken once its token is admitted, so idle sockets cannot switch the channel off.
+            let Ok(hello) = hellos.clone().try_acquire_owned() else {
+                debug!(%from, "TCP channel at its limit of sockets awaiting a hello: closed");
                 ctx.metrics.channels.refused(ChannelKind::Tcp);
                 continue;
             };
-            let (ctx2, tcp2) = (ctx.clone(), tcp.clone());
+            let (ctx2, tcp2, serving) = (ctx.clone(), tcp.clone(), serving.clone());
             ctx.tracker.spawn(async move {
-                let _permit = permit;
                 tokio::select! {
                     _ = ctx2.cancel.cancelled() => {}
-                    () = serve_socket(&ctx2, &tcp2, stream) => {}
+                    () = serve_socket(&ctx2, &tcp2, stream, hello, &serving) => {}
                 }
             });
         }
@@ -123,8 +125,17 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, tcp: &Arc<Tcp>) -> Result<()> {
 }
 
 /// Admits one socket by its hello (token and range) and writes the range's bytes; a socket
-/// refused is closed before any tensor byte, and counted.
-async fn serve_socket(ctx: &NodeCtx, tcp: &Tcp, mut stream: TcpStream) {
+/// refused (no valid token, or every serving slot taken) is closed before any tensor byte,
+/// and counted. `hello` is the socket's slot among those awaiting a hello, given back once
+/// the hello is read.
+async fn serve_socket(
+    ctx: &NodeCtx,
+    tcp: &Tcp,
+    mut stream: TcpStream,
+    hello: OwnedSemaphorePermit,
+    serving: &Arc<Semaphore>,
+) {
+    let awaiting = hello;
     let hello = tokio::time::timeout(ctx.config.hello_timeout, read_hello(&mut stream)).await;
     let admitted = match hello {
         Ok(Ok(hello)) => tcp
@@ -133,7 +144,15 @@ async fn serve_socket(ctx: &NodeCtx, tcp: &Tcp, mut stream: TcpStream) {
         Ok(Err(err)) => Err(err.to_string()),
         Err(_) => Err(format!("no hello within {:?}", ctx.config.hello_timeout)),
     };
-    let bytes = match admitted {
+    drop(awaiting);
+    let permit = match admitted {
+        Ok(bytes) => match serving.clone().try_acquire_owned() {
+            Ok(permit) => Ok((bytes, permit)),
+            Err(_) => Err("the TCP channel is at its limit of sockets served".to_owned()),
+        },
+        Err(why) => Err(why),
+    };
+    let (bytes, _permit) = match permit {
         Ok(bytes) => bytes,
         Err(why) => {
             debug!(%why, "TCP channel socket refused");

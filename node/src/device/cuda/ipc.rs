@@ -6,8 +6,11 @@
 //! `tb/data/1` messages in `tb-proto` have no variant for it yet (see the crate docs for what
 //! moving it there takes). Anything short of a mapped copy — a peer without the feature, a
 //! declined request, a handle that does not open — makes the caller fall back to the network.
-//! The bytes never leave device memory, so no hash is checked on this path: the metadata
-//! (hash included) comes from the server, whose bytes were hashed when it published them.
+//! The bytes never leave device memory. From a server that proved read-write access no hash
+//! is checked on this path: the metadata (hash included) comes from the server, whose bytes
+//! were hashed when it published them, and it could as well have published others. From a
+//! server that proved only read-only access the copy is hashed (through staging buffers)
+//! before it is returned: a mismatch is `Corrupt`.
 //! An IPC handle maps the server's memory writable, so it is exported only to peers that
 //! proved read-write access (the cluster secret); read-only peers use the network.
 
@@ -242,11 +245,14 @@ pub(crate) async fn ipc_pull(
         ctx.config.connect_timeout,
         0,
     );
-    if let Err(e) = hello.await {
-        // The network path will report a refusal as `Unauthorized`.
-        debug!(%e, "no CUDA IPC with this peer");
-        return Ok(None);
-    }
+    let exporter = match hello.await {
+        Ok(welcomed) => welcomed.peer,
+        Err(e) => {
+            // The network path will report a refusal as `Unauthorized`.
+            debug!(%e, "no CUDA IPC with this peer");
+            return Ok(None);
+        }
+    };
     let request = IpcRequest::Open {
         name: name.clone(),
         version,
@@ -255,6 +261,20 @@ pub(crate) async fn ipc_pull(
     };
     let pulled = exchange(ctx, &conn, request, ordinal).await;
     conn.close(iroh::endpoint::VarInt::from_u32(0), b"done");
+    // An exporter that proved only read-only access may not publish: its bytes are hashed
+    // (through staging buffers) before anyone sees them.
+    if exporter != Access::ReadWrite
+        && let Ok(Some((version, meta, buffer))) = &pulled
+    {
+        let got = buffer.hash()?;
+        if got != meta.hash {
+            return Err(Error::Corrupt(format!(
+                "tensor \"{name}\" v{version} by CUDA IPC from {}: expected hash {}, got {got}",
+                peer.id.fmt_short(),
+                meta.hash
+            )));
+        }
+    }
     pulled.map(|got| {
         got.map(|(version, meta, buffer)| Pulled {
             name: name.clone(),
