@@ -1,10 +1,15 @@
-//! [`Buffer`]: the bytes of a received tensor as a Python object, without a copy. It holds
-//! the node's `Tensor` (shared, immutable bytes: the same ones the node's store keeps and
-//! serves) and lends them out read-only through the buffer protocol (numpy's
-//! `frombuffer`, `memoryview`) and as a 1-D `uint8` DLPack capsule (`torch.from_dlpack`).
-//! A tensor on a CUDA device is lent as a DLPack capsule of that device (`kDLCUDA`), its
-//! device memory shared, not copied. The bytes live until the last array or tensor made from
-//! them is gone.
+//! [`Buffer`]: the bytes of a received tensor as a Python object, without a copy of the
+//! payload. It holds the node's `Tensor` (shared, immutable bytes: the ones the node's store
+//! keeps and serves) and lends Python a *private* view of them
+//! ([`Tensor::private_view`]): a copy-on-write mapping of the tensor's sealed memfd (a
+//! small tensor: a copy). Arrays and tensors made from one `Buffer` share that view; an
+//! in-place write into one of them (a torch op, an optimizer step, `get(out=t)`) copies the
+//! pages it touches into this process and changes nothing the node holds or serves, nor
+//! what any other get returns. The view is lent through the buffer protocol (read-only:
+//! numpy's `frombuffer`, `memoryview`), as read-only numpy arrays, and as a 1-D `uint8`
+//! DLPack capsule (`torch.from_dlpack`). A tensor on a CUDA device is lent as a DLPack
+//! capsule of that device (`kDLCUDA`), its device memory shared, not copied. The bytes live
+//! until the last array or tensor made from them is gone.
 
 // The buffer protocol and DLPack are C interfaces: raw pointers handed to Python, checked
 // here once.
@@ -13,6 +18,7 @@
 use std::{
     ffi::{CStr, c_int, c_void},
     ptr::{self, NonNull},
+    sync::{Arc, OnceLock},
 };
 
 use numpy::{
@@ -20,12 +26,12 @@ use numpy::{
     npyffi::{self, PY_ARRAY_API, npy_intp},
 };
 use pyo3::{
-    exceptions::{PyBufferError, PyValueError},
+    exceptions::{PyBufferError, PyTypeError, PyValueError},
     ffi,
     prelude::*,
     types::PyCapsule,
 };
-use tb_node::Tensor;
+use tb_node::{PrivateBytes, Tensor};
 
 /// A received tensor's bytes, read-only, with its name, version, dtype and shape.
 #[pyclass(frozen, module = "tensor_broker._native")]
@@ -33,6 +39,8 @@ pub struct Buffer {
     tensor: Tensor,
     name: String,
     version: u64,
+    /// The private view Python's arrays and tensors use, made on first need.
+    view: OnceLock<Arc<PrivateBytes>>,
 }
 
 impl Buffer {
@@ -42,11 +50,30 @@ impl Buffer {
             tensor,
             name,
             version,
+            view: OnceLock::new(),
         }
     }
 
-    /// What a DLPack capsule points at: the first byte, the length, and the device.
-    fn exported_memory(&self) -> PyResult<(*mut c_void, usize, DlDevice)> {
+    /// The private view of the host bytes, made on first call (a mapping, or for a tensor
+    /// that has no memfd yet one copy into one, made with the GIL released).
+    fn view(&self, py: Python<'_>) -> PyResult<&Arc<PrivateBytes>> {
+        if let Some(view) = self.view.get() {
+            return Ok(view);
+        }
+        self.bytes()?;
+        let made = py
+            .detach(|| self.tensor.private_view())
+            .map_err(crate::errors::to_py)?;
+        // Two threads racing here: one view wins, the other is unmapped unused.
+        Ok(self.view.get_or_init(|| Arc::new(made)))
+    }
+
+    /// What a DLPack capsule points at: the first byte, the length, the device, and the
+    /// private view that holds host bytes.
+    fn exported_memory(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<(*mut c_void, usize, DlDevice, Option<Arc<PrivateBytes>>)> {
         if let Some(buf) = self.tensor.device_buffer() {
             let device = DlDevice {
                 device_type: DL_CUDA,
@@ -56,17 +83,18 @@ impl Buffer {
             // A device address, never dereferenced here: DLPack consumers read it on the
             // device. The capsule keeps the buffer alive.
             let data = buf.device_ptr() as usize as *mut c_void;
-            return Ok((data, buf.len(), device));
+            return Ok((data, buf.len(), device, None));
         }
-        let bytes = self.bytes()?;
+        let view = self.view(py)?;
         let device = DlDevice {
             device_type: DL_CPU,
             device_id: 0,
         };
         Ok((
-            bytes.as_ptr().cast_mut().cast::<c_void>(),
-            bytes.len(),
+            view.as_mut_ptr().cast::<c_void>(),
+            view.len(),
             device,
+            Some(view.clone()),
         ))
     }
 
@@ -126,12 +154,14 @@ struct DlManagedTensor {
 }
 
 /// What a capsule owns: the managed tensor (first, so a pointer to it is a pointer to this),
-/// its shape, and a handle on the bytes.
+/// its shape, and a handle on the bytes (the private view of host bytes; the tensor, for
+/// device memory).
 #[repr(C)]
 struct Exported {
     managed: DlManagedTensor,
     shape: [i64; 1],
     _tensor: Tensor,
+    _view: Option<Arc<PrivateBytes>>,
 }
 
 /// DLPack's deleter: frees what [`Buffer::__dlpack__`] allocated (any thread, no GIL needed).
@@ -188,10 +218,18 @@ impl Buffer {
         self.tensor.byte_len()
     }
 
-    /// Address of the first byte (to check that arrays share these bytes).
+    /// Address of the first byte of the private view that this buffer's arrays and tensors
+    /// share (to check that they share it).
     #[getter]
-    fn address(&self) -> PyResult<usize> {
-        Ok(self.bytes()?.as_ptr() as usize)
+    fn address(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.view(py)?.as_mut_ptr() as usize)
+    }
+
+    /// Whether the view is a copy-on-write mapping of the node's memfd (no payload byte
+    /// copied) rather than a copy (small tensors).
+    #[getter]
+    fn mapped(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.view(py)?.is_mapped())
     }
 
     fn __len__(&self) -> PyResult<usize> {
@@ -223,13 +261,13 @@ impl Buffer {
             ));
         }
         let (buf, len) = {
-            let data = slf.get().bytes()?;
-            (data.as_ptr(), data.len())
+            let view = slf.get().view(slf.py())?;
+            (view.as_mut_ptr().cast_const(), view.len())
         };
         let len = isize::try_from(len).map_err(|_| PyBufferError::new_err("buffer too large"))?;
         // SAFETY: `view` is the non-null view Python asks us to fill; the bytes stay valid
         // while `view.obj` (a reference to this object, released by Python) lives, because the
-        // object holds them and never changes them. `format` points to a static string, and
+        // object holds its private view until it is dropped. `format` points to a static string, and
         // `shape`/`strides` into the view itself, as the protocol allows.
         unsafe {
             (*view).obj = slf.into_any().into_ptr();
@@ -278,7 +316,7 @@ impl Buffer {
             ));
         }
         let this = slf.get();
-        let (data, len, device) = this.exported_memory()?;
+        let (data, len, device, view) = this.exported_memory(slf.py())?;
         let len = i64::try_from(len).map_err(|_| PyBufferError::new_err("too large"))?;
         let exported = Box::new(Exported {
             managed: DlManagedTensor {
@@ -300,6 +338,7 @@ impl Buffer {
             },
             shape: [len],
             _tensor: this.tensor.clone(),
+            _view: view,
         });
         let raw = Box::into_raw(exported);
         // SAFETY: `raw` is a valid, uniquely owned allocation; the shape pointer points into
@@ -328,14 +367,16 @@ impl Buffer {
     }
 
     /// A read-only numpy array of `dtype` over the bytes, shaped as the tensor, whose `base`
-    /// is this buffer (no copy). `dtype`'s item size must fit the tensor's.
+    /// is this buffer (no copy). `dtype`'s item size must fit the tensor's; a dtype holding
+    /// Python objects, or a structured or void one, is refused (`TypeError`).
     fn numpy<'py>(
         slf: &Bound<'py, Self>,
         dtype: Bound<'py, PyArrayDescr>,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
         let py = slf.py();
         let this = slf.get();
-        let bytes = this.bytes()?;
+        check_view_dtype(&dtype, &this.name)?;
+        let view = this.view(py)?;
         let mut dims = this
             .tensor
             .shape()
@@ -345,11 +386,11 @@ impl Buffer {
             .map_err(|_| PyValueError::new_err("a dimension does not fit numpy's index type"))?;
         let elements: u64 = this.tensor.shape().iter().product();
         let itemsize = dtype.itemsize() as u64;
-        if elements.checked_mul(itemsize) != Some(bytes.len() as u64) {
+        if elements.checked_mul(itemsize) != Some(view.len() as u64) {
             return Err(PyValueError::new_err(format!(
                 "dtype {dtype} does not fit tensor \"{}\" ({} bytes for shape {:?})",
                 this.name,
-                bytes.len(),
+                view.len(),
                 this.tensor.shape()
             )));
         }
@@ -366,7 +407,7 @@ impl Buffer {
                 ndim,
                 dims.as_mut_ptr(),
                 ptr::null_mut(),
-                bytes.as_ptr().cast_mut().cast::<c_void>(),
+                view.as_mut_ptr().cast::<c_void>(),
                 npyffi::NPY_ARRAY_C_CONTIGUOUS,
                 ptr::null_mut(),
             );
@@ -398,6 +439,25 @@ impl Buffer {
     fn cuda_device(&self) -> Option<usize> {
         self.tensor.device_buffer().map(|b| b.ordinal())
     }
+}
+
+/// Refuses a `dtype` that cannot safely view received bytes: one holding Python objects
+/// (numpy would read the bytes as object pointers and crash the process), or a structured,
+/// subarray or plain void one (fields and subarrays reinterpret the layout; the package
+/// never makes them). A user-defined dtype (`ml_dtypes`' bf16 and f8) is of kind `V` too,
+/// so plain void is told apart by its type number, not its kind.
+fn check_view_dtype(dtype: &Bound<'_, PyArrayDescr>, name: &str) -> PyResult<()> {
+    if dtype.has_object()
+        || dtype.has_fields()
+        || dtype.has_subarray()
+        || dtype.num() == npyffi::NPY_TYPES::NPY_VOID as c_int
+    {
+        return Err(PyTypeError::new_err(format!(
+            "dtype {dtype} cannot view tensor \"{name}\": a dtype with Python objects, \
+             fields, a subarray or void items cannot view received bytes"
+        )));
+    }
+    Ok(())
 }
 
 /// Copies the `len` bytes of a CUDA tensor at device address `ptr` on device `ordinal` into a

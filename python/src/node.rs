@@ -4,12 +4,12 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use numpy::PyUntypedArray;
+use numpy::{PyArray1, PyUntypedArray};
 use pyo3::{exceptions::PyValueError, prelude::*, types::PyDict};
 use tb_node::{Config, DType, Device, Node, Tensor};
 
 use crate::{
-    array::RawBytes,
+    array::{OutBytes, RawBytes},
     buffer::Buffer,
     errors::{self, to_py},
     runtime::{self, wait, wait_limited},
@@ -173,10 +173,10 @@ impl NodeHandle {
     ) -> PyResult<u64> {
         let node = self.node()?.clone();
         let dtype = parse_dtype(dtype)?;
-        let raw = RawBytes::of(data, false)?;
+        let raw = RawBytes::of(data)?;
         // The copy and its hash, without the GIL (`data` stays referenced meanwhile).
         let tensor = py
-            .detach(move || Tensor::new(dtype, shape, raw.to_vec()))
+            .detach(move || Tensor::copy_from(dtype, shape, raw.as_slice()))
             .map_err(to_py)?;
         if let Some(keep) = keep {
             node.set_keep(name, keep).map_err(to_py)?;
@@ -184,19 +184,18 @@ impl NodeHandle {
         wait(py, node.publish(name, tensor))?.map_err(to_py)
     }
 
-    /// Publishes the `nbytes` bytes of a CUDA tensor at device address `ptr` on device
-    /// `ordinal` (`tensor` is the tensor itself, kept referenced for the call) as the next
-    /// version of `name`, copied device to device into the node's memory, where it stays and
-    /// is served from; returns the version. `Unavailable` in a build without CUDA.
-    #[pyo3(signature = (name, tensor, ptr, nbytes, ordinal, dtype, shape, keep=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Publishes a CUDA tensor's bytes (`tensor`: its bytes as a contiguous 1-D `uint8` CUDA
+    /// tensor on device `ordinal`, whose address and length are read from its
+    /// `__cuda_array_interface__`, never taken from the caller) as the next version of
+    /// `name`, a `dtype` tensor of `shape`, copied device to device into the node's memory,
+    /// where it stays and is served from; returns the version. The caller synchronized the
+    /// work that produced it. `Unavailable` in a build without CUDA.
+    #[pyo3(signature = (name, tensor, ordinal, dtype, shape, keep=None))]
     fn put_cuda(
         &self,
         py: Python<'_>,
         name: &str,
         tensor: &Bound<'_, PyAny>,
-        ptr: u64,
-        nbytes: usize,
         ordinal: usize,
         dtype: &str,
         shape: Vec<u64>,
@@ -204,6 +203,14 @@ impl NodeHandle {
     ) -> PyResult<u64> {
         let node = self.node()?.clone();
         let dtype = parse_dtype(dtype)?;
+        let (ptr, nbytes) = cuda_bytes(tensor)?;
+        let expected = tb_node::proto::byte_len_for(dtype, &shape)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if expected != nbytes as u64 {
+            return Err(PyValueError::new_err(format!(
+                "a {dtype} tensor of shape {shape:?} has {expected} bytes, the CUDA buffer {nbytes}"
+            )));
+        }
         // `tensor` stays referenced (its memory allocated) for the whole call.
         let _alive = tensor;
         let tensor = py
@@ -254,23 +261,27 @@ impl NodeHandle {
         ))
     }
 
-    /// Gets `name` into `out` (a writable C-contiguous array whose dtype name is `dtype`
-    /// and whose shape is `shape`), received straight into it (`Node::get_into`); returns
-    /// the version. A tensor of another dtype or shape is refused before anything is written.
+    /// Gets `name` into `out` (the bytes of a writable array whose dtype name is `dtype` and
+    /// whose shape is `shape`, as a 1-D `uint8` view), received straight into it
+    /// (`Node::get_into`); returns the version. A tensor of another dtype or shape is refused
+    /// before anything is written; so is an `out` that another call is writing (a
+    /// `BufferError`: two receives never write the same memory).
     #[pyo3(signature = (name, out, dtype, shape, version=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn get_into(
         &self,
         py: Python<'_>,
         name: String,
-        out: &Bound<'_, PyUntypedArray>,
+        out: &Bound<'_, PyArray1<u8>>,
         dtype: &str,
         shape: Vec<u64>,
         version: Option<u64>,
         timeout: Option<f64>,
     ) -> PyResult<u64> {
         let node = self.node()?.clone();
-        let mut dest = RawBytes::of(out, true)?;
+        // Borrowed for the whole call, GIL released or not: only the slice leaves this frame.
+        let mut borrowed = OutBytes::borrow(out)?;
+        let dest = borrowed.as_mut_slice()?;
         let want = dtype.to_owned();
         let check = move |meta: &tb_node::TensorMeta| {
             if meta.dtype.name() == want && meta.shape == shape {
@@ -283,10 +294,8 @@ impl NodeHandle {
             )))
         };
         let what = || format!("getting \"{name}\"");
-        // `out` stays referenced (and so alive) for the whole call.
         let got = wait_limited(py, timeout, what, async {
-            node.get_into(&name, version, dest.as_mut_slice(), check)
-                .await
+            node.get_into(&name, version, dest, check).await
         })?
         .map_err(to_py)?;
         Ok(got.0)
@@ -309,19 +318,14 @@ impl NodeHandle {
             let dtype: DType = dtype.parse().map_err(|e: tb_node::proto::UnknownDType| {
                 errors::invalid(format!("{key}: {e}"))
             })?;
-            raws.push((
-                key.clone(),
-                RawBytes::of(data, false)?,
-                dtype,
-                shape.clone(),
-            ));
+            raws.push((key.clone(), RawBytes::of(data)?, dtype, shape.clone()));
         }
         // Copies and hashes without the GIL (`members` keeps every array referenced).
         let tensors = py
             .detach(move || {
                 raws.into_iter()
                     .map(|(key, raw, dtype, shape)| {
-                        Ok((key, Tensor::new(dtype, shape, raw.to_vec())?))
+                        Ok((key, Tensor::copy_from(dtype, shape, raw.as_slice())?))
                     })
                     .collect::<tb_node::Result<Vec<_>>>()
             })
@@ -430,4 +434,37 @@ impl NodeHandle {
 fn parse_dtype(name: &str) -> PyResult<DType> {
     name.parse()
         .map_err(|e: tb_node::proto::UnknownDType| errors::invalid(e.to_string()))
+}
+
+/// The device address and byte length of a contiguous 1-D `uint8` CUDA array, read from its
+/// `__cuda_array_interface__` (so they describe memory the object owns).
+fn cuda_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(u64, usize)> {
+    let bad = |why: &str| PyValueError::new_err(format!("put of a CUDA tensor: {why}"));
+    let cai = obj
+        .getattr("__cuda_array_interface__")
+        .map_err(|_| bad("the object has no __cuda_array_interface__"))?;
+    let typestr: String = cai.get_item("typestr")?.extract()?;
+    if !matches!(typestr.as_str(), "|u1" | "<u1" | ">u1") {
+        return Err(bad(&format!("expected its bytes as uint8, got {typestr}")));
+    }
+    let shape: Vec<usize> = cai.get_item("shape")?.extract()?;
+    let [len] = shape[..] else {
+        return Err(bad(&format!(
+            "expected a 1-D view of its bytes, got shape {shape:?}"
+        )));
+    };
+    let strides = cai.get_item("strides").ok().filter(|s| !s.is_none());
+    if let Some(strides) = strides {
+        let strides: Vec<isize> = strides.extract()?;
+        if len > 1 && strides != [1] {
+            return Err(bad(&format!(
+                "its bytes are not contiguous (strides {strides:?})"
+            )));
+        }
+    }
+    let (ptr, _read_only): (u64, bool) = cai.get_item("data")?.extract()?;
+    if ptr == 0 && len > 0 {
+        return Err(bad("a null device address"));
+    }
+    Ok((ptr, len))
 }

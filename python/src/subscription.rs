@@ -1,11 +1,15 @@
 //! [`Subscription`]: a node subscription read from Python, one [`Event`] per new version
 //! (or delete) of a matching name. Skipped versions are folded into the next event of their
 //! name (`skipped`, `skipped_from`), so an iterator yields only versions a caller can load.
+//!
+//! `close()` from any thread ends a `next()` waiting in another: the close signal lives
+//! outside the reader's lock, and a waiting `next()` watches it.
 
 use std::{collections::HashMap, sync::Arc};
 
 use pyo3::prelude::*;
 use tb_node::{SubEvent, Tensor, TensorName, TensorSet};
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     buffer::Buffer,
@@ -112,6 +116,8 @@ impl Event {
 #[pyclass(frozen, module = "tensor_broker._native")]
 pub struct Subscription {
     inner: Arc<tokio::sync::Mutex<Reader>>,
+    /// Fired by `close`; outside the lock, which a waiting `next` holds.
+    closed: CancellationToken,
     pattern: String,
 }
 
@@ -129,6 +135,7 @@ impl Subscription {
                 sub: Some(sub),
                 skipped: HashMap::new(),
             })),
+            closed: CancellationToken::new(),
         }
     }
 }
@@ -204,22 +211,30 @@ impl Subscription {
     }
 
     /// The next event, waiting at most `timeout` seconds (`Timeout` then; the subscription
-    /// goes on) or forever; `None` once the subscription ended.
+    /// goes on) or forever; `None` once the subscription ended or was closed (a `close`
+    /// from another thread ends a waiting call at once).
     #[pyo3(signature = (timeout=None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Event>> {
         let inner = self.inner.clone();
+        let closed = self.closed.clone();
         let what = || format!("an update for {:?}", self.pattern);
-        let got = wait_limited(
-            py,
-            timeout,
-            what,
-            async move { inner.lock().await.next().await },
-        )?;
+        let got = wait_limited(py, timeout, what, async move {
+            // Biased: once closed, no event is read, even one that is ready.
+            tokio::select! {
+                biased;
+                () = closed.cancelled() => None,
+                got = async { inner.lock().await.next().await } => got,
+            }
+        })?;
         got.transpose().map_err(to_py)
     }
 
-    /// Ends the subscription.
+    /// Ends the subscription, at once: a `next` waiting in another thread returns `None`.
+    /// Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        // The signal first: a waiting `next` drops the lock when it sees it, so the wait for
+        // the lock below is short.
+        self.closed.cancel();
         let inner = self.inner.clone();
         crate::runtime::wait(py, async move { inner.lock().await.sub = None })
     }

@@ -131,7 +131,8 @@ class Subscription:
 
     def next(self, timeout: float | None = None) -> Update:
         """The next update; ``Timeout`` after ``timeout`` seconds (the subscription goes on);
-        ``StopIteration`` once it ended."""
+        ``StopIteration`` once it ended or was closed (a :meth:`close` from another thread
+        ends a waiting call at once)."""
         event = self._sub.next(timeout)
         if event is None:
             raise StopIteration
@@ -158,7 +159,8 @@ class Subscription:
             return Update(event, self._client)
 
     def close(self) -> None:
-        """Ends the subscription."""
+        """Ends the subscription, from any thread: an iteration waiting for the next update
+        (in another thread, or ``async for``) ends at once. Idempotent."""
         self._sub.close()
 
     def __enter__(self) -> Subscription:
@@ -196,7 +198,8 @@ class Client:
         torch tensor, or any object with ``__dlpack__``; C-contiguous (else ``ValueError``:
         pass ``numpy.ascontiguousarray(a)``). Its bytes are copied once (GIL released), so
         changing the array afterwards does not change the version. A CUDA torch tensor is
-        copied device to device (after its device's current stream is synchronized) and the
+        copied device to device (after every stream of its device is synchronized, so whichever
+        stream produced it has finished) and the
         node keeps and serves it from device memory (same-host peers pulling to a device get
         it by CUDA IPC); that needs a build with CUDA (``Unavailable`` otherwise). ``keep``: how many
         versions of this name this node keeps and serves (default 2; the brokers offer the
@@ -204,11 +207,8 @@ class Client:
         """
         cuda = _convert.cuda_tensor(array)
         if cuda is not None:
-            t, dtype, shape, ordinal = cuda
-            nbytes = t.numel() * t.element_size()
-            return self._node.put_cuda(
-                name, t, t.data_ptr(), nbytes, ordinal, dtype, list(shape), keep
-            )
+            flat, dtype, shape, ordinal = cuda
+            return self._node.put_cuda(name, flat, ordinal, dtype, list(shape), keep)
         data, dtype, shape = _convert.to_bytes(array)
         return self._node.put(name, data, dtype, list(shape), keep)
 
@@ -229,7 +229,9 @@ class Client:
         QUIC; a same-host transfer or a version this node holds is copied in once) and
         ``out`` is returned; this node then does not keep or serve the version. A tensor of
         another dtype or shape is refused before anything is written; if the call fails or is
-        interrupted mid-transfer, ``out`` holds part of the bytes.
+        interrupted mid-transfer, ``out`` holds part of the bytes. An ``out`` (or a view of
+        it) that another call is receiving into at the same time is refused with
+        ``BufferError`` before anything is written: give each concurrent get its own array.
         ``timeout``: seconds for the whole call (``Timeout`` past it).
         """
         if out is None:

@@ -38,9 +38,11 @@ def to_bytes(obj: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
 
 
 def cuda_tensor(obj: Any) -> tuple[Any, str, tuple[int, ...], int] | None:
-    """``obj`` as (a contiguous CUDA tensor whose bytes are its, dtype name, shape, device
-    ordinal) when it is a torch CUDA tensor, else ``None``. The work that produced it is
-    finished first (its device's current stream synchronized), so its bytes can be copied."""
+    """``obj`` as (its bytes as a 1-D ``uint8`` CUDA tensor, dtype name, shape, device
+    ordinal) when it is a torch CUDA tensor, else ``None``. The native call takes the address
+    and length from the tensor itself (``__cuda_array_interface__``). The work that produced
+    it is finished first: every stream of its device is synchronized (torch does not record
+    which stream wrote a tensor), so its bytes can be copied."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cuda":
         return None
@@ -51,8 +53,9 @@ def cuda_tensor(obj: Any) -> tuple[Any, str, tuple[int, ...], int] | None:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     ordinal = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    torch.cuda.current_stream(t.device).synchronize()
-    return t, name, tuple(t.shape), ordinal
+    torch.cuda.synchronize(t.device)
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat, name, tuple(t.shape), ordinal
 
 
 def cuda_ordinal(device: Any) -> int | None:
@@ -113,8 +116,11 @@ def to_torch(buf: Buffer) -> Any:
 
 
 def check_out(out: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """``out`` (a numpy array or CPU torch tensor) as a writable array of its bytes."""
+    """``out`` (a numpy array or CPU torch tensor) as a writable 1-D ``uint8`` view of its
+    bytes (no copy), its dtype name and shape. The native call borrows that view for writing
+    (numpy's borrow tracking, and a claim on its addresses), so a second receive into the
+    same memory at the same time is refused."""
     arr, name, shape = to_bytes(out)
     if not arr.flags.writeable:
         raise ValueError("out is read-only: pass a writable array")
-    return arr, name, shape
+    return arr.reshape(-1).view(np.uint8), name, shape

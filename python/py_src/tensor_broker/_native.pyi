@@ -35,7 +35,8 @@ class Buffer:
     def cuda_device(self) -> Optional[int]:
         """The CUDA device holding the bytes, or ``None`` for host memory."""
     def numpy(self, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-        """A read-only array of ``dtype`` over the bytes whose ``base`` is this buffer."""
+        """A read-only array of ``dtype`` over the bytes whose ``base`` is this buffer.
+        ``TypeError`` for a dtype with Python objects, fields, a subarray or void items."""
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
     def __dlpack__(
@@ -92,8 +93,9 @@ class Subscription:
     @property
     def pattern(self) -> str: ...
     def next(self, timeout: Optional[float] = None) -> Optional[Event]:
-        """The next event (``None``: ended); ``Timeout`` after ``timeout`` seconds."""
-    def close(self) -> None: ...
+        """The next event (``None``: ended or closed); ``Timeout`` after ``timeout`` seconds."""
+    def close(self) -> None:
+        """Ends it at once, from any thread: a waiting ``next`` returns ``None``."""
 
 class NodeHandle:
     """A node of the cluster in this process."""
@@ -123,8 +125,6 @@ class NodeHandle:
         self,
         name: str,
         tensor: Any,
-        ptr: int,
-        nbytes: int,
         ordinal: int,
         dtype: str,
         shape: list[int],
@@ -140,12 +140,14 @@ class NodeHandle:
     def get_into(
         self,
         name: str,
-        out: np.ndarray[Any, Any],
+        out: np.ndarray[Any, np.dtype[np.uint8]],
         dtype: str,
         shape: list[int],
         version: Optional[int] = None,
         timeout: Optional[float] = None,
-    ) -> int: ...
+    ) -> int:
+        """Receives ``name`` into ``out``, the 1-D ``uint8`` view of an array's bytes;
+        ``BufferError`` while another call receives into the same memory."""
     def put_set(
         self,
         prefix: str,

@@ -1,0 +1,89 @@
+"""What a user does to an array or tensor they got cannot change what any node holds or
+serves, nor crash the process: received buffers are private copy-on-write views of the
+node's memfd (a copy for small tensors). Each scenario runs in a child process, so a crash
+(SIGSEGV on a read-only mapping) is a failing exit code, not a dead test run."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+# Three clients of one cluster in one process, as users run them; every check is on bytes.
+PRELUDE = """
+import warnings
+import torch
+JOIN = dict(join=TICKET, secret_file=SECRET_FILE)
+a, b, c = tb.connect(**JOIN), tb.connect(**JOIN), tb.connect(**JOIN)
+"""
+
+
+def run(spawn, code: str) -> None:
+    child = spawn(PRELUDE + code)
+    assert child.line() == "ok"
+    child.finish()
+
+
+@pytest.mark.parametrize("n", [1 << 18, 1000])  # 1 MiB (a mapping) and 4 KB (a copy)
+def test_in_place_ops_on_a_same_host_get_change_nothing_served(spawn, n: int) -> None:
+    run(
+        spawn,
+        f"""
+x = np.arange({n}, dtype=np.float32)
+v = a.put("views/x", x)
+t = b.get_torch("views/x")
+t.add_(1)                      # a read-only mapping here used to kill the process
+assert torch.equal(t, torch.from_numpy(x) + 1)
+for reader in (a, b, c):
+    assert np.array_equal(reader.get("views/x"), x), "a get after the write"
+own = a.get_torch("views/x")   # the publisher's own put
+own.mul_(0)
+assert np.array_equal(c.get("views/x"), x) and np.array_equal(b.get("views/x"), x)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torch warns that the array is not writable
+    through_numpy = torch.from_numpy(b.get("views/x"))
+through_numpy.sub_(5)
+assert np.array_equal(c.get("views/x"), x)
+target = b.get_torch("views/x")
+b.get("views/x", out=target)   # a get into a tensor that is itself a received view
+assert np.array_equal(target.numpy(), x)
+assert np.array_equal(c.get("views/x"), x)
+say("ok")
+""",
+    )
+
+
+def test_an_optimizer_step_on_a_received_state_dict_changes_nothing_served(spawn) -> None:
+    run(
+        spawn,
+        """
+w0 = np.linspace(-1, 1, 1 << 18, dtype=np.float32)
+a.put_many("views/m", {"w": w0, "b": np.ones(7, np.float32)})
+sd = b.get_many_torch("views/m")
+w = torch.nn.Parameter(sd["w"])
+opt = torch.optim.SGD([w], lr=0.5)
+w.grad = torch.ones_like(w)
+opt.step()
+assert torch.allclose(w.detach(), torch.from_numpy(w0) - 0.5)
+for reader in (a, b, c):
+    assert np.array_equal(reader.get_many("views/m")["w"], w0)
+say("ok")
+""",
+    )
+
+
+def test_a_large_get_is_a_mapping_shared_by_its_arrays(client, cluster) -> None:
+    import numpy as np
+    import tensor_broker as tb
+
+    x = np.arange(1 << 18, dtype=np.float32)
+    client.put("views/zc", x)
+    with cluster.connect() as other:
+        buf = other.get_buffer("views/zc")
+        assert buf.mapped, "no payload byte copied for a large get"
+        arr = tb._convert.to_numpy(buf)
+        t = tb._convert.to_torch(buf)
+        assert arr.ctypes.data == buf.address == t.data_ptr()
+        t.add_(2)  # the arrays of one get share its private view
+        assert np.array_equal(arr, x + 2)
+        assert np.array_equal(other.get("views/zc"), x), "another get sees the original"
