@@ -636,7 +636,7 @@ fn raise_fd_limit() {
         if limit.current < limit.maximum {
             let from = limit.current;
             limit.current = limit.maximum;
-            match setrlimit(Resource::Nofile, limit.clone()) {
+            match setrlimit(Resource::Nofile, limit) {
                 Ok(()) => debug!(?from, to = ?limit.current, "raised the open-file limit"),
                 Err(e) => debug!(%e, "could not raise the open-file limit"),
             }

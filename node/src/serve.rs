@@ -8,7 +8,6 @@
 
 use std::{ops::Range, sync::Arc, time::Duration};
 
-use bytes::Bytes;
 use iroh::{
     EndpointId,
     endpoint::{Connection, RecvStream, SendStream, VarInt},
@@ -24,8 +23,8 @@ use tracing::{Instrument, debug, debug_span};
 
 use crate::{
     auth,
-    budget::BudgetError,
-    channel,
+    budget::{BudgetError, Reservation},
+    channel::{self, HostBuf},
     ctx::NodeCtx,
     device::{self, Device, DeviceBuffer},
     error::Error,
@@ -437,6 +436,32 @@ pub(crate) async fn reply_error(
     send.finish().map_err(|e| Error::io("finishing stream", e))
 }
 
+/// Reserves a push of `bytes` against the budget of where this node places pushes
+/// (`Config::push_placement`), for every server path (QUIC and shm): the bytes are reserved
+/// before any is allocated and stay reserved until `recv()` takes the tensor, so a push that
+/// does not fit now is refused at once, not queued (a waiting stream would hold its window
+/// and its peer for nothing while the inbox may never drain). `Err`: the refusal to answer.
+pub(crate) fn reserve_push(
+    ctx: &NodeCtx,
+    name: &TensorName,
+    bytes: u64,
+) -> Result<Reservation, (ErrorCode, String)> {
+    let placement = ctx.config.push_placement;
+    let reserved = match placement {
+        Device::Host => ctx.inbox.reserve(bytes),
+        Device::Cuda(_) => ctx.device_pushes.try_reserve(bytes),
+    };
+    reserved.map_err(|err| {
+        let (code, hint) = match err {
+            BudgetError::TooLarge { .. } => (ErrorCode::TooLarge, "never fits"),
+            BudgetError::Busy { .. } => (ErrorCode::Busy, "retry later"),
+        };
+        let message =
+            format!("push of \"{name}\" refused by the {placement} push budget: {err}; {hint}");
+        (code, message)
+    })
+}
+
 async fn serve_push(
     ctx: &NodeCtx,
     peer: EndpointId,
@@ -458,23 +483,10 @@ async fn serve_push(
         .await;
         return;
     };
-    // The bytes are reserved before any is allocated, and stay reserved until `recv()` takes
-    // the tensor: a push that does not fit now is refused at once, not queued (a waiting
-    // stream would hold its window and its peer for nothing while the inbox may never drain).
     let placement = ctx.config.push_placement;
-    let reserved = match placement {
-        Device::Host => ctx.inbox.reserve(meta.byte_len),
-        Device::Cuda(_) => ctx.device_pushes.try_reserve(meta.byte_len),
-    };
-    let held = match reserved {
+    let held = match reserve_push(ctx, &name, meta.byte_len) {
         Ok(held) => held,
-        Err(err) => {
-            let (code, hint) = match err {
-                BudgetError::TooLarge { .. } => (ErrorCode::TooLarge, "never fits"),
-                BudgetError::Busy { .. } => (ErrorCode::Busy, "retry later"),
-            };
-            let msg =
-                format!("push of \"{name}\" refused by the {placement} push budget: {err}; {hint}");
+        Err((code, msg)) => {
             refuse(&mut send, &mut recv, ctx.config.stall_timeout, code, msg).await;
             return;
         }
@@ -518,7 +530,15 @@ async fn serve_push(
         return;
     }
     let tensor = match data {
-        Pushed::Host(buf) => Tensor::from_verified(meta, Bytes::from(buf)),
+        Pushed::Host(buf) => match buf.into_tensor(meta) {
+            Ok(tensor) => tensor,
+            Err(err) => {
+                let msg = format!("push of \"{name}\": {err}");
+                let stall = ctx.config.stall_timeout;
+                let _ = reply_error(&mut send, stall, ErrorCode::Internal, msg).await;
+                return;
+            }
+        },
         Pushed::Cuda(buf) => Tensor::from_verified_device(meta, buf),
     };
     let item = Received {
@@ -549,7 +569,7 @@ async fn serve_push(
 
 /// A pushed payload, received but not yet verified.
 enum Pushed {
-    Host(Vec<u8>),
+    Host(HostBuf),
     Cuda(DeviceBuffer),
 }
 
@@ -558,9 +578,9 @@ async fn recv_push_to_host(
     recv: &mut RecvStream,
     len: usize,
 ) -> Result<(ContentHash, Pushed), Error> {
-    let mut buf = vec![0u8; len];
+    let mut buf = HostBuf::new(len)?;
     let watchdog = ctx.quic_watchdog(tb_dashboard::Direction::In);
-    let hash = wire::recv_payload(recv, &mut buf, watchdog).await?;
+    let hash = wire::recv_payload(recv, buf.as_mut(), watchdog).await?;
     Ok((hash, Pushed::Host(buf)))
 }
 

@@ -8,7 +8,8 @@
 //! what any other get returns. The view is lent through the buffer protocol (read-only:
 //! numpy's `frombuffer`, `memoryview`), as read-only numpy arrays, and as a 1-D `uint8`
 //! DLPack capsule (`torch.from_dlpack`). A tensor on a CUDA device is lent as a DLPack
-//! capsule of that device (`kDLCUDA`), its device memory shared, not copied. The bytes live
+//! capsule of that device (`kDLCUDA`) over a private device-to-device copy (one per buffer,
+//! at device memory speed), so in-place ops on it never reach the node's buffer either. The bytes live
 //! until the last array or tensor made from them is gone.
 
 // The buffer protocol and DLPack are C interfaces: raw pointers handed to Python, checked
@@ -31,7 +32,7 @@ use pyo3::{
     prelude::*,
     types::PyCapsule,
 };
-use tb_node::{PrivateBytes, Tensor};
+use tb_node::{DeviceBuffer, PrivateBytes, Tensor};
 
 /// A received tensor's bytes, read-only, with its name, version, dtype and shape.
 #[pyclass(frozen, module = "tensor_broker._native")]
@@ -41,6 +42,8 @@ pub struct Buffer {
     version: u64,
     /// The private view Python's arrays and tensors use, made on first need.
     view: OnceLock<Arc<PrivateBytes>>,
+    /// The private device copy a DLPack consumer gets of a device tensor, made on first need.
+    device_view: OnceLock<DeviceBuffer>,
 }
 
 impl Buffer {
@@ -51,7 +54,20 @@ impl Buffer {
             name,
             version,
             view: OnceLock::new(),
+            device_view: OnceLock::new(),
         }
+    }
+
+    /// The private copy of the device bytes (one device-to-device copy, made on first call
+    /// with the GIL released), so a consumer's in-place writes never reach the node's buffer.
+    fn device_view(&self, py: Python<'_>, buf: &DeviceBuffer) -> PyResult<&DeviceBuffer> {
+        if let Some(view) = self.device_view.get() {
+            return Ok(view);
+        }
+        let made = py
+            .detach(|| buf.duplicate())
+            .map_err(crate::errors::to_py)?;
+        Ok(self.device_view.get_or_init(|| made))
     }
 
     /// The private view of the host bytes, made on first call (a mapping, or for a tensor
@@ -69,12 +85,10 @@ impl Buffer {
     }
 
     /// What a DLPack capsule points at: the first byte, the length, the device, and the
-    /// private view that holds host bytes.
-    fn exported_memory(
-        &self,
-        py: Python<'_>,
-    ) -> PyResult<(*mut c_void, usize, DlDevice, Option<Arc<PrivateBytes>>)> {
+    /// private view that holds the bytes.
+    fn exported_memory(&self, py: Python<'_>) -> PyResult<(*mut c_void, usize, DlDevice, Kept)> {
         if let Some(buf) = self.tensor.device_buffer() {
+            let buf = self.device_view(py, buf)?;
             let device = DlDevice {
                 device_type: DL_CUDA,
                 device_id: i32::try_from(buf.ordinal())
@@ -83,7 +97,7 @@ impl Buffer {
             // A device address, never dereferenced here: DLPack consumers read it on the
             // device. The capsule keeps the buffer alive.
             let data = buf.device_ptr() as usize as *mut c_void;
-            return Ok((data, buf.len(), device, None));
+            return Ok((data, buf.len(), device, Kept::Device(buf.clone())));
         }
         let view = self.view(py)?;
         let device = DlDevice {
@@ -94,7 +108,7 @@ impl Buffer {
             view.as_mut_ptr().cast::<c_void>(),
             view.len(),
             device,
-            Some(view.clone()),
+            Kept::Host(view.clone()),
         ))
     }
 
@@ -154,14 +168,18 @@ struct DlManagedTensor {
 }
 
 /// What a capsule owns: the managed tensor (first, so a pointer to it is a pointer to this),
-/// its shape, and a handle on the bytes (the private view of host bytes; the tensor, for
-/// device memory).
+/// its shape, and the private view its bytes are in.
 #[repr(C)]
 struct Exported {
     managed: DlManagedTensor,
     shape: [i64; 1],
-    _tensor: Tensor,
-    _view: Option<Arc<PrivateBytes>>,
+    _kept: Kept,
+}
+
+/// The private view a capsule keeps alive: host bytes, or a device copy.
+enum Kept {
+    Host(Arc<PrivateBytes>),
+    Device(DeviceBuffer),
 }
 
 /// DLPack's deleter: frees what [`Buffer::__dlpack__`] allocated (any thread, no GIL needed).
@@ -316,7 +334,7 @@ impl Buffer {
             ));
         }
         let this = slf.get();
-        let (data, len, device, view) = this.exported_memory(slf.py())?;
+        let (data, len, device, kept) = this.exported_memory(slf.py())?;
         let len = i64::try_from(len).map_err(|_| PyBufferError::new_err("too large"))?;
         let exported = Box::new(Exported {
             managed: DlManagedTensor {
@@ -337,8 +355,7 @@ impl Buffer {
                 deleter: Some(delete_exported),
             },
             shape: [len],
-            _tensor: this.tensor.clone(),
-            _view: view,
+            _kept: kept,
         });
         let raw = Box::into_raw(exported);
         // SAFETY: `raw` is a valid, uniquely owned allocation; the shape pointer points into

@@ -191,6 +191,7 @@ impl NodeHandle {
     /// where it stays and is served from; returns the version. The caller synchronized the
     /// work that produced it. `Unavailable` in a build without CUDA.
     #[pyo3(signature = (name, tensor, ordinal, dtype, shape, keep=None))]
+    #[allow(clippy::too_many_arguments)]
     fn put_cuda(
         &self,
         py: Python<'_>,

@@ -87,3 +87,31 @@ def test_a_large_get_is_a_mapping_shared_by_its_arrays(client, cluster) -> None:
         t.add_(2)  # the arrays of one get share its private view
         assert np.array_equal(arr, x + 2)
         assert np.array_equal(other.get("views/zc"), x), "another get sees the original"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_in_place_ops_on_cuda_gets_change_nothing_served(spawn) -> None:
+    run(
+        spawn,
+        """
+if not tb._native.CUDA_COMPILED:
+    say("ok")  # a build without CUDA has no device path to check
+    raise SystemExit(0)
+t = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+a.put("views/cuda", t)          # the publisher keeps it in device memory
+mine = a.get_torch("views/cuda", device="cuda")
+mine.add_(1)                    # the holder's own get: used to write the served buffer
+got = b.get_torch("views/cuda", device="cuda")
+assert torch.equal(got, t), "a reader gets the published bytes"
+got.mul_(0)
+for reader in (a, b, c):
+    assert torch.equal(reader.get_torch("views/cuda", device="cuda"), t)
+    assert torch.equal(reader.get_torch("views/cuda"), t.cpu())
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):      # produced on a side stream: put waits for the device
+    u = torch.full((1 << 24,), 3.0, device="cuda") * 2
+a.put("views/stream", u)
+assert torch.equal(c.get_torch("views/stream"), torch.full((1 << 24,), 6.0))
+say("ok")
+""",
+    )

@@ -48,6 +48,11 @@ impl DeviceBuffer {
         Err(unavailable())
     }
 
+    /// A copy of these bytes on the same device.
+    pub fn duplicate(&self) -> Result<Self> {
+        match self.never {}
+    }
+
     /// The device address of the first byte.
     pub fn device_ptr(&self) -> u64 {
         match self.never {}

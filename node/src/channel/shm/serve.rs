@@ -14,7 +14,6 @@ use tracing::debug;
 
 use super::{INLINE_MAX, Shm, socket::ShmStream, socket::within};
 use crate::{
-    budget::BudgetError,
     ctx::NodeCtx,
     error::{Error, Result},
     inbox::Received,
@@ -238,15 +237,9 @@ async fn serve_push(
     meta: TensorMeta,
 ) -> Result<()> {
     let timer = ctx.metrics.start_transfer(TransferKind::Serve);
-    let held = match ctx.inbox.reserve(meta.byte_len) {
+    let held = match crate::serve::reserve_push(ctx, &name, meta.byte_len) {
         Ok(held) => held,
-        Err(err) => {
-            let (code, hint) = match err {
-                BudgetError::TooLarge { .. } => (ErrorCode::TooLarge, "never fits"),
-                BudgetError::Busy { .. } => (ErrorCode::Busy, "retry later"),
-            };
-            let message =
-                format!("push of \"{name}\" refused by the host push budget: {err}; {hint}");
+        Err((code, message)) => {
             conn.write_frame(&DataResponse::Error { code, message })
                 .await?;
             return Err(Error::Io("refused a push".into()));
@@ -254,11 +247,20 @@ async fn serve_push(
     };
     let stall = ctx.config.stall_timeout;
     let tensor = within(stall, "a same-host push", receive(conn, &meta)).await;
+    // Placed where this node places pushes (a device: copied there, as over QUIC).
+    let tensor = tensor.and_then(|t| t.to_device(ctx.config.push_placement));
     let tensor = match tensor {
         Ok(tensor) => tensor,
         Err(err @ Error::Corrupt(_)) => {
             let message = format!("push of \"{name}\": {err}");
             let code = ErrorCode::Corrupt;
+            conn.write_frame(&DataResponse::Error { code, message })
+                .await?;
+            return Ok(());
+        }
+        Err(err @ (Error::DeviceOutOfMemory(_) | Error::DeviceUnavailable(_))) => {
+            let message = format!("push of \"{name}\": {err}");
+            let code = ErrorCode::TooLarge;
             conn.write_frame(&DataResponse::Error { code, message })
                 .await?;
             return Ok(());

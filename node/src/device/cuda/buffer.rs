@@ -154,6 +154,15 @@ impl DeviceBuffer {
         Ok(buf)
     }
 
+    /// A copy of these bytes in a new buffer on the same device, device to device (blocks
+    /// until done): what a reader that may write into what it got is given, so its writes
+    /// never reach the buffer a node holds and serves.
+    pub fn duplicate(&self) -> Result<Self> {
+        // SAFETY: this buffer's `len` bytes are a live allocation of this process on its
+        // device, written once before it was shared and never written again.
+        unsafe { DeviceBuffer::copy_from_device_ptr(self.ordinal(), self.device_ptr(), self.len()) }
+    }
+
     /// The device address of the first byte, for C interfaces that share device memory
     /// (DLPack, `__cuda_array_interface__`). Valid while this buffer (or a clone) lives.
     pub fn device_ptr(&self) -> u64 {
