@@ -176,10 +176,11 @@ struct Exported {
     _kept: Kept,
 }
 
-/// The private view a capsule keeps alive: host bytes, or a device copy.
+/// The private view a capsule keeps alive (held, never read: dropping it frees the bytes):
+/// host bytes, or a device copy.
 enum Kept {
-    Host(Arc<PrivateBytes>),
-    Device(DeviceBuffer),
+    Host(#[allow(dead_code)] Arc<PrivateBytes>),
+    Device(#[allow(dead_code)] DeviceBuffer),
 }
 
 /// DLPack's deleter: frees what [`Buffer::__dlpack__`] allocated (any thread, no GIL needed).
