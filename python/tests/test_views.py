@@ -115,3 +115,26 @@ assert torch.equal(c.get_torch("views/stream"), torch.full((1 << 24,), 6.0))
 say("ok")
 """,
     )
+
+
+def test_more_tensors_than_a_1024_fd_limit_arrive_over_shm(client, spawn) -> None:
+    import numpy as np
+
+    # Every tensor above 64 KiB is a memfd on both sides (held by the node, mapped by each
+    # same-host reader): more of them than Python's common soft limit of 1024 open files.
+    n, elems = 1100, 20_000
+    for i in range(n):
+        client.put(f"fds/{i}", np.full(elems, i, dtype=np.float32))
+    child = spawn(
+        f"""
+import resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+with tb.connect(join=TICKET, secret_file=SECRET_FILE) as c:
+    held = [c.get(f"fds/{{i}}") for i in range({n})]
+    assert all(a.shape == ({elems},) and a[0] == i and a[-1] == i for i, a in enumerate(held))
+    say("ok", len(held))
+"""
+    )
+    assert child.line() == f"ok {n}"
+    child.finish()

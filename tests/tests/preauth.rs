@@ -475,3 +475,96 @@ async fn a_verified_member_may_open_many_streams() {
     ep.close().await;
     node.shutdown().await;
 }
+
+/// Connections and streams per connection of the request-frame flood.
+const MEMBER_CONNECTIONS: usize = 4;
+const MEMBER_STREAMS: usize = 256;
+
+/// Regression (measured on 3f1de9a: +1,065 MiB): a member holding only the read-only
+/// credential opens several connections and many streams on each, and announces a 1 MiB
+/// request frame on every one, then sends almost all of it. A data request is capped at a few
+/// KiB on its length prefix, before anything is allocated: each stream is refused
+/// `TooLarge`, the worker's peak memory stays bounded, and it keeps serving an honest member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_members_request_frame_flood_is_refused_with_bounded_memory() {
+    let procs = Procs::start();
+    let pid = procs.worker.pid();
+    let before = vm_kib(pid, "VmRSS");
+    let body = Bytes::from(vec![0x5a; (1 << 20) - 1]);
+    let mut prefix = (1u32 << 20).to_le_bytes().to_vec();
+    prefix.extend_from_slice(&body);
+    let frame = Bytes::from(prefix);
+    let mut conns = Vec::new();
+    let mut flood = tokio::task::JoinSet::new();
+    let read_only = key().read_only();
+    for _ in 0..MEMBER_CONNECTIONS {
+        let ep = attacker().await;
+        let conn = connect(&ep, &procs.worker_addr, DATA_ALPN).await;
+        let hello = tb_node::auth::client_hello(
+            &conn,
+            ep.id(),
+            &read_only,
+            DATA_ALPN,
+            LIMIT,
+            Config::default().max_concurrent_streams,
+        );
+        within(LIMIT, "a read-only member's hello", hello)
+            .await
+            .expect("the read-only credential is a member's");
+        for _ in 0..MEMBER_STREAMS {
+            let (conn, frame) = (conn.clone(), frame.clone());
+            flood.spawn(async move {
+                let (mut send, mut recv) = conn.open_bi().await.ok()?;
+                let _ = send.write_chunk(frame).await;
+                tb_node::framing::read_frame::<tb_node::proto::DataResponse>(&mut recv)
+                    .await
+                    .ok()
+            });
+        }
+        conns.push((ep, conn));
+    }
+    let answers = within(LIMIT, "the flood's answers", flood.join_all()).await;
+    let peak = vm_kib(pid, "VmHWM");
+    eprintln!(
+        "worker memory under a read-only member's request flood: VmRSS before {before} KiB, \
+         VmHWM after {peak} KiB, growth {} KiB",
+        peak.saturating_sub(before)
+    );
+    assert!(
+        peak.saturating_sub(before) < MAX_GROWTH_KIB,
+        "peak RSS grew from {before} KiB to {peak} KiB"
+    );
+    let too_large = answers
+        .iter()
+        .filter(|a| {
+            matches!(
+                a,
+                Some(tb_node::proto::DataResponse::Error {
+                    code: tb_node::proto::ErrorCode::TooLarge,
+                    ..
+                })
+            )
+        })
+        .count();
+    assert_eq!(
+        too_large,
+        MEMBER_CONNECTIONS * MEMBER_STREAMS,
+        "every oversized request refused TooLarge"
+    );
+    // The worker still serves an honest member.
+    let honest = tb_tests::node(Config {
+        cluster_key: key(),
+        ..test_config()
+    })
+    .await;
+    let err = within(
+        LIMIT,
+        "an honest pull",
+        honest.pull(&procs.worker_addr, "absent", None),
+    )
+    .await
+    .expect_err("nothing is held under that name");
+    assert!(matches!(err, tb_node::Error::NotFound { .. }), "{err:?}");
+    honest.shutdown().await;
+    drop(conns);
+}

@@ -359,9 +359,14 @@ impl Channels {
         }
     }
 
-    /// Forgets `peer`'s offers (the exchange failed): it is back to QUIC only.
+    /// Forgets `peer`'s offers and idle same-host connections (the exchange failed, or its
+    /// link went): it is back to QUIC until a link exchanges offers again.
     pub(crate) fn forget(&self, peer: &EndpointId) {
         self.offered().remove(peer);
+        #[cfg(target_os = "linux")]
+        if let Some(shm) = &self.shm {
+            shm.forget(peer);
+        }
     }
 
     /// Whether `peer`'s offers are known (its link exchanged them).
