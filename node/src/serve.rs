@@ -204,30 +204,14 @@ async fn serve_stream(
             return;
         }
     };
-    let mine = ctx.config.cluster_key.access();
-    if let Err(err) = tb_proto::authorize(mine, access, request.write_action()) {
-        debug!(%err, "refusing a request the peer's access does not allow");
-        refuse(
-            &mut send,
-            &mut recv,
-            ctx.config.stall_timeout,
-            ErrorCode::Unauthorized,
-            err.to_string(),
-        )
-        .await;
-        return;
-    }
-    if let Err(err) = request.validate(ctx.config.max_tensor_bytes) {
-        let code = match err {
-            tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,
-            _ => ErrorCode::InvalidTensor,
-        };
+    if let Err((code, message)) = admit_request(ctx, access, &request) {
+        debug!(%message, "refusing a request");
         refuse(
             &mut send,
             &mut recv,
             ctx.config.stall_timeout,
             code,
-            err.to_string(),
+            message,
         )
         .await;
         return;
@@ -434,6 +418,26 @@ pub(crate) async fn reply_error(
 ) -> Result<(), Error> {
     wire::write_frame_within(send, &DataResponse::Error { code, message }, stall).await?;
     send.finish().map_err(|e| Error::io("finishing stream", e))
+}
+
+/// Admits one request from a peer that proved `access`, for every server path (QUIC and
+/// shm): its access must allow what it asks (this node's own access bounds what it can do),
+/// and what it names must be valid within this node's limits. `Err`: the refusal to answer.
+pub(crate) fn admit_request(
+    ctx: &NodeCtx,
+    access: Access,
+    request: &DataRequest,
+) -> Result<(), (ErrorCode, String)> {
+    let mine = ctx.config.cluster_key.access();
+    tb_proto::authorize(mine, access, request.write_action())
+        .map_err(|e| (ErrorCode::Unauthorized, e.to_string()))?;
+    request.validate(ctx.config.max_tensor_bytes).map_err(|e| {
+        let code = match e {
+            tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,
+            _ => ErrorCode::InvalidTensor,
+        };
+        (code, e.to_string())
+    })
 }
 
 /// Reserves a push of `bytes` against the budget of where this node places pushes

@@ -131,19 +131,7 @@ async fn serve_request(
     access: Access,
     request: DataRequest,
 ) -> Result<()> {
-    let mine = ctx.config.cluster_key.access();
-    let refused = tb_proto::authorize(mine, access, request.write_action())
-        .map_err(|e| (ErrorCode::Unauthorized, e.to_string()))
-        .and_then(|()| {
-            request.validate(ctx.config.max_tensor_bytes).map_err(|e| {
-                let code = match e {
-                    tb_proto::MetaError::TooLarge { .. } => ErrorCode::TooLarge,
-                    _ => ErrorCode::InvalidTensor,
-                };
-                (code, e.to_string())
-            })
-        });
-    if let Err((code, message)) = refused {
+    if let Err((code, message)) = crate::serve::admit_request(ctx, access, &request) {
         conn.write_frame(&DataResponse::Error { code, message })
             .await?;
         // A refused push's payload frame is still coming: close rather than skip it.
