@@ -115,11 +115,7 @@ impl Actor for NodeActor {
         };
         if let Some((peer, generation, link)) = state.children.remove(&cell.get_id()) {
             state.ctx.ready.remove(&peer, &link);
-            if state.book.link_gone(&peer, generation) {
-                // Its current link went: what it offered goes too (the next link to it
-                // exchanges offers again), so per-peer tables hold only linked peers.
-                state.ctx.channels.forget(&peer);
-            }
+            state.book.link_gone(&peer, generation);
         }
         Ok(())
     }

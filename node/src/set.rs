@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 
-use bytes::Bytes;
 use tb_proto::{DType, SetLayout, SetManifest, SetMember, TensorName};
 
 use crate::{
@@ -58,17 +57,21 @@ impl TensorSet {
         let layout = SetLayout::new(name, manifest, max_bytes).map_err(set_error(name))?;
         let len = usize::try_from(layout.len)
             .map_err(|_| Error::InvalidTensor(format!("set \"{name}\" does not fit in memory")))?;
-        let mut bytes = Vec::with_capacity(len);
-        bytes.extend_from_slice(&layout.header);
+        // Into the memory the set is served from (a memfd for large sets), zeroed between
+        // members; then hashed on every core.
+        let mut buf = crate::channel::HostBuf::new(len)?;
+        let bytes = buf.as_mut();
+        bytes[..layout.header.len()].copy_from_slice(&layout.header);
         for ((_, tensor), range) in members.iter().zip(&layout.ranges) {
-            bytes.resize(range.start as usize, 0);
+            let dest = &mut bytes[range.start as usize..range.end as usize];
             match tensor.device() {
-                Device::Host => bytes.extend_from_slice(tensor.data()),
-                Device::Cuda(_) => bytes.extend_from_slice(tensor.to_device(Device::Host)?.data()),
+                Device::Host => dest.copy_from_slice(tensor.data()),
+                Device::Cuda(_) => dest.copy_from_slice(tensor.to_device(Device::Host)?.data()),
             }
         }
-        debug_assert_eq!(bytes.len(), len);
-        Tensor::new(DType::Set, vec![layout.len], bytes)
+        let hash = crate::channel::verify::hash_all(bytes);
+        let meta = tb_proto::TensorMeta::new(DType::Set, vec![layout.len], hash)?;
+        buf.into_tensor(meta)
     }
 
     /// Reads the set `name` at `version` from `tensor`, the set's verified bytes (as a get or
@@ -89,7 +92,7 @@ impl TensorSet {
             )));
         };
         let layout = SetLayout::decode(&name, bytes).map_err(set_error(&name))?;
-        let members = members_of(&layout, bytes)?;
+        let members = members_of(&layout, tensor)?;
         Ok(TensorSet {
             name,
             version,
@@ -124,13 +127,15 @@ pub(crate) fn check_publishable(name: &TensorName, tensor: &Tensor) -> Result<()
     Ok(())
 }
 
-fn members_of(layout: &SetLayout, bytes: &Bytes) -> Result<Vec<(String, Tensor)>> {
+/// The members of `set` (whose bytes the layout was decoded from), each over its part of the
+/// set's bytes (no copy; views of a member map its part of the set's memfd).
+fn members_of(layout: &SetLayout, set: &Tensor) -> Result<Vec<(String, Tensor)>> {
     layout
         .members()
         .map(|(member, range)| {
             let meta = member.meta()?;
-            let data = bytes.slice(range.start as usize..range.end as usize);
-            Ok((member.key.clone(), Tensor::from_verified(meta, data)))
+            let range = range.start as usize..range.end as usize;
+            Ok((member.key.clone(), set.member(meta, range)))
         })
         .collect()
 }

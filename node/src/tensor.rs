@@ -7,7 +7,7 @@ use bytes::Bytes;
 use tb_proto::{ContentHash, DType, TensorMeta};
 
 use crate::{
-    channel::ShmCache,
+    channel::{RegionAt, ShmCache},
     device::{Device, DeviceBuffer},
     error::{Error, Result},
 };
@@ -30,6 +30,9 @@ pub struct Tensor {
     /// The version's piece outline (see `tb_proto::piece`): made on first need, or given
     /// when the bytes were fetched in pieces; shared by every clone.
     outline: OutlineCache,
+    /// The sealed region the bytes lie in and where, when they are part of one (a set's
+    /// member, a payload at an offset of a peer's memfd): views map that part of it.
+    region_at: Option<RegionAt>,
 }
 
 /// Each piece's BLAKE3 chaining value, in order.
@@ -87,6 +90,7 @@ impl Tensor {
             data: Data::Host(data),
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
+            region_at: None,
         })
     }
 
@@ -108,6 +112,7 @@ impl Tensor {
             data: Data::Cuda(buffer),
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
+            region_at: None,
         })
     }
 
@@ -128,6 +133,7 @@ impl Tensor {
             data,
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
+            region_at: None,
         })
     }
 
@@ -166,6 +172,7 @@ impl Tensor {
             data: Data::Host(data),
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
+            region_at: None,
         }
     }
 
@@ -177,6 +184,7 @@ impl Tensor {
             data: Data::Host(data),
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
+            region_at: None,
         }
     }
 
@@ -192,6 +200,7 @@ impl Tensor {
             data: Data::Host(data),
             shm: ShmCache::of(region),
             outline: OutlineCache::default(),
+            region_at: None,
         }
     }
 
@@ -208,7 +217,11 @@ impl Tensor {
         };
         #[cfg(target_os = "linux")]
         if bytes.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
-            return self.shm_region()?.private_view();
+            let len = bytes.len();
+            return match &self.region_at {
+                Some((region, at)) => region.private_view(*at..*at + len),
+                None => self.shm_region()?.private_view(0..len),
+            };
         }
         Ok(crate::PrivateBytes::copy_of(bytes))
     }
@@ -216,13 +229,37 @@ impl Tensor {
     /// Wraps bytes that a same-host holder verified, mapped from its sealed memfd (which can
     /// be passed on to other same-host peers as it is).
     #[cfg(target_os = "linux")]
-    pub(crate) fn from_shared(meta: TensorMeta, data: Bytes, shm: ShmCache) -> Self {
+    pub(crate) fn from_shared(
+        meta: TensorMeta,
+        data: Bytes,
+        shm: ShmCache,
+        region_at: Option<RegionAt>,
+    ) -> Self {
         debug_assert_eq!(meta.byte_len, data.len() as u64);
         Tensor {
             meta,
             data: Data::Host(data),
             shm,
             outline: OutlineCache::default(),
+            region_at,
+        }
+    }
+
+    /// Bytes `range` of this host tensor as a tensor of `meta` (a set's member, verified
+    /// with the set), keeping where they lie in this tensor's region for views.
+    pub(crate) fn member(&self, meta: TensorMeta, range: std::ops::Range<usize>) -> Self {
+        let data = self.data().slice(range.clone());
+        #[cfg(target_os = "linux")]
+        let region_at = match (&self.region_at, self.shm.get()) {
+            (Some((region, at)), _) => Some((region.clone(), at + range.start)),
+            (None, Some(region)) => Some((region, range.start)),
+            (None, None) => None,
+        };
+        #[cfg(not(target_os = "linux"))]
+        let region_at = None;
+        Tensor {
+            region_at,
+            ..Tensor::from_verified(meta, data)
         }
     }
 
@@ -245,6 +282,7 @@ impl Tensor {
             data: Data::Cuda(buffer),
             shm: ShmCache::default(),
             outline: OutlineCache::default(),
+            region_at: None,
         }
     }
 

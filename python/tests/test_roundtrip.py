@@ -106,6 +106,19 @@ c.close()
     child.finish()
 
 
+def memfd_of(address: int) -> tuple[str, str]:
+    """(device, inode) of the memfd mapped at ``address`` in this process (from
+    /proc/self/maps); fails if no memfd is mapped there."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                assert len(fields) >= 6 and fields[5].startswith("/memfd:"), line
+                return fields[3], fields[4]
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
 def test_get_is_zero_copy(client: tb.Client, cluster: tb.LocalCluster) -> None:
     a = np.arange(1 << 16, dtype=np.float32)
     v = client.put("zc/a", a)
@@ -118,6 +131,8 @@ def test_get_is_zero_copy(client: tb.Client, cluster: tb.LocalCluster) -> None:
         # node holds (private copy-on-write: no payload byte copied, none written back).
         assert got.ctypes.data == base.address
         assert base.mapped and again.base.mapped
+        # Both gets map one file, the node's memfd of that version: nothing was copied.
+        assert memfd_of(got.ctypes.data) == memfd_of(again.ctypes.data)
         assert np.array_equal(got, a) and np.array_equal(again, a)
         with pytest.raises(ValueError):
             got[0] = 1.0

@@ -72,6 +72,21 @@ say("ok")
     )
 
 
+def test_get_many_members_map_the_sets_memfd(client, cluster) -> None:
+    import numpy as np
+
+    from test_roundtrip import memfd_of
+
+    sd = {"w": np.arange(1 << 18, dtype=np.float32), "b": np.ones(1 << 17, np.float32)}
+    client.put_many("views/sd", sd)
+    with cluster.connect() as other:
+        first, second = other.get_many("views/sd"), other.get_many("views/sd")
+        files = {memfd_of(a.ctypes.data) for got in (first, second) for a in got.values()}
+        assert len(files) == 1, "every member of both gets maps the one memfd of the set"
+        for got in (first, second):
+            assert all(np.array_equal(got[k], sd[k]) for k in sd)
+
+
 def test_a_large_get_is_a_mapping_shared_by_its_arrays(client, cluster) -> None:
     import numpy as np
     import tensor_broker as tb

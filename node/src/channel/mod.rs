@@ -136,7 +136,11 @@ impl HostBuf {
     pub(crate) fn new(len: usize) -> Result<HostBuf> {
         #[cfg(target_os = "linux")]
         if len > PRIVATE_COPY_MAX && shm::memfds_work() {
-            return shm::RegionWriter::new(len).map(HostBuf::Memfd);
+            match shm::RegionWriter::new(len) {
+                Ok(writer) => return Ok(HostBuf::Memfd(writer)),
+                // Out of descriptors or memory maps: plain memory still holds the bytes.
+                Err(err) => tracing::debug!(%err, len, "no memfd for a receive: plain memory"),
+            }
         }
         Ok(HostBuf::Heap(vec![0u8; len]))
     }
@@ -235,6 +239,13 @@ impl Channel for Route {
         }
     }
 }
+
+/// A sealed region and where in it a tensor's bytes start.
+#[cfg(target_os = "linux")]
+pub(crate) type RegionAt = (Arc<Region>, usize);
+/// Where shared memory is not built (not Linux): never one.
+#[cfg(not(target_os = "linux"))]
+pub(crate) type RegionAt = std::convert::Infallible;
 
 /// Where shared memory is not built (not Linux): a tensor has no memfd to cache.
 #[cfg(not(target_os = "linux"))]

@@ -64,9 +64,21 @@ pub(crate) fn hash_all(bytes: &[u8]) -> ContentHash {
     hasher.finalize().into()
 }
 
-/// Checks that `bytes` hash to `expected` ([`hash_all`]): `Corrupt` naming `what` if not.
+/// Runs `work` (a long hash) on this thread, telling a multi-thread tokio runtime first so
+/// it moves its other tasks elsewhere meanwhile (`block_in_place`); elsewhere it just runs.
+pub(crate) fn blocking<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work)
+        }
+        _ => work(),
+    }
+}
+
+/// Checks that `bytes` hash to `expected` ([`hash_all`], off the async workers' queue):
+/// `Corrupt` naming `what` if not.
 pub(crate) fn check_all(bytes: &[u8], expected: ContentHash, what: &str) -> crate::Result<()> {
-    let got = hash_all(bytes);
+    let got = blocking(|| hash_all(bytes));
     if got != expected {
         return Err(crate::Error::Corrupt(format!(
             "{what}: expected hash {expected}, got {got}"

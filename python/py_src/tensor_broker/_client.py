@@ -92,7 +92,8 @@ class Update:
         return {k: _convert.to_numpy(b) for k, b in self._set_members()}
 
     def tensors(self) -> dict[str, Any]:
-        """The members of this version of a set as torch tensors (no copy; read-only)."""
+        """The members of this version of a set as torch tensors (no copy of the payload;
+        private views: in-place ops change only them)."""
         return {k: _convert.to_torch(b) for k, b in self._set_members()}
 
     def _set_members(self) -> list[tuple[str, _native.Buffer]]:
@@ -104,7 +105,8 @@ class Update:
         return got[1]
 
     def tensor(self) -> Any:
-        """This version as a torch tensor (no copy; treat it as read-only)."""
+        """This version as a torch tensor (no copy of the payload; a private view: in-place ops
+        change only it)."""
         return _convert.to_torch(self.buffer())
 
     def __repr__(self) -> str:
@@ -261,9 +263,9 @@ class Client:
         (device to device by CUDA IPC from a holder on this host that keeps it on a GPU,
         through pinned staging from others; this node does not keep that copy), or this
         node's own device copy after its ``put`` of a CUDA tensor. ``Unavailable`` without
-        CUDA. The tensor
-        shares memory with what this node holds and serves to others: treat it as read-only
-        (``.clone()`` before changing it in place).
+        CUDA. The tensor is a private view (host: copy-on-write, no copy of the payload;
+        device: a private device copy): changing it in place never changes what this node
+        holds and serves to others.
         """
         ordinal = _convert.cuda_ordinal(device)
         return _convert.to_torch(self._node.get(name, version, timeout, ordinal))
@@ -300,7 +302,8 @@ class Client:
     def get_many_torch(
         self, prefix: str, version: int | None = None, *, timeout: float | None = None
     ) -> dict[str, Any]:
-        """:meth:`get_many` as torch tensors (no copy; treat them as read-only), ready for
+        """:meth:`get_many` as torch tensors (private copy-on-write views, no copy of the
+        payload: an optimizer may update them in place), ready for
         ``model.load_state_dict``."""
         _, members, _ = self._node.get_set(prefix, version, timeout)
         return {k: _convert.to_torch(b) for k, b in members}

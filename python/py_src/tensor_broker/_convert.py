@@ -103,9 +103,10 @@ def to_numpy(buf: Buffer) -> np.ndarray:
 
 
 def to_torch(buf: Buffer) -> Any:
-    """A torch tensor over ``buf``'s bytes through DLPack (no copy), on the CPU or on the
-    CUDA device holding them. It shares memory with what the node holds and serves: treat it
-    as read-only (``.clone()`` before writing)."""
+    """A torch tensor over ``buf``'s private view through DLPack (no copy of the payload), on
+    the CPU or on the CUDA device holding them. Writing into it in place is safe: it changes
+    this view only, never what the node holds and serves (a host view is copy-on-write; a
+    device one is a private device copy)."""
     import torch
 
     if buf.dtype == "set":

@@ -9,9 +9,11 @@ CUDA_COMPILED: bool
 """Whether the extension was built with tb-node's ``cuda`` feature."""
 
 class Buffer:
-    """A received tensor's bytes, read-only, never copied: the buffer protocol (``memoryview``),
-    DLPack (a 1-D ``uint8`` capsule, on the CPU or the CUDA device holding the bytes) and
-    :meth:`numpy` lend them out."""
+    """A received tensor's bytes as a private view: a copy-on-write mapping of the node's
+    memfd (a copy for 64 KiB or less; on a GPU, a private device copy), so nothing written
+    into it reaches what the node holds or serves. The buffer protocol (``memoryview``,
+    read-only), DLPack (a 1-D ``uint8`` capsule, on the CPU or the CUDA device) and
+    :meth:`numpy` (read-only arrays) lend it out."""
 
     @property
     def name(self) -> str:
@@ -30,7 +32,11 @@ class Buffer:
         """Size in bytes."""
     @property
     def address(self) -> int:
-        """Address of the first byte (host bytes only)."""
+        """Address of the first byte of the view this buffer's arrays share (host only)."""
+    @property
+    def mapped(self) -> bool:
+        """Whether the view maps the node's memfd (no payload byte copied) rather than being
+        a copy (64 KiB or less)."""
     @property
     def cuda_device(self) -> Optional[int]:
         """The CUDA device holding the bytes, or ``None`` for host memory."""

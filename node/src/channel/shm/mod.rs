@@ -79,6 +79,11 @@ impl ShmCache {
         ShmCache(Arc::new(cell))
     }
 
+    /// The region, if made or given.
+    pub(crate) fn get(&self) -> Option<Arc<Region>> {
+        self.0.get().cloned()
+    }
+
     /// The region, copied from `bytes` on first call (racing callers may both copy; one wins).
     pub(crate) fn get_or_copy(&self, bytes: &Bytes) -> Result<Arc<Region>> {
         if let Some(region) = self.0.get() {
@@ -215,12 +220,12 @@ fn tensor_from_memfd(fd: OwnedFd, offset: u64, meta: TensorMeta) -> Result<Tenso
     let (region, whole) = Region::from_peer(fd, end)?;
     let region = Arc::new(region);
     let bytes = region.slice(start..stop);
-    let cache = if start == 0 && whole {
-        ShmCache::of(region)
+    // The whole file can be passed on as it is; a payload inside it is still viewed from it.
+    Ok(if start == 0 && whole {
+        Tensor::from_shared(meta, bytes, ShmCache::of(region), None)
     } else {
-        ShmCache::default()
-    };
-    Ok(Tensor::from_shared(meta, bytes, cache))
+        Tensor::from_shared(meta, bytes, ShmCache::default(), Some((region, start)))
+    })
 }
 
 /// Reads an inline payload (at most [`INLINE_MAX`] bytes) and checks it against `meta`'s

@@ -35,6 +35,9 @@ use crate::{
     private::PrivateBytes,
 };
 
+/// Copy-on-write views start at a multiple of this (a multiple of every page size).
+const VIEW_ALIGN: usize = 1 << 16;
+
 /// The seals every shared region carries.
 const SEALS: SealFlags = SealFlags::WRITE
     .union(SealFlags::SHRINK)
@@ -140,28 +143,39 @@ impl Region {
         Ok(Region { fd, ptr, len })
     }
 
-    /// A private, writable copy-on-write mapping of the region's bytes: reads share the
-    /// file's pages, a write copies the page it touches into this process only. Nothing
-    /// written through it reaches the file, this region, or any other reader.
-    pub(crate) fn private_view(self: &Arc<Self>) -> Result<PrivateBytes> {
-        // SAFETY: a fresh private mapping of `len` bytes of a sealed file (no shrink: no
-        // SIGBUS); writes through it stay in this mapping (MAP_PRIVATE), so the sealed file
-        // and every other mapping of it are untouched.
-        let ptr = unsafe {
+    /// A private, writable copy-on-write mapping of the region's bytes `range` (all of them,
+    /// or a set member's): reads share the file's pages, a write copies the page it touches
+    /// into this process only. Nothing written through it reaches the file, this region, or
+    /// any other reader.
+    pub(crate) fn private_view(&self, range: std::ops::Range<usize>) -> Result<PrivateBytes> {
+        if range.start > range.end || range.end > self.len || range.is_empty() {
+            return Err(Error::Io(format!(
+                "a view of bytes {range:?} of a memfd of {} bytes",
+                self.len
+            )));
+        }
+        // Mapping offsets must be page-aligned; 64 KiB is a multiple of every page size.
+        let first = range.start & !(VIEW_ALIGN - 1);
+        let map_len = range.end - first;
+        // SAFETY: a fresh private mapping of bytes `first..range.end` of a sealed file at
+        // least `self.len` long (no shrink: no SIGBUS); writes through it stay in this mapping
+        // (MAP_PRIVATE), so the sealed file and every other mapping of it are untouched.
+        let base = unsafe {
             mm::mmap(
                 std::ptr::null_mut(),
-                self.len,
+                map_len,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::PRIVATE,
                 &self.fd,
-                0,
+                first as u64,
             )
         }
         .map_err(|e| io("mapping a memfd copy-on-write", e))?;
-        let ptr = NonNull::new(ptr.cast::<u8>())
+        let base = NonNull::new(base.cast::<u8>())
             .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
-        // SAFETY: `ptr` is a fresh mapping of `len` bytes that nothing else refers to.
-        Ok(unsafe { PrivateBytes::mapped(ptr, self.len) })
+        // SAFETY: `base` is a fresh mapping of `map_len` bytes that nothing else refers to,
+        // and the range lies inside it.
+        Ok(unsafe { PrivateBytes::mapped(base, map_len, range.start - first, range.len()) })
     }
 
     /// The whole mapped file.
@@ -297,7 +311,7 @@ pub(crate) fn probe() -> std::result::Result<(), String> {
     PROBED
         .get_or_init(|| {
             let probe = Region::copy_of(&[0u8; 1]).and_then(|region| {
-                let view = Arc::new(region).private_view()?;
+                let view = region.private_view(0..1)?;
                 drop(view);
                 Ok(())
             });
@@ -393,13 +407,13 @@ mod tests {
         let region = Arc::new(writer.seal().expect("seal"));
         assert!(region.bytes().iter().all(|&b| b == 7));
         assert!(rustix::io::pwrite(region.fd(), b"x", 0).is_err(), "sealed");
-        let view = region.private_view().expect("view");
+        let view = region.private_view(0..region.len()).expect("view");
         // SAFETY (test): the view is this test's own writable mapping of `len` bytes.
         let written = unsafe { std::slice::from_raw_parts_mut(view.as_mut_ptr(), view.len()) };
         written[0] = 1;
         written[9_999] = 1;
         assert_eq!((region.bytes()[0], region.bytes()[9_999]), (7, 7));
-        let other = region.private_view().expect("view");
+        let other = region.private_view(0..region.len()).expect("view");
         // SAFETY (test): as above.
         let fresh = unsafe { std::slice::from_raw_parts(other.as_mut_ptr(), other.len()) };
         assert!(fresh.iter().all(|&b| b == 7));

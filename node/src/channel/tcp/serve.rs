@@ -43,7 +43,7 @@ pub(crate) async fn serve_ticket(
     let Some(answer) = ticket(ctx, name, version, sockets) else {
         return Err(send);
     };
-    let _ = wire::write_frame(&mut send, &answer).await;
+    let _ = wire::write_frame_within(&mut send, &answer, ctx.config.stall_timeout).await;
     let _ = send.finish();
     Ok(())
 }
