@@ -1,8 +1,8 @@
 //! [`Region`]: a tensor's bytes in a sealed memfd, mapped read-only; [`RegionWriter`]: a
 //! region being filled.
 //!
-//! A region is written once (by `pwrite`, or through a shared writable mapping that is
-//! unmapped before sealing), then sealed against writes, shrinking, growing and further seal
+//! A region is written once, through a shared writable mapping that is unmapped before
+//! sealing ([`RegionWriter`]), then sealed against writes, shrinking, growing and further seal
 //! changes, and only then mapped. A peer that receives the fd checks those seals before it
 //! maps it: from then on nobody, the sender included, can change the bytes it reads, and the
 //! mapping (with the fd) stays valid for as long as anyone holds it, whatever happens to the
@@ -63,24 +63,9 @@ impl Region {
     /// Copies `data` into a new sealed memfd. `data` must not be empty (a zero-length mapping
     /// does not exist; empty payloads travel inline).
     pub(crate) fn copy_of(data: &[u8]) -> Result<Region> {
-        let fd = fs::memfd_create(
-            "tensor-broker",
-            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-        )
-        .map_err(|e| io("creating a memfd", e))?;
-        fs::ftruncate(&fd, data.len() as u64).map_err(|e| io("sizing a memfd", e))?;
-        let mut written = 0;
-        // Bounded: every round writes at least one byte or fails.
-        while written < data.len() {
-            let n = rustix::io::pwrite(&fd, &data[written..], written as u64)
-                .map_err(|e| io("writing a memfd", e))?;
-            if n == 0 {
-                return Err(Error::Io("writing a memfd: no progress".into()));
-            }
-            written += n;
-        }
-        fs::fcntl_add_seals(&fd, SEALS).map_err(|e| io("sealing a memfd", e))?;
-        Region::map(fd, data.len())
+        let mut writer = RegionWriter::new(data.len())?;
+        writer.as_mut().copy_from_slice(data);
+        writer.seal()
     }
 
     /// Maps the first `end` bytes of a memfd a peer passed, after checking that it is sealed
