@@ -1,7 +1,8 @@
 //! Reading and writing the bytes of numpy arrays (any dtype, including `ml_dtypes`' bf16
-//! and f8): arrays sent are checked C-contiguous and copied with the GIL released; arrays
-//! received into are borrowed for writing through numpy's borrow tracking, and their bytes
-//! claimed process-wide, so two calls never write the same memory at once.
+//! and f8): arrays sent are checked C-contiguous and copied with the GIL released, kept
+//! alive by a reference wherever the copy runs; arrays received into are checked writable by
+//! numpy's borrow tracking and their bytes claimed process-wide, so two calls never write
+//! the same memory at once.
 
 // A numpy array's data is a raw pointer: read here, after the checks.
 #![allow(unsafe_code)]
@@ -11,15 +12,16 @@ use std::{
     sync::{Mutex, PoisonError},
 };
 
-use numpy::{
-    BorrowError, PyArray1, PyArrayMethods, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
-};
+use numpy::{BorrowError, PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::{
     exceptions::{PyBufferError, PyTypeError, PyValueError},
     prelude::*,
 };
 
 use numpy::prelude::PyArrayDescrMethods;
+use tb_node::{DType, Tensor};
+
+use crate::errors::to_py;
 
 /// An array's bytes, pinned by a reference to the array the caller keeps.
 pub(crate) struct RawBytes {
@@ -71,6 +73,43 @@ impl RawBytes {
     }
 }
 
+/// Largest copy made on the calling task; larger ones run on the blocking pool, so an async
+/// put never stalls the runtime's workers for a whole copy and hash.
+const INLINE_COPY_MAX: usize = 256 << 10;
+
+/// An array's bytes to send, with a reference that keeps the array alive wherever the copy
+/// runs (a runtime task can outlive the Python call that started it: a cancelled await).
+pub(crate) struct Source {
+    raw: RawBytes,
+    array: Py<PyAny>,
+}
+
+impl Source {
+    /// The bytes of `array`, checked as [`RawBytes::of`] does.
+    pub(crate) fn of(array: &Bound<'_, PyUntypedArray>) -> PyResult<Self> {
+        Ok(Source {
+            raw: RawBytes::of(array)?,
+            array: array.clone().into_any().unbind(),
+        })
+    }
+
+    /// The bytes copied (and hashed) into a node tensor: on the blocking pool when large,
+    /// which then owns the array's reference until the copy is done.
+    pub(crate) async fn into_tensor(self, dtype: DType, shape: Vec<u64>) -> PyResult<Tensor> {
+        if self.raw.len <= INLINE_COPY_MAX {
+            return Tensor::copy_from(dtype, shape, self.raw.as_slice()).map_err(to_py);
+        }
+        tokio::task::spawn_blocking(move || {
+            let copied = Tensor::copy_from(dtype, shape, self.raw.as_slice());
+            drop(self.array);
+            copied
+        })
+        .await
+        .map_err(|e| crate::errors::base(format!("copying the array: {e}")))?
+        .map_err(to_py)
+    }
+}
+
 /// What a second receive into memory being received into is told.
 const ALREADY_WRITTEN: &str =
     "the out array is already being written by another call: give each get its own array";
@@ -116,38 +155,55 @@ impl Drop for Claim {
     }
 }
 
-/// An `out` array (its bytes as a 1-D `uint8` view) borrowed for writing: while this guard
-/// lives, numpy's borrow tracking refuses any other Rust borrow of overlapping memory (a
-/// second call receiving into the same array, or a view of it), and the claim on its
-/// addresses refuses a second receive into them however they are owned, so the receive's
-/// `&mut [u8]` is the only one. Keep it on the stack, GIL held, around the whole receive;
-/// only the slice goes where the GIL is released.
-pub(crate) struct OutBytes<'py> {
-    guard: PyReadwriteArray1<'py, u8>,
+/// The bytes of an `out` array a receive writes, claimed process-wide (see [`RECEIVING`]):
+/// while it lives, a second receive into any of these addresses (the same array, a view of
+/// it, a torch tensor over it) is refused, so the receive's `&mut [u8]` is the only one. A
+/// reference keeps the array alive, so the receive may run as a runtime task that outlives
+/// the Python call (a cancelled await).
+pub(crate) struct OutTarget {
+    ptr: *mut u8,
+    len: usize,
     _claim: Claim,
+    _array: Py<PyAny>,
 }
 
-impl<'py> OutBytes<'py> {
-    /// Borrows `out` for writing: refused with `BufferError` while another call writes it,
-    /// `ValueError` when it is read-only or not contiguous.
-    pub(crate) fn borrow(out: &Bound<'py, PyArray1<u8>>) -> PyResult<Self> {
-        let guard = out.try_readwrite().map_err(|e| match e {
+// SAFETY: the claim makes this the only receive into those bytes, and the reference keeps
+// them allocated wherever the target goes.
+unsafe impl Send for OutTarget {}
+
+impl OutTarget {
+    /// Claims the bytes of `out` (contiguous, writable); `BufferError` while another receive
+    /// writes any of them.
+    pub(crate) fn claim(out: &Bound<'_, PyArray1<u8>>) -> PyResult<Self> {
+        // numpy's own check first (writeable, not borrowed by other Rust code), released
+        // at once: the claim is what keeps receives apart from here on.
+        let mut borrowed = out.try_readwrite().map_err(|e| match e {
             BorrowError::NotWriteable => PyValueError::new_err("the out array is read-only"),
             _ => PyBufferError::new_err(ALREADY_WRITTEN),
         })?;
+        borrowed.as_slice_mut().map_err(|_| {
+            PyValueError::new_err("the out array is not C-contiguous: pass a contiguous array")
+        })?;
+        drop(borrowed);
         let start = out.data() as usize;
         let claim = Claim::take(start..start.saturating_add(out.len()))
             .ok_or_else(|| PyBufferError::new_err(ALREADY_WRITTEN))?;
-        Ok(OutBytes {
-            guard,
+        Ok(OutTarget {
+            ptr: out.data(),
+            len: out.len(),
             _claim: claim,
+            _array: out.clone().into_any().unbind(),
         })
     }
 
     /// The bytes to receive into, exclusive while `self` lives.
-    pub(crate) fn as_mut_slice(&mut self) -> PyResult<&mut [u8]> {
-        self.guard.as_slice_mut().map_err(|_| {
-            PyValueError::new_err("the out array is not C-contiguous: pass a contiguous array")
-        })
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: `claim` checked contiguity and length; the claim makes the slice the only
+        // one written; the reference keeps the memory alive while `self` (and so the
+        // borrow) lives.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }

@@ -111,13 +111,37 @@ impl LocalCluster {
             .unwrap_or_default()
     }
 
-    /// A node of this cluster in this process.
-    #[pyo3(signature = (listen=None))]
-    fn connect(&self, py: Python<'_>, listen: Option<&str>) -> PyResult<NodeHandle> {
-        if self.lock().is_none() {
-            return Err(errors::unavailable("the local cluster is closed".into()));
-        }
-        node::start(py, self.ticket.brokers.clone(), self.key.clone(), listen)
+    /// A node of this cluster in this process (`read_only`: with the read-only credential).
+    #[pyo3(signature = (listen=None, max_push_memory=None, read_only=false))]
+    fn connect(
+        &self,
+        py: Python<'_>,
+        listen: Option<&str>,
+        max_push_memory: Option<u64>,
+        read_only: bool,
+    ) -> PyResult<NodeHandle> {
+        wait(py, self.connect_work(listen, max_push_memory, read_only)?)?
+    }
+
+    /// [`connect`](Self::connect) as an awaitable.
+    #[pyo3(signature = (listen=None, max_push_memory=None, read_only=false))]
+    fn connect_async<'py>(
+        &self,
+        py: Python<'py>,
+        listen: Option<&str>,
+        max_push_memory: Option<u64>,
+        read_only: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        runtime::start(py, self.connect_work(listen, max_push_memory, read_only)?)
+    }
+
+    /// The cluster's read-only credential: a secret for `connect(secret=...)` that may get,
+    /// list and watch but not publish or push to read-write nodes.
+    #[getter]
+    fn read_only_credential(&self) -> PyResult<String> {
+        self.key
+            .read_only_credential()
+            .map_err(|e| errors::base(e.to_string()))
     }
 
     /// Stops the workers and the broker and removes the folder. Idempotent.
@@ -137,6 +161,28 @@ impl LocalCluster {
 }
 
 impl LocalCluster {
+    /// Starts a node of this cluster.
+    fn connect_work(
+        &self,
+        listen: Option<&str>,
+        max_push_memory: Option<u64>,
+        read_only: bool,
+    ) -> PyResult<impl std::future::Future<Output = PyResult<NodeHandle>> + Send + 'static> {
+        if self.lock().is_none() {
+            return Err(errors::unavailable("the local cluster is closed".into()));
+        }
+        let key = match read_only {
+            false => self.key.clone(),
+            true => {
+                let credential = self.read_only_credential()?;
+                tb_node::discover::cluster_key(Some(&credential), None)
+                    .map_err(|e| errors::base(e.to_string()))?
+            }
+        };
+        let brokers = self.ticket.brokers.clone();
+        node::start_work(brokers, key, listen, max_push_memory)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Running>> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }

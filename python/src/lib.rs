@@ -30,6 +30,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::NodeHandle>()?;
     m.add_class::<node::Entry>()?;
+    m.add_class::<node::Pushed>()?;
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<subscription::Subscription>()?;
     m.add_class::<subscription::Event>()?;

@@ -2,17 +2,17 @@
 //! [`Buffer`] or the caller's array), list, status, subscribe, close. Every wait, transfer and
 //! copy runs with the GIL released (see `runtime`).
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{collections::BTreeMap, future::Future, time::Duration};
 
 use numpy::{PyArray1, PyUntypedArray};
-use pyo3::{exceptions::PyValueError, prelude::*, types::PyDict};
+use pyo3::{exceptions::PyValueError, prelude::*};
 use tb_node::{Config, DType, Device, Node, Tensor};
 
 use crate::{
-    array::{OutBytes, RawBytes},
+    array::{OutTarget, Source},
     buffer::Buffer,
     errors::{self, to_py},
-    runtime::{self, wait, wait_limited},
+    runtime::{self, limited, start, wait},
     subscription::Subscription,
 };
 
@@ -105,25 +105,389 @@ pub(crate) fn set_parts(set: tb_node::TensorSet) -> SetParts {
     (set.version, members, set.metadata)
 }
 
-/// Starts a node that joins the cluster of `ticket` with `key`.
-pub(crate) fn start(
-    py: Python<'_>,
+/// Starts a node that joins the cluster of `brokers` with `key`, serving from `listen`
+/// (`ip:port`), holding at most `max_push_memory` bytes of pushes.
+pub(crate) fn start_work(
     brokers: Vec<tb_node::PeerAddr>,
     key: tb_node::proto::ClusterKey,
     listen: Option<&str>,
-) -> PyResult<NodeHandle> {
+    max_push_memory: Option<u64>,
+) -> PyResult<impl Future<Output = Work<NodeHandle>> + Send + 'static> {
     let mut config = Config {
         brokers,
         cluster_key: key,
         ..Config::default()
     };
+    if let Some(bytes) = max_push_memory {
+        config.max_push_memory = bytes;
+    }
     if let Some(listen) = listen {
         config.bind_addr = listen.parse().map_err(|e| {
             PyValueError::new_err(format!("listen {listen:?}: {e} (expected ip:port)"))
         })?;
     }
-    let node = wait(py, Node::spawn(config))?.map_err(to_py)?;
-    Ok(NodeHandle::new(node))
+    runtime::runtime()?;
+    Ok(async move {
+        let node = Node::spawn(config).await.map_err(to_py)?;
+        Ok(NodeHandle::new(node))
+    })
+}
+
+/// What `status` returns, as a dict.
+#[derive(IntoPyObject)]
+pub(crate) struct Status {
+    id: String,
+    addr: String,
+    broker: Option<String>,
+    joined: bool,
+    tensors_held: usize,
+    bytes_held: u64,
+    brokers_answering: Vec<String>,
+    members: Vec<MemberRow>,
+    /// Each linked peer's id and the data channel in use with it.
+    links: Vec<(String, &'static str)>,
+    /// Versions this node is receiving now (gets in flight).
+    versions_receiving: usize,
+    /// Pushed tensors waiting for `recv`.
+    pushes_queued: usize,
+    /// Host bytes pushes hold now (being received or queued) against `max_push_memory`.
+    push_bytes_held: u64,
+}
+
+/// One member in `status`, as a dict.
+#[derive(IntoPyObject)]
+pub(crate) struct MemberRow {
+    id: String,
+    role: String,
+    alive: bool,
+    addrs: Vec<String>,
+}
+
+/// A tensor pushed to this node, as `recv` returns it.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct Pushed {
+    /// The name the sender gave it.
+    #[pyo3(get)]
+    name: String,
+    /// The pushing node's id (hex).
+    #[pyo3(get)]
+    sender: String,
+    /// Its bytes.
+    #[pyo3(get)]
+    buffer: Py<Buffer>,
+}
+
+/// A call's work: the future the blocking form waits for and the async form runs as a task.
+type Work<T> = PyResult<T>;
+
+// Each operation is one `*_work` method building the future (under the GIL: arguments are
+// checked and Python objects referenced here), awaited by the blocking method (`wait`) or
+// run as a task by the `*_async` one (`start`): one implementation for both.
+impl NodeHandle {
+    fn put_work(
+        &self,
+        name: String,
+        data: &Bound<'_, PyUntypedArray>,
+        dtype: &str,
+        shape: Vec<u64>,
+        keep: Option<usize>,
+    ) -> PyResult<impl Future<Output = Work<u64>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let dtype = parse_dtype(dtype)?;
+        let source = Source::of(data)?;
+        Ok(async move {
+            let tensor = source.into_tensor(dtype, shape).await?;
+            if let Some(keep) = keep {
+                node.set_keep(&name, keep).map_err(to_py)?;
+            }
+            node.publish(&name, tensor).await.map_err(to_py)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_cuda_work(
+        &self,
+        name: String,
+        tensor: &Bound<'_, PyAny>,
+        ordinal: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        keep: Option<usize>,
+    ) -> PyResult<impl Future<Output = Work<u64>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let dtype = parse_dtype(dtype)?;
+        let (ptr, nbytes) = cuda_bytes(tensor)?;
+        let expected = tb_node::proto::byte_len_for(dtype, &shape)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        if expected != nbytes as u64 {
+            return Err(PyValueError::new_err(format!(
+                "a {dtype} tensor of shape {shape:?} has {expected} bytes, the CUDA buffer {nbytes}"
+            )));
+        }
+        // Referenced until the copy is done (its memory stays allocated).
+        let alive = tensor.clone().unbind();
+        Ok(async move {
+            let copied = tokio::task::spawn_blocking(move || {
+                let buf = crate::buffer::copy_cuda(ordinal, ptr, nbytes);
+                drop(alive);
+                buf.and_then(|buf| Tensor::from_device(dtype, shape, buf))
+            })
+            .await
+            .map_err(|e| errors::base(format!("copying the CUDA tensor: {e}")))?;
+            let tensor = copied.map_err(to_py)?;
+            if let Some(keep) = keep {
+                node.set_keep(&name, keep).map_err(to_py)?;
+            }
+            node.publish(&name, tensor).await.map_err(to_py)
+        })
+    }
+
+    fn get_work(
+        &self,
+        name: String,
+        version: Option<u64>,
+        timeout: Option<f64>,
+        device: Option<usize>,
+    ) -> PyResult<impl Future<Output = Work<Buffer>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let want = device.map_or(Device::Host, Device::Cuda);
+        let what = {
+            let name = name.clone();
+            move || format!("getting \"{name}\"")
+        };
+        let got = limited(timeout, what, async move {
+            match (want, version) {
+                (Device::Cuda(_), _) => node.get_to(&name, version, want).await,
+                (_, Some(v)) => node.get_version(&name, v).await,
+                (_, None) => node.get(&name).await,
+            }
+            .map_err(to_py)
+        })?;
+        Ok(async move {
+            let got = got.await?;
+            // A host get of a version this node keeps on a device: its bytes, in host memory.
+            let tensor = match got.buffer.device() {
+                now if now == want => got.buffer,
+                _ => {
+                    let on_device = got.buffer;
+                    tokio::task::spawn_blocking(move || on_device.to_device(want))
+                        .await
+                        .map_err(|e| errors::base(format!("copying to {want:?}: {e}")))?
+                        .map_err(to_py)?
+                }
+            };
+            Ok(Buffer::new(
+                got.name.as_str().to_owned(),
+                got.version,
+                tensor,
+            ))
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn get_into_work(
+        &self,
+        name: String,
+        out: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        shape: Vec<u64>,
+        version: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<impl Future<Output = Work<u64>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let mut target = OutTarget::claim(out)?;
+        let want = dtype.to_owned();
+        let check = move |meta: &tb_node::TensorMeta| {
+            if meta.dtype.name() == want && meta.shape == shape {
+                return Ok(());
+            }
+            Err(tb_node::Error::InvalidTensor(format!(
+                "the tensor is {} {:?}; out is {want} {shape:?}",
+                meta.dtype.name(),
+                meta.shape
+            )))
+        };
+        let what = {
+            let name = name.clone();
+            move || format!("getting \"{name}\"")
+        };
+        limited(timeout, what, async move {
+            let dest = target.as_mut_slice();
+            let got = node.get_into(&name, version, dest, check).await;
+            got.map(|(version, _)| version).map_err(to_py)
+        })
+    }
+
+    fn put_set_work(
+        &self,
+        prefix: String,
+        members: Vec<(String, Bound<'_, PyUntypedArray>, String, Vec<u64>)>,
+        metadata: Option<BTreeMap<String, String>>,
+        keep: Option<usize>,
+    ) -> PyResult<impl Future<Output = Work<u64>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let mut sources = Vec::with_capacity(members.len());
+        for (key, data, dtype, shape) in &members {
+            let dtype: DType = dtype.parse().map_err(|e: tb_node::proto::UnknownDType| {
+                errors::invalid(format!("{key}: {e}"))
+            })?;
+            sources.push((key.clone(), Source::of(data)?, dtype, shape.clone()));
+        }
+        Ok(async move {
+            let mut tensors = Vec::with_capacity(sources.len());
+            for (key, source, dtype, shape) in sources {
+                tensors.push((key, source.into_tensor(dtype, shape).await?));
+            }
+            if let Some(keep) = keep {
+                node.set_keep(&prefix, keep).map_err(to_py)?;
+            }
+            let metadata = metadata.unwrap_or_default();
+            let published = node.publish_set(&prefix, tensors, metadata).await;
+            published.map_err(to_py)
+        })
+    }
+
+    fn get_set_work(
+        &self,
+        prefix: String,
+        version: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<impl Future<Output = Work<SetParts>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let what = {
+            let prefix = prefix.clone();
+            move || format!("getting the set \"{prefix}\"")
+        };
+        limited(timeout, what, async move {
+            let set = node.get_set(&prefix, version).await.map_err(to_py)?;
+            Ok(set_parts(set))
+        })
+    }
+
+    fn ls_work(
+        &self,
+        prefix: String,
+    ) -> PyResult<impl Future<Output = Work<Vec<Entry>>> + Send + 'static> {
+        let node = self.node()?.clone();
+        Ok(async move {
+            let listed = node.list(&prefix).await.map_err(to_py)?;
+            Ok(listed
+                .into_iter()
+                .map(|e| Entry {
+                    name: e.name.as_str().to_owned(),
+                    version: e.version,
+                    dtype: e.meta.dtype.name().to_owned(),
+                    shape: e.meta.shape.clone(),
+                    size: e.meta.byte_len,
+                    holders: e.holders,
+                })
+                .collect())
+        })
+    }
+
+    fn status_work(&self) -> PyResult<impl Future<Output = Work<Status>> + Send + 'static> {
+        let node = self.node()?.clone();
+        Ok(async move {
+            let view = node.members_with_stats().await.map_err(to_py)?;
+            let (tensors_held, bytes_held) = node.store_usage();
+            let members = view
+                .members
+                .iter()
+                .map(|row| MemberRow {
+                    id: hex::encode(row.member.node.0),
+                    role: format!("{:?}", row.member.role).to_lowercase(),
+                    alive: row.member.alive,
+                    addrs: row.member.addrs.clone(),
+                })
+                .collect();
+            Ok(Status {
+                id: node.id().to_string(),
+                addr: node.addr().to_string(),
+                broker: node.current_broker().map(|b| b.to_string()),
+                joined: node.is_joined(),
+                tensors_held,
+                bytes_held,
+                brokers_answering: view.answered.iter().map(|b| b.to_string()).collect(),
+                members,
+                versions_receiving: node.versions_receiving(),
+                pushes_queued: node.inbox_len(),
+                push_bytes_held: node.push_bytes_held(),
+                links: node
+                    .links()
+                    .into_iter()
+                    .map(|(peer, channel)| (peer.to_string(), channel))
+                    .collect(),
+            })
+        })
+    }
+
+    fn subscribe_work(
+        &self,
+        pattern: String,
+    ) -> PyResult<impl Future<Output = Work<Subscription>> + Send + 'static> {
+        let node = self.node()?.clone();
+        Ok(async move {
+            let sub = node.subscribe(&pattern).await.map_err(to_py)?;
+            Ok(Subscription::new(sub))
+        })
+    }
+
+    fn push_work(
+        &self,
+        peer: &str,
+        name: String,
+        data: &Bound<'_, PyUntypedArray>,
+        dtype: &str,
+        shape: Vec<u64>,
+    ) -> PyResult<impl Future<Output = Work<()>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let addr: tb_node::PeerAddr = peer.parse().map_err(|e| {
+            errors::invalid(format!(
+                "peer {peer:?}: {e} (expected a node's addr, <node-id>@<ip:port>)"
+            ))
+        })?;
+        let dtype = parse_dtype(dtype)?;
+        let source = Source::of(data)?;
+        Ok(async move {
+            let tensor = source.into_tensor(dtype, shape).await?;
+            node.push(&addr, &name, &tensor).await.map_err(to_py)
+        })
+    }
+
+    fn recv_work(
+        &self,
+        timeout: Option<f64>,
+    ) -> PyResult<impl Future<Output = Work<Pushed>> + Send + 'static> {
+        let node = self.node()?.clone();
+        let what = || "a pushed tensor".to_owned();
+        let got = limited(
+            timeout,
+            what,
+            async move { node.recv().await.map_err(to_py) },
+        )?;
+        Ok(async move {
+            let got = got.await?;
+            let name = got.name.as_str().to_owned();
+            // Pushes carry no version: 0.
+            let buffer = Buffer::new(name.clone(), 0, got.tensor);
+            let buffer = Python::attach(|py| Py::new(py, buffer))?;
+            Ok(Pushed {
+                name,
+                sender: got.from.to_string(),
+                buffer,
+            })
+        })
+    }
+
+    fn close_work(&self) -> PyResult<impl Future<Output = Work<()>> + Send + 'static> {
+        let node = self.node()?.clone();
+        Ok(async move {
+            if !node.is_shut_down() {
+                let _ = tokio::time::timeout(CLOSE_GRACE, node.shutdown()).await;
+            }
+            Ok(())
+        })
+    }
 }
 
 #[pymethods]
@@ -131,20 +495,32 @@ impl NodeHandle {
     /// Joins the cluster: `join` a ticket, else `TB_JOIN`, else the ticket of a running
     /// `tb up`; the secret inline, from `secret_file`, `TB_CLUSTER_SECRET_FILE` or `tb up`'s.
     #[staticmethod]
-    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None))]
+    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None, max_push_memory=None))]
     fn connect(
         py: Python<'_>,
         join: Option<&str>,
         secret_file: Option<std::path::PathBuf>,
         secret: Option<&str>,
         listen: Option<&str>,
+        max_push_memory: Option<u64>,
     ) -> PyResult<NodeHandle> {
-        let (ticket, key) = tb_node::discover::resolve_env(join, secret_file.as_deref(), secret)
-            .map_err(|e| match e {
-                tb_node::discover::DiscoverError::NoCluster => errors::unavailable(e.to_string()),
-                other => errors::invalid(other.to_string()),
-            })?;
-        start(py, ticket.brokers, key, listen)
+        let work = connect_work(join, secret_file, secret, listen, max_push_memory)?;
+        wait(py, work)?
+    }
+
+    /// [`connect`](Self::connect) as an awaitable.
+    #[staticmethod]
+    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None, max_push_memory=None))]
+    fn connect_async<'py>(
+        py: Python<'py>,
+        join: Option<&str>,
+        secret_file: Option<std::path::PathBuf>,
+        secret: Option<&str>,
+        listen: Option<&str>,
+        max_push_memory: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let work = connect_work(join, secret_file, secret, listen, max_push_memory)?;
+        start(py, work)
     }
 
     /// This node's id (hex).
@@ -153,7 +529,7 @@ impl NodeHandle {
         Ok(self.node()?.id().to_string())
     }
 
-    /// This node's address, `<node-id>@<ip:port>`.
+    /// This node's address, `<node-id>@<ip:port>`: what peers push to.
     #[getter]
     fn addr(&self) -> PyResult<String> {
         Ok(self.node()?.addr().to_string())
@@ -165,23 +541,27 @@ impl NodeHandle {
     fn put(
         &self,
         py: Python<'_>,
-        name: &str,
+        name: String,
         data: &Bound<'_, PyUntypedArray>,
         dtype: &str,
         shape: Vec<u64>,
         keep: Option<usize>,
     ) -> PyResult<u64> {
-        let node = self.node()?.clone();
-        let dtype = parse_dtype(dtype)?;
-        let raw = RawBytes::of(data)?;
-        // The copy and its hash, without the GIL (`data` stays referenced meanwhile).
-        let tensor = py
-            .detach(move || Tensor::copy_from(dtype, shape, raw.as_slice()))
-            .map_err(to_py)?;
-        if let Some(keep) = keep {
-            node.set_keep(name, keep).map_err(to_py)?;
-        }
-        wait(py, node.publish(name, tensor))?.map_err(to_py)
+        wait(py, self.put_work(name, data, dtype, shape, keep)?)?
+    }
+
+    /// [`put`](Self::put) as an awaitable.
+    #[pyo3(signature = (name, data, dtype, shape, keep=None))]
+    fn put_async<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        data: &Bound<'_, PyUntypedArray>,
+        dtype: &str,
+        shape: Vec<u64>,
+        keep: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.put_work(name, data, dtype, shape, keep)?)
     }
 
     /// Publishes a CUDA tensor's bytes (`tensor`: its bytes as a contiguous 1-D `uint8` CUDA
@@ -195,35 +575,34 @@ impl NodeHandle {
     fn put_cuda(
         &self,
         py: Python<'_>,
-        name: &str,
+        name: String,
         tensor: &Bound<'_, PyAny>,
         ordinal: usize,
         dtype: &str,
         shape: Vec<u64>,
         keep: Option<usize>,
     ) -> PyResult<u64> {
-        let node = self.node()?.clone();
-        let dtype = parse_dtype(dtype)?;
-        let (ptr, nbytes) = cuda_bytes(tensor)?;
-        let expected = tb_node::proto::byte_len_for(dtype, &shape)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        if expected != nbytes as u64 {
-            return Err(PyValueError::new_err(format!(
-                "a {dtype} tensor of shape {shape:?} has {expected} bytes, the CUDA buffer {nbytes}"
-            )));
-        }
-        // `tensor` stays referenced (its memory allocated) for the whole call.
-        let _alive = tensor;
-        let tensor = py
-            .detach(move || {
-                let buf = crate::buffer::copy_cuda(ordinal, ptr, nbytes)?;
-                Tensor::from_device(dtype, shape, buf)
-            })
-            .map_err(to_py)?;
-        if let Some(keep) = keep {
-            node.set_keep(name, keep).map_err(to_py)?;
-        }
-        wait(py, node.publish(name, tensor))?.map_err(to_py)
+        let work = self.put_cuda_work(name, tensor, ordinal, dtype, shape, keep)?;
+        wait(py, work)?
+    }
+
+    /// [`put_cuda`](Self::put_cuda) as an awaitable.
+    #[pyo3(signature = (name, tensor, ordinal, dtype, shape, keep=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_cuda_async<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        tensor: &Bound<'_, PyAny>,
+        ordinal: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        keep: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(
+            py,
+            self.put_cuda_work(name, tensor, ordinal, dtype, shape, keep)?,
+        )
     }
 
     /// Gets `version` (the newest when `None`) of `name`, within `timeout` seconds if given,
@@ -239,27 +618,20 @@ impl NodeHandle {
         timeout: Option<f64>,
         device: Option<usize>,
     ) -> PyResult<Buffer> {
-        let node = self.node()?.clone();
-        let what = || format!("getting \"{name}\"");
-        let want = device.map_or(Device::Host, Device::Cuda);
-        let got = wait_limited(py, timeout, what, async {
-            match (want, version) {
-                (Device::Cuda(_), _) => node.get_to(&name, version, want).await,
-                (_, Some(v)) => node.get_version(&name, v).await,
-                (_, None) => node.get(&name).await,
-            }
-        })?
-        .map_err(to_py)?;
-        // A host get of a version this node keeps on a device: its bytes, in host memory.
-        let tensor = match got.buffer.device() {
-            now if now == want => got.buffer,
-            _ => py.detach(|| got.buffer.to_device(want)).map_err(to_py)?,
-        };
-        Ok(Buffer::new(
-            got.name.as_str().to_owned(),
-            got.version,
-            tensor,
-        ))
+        wait(py, self.get_work(name, version, timeout, device)?)?
+    }
+
+    /// [`get`](Self::get) as an awaitable.
+    #[pyo3(signature = (name, version=None, timeout=None, device=None))]
+    fn get_async<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        version: Option<u64>,
+        timeout: Option<f64>,
+        device: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.get_work(name, version, timeout, device)?)
     }
 
     /// Gets `name` into `out` (the bytes of a writable array whose dtype name is `dtype` and
@@ -279,27 +651,26 @@ impl NodeHandle {
         version: Option<u64>,
         timeout: Option<f64>,
     ) -> PyResult<u64> {
-        let node = self.node()?.clone();
-        // Borrowed for the whole call, GIL released or not: only the slice leaves this frame.
-        let mut borrowed = OutBytes::borrow(out)?;
-        let dest = borrowed.as_mut_slice()?;
-        let want = dtype.to_owned();
-        let check = move |meta: &tb_node::TensorMeta| {
-            if meta.dtype.name() == want && meta.shape == shape {
-                return Ok(());
-            }
-            Err(tb_node::Error::InvalidTensor(format!(
-                "the tensor is {} {:?}; out is {want} {shape:?}",
-                meta.dtype.name(),
-                meta.shape
-            )))
-        };
-        let what = || format!("getting \"{name}\"");
-        let got = wait_limited(py, timeout, what, async {
-            node.get_into(&name, version, dest, check).await
-        })?
-        .map_err(to_py)?;
-        Ok(got.0)
+        let work = self.get_into_work(name, out, dtype, shape, version, timeout)?;
+        wait(py, work)?
+    }
+
+    /// [`get_into`](Self::get_into) as an awaitable (cancelling it ends the receive; `out`
+    /// then holds part of the bytes).
+    #[pyo3(signature = (name, out, dtype, shape, version=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_into_async<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        out: &Bound<'_, PyArray1<u8>>,
+        dtype: &str,
+        shape: Vec<u64>,
+        version: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let work = self.get_into_work(name, out, dtype, shape, version, timeout)?;
+        start(py, work)
     }
 
     /// Publishes `members` (`(key, data, dtype, shape)`, data as for `put`) with `metadata`
@@ -308,34 +679,25 @@ impl NodeHandle {
     fn put_set(
         &self,
         py: Python<'_>,
-        prefix: &str,
+        prefix: String,
         members: Vec<(String, Bound<'_, PyUntypedArray>, String, Vec<u64>)>,
         metadata: Option<BTreeMap<String, String>>,
         keep: Option<usize>,
     ) -> PyResult<u64> {
-        let node = self.node()?.clone();
-        let mut raws = Vec::with_capacity(members.len());
-        for (key, data, dtype, shape) in &members {
-            let dtype: DType = dtype.parse().map_err(|e: tb_node::proto::UnknownDType| {
-                errors::invalid(format!("{key}: {e}"))
-            })?;
-            raws.push((key.clone(), RawBytes::of(data)?, dtype, shape.clone()));
-        }
-        // Copies and hashes without the GIL (`members` keeps every array referenced).
-        let tensors = py
-            .detach(move || {
-                raws.into_iter()
-                    .map(|(key, raw, dtype, shape)| {
-                        Ok((key, Tensor::copy_from(dtype, shape, raw.as_slice())?))
-                    })
-                    .collect::<tb_node::Result<Vec<_>>>()
-            })
-            .map_err(to_py)?;
-        if let Some(keep) = keep {
-            node.set_keep(prefix, keep).map_err(to_py)?;
-        }
-        let metadata = metadata.unwrap_or_default();
-        wait(py, node.publish_set(prefix, tensors, metadata))?.map_err(to_py)
+        wait(py, self.put_set_work(prefix, members, metadata, keep)?)?
+    }
+
+    /// [`put_set`](Self::put_set) as an awaitable.
+    #[pyo3(signature = (prefix, members, metadata=None, keep=None))]
+    fn put_set_async<'py>(
+        &self,
+        py: Python<'py>,
+        prefix: String,
+        members: Vec<(String, Bound<'_, PyUntypedArray>, String, Vec<u64>)>,
+        metadata: Option<BTreeMap<String, String>>,
+        keep: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.put_set_work(prefix, members, metadata, keep)?)
     }
 
     /// Gets `version` (the newest when `None`) of the set `prefix`: `(version, members,
@@ -348,80 +710,110 @@ impl NodeHandle {
         version: Option<u64>,
         timeout: Option<f64>,
     ) -> PyResult<SetParts> {
-        let node = self.node()?.clone();
-        let what = || format!("getting the set \"{prefix}\"");
-        let set =
-            wait_limited(py, timeout, what, node.get_set(&prefix, version))?.map_err(to_py)?;
-        Ok(set_parts(set))
+        wait(py, self.get_set_work(prefix, version, timeout)?)?
+    }
+
+    /// [`get_set`](Self::get_set) as an awaitable.
+    #[pyo3(signature = (prefix, version=None, timeout=None))]
+    fn get_set_async<'py>(
+        &self,
+        py: Python<'py>,
+        prefix: String,
+        version: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.get_set_work(prefix, version, timeout)?)
     }
 
     /// The live names starting with `prefix`, in name order.
-    #[pyo3(signature = (prefix=""))]
-    fn ls(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<Entry>> {
-        let node = self.node()?.clone();
-        let listed = wait(py, node.list(prefix))?.map_err(to_py)?;
-        Ok(listed
-            .into_iter()
-            .map(|e| Entry {
-                name: e.name.as_str().to_owned(),
-                version: e.version,
-                dtype: e.meta.dtype.name().to_owned(),
-                shape: e.meta.shape.clone(),
-                size: e.meta.byte_len,
-                holders: e.holders,
-            })
-            .collect())
+    #[pyo3(signature = (prefix=String::new()))]
+    fn ls(&self, py: Python<'_>, prefix: String) -> PyResult<Vec<Entry>> {
+        wait(py, self.ls_work(prefix)?)?
     }
 
-    /// This node and the cluster's members, as a dict.
-    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let node = self.node()?.clone();
-        let view = wait(py, node.members_with_stats())?.map_err(to_py)?;
-        let out = PyDict::new(py);
-        out.set_item("id", node.id().to_string())?;
-        out.set_item("addr", node.addr().to_string())?;
-        out.set_item("broker", node.current_broker().map(|b| b.to_string()))?;
-        out.set_item("joined", node.is_joined())?;
-        let (tensors, bytes) = node.store_usage();
-        out.set_item("tensors_held", tensors)?;
-        out.set_item("bytes_held", bytes)?;
-        out.set_item(
-            "brokers_answering",
-            view.answered
-                .iter()
-                .map(|b| b.to_string())
-                .collect::<Vec<_>>(),
-        )?;
-        let mut members = Vec::new();
-        for row in &view.members {
-            let m = PyDict::new(py);
-            m.set_item("id", hex::encode(row.member.node.0))?;
-            m.set_item("role", format!("{:?}", row.member.role).to_lowercase())?;
-            m.set_item("alive", row.member.alive)?;
-            m.set_item("addrs", row.member.addrs.clone())?;
-            members.push(m);
-        }
-        out.set_item("members", members)?;
-        Ok(out)
+    /// [`ls`](Self::ls) as an awaitable.
+    #[pyo3(signature = (prefix=String::new()))]
+    fn ls_async<'py>(&self, py: Python<'py>, prefix: String) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.ls_work(prefix)?)
+    }
+
+    /// This node (and each link's data channel) and the cluster's members, as a dict.
+    fn status(&self, py: Python<'_>) -> PyResult<Status> {
+        wait(py, self.status_work()?)?
+    }
+
+    /// [`status`](Self::status) as an awaitable.
+    fn status_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.status_work()?)
     }
 
     /// Subscribes to the names matching `pattern` (a name, `prefix/*` or `*`).
-    fn subscribe(&self, py: Python<'_>, pattern: &str) -> PyResult<Subscription> {
-        let node = self.node()?.clone();
-        let sub = wait(py, node.subscribe(pattern))?.map_err(to_py)?;
-        Ok(Subscription::new(sub))
+    fn subscribe(&self, py: Python<'_>, pattern: String) -> PyResult<Subscription> {
+        wait(py, self.subscribe_work(pattern)?)?
+    }
+
+    /// [`subscribe`](Self::subscribe) as an awaitable.
+    fn subscribe_async<'py>(
+        &self,
+        py: Python<'py>,
+        pattern: String,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.subscribe_work(pattern)?)
+    }
+
+    /// Sends the bytes of `data` (as for `put`), a `dtype` tensor of `shape`, straight to the
+    /// node at `peer` (`<node-id>@<ip:port>`) under `name`; returns once that node has
+    /// verified and queued it (its `recv` takes it).
+    fn push(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        name: String,
+        data: &Bound<'_, PyUntypedArray>,
+        dtype: &str,
+        shape: Vec<u64>,
+    ) -> PyResult<()> {
+        wait(py, self.push_work(peer, name, data, dtype, shape)?)?
+    }
+
+    /// [`push`](Self::push) as an awaitable.
+    fn push_async<'py>(
+        &self,
+        py: Python<'py>,
+        peer: &str,
+        name: String,
+        data: &Bound<'_, PyUntypedArray>,
+        dtype: &str,
+        shape: Vec<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.push_work(peer, name, data, dtype, shape)?)
+    }
+
+    /// The next tensor pushed to this node, waiting at most `timeout` seconds (`Timeout`
+    /// then) or forever.
+    #[pyo3(signature = (timeout=None))]
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Pushed> {
+        wait(py, self.recv_work(timeout)?)?
+    }
+
+    /// [`recv`](Self::recv) as an awaitable (cancelling it takes nothing from the queue).
+    #[pyo3(signature = (timeout=None))]
+    fn recv_async<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.recv_work(timeout)?)
     }
 
     /// Stops the node (its links close; what it held is no longer served). Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let node = self.node()?.clone();
-        if node.is_shut_down() {
-            return Ok(());
-        }
-        let _ = wait(py, async move {
-            tokio::time::timeout(CLOSE_GRACE, node.shutdown()).await
-        })?;
-        Ok(())
+        wait(py, self.close_work()?)?
+    }
+
+    /// [`close`](Self::close) as an awaitable.
+    fn close_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.close_work()?)
     }
 
     /// Whether `close` was called.
@@ -429,6 +821,22 @@ impl NodeHandle {
     fn closed(&self) -> PyResult<bool> {
         Ok(self.node()?.is_shut_down())
     }
+}
+
+/// Starts a node that joins the cluster found from the arguments or the environment.
+fn connect_work(
+    join: Option<&str>,
+    secret_file: Option<std::path::PathBuf>,
+    secret: Option<&str>,
+    listen: Option<&str>,
+    max_push_memory: Option<u64>,
+) -> PyResult<impl Future<Output = Work<NodeHandle>> + Send + 'static> {
+    let (ticket, key) = tb_node::discover::resolve_env(join, secret_file.as_deref(), secret)
+        .map_err(|e| match e {
+            tb_node::discover::DiscoverError::NoCluster => errors::unavailable(e.to_string()),
+            other => errors::invalid(other.to_string()),
+        })?;
+    start_work(ticket.brokers, key, listen, max_push_memory)
 }
 
 /// A dtype name as the CLI spells it (`f32`, `bf16`, ...); `InvalidArgument` otherwise.

@@ -5,7 +5,7 @@
 //! `close()` from any thread ends a `next()` waiting in another: the close signal lives
 //! outside the reader's lock, and a waiting `next()` watches it.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, future::Future, sync::Arc};
 
 use pyo3::prelude::*;
 use tb_node::{SubEvent, Tensor, TensorName, TensorSet};
@@ -15,7 +15,7 @@ use crate::{
     buffer::Buffer,
     errors::to_py,
     node::{SetParts, set_parts},
-    runtime::wait_limited,
+    runtime::{limited, start, wait},
 };
 
 /// What a subscription reported about one name.
@@ -202,6 +202,28 @@ impl Reader {
     }
 }
 
+impl Subscription {
+    /// The next event (`None` once ended or closed), within `timeout` seconds.
+    fn next_work(
+        &self,
+        timeout: Option<f64>,
+    ) -> PyResult<impl Future<Output = PyResult<Option<Event>>> + Send + 'static> {
+        let inner = self.inner.clone();
+        let closed = self.closed.clone();
+        let pattern = self.pattern.clone();
+        let what = move || format!("an update for {pattern:?}");
+        limited(timeout, what, async move {
+            // Biased: once closed, no event is read, even one that is ready.
+            let got = tokio::select! {
+                biased;
+                () = closed.cancelled() => None,
+                got = async { inner.lock().await.next().await } => got,
+            };
+            got.transpose().map_err(to_py)
+        })
+    }
+}
+
 #[pymethods]
 impl Subscription {
     /// The pattern it watches.
@@ -215,18 +237,18 @@ impl Subscription {
     /// from another thread ends a waiting call at once).
     #[pyo3(signature = (timeout=None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Event>> {
-        let inner = self.inner.clone();
-        let closed = self.closed.clone();
-        let what = || format!("an update for {:?}", self.pattern);
-        let got = wait_limited(py, timeout, what, async move {
-            // Biased: once closed, no event is read, even one that is ready.
-            tokio::select! {
-                biased;
-                () = closed.cancelled() => None,
-                got = async { inner.lock().await.next().await } => got,
-            }
-        })?;
-        got.transpose().map_err(to_py)
+        wait(py, self.next_work(timeout)?)?
+    }
+
+    /// [`next`](Self::next) as an awaitable (cancelling it loses no event: one not yet
+    /// returned stays for the next call).
+    #[pyo3(signature = (timeout=None))]
+    fn next_async<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        start(py, self.next_work(timeout)?)
     }
 
     /// Ends the subscription, at once: a `next` waiting in another thread returns `None`.
@@ -236,6 +258,6 @@ impl Subscription {
         // the lock below is short.
         self.closed.cancel();
         let inner = self.inner.clone();
-        crate::runtime::wait(py, async move { inner.lock().await.sub = None })
+        wait(py, async move { inner.lock().await.sub = None })
     }
 }

@@ -20,7 +20,7 @@ in the child, or use ``multiprocessing``'s ``spawn`` start method.
 
 from __future__ import annotations
 
-from ._client import Client, LocalCluster, Subscription, Update, connect
+from ._client import Client, LocalCluster, Received, Subscription, Update, connect
 from ._errors import (
     InvalidArgument,
     NotFound,
@@ -37,6 +37,7 @@ __all__ = [
     "LocalCluster",
     "Subscription",
     "Update",
+    "Received",
     "Buffer",
     "Entry",
     "TensorBrokerError",

@@ -6,7 +6,6 @@ can be interrupted with Ctrl-C; copies of tensor bytes also run without the GIL.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any, AsyncIterator, Iterator, Mapping
 
@@ -14,9 +13,6 @@ import numpy as np
 
 from . import _convert, _native
 from ._errors import Timeout
-
-# How long one wait of an async iteration lasts before it yields to the event loop again.
-_ASYNC_SLICE = 0.25
 
 
 class Update:
@@ -27,11 +23,14 @@ class Update:
     ``skipped_from`` (the first of them), ``deleted``, ``dtype``, ``shape``, ``size``.
     """
 
-    __slots__ = ("_event", "_client")
+    __slots__ = ("_event", "_client", "_loaded")
 
-    def __init__(self, event: _native.Event, client: Client) -> None:
+    def __init__(self, event: _native.Event, client: Any, loaded: Any = None) -> None:
         self._event = event
         self._client = client
+        # What an async subscription got itself when the node had not fetched it: a Buffer,
+        # or a set's (version, members, metadata).
+        self._loaded = loaded
 
     @property
     def name(self) -> str:
@@ -77,6 +76,8 @@ class Update:
         """The received bytes (fetched by the subscription, else got now)."""
         if self.deleted:
             raise ValueError(f"{self.name!r} was deleted: no array")
+        if isinstance(self._loaded, _native.Buffer):
+            return self._loaded
         buf = self._event.buffer()
         if buf is None:
             buf = self._client._node.get(self.name, self.version)
@@ -99,7 +100,7 @@ class Update:
     def _set_members(self) -> list[tuple[str, _native.Buffer]]:
         if self.dtype != "set":
             raise TypeError(f"{self.name!r} is a {self.dtype} tensor, not a set: use .array()")
-        got = self._event.set_members()
+        got = self._loaded if isinstance(self._loaded, tuple) else self._event.set_members()
         if got is None:
             got = self._client._node.get_set(self.name, self.version)
         return got[1]
@@ -113,6 +114,60 @@ class Update:
         if self.deleted:
             return f"Update(name={self.name!r}, deleted=True)"
         return f"Update(name={self.name!r}, version={self.version}, skipped={self.skipped})"
+
+
+class Received:
+    """A tensor another node pushed to this one (:meth:`Client.push`), as :meth:`Client.recv`
+    returns it: ``name`` (the name the sender gave it), ``sender`` (the pushing node's id),
+    ``dtype``, ``shape``, ``size``; its bytes through :meth:`array`, :meth:`tensor`,
+    :meth:`buffer`. The bytes were verified against the sender's hash before it was queued.
+    """
+
+    __slots__ = ("_pushed",)
+
+    def __init__(self, pushed: _native.Pushed) -> None:
+        self._pushed = pushed
+
+    @property
+    def name(self) -> str:
+        """The name the sender gave it."""
+        return self._pushed.name
+
+    @property
+    def sender(self) -> str:
+        """The pushing node's id."""
+        return self._pushed.sender
+
+    @property
+    def dtype(self) -> str:
+        """The dtype's name (``f32``, ``bf16``, ...)."""
+        return self._pushed.buffer.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape."""
+        return tuple(self._pushed.buffer.shape)
+
+    @property
+    def size(self) -> int:
+        """Size in bytes."""
+        return self._pushed.buffer.nbytes
+
+    def buffer(self) -> _native.Buffer:
+        """The received bytes as the package's :class:`Buffer`."""
+        return self._pushed.buffer
+
+    def array(self) -> np.ndarray:
+        """The tensor as a read-only numpy array (no copy)."""
+        return _convert.to_numpy(self._pushed.buffer)
+
+    def tensor(self) -> Any:
+        """The tensor as a torch tensor (no copy of the payload; a private view: in-place ops
+        change only it)."""
+        return _convert.to_torch(self._pushed.buffer)
+
+    def __repr__(self) -> str:
+        return f"Received(name={self.name!r}, sender={self.sender[:10]!r}, shape={self.shape})"
 
 
 class Subscription:
@@ -150,15 +205,10 @@ class Subscription:
         return self
 
     async def __anext__(self) -> Update:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                event = await loop.run_in_executor(None, self._sub.next, _ASYNC_SLICE)
-            except Timeout:
-                continue
-            if event is None:
-                raise StopAsyncIteration
-            return Update(event, self._client)
+        event = await self._sub.next_async()
+        if event is None:
+            raise StopAsyncIteration
+        return Update(event, self._client)
 
     def close(self) -> None:
         """Ends the subscription, from any thread: an iteration waiting for the next update
@@ -320,6 +370,44 @@ class Client:
         now on comes as an :class:`Update`, in order per name."""
         return Subscription(self._node.subscribe(pattern), self)
 
+    def push(self, peer_addr: str, name: str, array: Any) -> None:
+        """Sends ``array`` (as for :meth:`put`, host memory) straight to the node at
+        ``peer_addr`` (its :attr:`addr`, ``<node-id>@<ip:port>``) under ``name``, over the
+        pair's data channel (shared memory on one host). Returns once that node has verified
+        the bytes against their hash and queued them for its :meth:`recv`. No broker is
+        involved and nothing is published. Refused (``Unavailable``) when the receiver's
+        queue or byte budget is full; a read-only member may push only to nodes that accept
+        read-only pushes."""
+        data, dtype, shape = _convert.to_bytes(array)
+        self._node.push(peer_addr, name, data, dtype, list(shape))
+
+    def recv(self, timeout: float | None = None) -> Received:
+        """The next tensor pushed to this node (oldest first), waiting at most ``timeout``
+        seconds (``Timeout`` then) or forever (Ctrl-C interrupts)."""
+        return Received(self._node.recv(timeout))
+
+    async def arecv(self, timeout: float | None = None) -> Received:
+        """:meth:`recv` as a coroutine (completed from the runtime, no executor thread;
+        cancelling it takes nothing from the queue)."""
+        return Received(await self._node.recv_async(timeout))
+
+    async def aincoming(self, timeout: float | None = None) -> AsyncIterator[Received]:
+        """:meth:`incoming` for ``async for``."""
+        while True:
+            try:
+                yield await self.arecv(timeout)
+            except Timeout:
+                return
+
+    def incoming(self, timeout: float | None = None) -> Iterator[Received]:
+        """The tensors pushed to this node, as they arrive; ends when ``timeout`` seconds pass
+        without one (runs forever without ``timeout``)."""
+        while True:
+            try:
+                yield self.recv(timeout)
+            except Timeout:
+                return
+
     def ls(self, prefix: str = "") -> list[_native.Entry]:
         """The live names starting with ``prefix``: entries with ``name``, ``version``,
         ``dtype``, ``shape``, ``size`` (bytes) and ``holders``."""
@@ -354,6 +442,7 @@ def connect(
     secret_file: str | os.PathLike[str] | None = None,
     secret: str | None = None,
     listen: str | None = None,
+    max_push_memory: int | None = None,
 ) -> Client:
     """Starts a node in this process that joins a cluster, and returns its :class:`Client`.
 
@@ -362,9 +451,13 @@ def connect(
     ``secret_file`` (else ``TB_CLUSTER_SECRET_FILE``, else ``tb up``'s own when its ticket is
     used) or ``secret``: the cluster secret. ``listen``: the ``ip:port`` the node serves
     from (default ``127.0.0.1:<free port>``; give a routable address to serve other machines).
+    ``max_push_memory``: most bytes tensors pushed to this node (:meth:`Client.push`) may
+    hold while received or queued for :meth:`Client.recv` (default: a quarter of the
+    machine's memory); a push that does not fit is refused at once (``Unavailable``, or
+    ``InvalidArgument`` when larger than the whole budget).
     """
     path = os.fspath(secret_file) if secret_file is not None else None
-    return Client(_native.NodeHandle.connect(join, path, secret, listen))
+    return Client(_native.NodeHandle.connect(join, path, secret, listen, max_push_memory))
 
 
 class LocalCluster:
@@ -392,9 +485,35 @@ class LocalCluster:
         """The worker nodes' addresses."""
         return self._cluster.workers
 
-    def connect(self, *, listen: str | None = None) -> Client:
-        """A client of this cluster in this process."""
-        return Client(self._cluster.connect(listen))
+    @property
+    def read_only_credential(self) -> str:
+        """The cluster's read-only credential, for ``connect(secret=...)``: such a client may
+        get, list and watch, not publish or push to read-write nodes."""
+        return self._cluster.read_only_credential
+
+    def connect(
+        self,
+        *,
+        listen: str | None = None,
+        max_push_memory: int | None = None,
+        read_only: bool = False,
+    ) -> Client:
+        """A client of this cluster in this process (``read_only``: with the read-only
+        credential; the other arguments as for :func:`connect`)."""
+        return Client(self._cluster.connect(listen, max_push_memory, read_only))
+
+    async def connect_async(
+        self,
+        *,
+        listen: str | None = None,
+        max_push_memory: int | None = None,
+        read_only: bool = False,
+    ) -> Any:
+        """:meth:`connect` for asyncio: a :class:`tensor_broker.asyncio.AsyncClient`."""
+        from .asyncio import AsyncClient
+
+        native = await self._cluster.connect_async(listen, max_push_memory, read_only)
+        return AsyncClient(native)
 
     def close(self) -> None:
         """Stops the workers and the broker. Idempotent."""

@@ -1,0 +1,204 @@
+"""``tensor_broker.asyncio``: every call as a coroutine, completed from the runtime, and
+cancellation that leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import tensor_broker as tb
+import tensor_broker.asyncio as tba
+
+SIZES = [4 << 10, 1 << 20, 64 << 20]
+# Longest any wait for a state below may take.
+LIMIT_S = 30
+
+
+def _payload(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, size, dtype=np.uint8)
+
+
+def run(coro):
+    """Runs ``coro`` as the loop's only task, bounded in time."""
+
+    async def bounded():
+        async with asyncio.timeout(LIMIT_S * 4):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+async def _until(what: str, check) -> None:
+    """Waits (bounded) until ``await check()`` is true."""
+    deadline = time.monotonic() + LIMIT_S
+    while not await check():
+        assert time.monotonic() < deadline, f"still not {what} after {LIMIT_S} s"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trips_by_name_and_push_are_byte_identical(cluster: tb.LocalCluster, size: int) -> None:
+    data = _payload(size, size)
+
+    async def main() -> None:
+        async with await cluster.connect_async() as a, await cluster.connect_async() as b:
+            assert isinstance(a, tba.AsyncClient)
+            v = await a.put(f"rt/{size}", data)
+            got = await b.get(f"rt/{size}", v)
+            assert np.array_equal(got, data)
+            out = np.empty_like(data)
+            assert (await b.get(f"rt/{size}", out=out)) is out
+            assert np.array_equal(out, data)
+            await a.push(b.addr, "p", data)
+            r = await b.recv(timeout=LIMIT_S)
+            assert (r.name, r.sender) == ("p", a.id)
+            assert np.array_equal(r.array(), data)
+            # The sync client of the same process reads what the async one published.
+            with cluster.connect() as c:
+                assert np.array_equal(c.get(f"rt/{size}", v), data)
+
+    run(main())
+
+
+def test_sets_ls_status_and_subscribe(cluster: tb.LocalCluster) -> None:
+    async def main() -> None:
+        async with await tba.connect(
+            cluster.ticket, secret_file=cluster.secret_file
+        ) as a, await cluster.connect_async() as b:
+            members = {"w": np.arange(6, dtype=np.float32), "b": np.ones(3, dtype=np.int64)}
+            v = await a.put_many("set/m", members, metadata={"step": "3"})
+            got = await b.get_many("set/m")
+            assert got.keys() == members.keys()
+            assert all(np.array_equal(got[k], members[k]) for k in members)
+            version, _, meta = await b.get_set("set/m")
+            assert (version, meta) == (v, {"step": "3"})
+            assert [e.name for e in await b.ls("set/m")] == ["set/m"]
+            status = await a.status()
+            assert status["id"] == a.id and status["joined"]
+            async with b.subscribe("sub/*") as sub:
+                for i in range(3):
+                    await a.put(f"sub/{i}", np.full(4, i, dtype=np.int16))
+                seen = []
+                async for update in sub:
+                    seen.append((update.name, update.array().tolist()))
+                    if len(seen) == 3:
+                        break
+            assert sorted(seen) == [(f"sub/{i}", [i] * 4) for i in range(3)]
+            sub2 = await b.subscribe("never/*")
+            with pytest.raises(tb.Timeout):
+                await sub2.next(timeout=0.05)
+            sub2.close()
+            with pytest.raises(StopAsyncIteration):
+                await sub2.next()
+
+    run(main())
+
+
+def test_errors_are_raised_from_the_await(cluster: tb.LocalCluster) -> None:
+    async def main() -> None:
+        async with await cluster.connect_async() as a:
+            with pytest.raises(tb.NotFound):
+                await a.get("no/such/name")
+            with pytest.raises(tb.Timeout):
+                await a.recv(timeout=0.05)
+            with pytest.raises(tb.InvalidArgument):
+                await a.push("nonsense", "x", np.zeros(1))
+            with pytest.raises(ValueError):
+                await a.get("x", timeout=-1)
+
+    run(main())
+
+
+def test_cancelled_recv_takes_nothing(cluster: tb.LocalCluster) -> None:
+    async def main() -> None:
+        async with await cluster.connect_async() as a, await cluster.connect_async() as b:
+            waiting = asyncio.create_task(b.recv())
+            await asyncio.sleep(0.1)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await a.push(b.addr, "after", np.arange(5, dtype=np.int32))
+            got = await b.recv(timeout=LIMIT_S)
+            assert got.name == "after" and got.array().tolist() == list(range(5))
+            # Cancelled at once with a timeout too (asyncio.timeout).
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await b.recv()
+            assert (await b.status())["pushes_queued"] == 0
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    run(main())
+
+
+def test_cancelled_get_leaves_no_partial_version(cluster: tb.LocalCluster, spawn) -> None:
+    size = 256 << 20
+    # A holder in another process, so the get crosses a channel and takes a while.
+    child = spawn(
+        f"""
+        c = tb.connect(TICKET, secret_file=SECRET_FILE)
+        data = np.random.default_rng(3).integers(0, 255, {size}, dtype=np.uint8)
+        v = c.put("cancel/big", data)
+        say(v, hashlib.sha256(data.tobytes()).hexdigest())
+        wait_for_parent()
+        c.close()
+        """
+    )
+    version, digest = child.line().split()
+
+    async def main() -> None:
+        async with await cluster.connect_async() as b:
+            for delay in (0.0, 0.01, 0.05):
+                task = asyncio.create_task(b.get("cancel/big", int(version)))
+                await asyncio.sleep(delay)
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+
+                async def idle() -> bool:
+                    return (await b.status())["versions_receiving"] == 0
+
+                await _until("done receiving", idle)
+                assert asyncio.all_tasks() == {asyncio.current_task()}
+            # Nothing partial was kept: a get now receives the whole version, verified.
+            got = await b.get("cancel/big", int(version), timeout=LIMIT_S * 2)
+            import hashlib
+
+            assert hashlib.sha256(got.tobytes()).hexdigest() == digest
+
+    run(main())
+    child.send()
+    child.finish()
+
+
+def test_async_calls_run_concurrently_on_one_loop(cluster: tb.LocalCluster) -> None:
+    async def main() -> None:
+        async with await cluster.connect_async() as a, await cluster.connect_async() as b:
+            names = [f"conc/{i}" for i in range(16)]
+            await asyncio.gather(*(a.put(n, np.full(64, i, np.int32)) for i, n in enumerate(names)))
+            got = await asyncio.gather(*(b.get(n) for n in names))
+            assert [g[0] for g in got] == list(range(16))
+            # A recv waiting does not block other calls on the same loop.
+            waiting = asyncio.create_task(b.recv(timeout=LIMIT_S))
+            await a.push(b.addr, "late", np.zeros(8, np.uint8))
+            assert (await waiting).name == "late"
+
+    run(main())
+
+
+def test_sync_client_arecv_and_aincoming(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as a, cluster.connect() as b:
+
+        async def main() -> None:
+            for i in range(3):
+                a.push(b.addr, f"i/{i}", np.full(2, i, np.uint8))
+            first = await b.arecv(timeout=LIMIT_S)
+            assert first.name == "i/0"
+            rest = [r.name async for r in b.aincoming(timeout=0.1)]
+            assert rest == ["i/1", "i/2"]
+
+        run(main())
