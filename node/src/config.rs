@@ -21,6 +21,9 @@ pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 64 << 30;
 /// Default [`Config::hello_timeout`]: a member's hello arrives within a round trip or two.
 pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Default [`Config::min_source_rate`]: 1 MiB/s.
+pub const DEFAULT_MIN_SOURCE_RATE: u64 = 1 << 20;
+
 /// Default [`Config::max_pending_handshakes`].
 pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 64;
 /// The share of the machine's memory that pushes may hold by default: a quarter.
@@ -51,6 +54,18 @@ pub struct Config {
     pub request_timeout: Duration,
     /// A payload read or write that makes no progress for this long fails with `Timeout`.
     pub stall_timeout: Duration,
+    /// The slowest a source of a cluster get may deliver, in bytes per second, judged over
+    /// each whole `stall_timeout` of its stream: a source (the first one included) that
+    /// delivers less in one such period is dropped for the get with `Timeout`, and the get
+    /// resumes from the next holder at the byte it reached. A stream that ends within one
+    /// period is never judged, so small transfers never are. 0: no floor (only a period with
+    /// no byte at all fails). [`DEFAULT_MIN_SOURCE_RATE`] (1 MiB/s) by default.
+    ///
+    /// Bound: each source costs a get at most `connect_timeout + request_timeout +
+    /// stall_timeout` more than its bytes take at this rate; a get whose every source is
+    /// slower fails with `NoHolder` (last error `Timeout`) after that much per holder tried.
+    /// For a hard limit on a whole get, see [`Node::get_within`](crate::Node::get_within).
+    pub min_source_rate: u64,
     /// Largest tensor this node sends or accepts.
     pub max_tensor_bytes: u64,
     /// Pushed tensors held for `recv()` before new pushes wait (back-pressure to senders).
@@ -149,6 +164,7 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(30),
+            min_source_rate: DEFAULT_MIN_SOURCE_RATE,
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
             inbox_capacity: 1024,
             keep_versions: 2,

@@ -121,6 +121,7 @@ pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
     Config, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_PENDING_HANDSHAKES, DEFAULT_MAX_TENSOR_BYTES,
+    DEFAULT_MIN_SOURCE_RATE,
     FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY, PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE,
     SecretFileError, default_max_push_memory, parse_secret, read_secret_file,
 };

@@ -109,7 +109,7 @@ pub(crate) async fn write_header_and_payload<T: Serialize>(
     send: &mut SendStream,
     header: &T,
     payload: &Bytes,
-    watchdog: Watchdog,
+    mut watchdog: Watchdog,
     progress: Option<&TransferProgress>,
 ) -> Result<()> {
     let mut bytes = frame::encode(header).map_err(|e| Error::io("encoding a frame", e))?;
@@ -125,14 +125,42 @@ pub(crate) async fn write_header_and_payload<T: Serialize>(
 }
 
 /// A stall watchdog: one timer per `stall` period rather than per read or write (those are
-/// hot — thousands per tensor). It re-arms when it fires and sees progress since last time.
-/// It also counts the payload bytes it sees move on its meter, if it has one (so metrics show
-/// rates during a long transfer, not only when it ends).
+/// hot — thousands per tensor). When it fires it judges the period that just ended: a stall
+/// when nothing moved, or, with a floor ([`with_floor`](Self::with_floor)), too slow when
+/// fewer bytes moved than the floor rate asks of a whole period; else it re-arms. A transfer
+/// that ends within a period is never judged on it. It also counts the payload bytes it sees
+/// move on its meter, if it has one (so metrics show rates during a long transfer, not only
+/// when it ends).
 pub(crate) struct Watchdog {
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall: Duration,
     progressed: bool,
+    /// Bytes moved in the current period.
+    period_bytes: u64,
+    /// Least bytes per second over a period; 0: any progress will do.
+    floor: u64,
     meter: Option<Meter>,
+}
+
+/// Why a stall period failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shortfall {
+    /// Nothing moved.
+    Stalled,
+    /// `moved` bytes moved, under the floor.
+    Slow { moved: u64 },
+}
+
+impl Shortfall {
+    /// How a period went in which `moved` bytes came (`progressed`: any at all), against
+    /// the `floor` bytes a period must move.
+    fn of(progressed: bool, moved: u64, floor: u64) -> Option<Shortfall> {
+        match (progressed, moved < floor) {
+            (false, _) => Some(Shortfall::Stalled),
+            (true, true) => Some(Shortfall::Slow { moved }),
+            (true, false) => None,
+        }
+    }
 }
 
 impl Watchdog {
@@ -141,6 +169,8 @@ impl Watchdog {
             timer: Box::pin(tokio::time::sleep(stall)),
             stall,
             progressed: false,
+            period_bytes: 0,
+            floor: 0,
             meter: None,
         }
     }
@@ -153,6 +183,16 @@ impl Watchdog {
         }
     }
 
+    /// The same, also failing a period in which fewer than `rate` bytes per second moved
+    /// (0: no floor). For one source's whole delivery to a get: a stream that is one of
+    /// several from a source (stripes, pieces) carries only its share of the rate.
+    pub(crate) fn with_floor(self, rate: u64) -> Self {
+        Watchdog {
+            floor: rate,
+            ..self
+        }
+    }
+
     /// The stall period (the device pipeline paces its staging buffers by it).
     #[cfg(feature = "cuda")]
     pub(crate) fn stall(&self) -> Duration {
@@ -160,7 +200,8 @@ impl Watchdog {
     }
 
     /// Counts `n` payload bytes moved.
-    pub(crate) fn moved(&self, n: usize) {
+    pub(crate) fn moved(&mut self, n: usize) {
+        self.period_bytes = self.period_bytes.saturating_add(n as u64);
         if let Some(meter) = &self.meter {
             meter.add(n as u64);
         }
@@ -170,14 +211,34 @@ impl Watchdog {
         self.progressed = true;
     }
 
-    /// Resolves to `true` when a whole period passed without progress (a stall).
-    async fn fired(&mut self) -> bool {
+    /// The least bytes a whole period must move.
+    fn period_floor(&self) -> u64 {
+        (self.floor as f64 * self.stall.as_secs_f64()) as u64
+    }
+
+    /// Resolves when a period ends: `Some` when it failed (see [`Shortfall`]).
+    async fn fired(&mut self) -> Option<Shortfall> {
         (&mut self.timer).await;
-        let stalled = !self.progressed;
+        let moved = std::mem::take(&mut self.period_bytes);
+        let shortfall = Shortfall::of(self.progressed, moved, self.period_floor());
         self.progressed = false;
         let next = tokio::time::Instant::now() + self.stall;
         self.timer.as_mut().reset(next);
-        stalled
+        shortfall
+    }
+
+    /// The `Timeout` for a failed period of a transfer of `what`.
+    fn error(&self, shortfall: Shortfall, what: String) -> Error {
+        match shortfall {
+            Shortfall::Stalled => Error::timeout(what, self.stall),
+            Shortfall::Slow { moved } => Error::timeout(
+                format!(
+                    "{what} at {} bytes/s or more: only {moved} bytes came in the last {:?}",
+                    self.floor, self.stall
+                ),
+                self.stall,
+            ),
+        }
     }
 }
 
@@ -219,11 +280,9 @@ pub(crate) async fn write_chunk(
                 written.map_err(|e| Error::io("sending tensor bytes", e))?;
                 break;
             }
-            stalled = watchdog.fired() => if stalled {
-                return Err(Error::timeout(
-                    format!("peer to accept tensor bytes (sent {sent} of {total})"),
-                    watchdog.stall,
-                ));
+            failed = watchdog.fired() => if let Some(shortfall) = failed {
+                let what = format!("peer to accept tensor bytes (sent {sent} of {total})");
+                return Err(watchdog.error(shortfall, what));
             }
         }
     }
@@ -267,7 +326,8 @@ fn read_error(err: ReadError, filled: usize, total: usize) -> Error {
 }
 
 /// Reads some payload bytes (`filled` of `total` already in) into `dest`, which must not be
-/// empty; returns how many. Fails when the stream ends early or `watchdog` sees a stall.
+/// empty; returns how many. Fails when the stream ends early or `watchdog` fails a period
+/// (nothing came, or less than its floor).
 pub(crate) async fn read_some(
     recv: &mut RecvStream,
     dest: &mut [u8],
@@ -291,12 +351,42 @@ pub(crate) async fn read_some(
                     Err(e) => Err(read_error(e, filled, total)),
                 };
             }
-            stalled = watchdog.fired() => if stalled {
-                return Err(Error::timeout(
-                    format!("tensor bytes (received {filled} of {total})"),
-                    watchdog.stall,
-                ));
+            failed = watchdog.fired() => if let Some(shortfall) = failed {
+                let what = format!("tensor bytes (received {filled} of {total})");
+                return Err(watchdog.error(shortfall, what));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_period_fails_with_no_byte_or_fewer_than_the_floor() {
+        assert_eq!(Shortfall::of(false, 0, 0), Some(Shortfall::Stalled));
+        assert_eq!(Shortfall::of(false, 0, 100), Some(Shortfall::Stalled));
+        // No floor: one byte re-arms it (the old rule).
+        assert_eq!(Shortfall::of(true, 1, 0), None);
+        // A floor: one byte a period is a trickle.
+        assert_eq!(
+            Shortfall::of(true, 1, 100),
+            Some(Shortfall::Slow { moved: 1 })
+        );
+        assert_eq!(
+            Shortfall::of(true, 99, 100),
+            Some(Shortfall::Slow { moved: 99 })
+        );
+        assert_eq!(Shortfall::of(true, 100, 100), None);
+    }
+
+    #[tokio::test]
+    async fn the_floor_of_a_period_is_the_rate_times_the_period() {
+        let dog = Watchdog::new(Duration::from_secs(30)).with_floor(1 << 20);
+        assert_eq!(dog.period_floor(), 30 << 20);
+        let dog = Watchdog::new(Duration::from_millis(500)).with_floor(1000);
+        assert_eq!(dog.period_floor(), 500);
+        assert_eq!(Watchdog::new(Duration::from_secs(30)).period_floor(), 0);
     }
 }

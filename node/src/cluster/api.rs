@@ -1,6 +1,6 @@
-//! The cluster API on [`Node`]: publish, get, get_version, publish_set, get_set, list,
-//! members, subscribe. Each
-//! call fails with `Standalone` on a node without brokers and `Shutdown` once the node stops.
+//! The cluster API on [`Node`]: publish, get, get_version, get_within, publish_set, get_set,
+//! list, members, subscribe. Each call fails with `Standalone` on a node without brokers and
+//! `Shutdown` once the node stops.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -119,7 +119,8 @@ impl Node {
 
     /// Gets the newest version of `name` from the cluster: asks a broker where it is, pulls it
     /// from its holders (verified by hash), keeps it (this node becomes a holder) and returns
-    /// it. From the local store when this node holds that version already. When no tensor is
+    /// it. From the local store when this node holds that version already, with the
+    /// registry's hash (a copy with another hash is fetched again). When no tensor is
     /// called `name` but a set `prefix` has the member `key` (`name` is `prefix/key`), that
     /// member of the set's newest version (the version is the set's).
     pub async fn get(&self, name: &str) -> Result<Pulled<Tensor>> {
@@ -130,6 +131,34 @@ impl Node {
     /// keeps any more is `NotFound`.
     pub async fn get_version(&self, name: &str, version: u64) -> Result<Pulled<Tensor>> {
         self.get_inner(name, Some(version), None).await
+    }
+
+    /// [`get`](Self::get) (or [`get_version`](Self::get_version) when `version` is set) that
+    /// ends with `Timeout { after: deadline }` when it has not finished within `deadline`
+    /// (`None`: no deadline, as `get`). At the deadline everything the get started stops: its
+    /// streams, its receive (this node's own pullers of it are told it ended), and its
+    /// fan-out slot at the broker (handed back from a task); nothing of it is kept.
+    pub async fn get_within(
+        &self,
+        name: &str,
+        version: Option<u64>,
+        deadline: Option<Duration>,
+    ) -> Result<Pulled<Tensor>> {
+        let get = self.get_inner(name, version, None);
+        let Some(deadline) = deadline else {
+            return get.await;
+        };
+        match tokio::time::timeout(deadline, get).await {
+            Ok(got) => got,
+            Err(_) => {
+                let which =
+                    version.map_or_else(|| "the newest version".into(), |v| format!("v{v}"));
+                Err(Error::timeout(
+                    format!("get of \"{name}\" {which}"),
+                    deadline,
+                ))
+            }
+        }
     }
 
     /// [`get`](Self::get) (or [`get_version`](Self::get_version) when `version` is set),

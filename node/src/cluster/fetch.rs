@@ -1,12 +1,24 @@
-//! A get through the cluster: ask a broker where a version is, pull it from the holders it
-//! names (best first, resuming where a failed holder left off), keep it, and tell the broker
-//! this node holds it now.
+//! A get through the cluster: ask a broker where a version is (`held`: this node's own copy
+//! is returned only when its hash is the registry's), pull it from the holders it names (best
+//! first, resuming where a failed holder left off), keep it, and tell the broker this node
+//! holds it now.
 //!
-//! A holder that fails (unreachable, connection lost, wrong or corrupt bytes) is dropped for
+//! A holder that fails (unreachable, connection lost, too slow, wrong bytes) is dropped for
 //! this get and the next one is tried. A holder still receiving the version (`complete:
 //! false`) that has not started yet is skipped for now, not dropped. When the list runs out,
 //! the broker is asked once more and the holders not dropped are tried; after that the get
 //! fails with `NoHolder`.
+//!
+//! Too slow: the stream from a source must bring `Config::min_source_rate` bytes per second
+//! over each whole stall period (`Config::stall_timeout`), the first source's included; one
+//! that does not fails with `Timeout` (the stream's watchdog, see `wire`), and the get
+//! resumes from the next holder. A stream that ends within one period is never judged.
+//!
+//! Wrong bytes: the hash is checked over the whole buffer once every byte is in. When the
+//! bytes came from one source it is dropped; when they came from several (the get resumed),
+//! none is blamed for another's bytes: the buffer starts over and each of them is asked for
+//! the whole version in turn, and from then on the get takes the version whole from one
+//! source (see `tries`).
 //!
 //! While it receives, this node serves the version to its own pullers (cut-through, see
 //! `inflight`): the receive is registered before the look-up when the version is known (a
@@ -26,9 +38,12 @@
 //! (shm: zero-copy), or over verified TCP sockets. A holder still receiving the version
 //! declines shm (Busy) and answers a TCP pull over QUIC on the ticket's stream, so QUIC
 //! carries it cut-through as between hosts.
+//!
+//! A get dropped part-way (a deadline, a caller that stopped waiting) stops its streams and
+//! its receive as it drops them, and hands its fan-out slot back (`slot`).
 
 use std::{
-    collections::HashSet,
+    collections::VecDeque,
     net::SocketAddr,
     sync::{
         Arc,
@@ -42,7 +57,14 @@ use tb_dashboard::TransferKind;
 use tb_proto::{HolderAddr, MAX_LOOKUP_EXCLUDE, NodeId, TensorMeta, TensorName};
 use tracing::{debug, warn};
 
-use super::{Cluster, calls::Holders, pace::Pace, resume, swarm};
+use super::{
+    Cluster,
+    calls::Holders,
+    held::{self, Found},
+    pace::Pace,
+    resume, swarm,
+    tries::Tries,
+};
 use crate::{
     channel::{self, Channel, HostBuf},
     client::{self, Failure, Pulled},
@@ -52,7 +74,7 @@ use crate::{
     node::Node,
     pool::LinkGuard,
     progress::TransferProgress,
-    store::{Inserted, Lookup, Store},
+    store::{Inserted, Lookup},
     tensor::{Outline, Tensor},
 };
 
@@ -75,17 +97,20 @@ pub(crate) async fn fetch(
     progress: Option<&TransferProgress>,
 ) -> Result<Pulled<Tensor>> {
     let store = &node.ctx().store;
-    if let Some(v) = version
-        && let Lookup::Found(v, tensor) = store.get(&name, Some(v))
-    {
-        return Ok(pulled(name, v, tensor, progress));
-    }
     cluster.ensure_joined().await?;
     let inflight = &node.ctx().inflight;
-    let early = version.map(|v| inflight.start(&name, v, None));
-    let holders = match look_up(cluster, store, &name, version).await? {
-        Found::Holders(holders) => holders,
-        Found::Held(v, tensor) => return Ok(pulled(name, v, tensor, progress)),
+    // A version this node holds is served from its store meanwhile, not as a receive.
+    let early = version
+        .filter(|v| !matches!(store.get(&name, Some(*v)), Lookup::Found(..)))
+        .map(|v| inflight.start(&name, v, None));
+    let (holders, slot) = match held::look_up(node, cluster, &name, version).await? {
+        Found::Holders(holders, slot) => (holders, slot),
+        Found::Held(v, tensor) => {
+            if let Some(receiving) = early {
+                receiving.done(tensor.clone());
+            }
+            return Ok(pulled(name, v, tensor, progress));
+        }
     };
     let (v, meta) = (holders.version, holders.meta.clone());
     if let Some(p) = progress {
@@ -98,12 +123,6 @@ pub(crate) async fn fetch(
         }
         None => inflight.start(&name, v, Some(meta.clone())),
     };
-    if let Lookup::Found(_, tensor) = store.get(&name, Some(v))
-        && tensor.hash() == meta.hash
-    {
-        receiving.done(tensor.clone());
-        return Ok(pulled(name, v, tensor, progress));
-    }
     let len = memory_len(&meta)?;
     if let Err(e) = cluster.fetching(&name, v, true).await {
         debug!(%name, v, %e, "broker did not take the fetch start");
@@ -113,8 +132,18 @@ pub(crate) async fn fetch(
         progress,
     };
     let mut dest = HostBuf::new(len)?;
-    let fetched = from_holders(node, cluster, &name, holders, feed, dest.as_mut()).await;
-    fetch_ended(node, cluster, &name, v);
+    // Boxed: the transfer's future is deep, and callers nest gets in futures of their own
+    // (the compiler's layout queries have a depth limit).
+    let fetched = Box::pin(from_holders(
+        node,
+        cluster,
+        &name,
+        holders,
+        feed,
+        dest.as_mut(),
+    ))
+    .await;
+    drop(slot);
     let tensor = match fetched? {
         Received::Whole(whole) => whole,
         Received::Filled(outline) => {
@@ -141,33 +170,6 @@ pub(crate) async fn fetch(
     })
 }
 
-/// Where a get's bytes are: with the holders a broker named, or in this node's store.
-pub(super) enum Found {
-    /// Pull from these.
-    Holders(Holders),
-    /// This node holds the version (and no other live node does).
-    Held(u64, Tensor),
-}
-
-/// Asks a broker where `version` (the newest when `None`) of `name` is. The broker never
-/// names the asker as a source: when this node is the only live holder (it published the
-/// version itself), the answer is "no holder", and what it holds is the version to get.
-pub(super) async fn look_up(
-    cluster: &Cluster,
-    store: &Store,
-    name: &TensorName,
-    version: Option<u64>,
-) -> Result<Found> {
-    match cluster.lookup(name, version).await {
-        Ok(holders) => Ok(Found::Holders(holders)),
-        Err(e @ Error::NotFound { .. }) => match store.get(name, version) {
-            Lookup::Found(v, tensor) => Ok(Found::Held(v, tensor)),
-            _ => Err(e),
-        },
-        Err(e) => Err(e),
-    }
-}
-
 /// The byte length of a tensor as an in-memory length.
 pub(super) fn memory_len(meta: &TensorMeta) -> Result<usize> {
     usize::try_from(meta.byte_len)
@@ -190,61 +192,6 @@ fn pulled(
         version,
         meta: tensor.meta().clone(),
         buffer: tensor,
-    }
-}
-
-/// Tells the broker, from a task, that this node stopped fetching (frees its fan-out slot).
-pub(super) fn fetch_ended(node: &Node, cluster: &Arc<Cluster>, name: &TensorName, version: u64) {
-    let (cluster, name) = (cluster.clone(), name.clone());
-    let ctx = node.ctx();
-    let cancel = ctx.cancel.clone();
-    ctx.tracker.spawn(async move {
-        tokio::select! {
-            _ = cancel.cancelled() => {}
-            ended = cluster.fetching(&name, version, false) => if let Err(e) = ended {
-                debug!(%name, version, %e, "broker did not take the fetch end");
-            }
-        }
-    });
-}
-
-/// The holders tried so far and how the last one failed.
-#[derive(Debug, Default)]
-struct Tries {
-    dropped: HashSet<NodeId>,
-    count: usize,
-    last: Option<Error>,
-}
-
-impl Tries {
-    /// Notes `holder`'s failure: dropped for this get unless it is a holder still receiving
-    /// the version that does not have it yet.
-    fn failed(&mut self, holder: &HolderAddr, error: Error) {
-        let not_yet = !holder.complete && matches!(error, Error::NotFound { .. });
-        if !not_yet {
-            self.dropped.insert(holder.node);
-        }
-        self.last = Some(error);
-    }
-
-    /// The sources to exclude from a look-up: those dropped, at most the protocol's limit.
-    fn excluded(&self) -> Vec<NodeId> {
-        let mut dropped: Vec<NodeId> = self.dropped.iter().copied().collect();
-        dropped.sort();
-        dropped.truncate(MAX_LOOKUP_EXCLUDE);
-        dropped
-    }
-
-    fn exhausted(self, what: String) -> Error {
-        let last = self.last.map_or_else(
-            || "the broker named no other holder".into(),
-            |e| e.to_string(),
-        );
-        Error::NoHolder {
-            what,
-            tried: self.count,
-            last,
-        }
     }
 }
 
@@ -318,7 +265,7 @@ pub(super) async fn from_holders(
     let Holders {
         version,
         meta,
-        mut holders,
+        holders,
         ..
     } = first;
     let want = Want {
@@ -327,72 +274,146 @@ pub(super) async fn from_holders(
         version,
         meta: &meta,
     };
-    let mut resume = resume::Resume::default();
-    let reached = AtomicU64::new(0);
-    let mut pace = Pace::default();
-    let mut tries = Tries::default();
-    let (mut round, mut moves) = (0, 0);
-    while round < ROUNDS {
+    let mut one = OneStream {
+        want,
+        dest,
+        receiving,
+        progress,
+        resume: resume::Resume::default(),
+        reached: AtomicU64::new(0),
+        pace: Pace::default(),
+        tries: Tries::default(),
+        moves: 0,
+    };
+    let mut queue = VecDeque::from(holders);
+    let mut round = 0;
+    loop {
         let mut next = None;
-        for holder in &holders {
-            if holder.node == cluster.me() || tries.dropped.contains(&holder.node) {
+        while let Some(holder) = queue.pop_front() {
+            if holder.node == cluster.me() || one.tries.dropped.contains(&holder.node) {
                 continue;
             }
-            tries.count += 1;
-            let at = resume.filled();
-            let into = resume::Into {
-                dest: &mut *dest,
-                resume: &mut resume,
-                feed: receiving,
-                progress,
-                reached: &reached,
-            };
-            let watch = (moves < MAX_MOVES).then(|| Watch {
-                want,
-                current: holder.node,
-                exclude: tries.excluded(),
-                pace: &mut pace,
-            });
-            match from_holder(node, holder, want, into, watch).await {
-                Ok(Ended::Whole(mapped)) => return Ok(Received::Whole(mapped)),
-                Ok(Ended::Filled) => return Ok(Received::Filled(None)),
-                Ok(Ended::Moved { holders, slow }) => {
-                    debug!(%name, version, holder = ?holder.node, at = resume.filled(), slow, "moving to another source");
-                    if slow {
-                        tries.dropped.insert(holder.node);
-                    }
-                    moves += 1;
-                    next = Some(holders);
+            match one.attempt(node, &holder).await? {
+                Step::Done(received) => return Ok(received),
+                Step::Moved(fresh) => {
+                    next = Some(fresh);
                     break;
                 }
-                Err(Error::Shutdown) => return Err(Error::Shutdown),
-                Err(e) => {
-                    debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");
-                    if matches!(e, Error::Corrupt(_)) {
-                        resume.reset();
-                        reached.store(0, Ordering::Relaxed);
-                        receiving.restart();
+                Step::AskWhole(sources) => {
+                    for source in sources.into_iter().rev() {
+                        queue.push_front(source);
                     }
-                    tries.failed(holder, e);
                 }
+                Step::Next => {}
             }
         }
-        holders = match next {
+        queue = match next {
             // A move is not a round: the broker's answer is fresh.
-            Some(fresh) => fresh,
+            Some(fresh) => fresh.into(),
             None => {
                 round += 1;
                 if round == ROUNDS {
                     break;
                 }
                 tokio::time::sleep(RELOOKUP_DELAY).await;
-                let exclude = tries.excluded();
+                let exclude = one.tries.excluded();
                 let found = cluster.lookup_excluding(name, Some(version), &exclude);
-                found.await?.holders
+                found.await?.holders.into()
             }
         };
     }
-    Err(tries.exhausted(format!("tensor \"{name}\" v{version}")))
+    Err(one.tries.exhausted(format!("tensor \"{name}\" v{version}")))
+}
+
+/// One get's pull in one stream: its buffer, how far it got, and what it learned of its
+/// sources.
+struct OneStream<'a> {
+    want: Want<'a>,
+    dest: &'a mut [u8],
+    receiving: &'a mut Receiving,
+    progress: Option<&'a TransferProgress>,
+    resume: resume::Resume,
+    /// Bytes in, for the pace watch while a pull runs.
+    reached: AtomicU64,
+    pace: Pace,
+    tries: Tries,
+    moves: usize,
+}
+
+/// What the get does after one attempt.
+enum Step {
+    /// Every byte is in.
+    Done(Received),
+    /// Move on to these sources (the broker's latest answer).
+    Moved(Vec<HolderAddr>),
+    /// The bytes did not hash right and came from several sources: ask these for the whole
+    /// version next.
+    AskWhole(Vec<HolderAddr>),
+    /// Go on with the next holder.
+    Next,
+}
+
+impl OneStream<'_> {
+    /// Pulls the rest (or, after a mismatch, the whole) of the version from `holder`; `Err`
+    /// only when the node shuts down.
+    async fn attempt(&mut self, node: &Node, holder: &HolderAddr) -> Result<Step> {
+        let (name, version) = (self.want.name, self.want.version);
+        self.tries.count += 1;
+        let at = self.resume.filled();
+        let into = resume::Into {
+            dest: &mut *self.dest,
+            resume: &mut self.resume,
+            feed: &*self.receiving,
+            progress: self.progress,
+            reached: &self.reached,
+        };
+        let watch = (self.moves < MAX_MOVES && !self.tries.whole()).then(|| Watch {
+            want: self.want,
+            current: holder.node,
+            exclude: self.tries.excluded(),
+            pace: &mut self.pace,
+        });
+        let ended = from_holder(node, holder, self.want, into, watch).await;
+        if self.resume.filled() > at {
+            self.tries.contributed(holder);
+        }
+        match ended {
+            Ok(Ended::Whole(mapped)) => Ok(Step::Done(Received::Whole(mapped))),
+            Ok(Ended::Filled) => Ok(Step::Done(Received::Filled(None))),
+            Ok(Ended::Moved { holders, slow }) => {
+                debug!(%name, version, holder = ?holder.node, at = self.resume.filled(), slow, "moving to another source");
+                if slow {
+                    self.tries.dropped.insert(holder.node);
+                }
+                self.moves += 1;
+                Ok(Step::Moved(holders))
+            }
+            Err(Error::Shutdown) => Err(Error::Shutdown),
+            Err(e @ Error::Corrupt(_)) => {
+                warn!(%name, version, holder = ?holder.node, %e, "bytes that do not hash to the registry's");
+                let again = self.tries.mismatch(holder, e);
+                self.start_over();
+                Ok(Step::AskWhole(again))
+            }
+            Err(e) => {
+                debug!(%name, version, holder = ?holder.node, at, %e, "holder failed");
+                self.tries.failed(holder, e);
+                if self.tries.whole() && self.resume.filled() > 0 {
+                    self.start_over();
+                }
+                Ok(Step::Next)
+            }
+        }
+    }
+
+    /// Empties the buffer: the next source sends the whole version.
+    fn start_over(&mut self) {
+        self.resume.reset();
+        self.reached.store(0, Ordering::Relaxed);
+        self.receiving.restart();
+        self.receiving.in_one_stream();
+        self.tries.restarted();
+    }
 }
 
 /// The addresses of `holder` to dial, in the broker's order (those that do not parse are
@@ -617,48 +638,5 @@ async fn pull_from(
             }
             Failure::Redial(err) | Failure::Final(err) => return Err(err),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn holder(n: u8, complete: bool) -> HolderAddr {
-        HolderAddr {
-            node: NodeId([n; 32]),
-            addrs: vec!["127.0.0.1:1".into()],
-            complete,
-        }
-    }
-
-    #[test]
-    fn holders_still_receiving_are_retried_others_are_dropped() {
-        let mut tries = Tries::default();
-        let not_found = || Error::NotFound {
-            what: "m/w v2".into(),
-        };
-        tries.failed(&holder(1, false), not_found());
-        tries.failed(&holder(2, true), not_found());
-        tries.failed(&holder(3, false), Error::Corrupt("bad".into()));
-        tries.count = 3;
-        assert!(!tries.dropped.contains(&NodeId([1; 32])));
-        assert!(tries.dropped.contains(&NodeId([2; 32])));
-        assert!(tries.dropped.contains(&NodeId([3; 32])));
-        match tries.exhausted("tensor \"m/w\" v2".into()) {
-            Error::NoHolder {
-                what,
-                tried: 3,
-                last,
-            } => {
-                assert!(what.contains("m/w"));
-                assert!(last.contains("bad"), "{last}");
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(
-            Tries::default().exhausted(String::new()),
-            Error::NoHolder { tried: 0, .. }
-        ));
     }
 }

@@ -16,11 +16,11 @@ use tracing::debug;
 use super::{
     Cluster,
     fetch::{self, Feed},
+    held::{self, Found},
 };
 use crate::{
     error::{Error, Result},
     node::Node,
-    store::Lookup,
     tensor::Tensor,
 };
 
@@ -29,8 +29,9 @@ impl Node {
     /// caller's buffer, and returns the version and its metadata. `check` sees the metadata
     /// first and may refuse it (a dtype or shape `dest` does not hold); `dest` must be exactly
     /// `byte_len` bytes long (else `InvalidTensor`, nothing written). Over QUIC the payload is
-    /// read straight into `dest` and verified there; a version this node holds, or one that a
-    /// same-host holder hands over whole (shm), is copied in once. Unlike
+    /// read straight into `dest` and verified there; a version this node holds (when its hash
+    /// is the registry's), or one that a same-host holder hands over whole (shm), is copied
+    /// in once. Unlike
     /// [`get`](Self::get), this node neither keeps nor serves the version afterwards.
     pub async fn get_into<F>(
         &self,
@@ -104,28 +105,17 @@ async fn into<F>(
 where
     F: FnOnce(&TensorMeta) -> Result<()> + Send,
 {
-    let store = &node.ctx().store;
     let held = |v: u64, tensor: Tensor, dest: &mut [u8], check: F| {
         fits(&name, tensor.meta(), dest, check)?;
         copy_in(&name, &tensor, dest)?;
         Ok((v, tensor.meta().clone()))
     };
-    if let Some(v) = version
-        && let Lookup::Found(v, tensor) = store.get(&name, Some(v))
-    {
-        return held(v, tensor, dest, check);
-    }
     cluster.ensure_joined().await?;
-    let holders = match fetch::look_up(cluster, store, &name, version).await? {
-        fetch::Found::Holders(holders) => holders,
-        fetch::Found::Held(v, tensor) => return held(v, tensor, dest, check),
+    let (holders, slot) = match held::look_up(node, cluster, &name, version).await? {
+        Found::Holders(holders, slot) => (holders, slot),
+        Found::Held(v, tensor) => return held(v, tensor, dest, check),
     };
     let (v, meta) = (holders.version, holders.meta.clone());
-    if let Lookup::Found(_, tensor) = store.get(&name, Some(v))
-        && tensor.hash() == meta.hash
-    {
-        return held(v, tensor, dest, check);
-    }
     fits(&name, &meta, dest, check)?;
     if let Err(e) = cluster.fetching(&name, v, true).await {
         debug!(%name, v, %e, "broker did not take the fetch start");
@@ -135,8 +125,12 @@ where
         receiving: &mut receiving,
         progress: None,
     };
-    let fetched = fetch::from_holders(node, cluster, &name, holders, feed, &mut *dest).await;
-    fetch::fetch_ended(node, cluster, &name, v);
+    // Boxed, as in `fetch`: the transfer's future is deep.
+    let fetched = Box::pin(fetch::from_holders(
+        node, cluster, &name, holders, feed, &mut *dest,
+    ))
+    .await;
+    drop(slot);
     if let fetch::Received::Whole(whole) = fetched? {
         copy_in(&name, &whole, dest)?;
     }

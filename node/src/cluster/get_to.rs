@@ -10,13 +10,15 @@
 use tb_proto::TensorName;
 use tracing::debug;
 
-use super::fetch::{self, Found};
+use super::{
+    fetch,
+    held::{self, Found},
+};
 use crate::{
     client::Pulled,
     device::{self, Device},
     error::{Error, Result},
     node::Node,
-    store::Lookup,
     tensor::Tensor,
 };
 
@@ -40,20 +42,14 @@ impl Node {
         device::ensure(ordinal, &self.config().cuda)?;
         let cluster = self.cluster()?;
         let tensor_name = TensorName::new(name)?;
-        let store = &self.ctx().store;
         let held = |pulled: Pulled<Tensor>| -> Result<Pulled<Tensor>> {
             let buffer = pulled.buffer.to_device(device)?;
             Ok(Pulled { buffer, ..pulled })
         };
-        if let Some(v) = version
-            && let Lookup::Found(v, tensor) = store.get(&tensor_name, Some(v))
-        {
-            return on_device(tensor_name, v, tensor, device);
-        }
         self.guarded(cluster.ensure_joined()).await?;
-        let found = fetch::look_up(cluster, store, &tensor_name, version);
-        let holders = match self.guarded(found).await? {
-            Found::Holders(holders) => holders,
+        let found = held::look_up(self, cluster, &tensor_name, version);
+        let (holders, _slot) = match self.guarded(found).await? {
+            Found::Holders(holders, slot) => (holders, slot),
             Found::Held(v, tensor) => return on_device(tensor_name, v, tensor, device),
         };
         let v = holders.version;

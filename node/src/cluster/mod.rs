@@ -13,7 +13,11 @@
 //!   holders a broker names, best first, resuming at the byte it reached when a holder fails
 //!   (`Pull { range }`), verified by hash; while it pulls it asks the broker again now and
 //!   then, and moves to the source the broker names or away from one that `pace` judges
-//!   slow. `get_into` does the same into the caller's buffer (`Node::get_into`).
+//!   slow. `get_into` does the same into the caller's buffer (`Node::get_into`). Every get
+//!   starts at `held` (this node's copy is returned only when its hash is the registry's),
+//!   keeps its holders' record in `tries` (who is dropped, who is asked for the whole
+//!   version again after bytes from several sources did not hash right), and hands its
+//!   fan-out slot back through `slot` however it ends.
 //! - `subscribe`: a [`Subscription`] reads a broker's events, keeps per-name order, reports
 //!   gaps as [`SubEvent::Skipped`], fetches the newest pending version of each name, and moves
 //!   to the next broker when its broker goes away.
@@ -31,12 +35,15 @@ mod failover;
 mod fetch;
 mod get_into;
 mod get_to;
+mod held;
 mod members;
 mod pace;
 mod race;
 mod resume;
+mod slot;
 mod subscribe;
 mod swarm;
+mod tries;
 #[cfg(test)]
 mod tests;
 

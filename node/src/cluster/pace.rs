@@ -8,6 +8,10 @@
 //! best rate is a property of the get, not of the source, so a source that was never fast is
 //! judged only against the others this get has had (the broker ranks sources with a low
 //! upload limit last, so a first source rarely is one).
+//!
+//! That is a judgement between sources. Every source, the first included, must also keep up
+//! with the absolute floor, `Config::min_source_rate` over each stall period: the stream's
+//! watchdog (`wire::Watchdog::with_floor`) fails one that does not, and the get leaves it.
 
 use std::time::{Duration, Instant};
 

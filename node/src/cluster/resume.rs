@@ -138,7 +138,10 @@ pub(crate) async fn pull_rest(
         }
     }
     // Counts the bytes as they land (two relaxed atomics per read, which is tens of KiB).
-    let mut watchdog = ctx.quic_watchdog(tb_dashboard::Direction::In);
+    // This stream is all the source sends this get: it must keep up with the floor rate.
+    let mut watchdog = ctx
+        .quic_watchdog(tb_dashboard::Direction::In)
+        .with_floor(ctx.config.min_source_rate);
     let mut read = Ok(());
     while resume.filled < total {
         let at = resume.filled;

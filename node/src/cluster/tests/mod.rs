@@ -2,6 +2,7 @@
 //! holder failures, resumed transfers, subscriptions, retention announcements, heartbeats.
 
 mod fake_broker;
+mod lying;
 mod race;
 mod slow_dial;
 

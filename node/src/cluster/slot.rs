@@ -1,0 +1,56 @@
+//! [`FetchSlot`]: the broker's note that this node is fetching a version (a look-up takes one
+//! of its source's fan-out slots), handed back when the get ends however it ends: done,
+//! failed, or dropped part-way by a deadline or a caller that stopped waiting.
+
+use std::sync::Arc;
+
+use tb_proto::TensorName;
+use tracing::debug;
+
+use super::Cluster;
+use crate::{ctx::NodeCtx, node::Node};
+
+/// Tells the broker, when dropped, that this node stopped fetching `version` of `name`
+/// (frees its fan-out slot, from a task: a drop never waits).
+pub(super) struct FetchSlot {
+    ctx: Arc<NodeCtx>,
+    cluster: Arc<Cluster>,
+    name: TensorName,
+    version: u64,
+}
+
+impl FetchSlot {
+    /// The slot a look-up of `version` of `name` took.
+    pub(super) fn taken(
+        node: &Node,
+        cluster: &Arc<Cluster>,
+        name: &TensorName,
+        version: u64,
+    ) -> Self {
+        FetchSlot {
+            ctx: node.ctx().clone(),
+            cluster: cluster.clone(),
+            name: name.clone(),
+            version,
+        }
+    }
+}
+
+impl Drop for FetchSlot {
+    fn drop(&mut self) {
+        // A get dropped outside the runtime (its runtime is gone) has no broker to tell.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let (cluster, name, version) = (self.cluster.clone(), self.name.clone(), self.version);
+        let cancel = self.ctx.cancel.clone();
+        self.ctx.tracker.spawn(async move {
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                ended = cluster.fetching(&name, version, false) => if let Err(e) = ended {
+                    debug!(%name, version, %e, "broker did not take the fetch end");
+                }
+            }
+        });
+    }
+}
