@@ -71,6 +71,9 @@ pub enum BrokerMsg {
         access: Access,
         /// Its ops.
         ops: Vec<RegistryOp>,
+        /// The bytes of the publish that is the first op, for subscribers' events (a
+        /// `CtlRequest::Publish`, validated).
+        inline: Option<Vec<u8>>,
         /// The answer (the first refusal, if any).
         reply: RpcReplyPort<Result<(), BrokerError>>,
     },
@@ -239,8 +242,21 @@ impl Actor for BrokerActor {
                 from,
                 access,
                 ops,
+                inline,
                 reply,
             } => {
+                let published = match (&inline, ops.first()) {
+                    (
+                        Some(_),
+                        Some(RegistryOp::Publish {
+                            name,
+                            version,
+                            publisher,
+                            ..
+                        }),
+                    ) if *publisher == from => Some((name.clone(), *version)),
+                    _ => None,
+                };
                 let mut changes = Changes::default();
                 let mut refused = None;
                 for op in ops {
@@ -250,6 +266,12 @@ impl Actor for BrokerActor {
                             refused.get_or_insert(e);
                         }
                     }
+                }
+                if let (Some((name, version)), Some(bytes)) = (&published, &inline) {
+                    changes.events = std::mem::take(&mut changes.events)
+                        .into_iter()
+                        .map(|e| e.with_inline((name, *version), bytes))
+                        .collect();
                 }
                 carry_out(st, changes);
                 let _ = reply.send(refused.map_or(Ok(()), Err));

@@ -245,6 +245,17 @@ impl CtlProtocol {
                 from,
                 access,
                 ops,
+                inline: None,
+                reply,
+            })
+            .await
+            .map(|r| r.map_or_else(refused, |()| CtlResponse::Ok)),
+            // Validated: the first op is a publish whose metadata the bytes match.
+            CtlRequest::Publish { ops, bytes } => ask(actor, t, |reply| BrokerMsg::Announce {
+                from,
+                access,
+                ops,
+                inline: Some(bytes),
                 reply,
             })
             .await

@@ -23,19 +23,12 @@ pub fn event_for(name: &TensorName, before: Option<u64>, after: Option<&Entry>) 
     }
 }
 
-/// The name an event is about.
-pub fn event_name(event: &Event) -> &TensorName {
-    match event {
-        Event::Published { name, .. } | Event::Deleted { name } => name,
-    }
-}
-
 /// The keys of the subscriptions (key, pattern) whose pattern matches `event`'s name.
 pub fn matching<'a, K: 'a>(
     subscriptions: impl IntoIterator<Item = (K, &'a NamePattern)> + 'a,
     event: &'a Event,
 ) -> impl Iterator<Item = K> + 'a {
-    let name = event_name(event);
+    let name = event.name();
     subscriptions
         .into_iter()
         .filter(move |(_, pattern)| pattern.matches(name))

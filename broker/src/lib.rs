@@ -69,7 +69,7 @@ pub use actor::SNAPSHOT_PERIOD;
 pub use broker::{Broker, BrokerOptions, StartError};
 pub use config::{BrokerConfig, DEFAULT_MAX_SYNC_BYTES};
 pub use error::BrokerError;
-pub use events::{event_for, event_name, matching};
+pub use events::{event_for, matching};
 pub use metrics::{BrokerCounters, Counter, MemberStatsBook};
 pub use persist::{FORMAT_VERSION, LOCK_WAIT, PersistError, RegistryStore};
 pub use state::{BrokerState, Changes, Holders, MAX_VERSION_SKIP};

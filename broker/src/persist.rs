@@ -5,6 +5,12 @@
 //! id, value: the postcard [`Member`]) and `meta` (the store's format version, and this
 //! broker's epoch counter).
 //!
+//! [`save_changed`](RegistryStore::save_changed) hands its batch to the store's writer
+//! thread: the broker actor never waits for sled (whose writes now and then stop for a
+//! segment rotation, hundreds of microseconds on a small VM, in every publish's answer).
+//! Batches are applied in order; [`flush`](RegistryStore::flush) first waits for those
+//! already handed over.
+//!
 //! Writes reach the disk when sled flushes (every half second by default) or on
 //! [`flush`](RegistryStore::flush). A crash can lose the last writes; anti-entropy with the
 //! other brokers brings them back, and a broker alone loses at most what its workers announce
@@ -60,6 +66,9 @@ pub enum PersistError {
         /// The format found.
         found: u32,
     },
+    /// The writer thread is gone (it panicked).
+    #[error("registry store: the writer thread is gone")]
+    WriterGone,
     /// A value in the `meta` tree is not what this code wrote.
     #[error("registry store: meta key \"{key}\" is corrupt")]
     CorruptMeta {
@@ -75,6 +84,8 @@ pub struct RegistryStore {
     entries: sled::Tree,
     members: sled::Tree,
     meta: sled::Tree,
+    /// The writer thread's queue (it ends when the last clone of the store is dropped).
+    writer: std::sync::mpsc::Sender<Write>,
     /// Tests close it to hold flushes up (a slow disk).
     #[cfg(test)]
     pub(crate) gate: std::sync::Arc<test_gate::FlushGate>,
@@ -94,10 +105,14 @@ impl RegistryStore {
             path: dir.to_path_buf(),
             source,
         })?;
+        let entries = db.open_tree("entries")?;
+        let members = db.open_tree("members")?;
+        let writer = spawn_writer(entries.clone(), members.clone())?;
         let store = RegistryStore {
-            entries: db.open_tree("entries")?,
-            members: db.open_tree("members")?,
+            entries,
+            members,
             meta: db.open_tree("meta")?,
+            writer,
             db,
             #[cfg(test)]
             gate: Default::default(),
@@ -123,6 +138,7 @@ impl RegistryStore {
     /// Reads the stored registry. Entries and rows that fail to decode or validate (against
     /// `max_tensor_bytes`) are skipped with a warning naming their key.
     pub fn load(&self, max_tensor_bytes: u64) -> Result<Registry, PersistError> {
+        self.drain()?;
         let mut registry = Registry::new();
         for kv in self.entries.iter() {
             let (key, value) = kv?;
@@ -170,28 +186,39 @@ impl RegistryStore {
     }
 
     /// Writes the entries of `names` and the rows of `nodes` as `registry` holds them now (the
-    /// `names` and `members` of a [`Changes`](crate::Changes)).
+    /// `names` and `members` of a [`Changes`](crate::Changes)): encoded here, applied by the
+    /// writer thread in the order given.
     pub fn save_changed(
         &self,
         registry: &Registry,
         names: &[TensorName],
         nodes: &[NodeId],
     ) -> Result<(), PersistError> {
-        let mut batch = sled::Batch::default();
+        let mut entries = sled::Batch::default();
         for (name, entry) in registry.entries_for(names) {
-            batch.insert(
+            entries.insert(
                 name.as_str(),
                 encode(&entry, || format!("tensor \"{name}\""))?,
             );
         }
-        self.entries.apply_batch(batch)?;
-        let mut batch = sled::Batch::default();
+        let mut members = sled::Batch::default();
         for member in registry.members_for(nodes) {
             let value = encode(&member, || format!("member {}", member.node))?;
-            batch.insert(&member.node.0, value);
+            members.insert(&member.node.0, value);
         }
-        self.members.apply_batch(batch)?;
-        Ok(())
+        self.writer
+            .send(Write::Batches { entries, members })
+            .map_err(|_| PersistError::WriterGone)
+    }
+
+    /// Waits until the writer thread applied every batch handed to it so far, and returns
+    /// the first error it met since the last wait.
+    fn drain(&self) -> Result<(), PersistError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.writer
+            .send(Write::Drained(tx))
+            .map_err(|_| PersistError::WriterGone)?;
+        rx.recv().map_err(|_| PersistError::WriterGone)?
     }
 
     /// Counts one more start of this broker and returns the new epoch (1 on the first start),
@@ -211,13 +238,67 @@ impl RegistryStore {
         Ok(epoch)
     }
 
-    /// Writes everything to disk now.
+    /// Writes everything to disk now, batches handed to the writer included.
     pub fn flush(&self) -> Result<(), PersistError> {
         #[cfg(test)]
         self.gate.pass();
+        self.drain()?;
         self.db.flush()?;
         Ok(())
     }
+}
+
+/// What the writer thread is asked.
+enum Write {
+    /// Apply these batches.
+    Batches {
+        entries: sled::Batch,
+        members: sled::Batch,
+    },
+    /// Answer once everything before is applied (with the first error since the last answer).
+    Drained(std::sync::mpsc::SyncSender<Result<(), PersistError>>),
+}
+
+impl std::fmt::Debug for Write {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Write::Batches { .. } => "Batches",
+            Write::Drained(_) => "Drained",
+        })
+    }
+}
+
+/// Starts the thread that applies [`RegistryStore::save_changed`]'s batches in order; it
+/// ends when every sender is dropped.
+fn spawn_writer(
+    entries: sled::Tree,
+    members: sled::Tree,
+) -> Result<std::sync::mpsc::Sender<Write>, PersistError> {
+    let (tx, rx) = std::sync::mpsc::channel::<Write>();
+    std::thread::Builder::new()
+        .name("registry-writer".into())
+        .spawn(move || {
+            let mut failed: Option<PersistError> = None;
+            for write in rx {
+                match write {
+                    Write::Batches {
+                        entries: e,
+                        members: m,
+                    } => {
+                        let applied = entries.apply_batch(e).and_then(|()| members.apply_batch(m));
+                        if let Err(e) = applied {
+                            tracing::warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
+                            failed.get_or_insert(e.into());
+                        }
+                    }
+                    Write::Drained(answer) => {
+                        let _ = answer.send(failed.take().map_or(Ok(()), Err));
+                    }
+                }
+            }
+        })
+        .map_err(|e| PersistError::Sled(sled::Error::Io(e)))?;
+    Ok(tx)
 }
 
 /// A gate tests close to make flushes wait, as on a disk that takes its time to sync.
@@ -442,6 +523,8 @@ mod tests {
         store
             .save_changed(&r, &all_names(&r), &all_nodes(&r))
             .expect("save");
+        // The writer has applied the batch: the garbage below replaces it.
+        store.drain().expect("drain");
         store
             .entries
             .insert("m/a", &[0xff, 0xff, 0xff][..])

@@ -150,10 +150,9 @@ impl Tensor {
             )));
         }
         let mut buf = crate::channel::HostBuf::new(src.len())?;
-        buf.as_mut().copy_from_slice(src);
-        // The hash of the copy, not of `src`: `src` may change meanwhile (another thread
-        // writing the array), the copy cannot.
-        let hash = crate::channel::verify::hash_all(buf.as_mut());
+        // One pass, on every core: the hash of the copy, not of `src` (`src` may change
+        // meanwhile: another thread writing the array; the copy cannot).
+        let hash = crate::channel::verify::copy_and_hash(src, buf.as_mut());
         let meta = TensorMeta::new(dtype, shape, hash)?;
         buf.into_tensor(meta)
     }

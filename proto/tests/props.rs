@@ -343,7 +343,35 @@ fn ctl_request() -> impl Strategy<Value = CtlRequest> {
             .prop_map(|(buckets, members)| CtlRequest::SyncBuckets { buckets, members }),
         (vec((tensor_name(), digest()), 0..4), any::<bool>())
             .prop_map(|(names, last)| CtlRequest::SyncNames { names, last }),
+        (inline_publish(), vec(registry_op(), 0..3)).prop_map(|((op, bytes), rest)| {
+            let ops = std::iter::once(op).chain(rest).collect();
+            CtlRequest::Publish { ops, bytes }
+        }),
     ]
+}
+
+/// A publish of a small `u8` tensor with its bytes (valid: length and hash match).
+fn inline_publish() -> impl Strategy<Value = (RegistryOp, Vec<u8>)> {
+    (
+        tensor_name(),
+        version(),
+        node(),
+        stamp(),
+        vec(any::<u8>(), 0..64),
+    )
+        .prop_map(|(name, version, publisher, stamp, bytes)| {
+            let meta =
+                TensorMeta::new(DType::U8, vec![bytes.len() as u64], ContentHash::of(&bytes))
+                    .expect("meta");
+            let op = RegistryOp::Publish {
+                name,
+                version,
+                meta,
+                publisher,
+                stamp,
+            };
+            (op, bytes)
+        })
 }
 
 fn holder_addr() -> impl Strategy<Value = HolderAddr> {
@@ -376,6 +404,22 @@ fn event() -> impl Strategy<Value = Event> {
             }
         }),
         tensor_name().prop_map(|name| Event::Deleted { name }),
+        inline_publish().prop_map(|(op, bytes)| match op {
+            RegistryOp::Publish {
+                name,
+                version,
+                meta,
+                publisher,
+                ..
+            } => Event::PublishedInline {
+                name,
+                version,
+                meta,
+                publisher,
+                bytes,
+            },
+            _ => unreachable!("inline_publish makes publishes"),
+        }),
     ]
 }
 

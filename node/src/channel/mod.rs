@@ -258,6 +258,20 @@ struct Offered {
     /// The access it proved on that link: bytes from a read-only holder are verified.
     access: Access,
     offers: Vec<ChannelOffer>,
+    /// Channels withdrawn after failing: until when, and how many failures in a row.
+    withdrawn: HashMap<ChannelKind, (std::time::Instant, u32)>,
+}
+
+/// How long a channel that failed with a peer is left aside the first time; each failure in
+/// a row doubles it, up to [`MAX_CHANNEL_BACKOFF`]. A transfer that succeeds on it resets it.
+pub(crate) const CHANNEL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(1);
+/// The longest a failed channel is left aside before it is tried again.
+pub(crate) const MAX_CHANNEL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The pause after `failures` failures in a row (at least one).
+fn channel_backoff(failures: u32) -> std::time::Duration {
+    let doubled = CHANNEL_BACKOFF.saturating_mul(1 << failures.saturating_sub(1).min(16));
+    doubled.min(MAX_CHANNEL_BACKOFF)
 }
 
 /// What this node knows about its peers' channels, and the channels it runs itself.
@@ -363,7 +377,13 @@ impl Channels {
     /// validated by the frame's reader). Idle same-host connections to it are dropped: the
     /// offer may come from a restarted process.
     pub(crate) fn learn(&self, peer: EndpointId, access: Access, offers: Vec<ChannelOffer>) {
-        self.offered().insert(peer, Offered { access, offers });
+        let withdrawn = HashMap::new();
+        let offered = Offered {
+            access,
+            offers,
+            withdrawn,
+        };
+        self.offered().insert(peer, offered);
         #[cfg(target_os = "linux")]
         if let Some(shm) = &self.shm {
             shm.forget(&peer);
@@ -386,14 +406,33 @@ impl Channels {
     }
 
     /// Withdraws `kind` for `peer` after it failed (e.g. its shm socket cannot be reached
-    /// from here: another network namespace): its transfers use the next channel.
-    pub(crate) fn failed(&self, peer: &EndpointId, kind: ChannelKind) {
+    /// from here: another network namespace) for a backoff ([`CHANNEL_BACKOFF`], doubling
+    /// with each failure in a row up to [`MAX_CHANNEL_BACKOFF`]): meanwhile its transfers use
+    /// the next channel, then `kind` is tried again. Returns the backoff.
+    pub(crate) fn failed(&self, peer: &EndpointId, kind: ChannelKind) -> std::time::Duration {
+        let mut backoff = CHANNEL_BACKOFF;
         if let Some(offered) = self.offered().get_mut(peer) {
-            offered.offers.retain(|o| o.kind() != kind);
+            let entry = offered
+                .withdrawn
+                .entry(kind)
+                .or_insert((std::time::Instant::now(), 0));
+            entry.1 = entry.1.saturating_add(1);
+            backoff = channel_backoff(entry.1);
+            entry.0 = std::time::Instant::now() + backoff;
         }
         #[cfg(target_os = "linux")]
         if let (ChannelKind::Shm, Some(shm)) = (kind, &self.shm) {
             shm.forget(peer);
+        }
+        backoff
+    }
+
+    /// A transfer with `peer` on `kind` succeeded: its failures in a row are forgotten.
+    pub(crate) fn succeeded(&self, peer: &EndpointId, kind: ChannelKind) {
+        if let Some(offered) = self.offered().get_mut(peer)
+            && !offered.withdrawn.is_empty()
+        {
+            offered.withdrawn.remove(&kind);
         }
     }
 
@@ -412,11 +451,18 @@ impl Channels {
     /// The channel a transfer with `peer` uses now.
     pub(crate) fn pick(&self, peer: &EndpointId) -> ChannelKind {
         let offered = self.offered();
-        let offers = offered
-            .get(peer)
-            .map(|o| o.offers.as_slice())
-            .unwrap_or_default();
-        tb_proto::channel::pick(&self.order, offers, |kind| self.runs(kind))
+        let Some(offered) = offered.get(peer) else {
+            return tb_proto::channel::pick(&self.order, &[], |kind| self.runs(kind));
+        };
+        let now = std::time::Instant::now();
+        let usable = |kind: ChannelKind| {
+            self.runs(kind)
+                && offered
+                    .withdrawn
+                    .get(&kind)
+                    .is_none_or(|(until, _)| *until <= now)
+        };
+        tb_proto::channel::pick(&self.order, &offered.offers, usable)
     }
 
     /// `peer`'s offer for `kind`, if it made one, and the access it proved.
@@ -478,8 +524,8 @@ where
 }
 
 /// What a channel's attempt at a transfer came to: `Ok(Some)` done; `Ok(None)` do it over
-/// QUIC (a channel that failed is withdrawn for the peer and the fallback counted); `Err`
-/// final.
+/// QUIC (a channel that failed is withdrawn for the peer for a backoff, logged at warn and
+/// the fallback counted in `tb_channel_fallbacks_total`); `Err` final.
 /// A transfer done or failed on the channel is timed as `timed`; one left to QUIC is timed
 /// there.
 pub(crate) async fn attempt<T>(
@@ -494,6 +540,7 @@ pub(crate) async fn attempt<T>(
     match result {
         Ok(done) => {
             timer.ok();
+            ctx.channels.succeeded(&peer, kind);
             Ok(Some(done))
         }
         Err(ChannelError::Final(err)) => {
@@ -506,9 +553,9 @@ pub(crate) async fn attempt<T>(
         }
         Err(ChannelError::Fallback(err)) => {
             timer.discard();
-            tracing::debug!(peer = %peer.fmt_short(), channel = kind.as_str(), %err,
-                "channel failed: falling back to QUIC");
-            ctx.channels.failed(&peer, kind);
+            let backoff = ctx.channels.failed(&peer, kind);
+            tracing::warn!(peer = %peer.fmt_short(), channel = kind.as_str(), %err,
+                retry_in = ?backoff, "channel failed: this transfer and the next go over QUIC");
             ctx.metrics.channels.fallback(kind);
             Ok(None)
         }
@@ -528,4 +575,54 @@ pub(crate) fn take_listener<T>(slot: &Mutex<Option<T>>) -> Option<T> {
 /// Fills `buf` with random bytes from the OS (channel names and tokens).
 pub(crate) fn fill_random(buf: &mut [u8]) -> Result<()> {
     getrandom::fill(buf).map_err(|e| Error::Io(format!("reading random bytes: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shm_offer() -> ChannelOffer {
+        ChannelOffer::Shm {
+            socket: [7; tb_proto::channel::SHM_SOCKET_NAME_LEN],
+            token: [9; 32],
+        }
+    }
+
+    #[test]
+    fn a_failed_channel_is_left_aside_for_a_growing_backoff_then_tried_again() {
+        let channels = Channels::new(&Config::default());
+        if !channels.runs(ChannelKind::Shm) {
+            eprintln!("SKIPPED: the shm channel does not run here");
+            return;
+        }
+        let peer = iroh::SecretKey::generate().public();
+        channels.learn(peer, Access::ReadWrite, vec![shm_offer()]);
+        assert_eq!(channels.pick(&peer), ChannelKind::Shm);
+        // Failures in a row double the pause, up to the cap.
+        let pauses: Vec<_> = (0..9)
+            .map(|_| channels.failed(&peer, ChannelKind::Shm))
+            .collect();
+        assert_eq!(pauses[0], CHANNEL_BACKOFF);
+        assert_eq!(pauses[1], CHANNEL_BACKOFF * 2);
+        assert_eq!(pauses[2], CHANNEL_BACKOFF * 4);
+        assert_eq!(pauses[8], MAX_CHANNEL_BACKOFF);
+        assert_eq!(
+            channels.pick(&peer),
+            ChannelKind::Quic,
+            "left aside meanwhile"
+        );
+        // The pause over: shm again, its offer kept all along.
+        let expire = |channels: &Channels| {
+            let mut offered = channels.offered();
+            let until = &mut offered.get_mut(&peer).expect("peer").withdrawn;
+            until
+                .values_mut()
+                .for_each(|(t, _)| *t = std::time::Instant::now());
+        };
+        expire(&channels);
+        assert_eq!(channels.pick(&peer), ChannelKind::Shm);
+        // A success forgets the failures: the next one pauses for the first backoff again.
+        channels.succeeded(&peer, ChannelKind::Shm);
+        assert_eq!(channels.failed(&peer, ChannelKind::Shm), CHANNEL_BACKOFF);
+    }
 }

@@ -64,6 +64,55 @@ pub(crate) fn hash_all(bytes: &[u8]) -> ContentHash {
     hasher.finalize().into()
 }
 
+/// Bytes each task of [`copy_and_hash`] copies and then hashes while they are still in its
+/// core's cache: a power of two, so every piece of the split is a whole BLAKE3 subtree.
+const COPY_LEAF: usize = 64 << 10;
+
+/// Copies `src` into `dst` (the same length) and returns the BLAKE3 hash of the copy, in one
+/// pass over the bytes on every core (the rayon pool): the input is split along the BLAKE3
+/// tree, and each leaf of [`COPY_LEAF`] bytes is copied, then hashed from the copy while it
+/// is hot in cache, the chaining values merged up the tree. What is hashed is what was
+/// written, even if `src` changes meanwhile. Blocks like [`hash_all`].
+///
+/// # Panics
+/// If the lengths differ (a caller's bug).
+pub(crate) fn copy_and_hash(src: &[u8], dst: &mut [u8]) -> ContentHash {
+    assert_eq!(src.len(), dst.len(), "copy_and_hash: lengths differ");
+    if src.len() < RAYON_MIN {
+        dst.copy_from_slice(src);
+        return ContentHash::of(dst);
+    }
+    // Larger than one chunk: the root has two children.
+    let left = left_subtree_len(src.len() as u64) as usize;
+    let (src_l, src_r) = src.split_at(left);
+    let (dst_l, dst_r) = dst.split_at_mut(left);
+    let (l, r) = rayon_core::join(
+        || copy_hash_subtree(src_l, dst_l, 0),
+        || copy_hash_subtree(src_r, dst_r, left as u64),
+    );
+    merge_subtrees_root(&l, &r, Mode::Hash).into()
+}
+
+/// The chaining value of the subtree of `src` that starts at `offset` of the payload,
+/// copying it into `dst` on the way (see [`copy_and_hash`]).
+fn copy_hash_subtree(src: &[u8], dst: &mut [u8], offset: u64) -> ChainingValue {
+    if src.len() <= COPY_LEAF {
+        dst.copy_from_slice(src);
+        let mut hasher = blake3::Hasher::new();
+        hasher.set_input_offset(offset);
+        hasher.update(dst);
+        return hasher.finalize_non_root();
+    }
+    let left = left_subtree_len(src.len() as u64) as usize;
+    let (src_l, src_r) = src.split_at(left);
+    let (dst_l, dst_r) = dst.split_at_mut(left);
+    let (l, r) = rayon_core::join(
+        || copy_hash_subtree(src_l, dst_l, offset),
+        || copy_hash_subtree(src_r, dst_r, offset + left as u64),
+    );
+    merge_subtrees_non_root(&l, &r, Mode::Hash)
+}
+
 /// Runs `work` (a long hash) on this thread, telling a multi-thread tokio runtime first so
 /// it moves its other tasks elsewhere meanwhile (`block_in_place`); elsewhere it just runs.
 pub(crate) fn blocking<T>(work: impl FnOnce() -> T) -> T {
@@ -609,5 +658,31 @@ mod tests {
             run.update(&bytes),
             Err(VerifyError::Overfed { .. })
         ));
+    }
+
+    #[test]
+    fn copy_and_hash_copies_every_byte_and_hashes_as_blake3_does() {
+        let chunk = blake3::CHUNK_LEN;
+        let lens = [
+            0,
+            1,
+            chunk - 1,
+            chunk,
+            chunk + 1,
+            RAYON_MIN - 1,
+            RAYON_MIN,
+            RAYON_MIN + 1,
+            RAYON_MIN + COPY_LEAF + 3,
+            3 * COPY_LEAF * 7 + 1,
+            (4 << 20) + 5 * chunk + 17,
+            9 << 20,
+        ];
+        for len in lens {
+            let src: Vec<u8> = (0..len).map(|i| (i * 7 + i / 1021) as u8).collect();
+            let mut dst = vec![0xAAu8; len];
+            let hash = copy_and_hash(&src, &mut dst);
+            assert!(dst == src, "len {len}: copy differs");
+            assert_eq!(hash, ContentHash::of(&src), "len {len}: hash differs");
+        }
     }
 }

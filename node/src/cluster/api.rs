@@ -46,15 +46,34 @@ impl Node {
             cluster.ensure_joined().await?;
             let store = &self.ctx().store;
             let mut lost = None;
-            for attempt in 0..PUBLISH_TRIES {
-                if attempt > 0 {
-                    tokio::time::sleep(PUBLISH_BACKOFF * attempt).await;
+            // A small host tensor's bytes ride with the publish and the subscribers' events.
+            let inline = match tensor.host_data() {
+                Some(bytes) if tensor.byte_len() <= tb_proto::MAX_INLINE_BYTES => {
+                    Some(bytes.to_vec())
                 }
-                // A broker that has not yet heard of this node's last publish (it went
-                // through a broker that died before gossiping it) would hand out a number
-                // this node already used: never reuse one, so held bytes never change.
-                let assigned = cluster.next_version(&name).await?;
-                let version = assigned.max(store.highest_ever(&name).saturating_add(1));
+                _ => None,
+            };
+            // Whether the first attempt proposes a version (its failure calls for no pause).
+            let proposes = store.highest_ever(&name) > 0;
+            for attempt in 0..PUBLISH_TRIES {
+                let pause = attempt.saturating_sub(u32::from(proposes));
+                if pause > 0 {
+                    tokio::time::sleep(PUBLISH_BACKOFF * pause).await;
+                }
+                // One round trip where this node published the name before: it proposes the
+                // version after its own last one, which the broker accepts unless another
+                // publish came in between (then `Busy`, and the broker is asked). A broker
+                // that has not yet heard of this node's last publish (it went through a
+                // broker that died before gossiping it) would hand out a number this node
+                // already used: never reuse one, so held bytes never change.
+                let highest = store.highest_ever(&name);
+                let version = match (attempt, proposes) {
+                    (0, true) => highest.saturating_add(1),
+                    _ => cluster
+                        .next_version(&name)
+                        .await?
+                        .max(highest.saturating_add(1)),
+                };
                 if store.insert_at(name.clone(), version, tensor.clone()) == Inserted::TooOld {
                     return Err(Error::InvalidTensor(format!(
                         "tensor \"{name}\": the broker assigned v{version}, but this node holds \
@@ -62,7 +81,11 @@ impl Node {
                     )));
                 }
                 let ops = cluster.publish_ops(&name, version, tensor.meta());
-                match cluster.announce(ops).await {
+                let announced = match &inline {
+                    Some(bytes) => cluster.announce_inline(ops, bytes.clone()).await,
+                    None => cluster.announce(ops).await,
+                };
+                match announced {
                     Ok(()) => return Ok(version),
                     Err(
                         e @ Error::Remote {

@@ -91,9 +91,16 @@ async fn heartbeats(cluster: Arc<Cluster>, period: Duration, cancel: Cancellatio
     }
 }
 
-/// Announces `RemoveHolder` for every version the store evicted, batching what is queued.
-/// A failed announcement is dropped: brokers forget holders of old versions on their own, and
-/// of a dead node's versions when it stops heartbeating.
+/// How long evictions are gathered into one announcement.
+const EVICTION_WINDOW: Duration = Duration::from_millis(250);
+
+/// Announces `RemoveHolder` for every version the store evicted, batching what comes within
+/// [`EVICTION_WINDOW`] of the first: a name published in a loop costs its broker one
+/// announcement per window, not one per version (brokers offer only the newest versions,
+/// which the store keeps, so the ones evicted are seldom asked for meanwhile, and a fetcher
+/// sent to a node that dropped one moves on to the next holder). A failed announcement is
+/// dropped: brokers forget holders of old versions on their own, and of a dead node's
+/// versions when it stops heartbeating.
 async fn announce_evictions(
     cluster: Arc<Cluster>,
     mut evictions: UnboundedReceiver<Evicted>,
@@ -107,6 +114,10 @@ async fn announce_evictions(
                 None => break,
             },
         };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            () = tokio::time::sleep(EVICTION_WINDOW) => {}
+        }
         let mut ops = vec![cluster.holder_op(&first.name, first.version, false)];
         while ops.len() < MAX_ANNOUNCE_OPS {
             match evictions.try_recv() {

@@ -93,6 +93,18 @@ impl CtlClient {
         Ok(())
     }
 
+    /// `Publish`: `ops` (a publish first) with the published version's bytes, for the
+    /// subscribers' events.
+    pub(crate) async fn publish_inline(
+        &self,
+        ops: Vec<RegistryOp>,
+        bytes: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let request = CtlRequest::Publish { ops, bytes };
+        self.expect_ok("Publish", &request, timeout).await
+    }
+
     /// `NextVersion`: the version the broker assigns to this node's next publish of `name`.
     pub(crate) async fn next_version(&self, name: &TensorName, timeout: Duration) -> Result<u64> {
         let request = CtlRequest::NextVersion { name: name.clone() };

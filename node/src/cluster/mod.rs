@@ -43,9 +43,9 @@ mod resume;
 mod slot;
 mod subscribe;
 mod swarm;
-mod tries;
 #[cfg(test)]
 mod tests;
+mod tries;
 
 use std::{
     sync::{
@@ -246,6 +246,13 @@ impl Cluster {
 
     async fn announce(&self, ops: Vec<RegistryOp>) -> Result<()> {
         self.ctl.announce(ops, self.request_timeout).await
+    }
+
+    /// [`announce`](Self::announce) of a publish (`ops[0]`) with its bytes.
+    async fn announce_inline(&self, ops: Vec<RegistryOp>, bytes: Vec<u8>) -> Result<()> {
+        self.ctl
+            .publish_inline(ops, bytes, self.request_timeout)
+            .await
     }
 
     async fn next_version(&self, name: &TensorName) -> Result<u64> {

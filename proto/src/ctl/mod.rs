@@ -6,7 +6,7 @@
 //!
 //! | request | answer |
 //! |---|---|
-//! | `Heartbeat`, `Announce`, `Fetching` | `Ok` |
+//! | `Heartbeat`, `Announce`, `Fetching`, `Publish` | `Ok` |
 //! | `NextVersion` | `Version` |
 //! | `Lookup` | `Holders` |
 //! | `List` | `Listing` frames until `last` |
@@ -41,6 +41,10 @@ use crate::{
 
 /// Most registry ops one `Announce` carries.
 pub const MAX_ANNOUNCE_OPS: usize = 256;
+/// Largest tensor whose bytes ride with its publish and its subscribers' events
+/// ([`CtlRequest::Publish`], [`Event::PublishedInline`]): a subscriber holds it when told,
+/// with no look-up or pull. Brokers pass these bytes on and never keep or gossip them.
+pub const MAX_INLINE_BYTES: u64 = 16 << 10;
 /// Most entries one `List` may ask for (and one `Listing` frame may carry).
 pub const MAX_LIST_LIMIT: u32 = 100_000;
 /// Most holders one `Holders` answer names.
@@ -140,6 +144,17 @@ pub enum CtlRequest {
         /// Whether this is the last frame.
         last: bool,
     },
+    /// An `Announce` whose first op is the asker's publish of a small tensor, with that
+    /// version's bytes: the broker records the ops as `Announce` does and tells its
+    /// subscribers with [`Event::PublishedInline`], bytes included (it neither keeps nor
+    /// gossips them).
+    Publish {
+        /// The changes, at most [`MAX_ANNOUNCE_OPS`]; the first a `RegistryOp::Publish`.
+        ops: Vec<RegistryOp>,
+        /// The published version's bytes: at most [`MAX_INLINE_BYTES`], their length and
+        /// BLAKE3 hash those of the publish's metadata.
+        bytes: Vec<u8>,
+    },
 }
 
 impl CtlRequest {
@@ -156,6 +171,7 @@ impl CtlRequest {
             CtlRequest::Members => "members",
             CtlRequest::SyncBuckets { .. } => "sync_buckets",
             CtlRequest::SyncNames { .. } => "sync_names",
+            CtlRequest::Publish { .. } => "publish",
         }
     }
 
@@ -170,7 +186,9 @@ impl CtlRequest {
             CtlRequest::Heartbeat {
                 role: Role::Broker, ..
             } => Some("joining as a broker"),
-            CtlRequest::Announce { ops } => ops.iter().find_map(RegistryOp::write_action),
+            CtlRequest::Announce { ops } | CtlRequest::Publish { ops, .. } => {
+                ops.iter().find_map(RegistryOp::write_action)
+            }
             CtlRequest::SyncBuckets { .. } | CtlRequest::SyncNames { .. } => {
                 Some("anti-entropy between brokers")
             }
@@ -327,6 +345,50 @@ pub enum Event {
         /// The tensor.
         name: TensorName,
     },
+    /// `Published`, with the version's bytes (a tensor of at most [`MAX_INLINE_BYTES`]
+    /// published with [`CtlRequest::Publish`]): checked against `meta` when decoded.
+    PublishedInline {
+        /// The tensor.
+        name: TensorName,
+        /// The new version.
+        version: u64,
+        /// What its bytes are.
+        meta: TensorMeta,
+        /// Who published it (and holds it).
+        publisher: NodeId,
+        /// The bytes, `meta.byte_len` of them, hashing to `meta.hash`.
+        bytes: Vec<u8>,
+    },
+}
+
+impl Event {
+    /// The name the event is about.
+    pub fn name(&self) -> &TensorName {
+        match self {
+            Event::Published { name, .. }
+            | Event::Deleted { name }
+            | Event::PublishedInline { name, .. } => name,
+        }
+    }
+
+    /// `Published` with `bytes` when it announces `version` of `name`; otherwise unchanged.
+    pub fn with_inline(self, of: (&TensorName, u64), bytes: &[u8]) -> Event {
+        match self {
+            Event::Published {
+                name,
+                version,
+                meta,
+                publisher,
+            } if (&name, version) == of => Event::PublishedInline {
+                name,
+                version,
+                meta,
+                publisher,
+                bytes: bytes.to_vec(),
+            },
+            other => other,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -695,3 +695,103 @@ fn every_request_names_the_access_it_needs() {
         assert_eq!(request.write_action(), Some(action), "{request:?}");
     }
 }
+
+#[test]
+fn inline_bytes_must_match_their_publish() {
+    let bytes = vec![7u8; 100];
+    let good = TensorMeta::new(DType::U8, vec![100], ContentHash::of(&bytes)).expect("meta");
+    let publish = |meta: TensorMeta| RegistryOp::Publish {
+        name: name("m/a"),
+        version: 3,
+        meta,
+        publisher: id(1),
+        stamp: Stamp::default(),
+    };
+    let request = |meta, bytes| CtlRequest::Publish {
+        ops: vec![publish(meta)],
+        bytes,
+    };
+    assert_eq!(request(good.clone(), bytes.clone()).validate(MAX), Ok(()));
+    assert_eq!(
+        request(good.clone(), bytes.clone()).write_action(),
+        Some("publishing")
+    );
+    // One byte changed: refused, whoever carries it.
+    let mut tampered = bytes.clone();
+    tampered[42] ^= 1;
+    let mismatch = Err(CtlError::InlineMismatch {
+        len: 100,
+        expected: 100,
+    });
+    assert_eq!(
+        request(good.clone(), tampered.clone()).validate(MAX),
+        mismatch
+    );
+    let event = |bytes| {
+        CtlResponse::Event(Event::PublishedInline {
+            name: name("m/a"),
+            version: 3,
+            meta: good.clone(),
+            publisher: id(1),
+            bytes,
+        })
+    };
+    assert_eq!(event(bytes.clone()).validate(MAX), Ok(()));
+    assert_eq!(event(tampered).validate(MAX), mismatch);
+    assert_eq!(
+        event(bytes[..99].to_vec()).validate(MAX),
+        Err(CtlError::InlineMismatch {
+            len: 99,
+            expected: 100
+        })
+    );
+    // Over the inline limit: refused before hashing.
+    let big = vec![0u8; MAX_INLINE_BYTES as usize + 1];
+    let big_meta =
+        TensorMeta::new(DType::U8, vec![big.len() as u64], ContentHash::of(&big)).expect("meta");
+    assert_eq!(
+        request(big_meta, big).validate(MAX),
+        Err(CtlError::InlineTooLarge {
+            len: MAX_INLINE_BYTES + 1
+        })
+    );
+    // The first op must be the publish the bytes belong to.
+    let hold = RegistryOp::holder(name("m/a"), 3, id(1), Stamp::default(), true);
+    assert_eq!(
+        CtlRequest::Publish {
+            ops: vec![hold],
+            bytes
+        }
+        .validate(MAX),
+        Err(CtlError::InlineWithoutPublish)
+    );
+}
+
+#[test]
+fn a_published_event_takes_its_bytes_only_for_its_own_version() {
+    let m = meta(4);
+    let published = |version| Event::Published {
+        name: name("m/a"),
+        version,
+        meta: m.clone(),
+        publisher: id(1),
+    };
+    let bytes = [1u8, 2, 3, 4];
+    assert!(matches!(
+        published(5).with_inline((&name("m/a"), 5), &bytes),
+        Event::PublishedInline { version: 5, ref bytes, .. } if bytes == &[1, 2, 3, 4]
+    ));
+    assert_eq!(
+        published(4).with_inline((&name("m/a"), 5), &bytes),
+        published(4)
+    );
+    assert_eq!(
+        published(5).with_inline((&name("m/b"), 5), &bytes),
+        published(5)
+    );
+    let deleted = Event::Deleted { name: name("m/a") };
+    assert_eq!(
+        deleted.clone().with_inline((&name("m/a"), 5), &bytes),
+        deleted
+    );
+}

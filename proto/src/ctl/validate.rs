@@ -3,10 +3,11 @@
 
 use super::{
     CtlRequest, CtlResponse, Event, HolderAddr, ListedEntry, MAX_ANNOUNCE_OPS, MAX_HOLDERS_REPLY,
-    MAX_LIST_LIMIT, MAX_LOOKUP_EXCLUDE, MAX_SYNC_MEMBERS, MemberStatus,
+    MAX_INLINE_BYTES, MAX_LIST_LIMIT, MAX_LOOKUP_EXCLUDE, MAX_SYNC_MEMBERS, MemberStatus,
 };
 use crate::{
-    MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, NameError, RegistryError, SYNC_BUCKETS, TensorName,
+    ContentHash, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, NameError, RegistryError, RegistryOp,
+    SYNC_BUCKETS, TensorMeta, TensorName,
     registry::{check_addrs, check_meta, check_version},
 };
 
@@ -65,6 +66,26 @@ pub enum CtlError {
     /// A `Version` answer assigns version 0 (versions start at 1).
     #[error("broker assigned version 0; versions start at 1")]
     ZeroVersionAssigned,
+    /// Inline bytes over [`MAX_INLINE_BYTES`].
+    #[error("inline payload of {len} bytes, over the limit of {MAX_INLINE_BYTES}")]
+    InlineTooLarge {
+        /// Their length.
+        len: u64,
+    },
+    /// Inline bytes whose length or BLAKE3 hash is not the published metadata's.
+    #[error(
+        "inline payload of {len} bytes does not match its metadata ({expected} bytes and their \
+         hash): refused"
+    )]
+    InlineMismatch {
+        /// Their length.
+        len: u64,
+        /// The metadata's byte length.
+        expected: u64,
+    },
+    /// A `Publish` whose first op is not a publish.
+    #[error("a Publish request must start with a publish op")]
+    InlineWithoutPublish,
     /// A registry op, entry, member row, version or tensor metadata in the message is invalid.
     #[error(transparent)]
     Registry(#[from] RegistryError),
@@ -101,6 +122,16 @@ impl CtlRequest {
                     op.validate(max_tensor_bytes)?;
                 }
                 Ok(())
+            }
+            CtlRequest::Publish { ops, bytes } => {
+                at_most("announced ops", ops.len(), MAX_ANNOUNCE_OPS)?;
+                for op in ops {
+                    op.validate(max_tensor_bytes)?;
+                }
+                match ops.first() {
+                    Some(RegistryOp::Publish { meta, .. }) => check_inline(meta, bytes),
+                    _ => Err(CtlError::InlineWithoutPublish),
+                }
             }
             CtlRequest::Lookup {
                 name,
@@ -186,6 +217,17 @@ impl CtlResponse {
                 check_version(name, *version)?;
                 Ok(check_meta(name, *version, meta, max_tensor_bytes)?)
             }
+            CtlResponse::Event(Event::PublishedInline {
+                name,
+                version,
+                meta,
+                bytes,
+                ..
+            }) => {
+                check_version(name, *version)?;
+                check_meta(name, *version, meta, max_tensor_bytes)?;
+                check_inline(meta, bytes)
+            }
             CtlResponse::Members { members, .. } => {
                 at_most("member rows", members.len(), MAX_SYNC_MEMBERS)?;
                 members.iter().try_for_each(MemberStatus::validate)
@@ -211,6 +253,22 @@ impl CtlResponse {
             | CtlResponse::Error { .. } => Ok(()),
         }
     }
+}
+
+/// Refuses inline bytes over [`MAX_INLINE_BYTES`] or other than `meta` says (length and
+/// BLAKE3 hash): a tampered inline payload is never taken.
+fn check_inline(meta: &TensorMeta, bytes: &[u8]) -> Result<(), CtlError> {
+    let len = bytes.len() as u64;
+    if len > MAX_INLINE_BYTES {
+        return Err(CtlError::InlineTooLarge { len });
+    }
+    if len != meta.byte_len || ContentHash::of(bytes) != meta.hash {
+        return Err(CtlError::InlineMismatch {
+            len,
+            expected: meta.byte_len,
+        });
+    }
+    Ok(())
 }
 
 /// Refuses more than [`MAX_SYNC_MEMBERS`] rows, or a row over the address limits.

@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension ``tensor_broker._native`` (see src/ in the package's
 crate). Users call it through :mod:`tensor_broker`; these names are its building blocks."""
 
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional
 
 import numpy as np
 
@@ -93,6 +93,17 @@ class Event:
     ) -> Optional[tuple[int, list[tuple[str, Buffer]], dict[str, str]]]:
         """The members of a fetched set version."""
 
+class Pushed:
+    """A tensor another node pushed to this one."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def sender(self) -> str:
+        """The pushing node's id (hex)."""
+    @property
+    def buffer(self) -> Buffer: ...
+
 class Subscription:
     """A live subscription."""
 
@@ -100,11 +111,16 @@ class Subscription:
     def pattern(self) -> str: ...
     def next(self, timeout: Optional[float] = None) -> Optional[Event]:
         """The next event (``None``: ended or closed); ``Timeout`` after ``timeout`` seconds."""
+    def next_async(self, timeout: Optional[float] = None) -> Awaitable[Optional[Event]]:
+        """:meth:`next` as an awaitable, completed from the runtime (cancelling it loses no
+        event)."""
     def close(self) -> None:
         """Ends it at once, from any thread: a waiting ``next`` returns ``None``."""
 
 class NodeHandle:
-    """A node of the cluster in this process."""
+    """A node of the cluster in this process. Every method that waits has an ``*_async``
+    twin with the same arguments returning an awaitable of the running event loop (the same
+    work, run as a task on the runtime; cancelling the awaitable cancels it)."""
 
     @staticmethod
     def connect(
@@ -112,7 +128,16 @@ class NodeHandle:
         secret_file: Optional[str] = None,
         secret: Optional[str] = None,
         listen: Optional[str] = None,
+        max_push_memory: Optional[int] = None,
     ) -> NodeHandle: ...
+    @staticmethod
+    def connect_async(
+        join: Optional[str] = None,
+        secret_file: Optional[str] = None,
+        secret: Optional[str] = None,
+        listen: Optional[str] = None,
+        max_push_memory: Optional[int] = None,
+    ) -> Awaitable[NodeHandle]: ...
     @property
     def id(self) -> str: ...
     @property
@@ -165,9 +190,68 @@ class NodeHandle:
         self, prefix: str, version: Optional[int] = None, timeout: Optional[float] = None
     ) -> tuple[int, list[tuple[str, Buffer]], dict[str, str]]: ...
     def ls(self, prefix: str = "") -> list[Entry]: ...
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> dict[str, Any]:
+        """id, addr, broker, joined, tensors_held, bytes_held, brokers_answering, members,
+        links (peer id, channel), versions_receiving, pushes_queued, push_bytes_held."""
     def subscribe(self, pattern: str) -> Subscription: ...
+    def push(
+        self, peer: str, name: str, data: np.ndarray[Any, Any], dtype: str, shape: list[int]
+    ) -> None:
+        """Sends ``data`` to the node at ``peer``; returns once it verified and queued it."""
+    def recv(self, timeout: Optional[float] = None) -> Pushed:
+        """The next tensor pushed to this node; ``Timeout`` after ``timeout`` seconds."""
     def close(self) -> None: ...
+    def put_async(
+        self,
+        name: str,
+        data: np.ndarray[Any, Any],
+        dtype: str,
+        shape: list[int],
+        keep: Optional[int] = None,
+    ) -> Awaitable[int]: ...
+    def put_cuda_async(
+        self,
+        name: str,
+        tensor: Any,
+        ordinal: int,
+        dtype: str,
+        shape: list[int],
+        keep: Optional[int] = None,
+    ) -> Awaitable[int]: ...
+    def get_async(
+        self,
+        name: str,
+        version: Optional[int] = None,
+        timeout: Optional[float] = None,
+        device: Optional[int] = None,
+    ) -> Awaitable[Buffer]: ...
+    def get_into_async(
+        self,
+        name: str,
+        out: np.ndarray[Any, np.dtype[np.uint8]],
+        dtype: str,
+        shape: list[int],
+        version: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> Awaitable[int]: ...
+    def put_set_async(
+        self,
+        prefix: str,
+        members: list[tuple[str, np.ndarray[Any, Any], str, list[int]]],
+        metadata: Optional[dict[str, str]] = None,
+        keep: Optional[int] = None,
+    ) -> Awaitable[int]: ...
+    def get_set_async(
+        self, prefix: str, version: Optional[int] = None, timeout: Optional[float] = None
+    ) -> Awaitable[tuple[int, list[tuple[str, Buffer]], dict[str, str]]]: ...
+    def ls_async(self, prefix: str = "") -> Awaitable[list[Entry]]: ...
+    def status_async(self) -> Awaitable[dict[str, Any]]: ...
+    def subscribe_async(self, pattern: str) -> Awaitable[Subscription]: ...
+    def push_async(
+        self, peer: str, name: str, data: np.ndarray[Any, Any], dtype: str, shape: list[int]
+    ) -> Awaitable[None]: ...
+    def recv_async(self, timeout: Optional[float] = None) -> Awaitable[Pushed]: ...
+    def close_async(self) -> Awaitable[None]: ...
 
 class LocalCluster:
     """A broker and ``workers`` worker nodes in this process."""
@@ -181,5 +265,18 @@ class LocalCluster:
     def workers(self) -> list[str]: ...
     @property
     def closed(self) -> bool: ...
-    def connect(self, listen: Optional[str] = None) -> NodeHandle: ...
+    @property
+    def read_only_credential(self) -> str: ...
+    def connect(
+        self,
+        listen: Optional[str] = None,
+        max_push_memory: Optional[int] = None,
+        read_only: bool = False,
+    ) -> NodeHandle: ...
+    def connect_async(
+        self,
+        listen: Optional[str] = None,
+        max_push_memory: Optional[int] = None,
+        read_only: bool = False,
+    ) -> Awaitable[NodeHandle]: ...
     def close(self) -> None: ...

@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use bytes::Bytes;
 use tb_proto::{TensorMeta, TensorName};
 
 use crate::error::Error;
@@ -22,7 +23,12 @@ const MAX_PENDING_PER_NAME: usize = 8;
 /// Something waiting to be told about one name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Item {
-    Version { version: u64, meta: TensorMeta },
+    Version {
+        version: u64,
+        meta: TensorMeta,
+        /// The bytes, when they came with the event (verified against `meta` on decode).
+        inline: Option<Bytes>,
+    },
     Deleted,
 }
 
@@ -79,6 +85,8 @@ pub(crate) enum Next {
         version: u64,
         meta: TensorMeta,
         skipped: Option<(u64, u64)>,
+        /// The bytes, when they came with the event.
+        inline: Option<Bytes>,
     },
     /// The name was deleted.
     Deleted { name: TensorName },
@@ -108,6 +116,17 @@ impl Feed {
 
     /// A version of `name` was published; false if it is old news (dropped).
     pub(crate) fn published(&mut self, name: &TensorName, version: u64, meta: TensorMeta) -> bool {
+        self.published_with(name, version, meta, None)
+    }
+
+    /// [`published`](Self::published), with the version's bytes when its event carried them.
+    pub(crate) fn published_with(
+        &mut self,
+        name: &TensorName,
+        version: u64,
+        meta: TensorMeta,
+        inline: Option<Bytes>,
+    ) -> bool {
         let feed = self.names.entry(name.clone()).or_default();
         if feed.heard.is_some_and(|h| h >= version) {
             return false;
@@ -118,12 +137,18 @@ impl Feed {
             Some(Item::Version {
                 version: v,
                 meta: m,
+                inline: i,
             }) => {
                 let replaced = std::mem::replace(v, version);
                 *m = meta;
+                *i = inline;
                 feed.lose(replaced);
             }
-            _ => feed.push(Item::Version { version, meta }),
+            _ => feed.push(Item::Version {
+                version,
+                meta,
+                inline,
+            }),
         }
         if was_idle {
             self.queue.push_back(name.clone());
@@ -190,7 +215,12 @@ impl Feed {
                 self.queue.push_back(name.clone());
             }
             return Some(match item {
-                Item::Version { version, meta } => Next::Version {
+                Item::Version {
+                    version,
+                    meta,
+                    inline,
+                } => Next::Version {
+                    inline,
                     skipped: feed
                         .told
                         .map(|t| t.saturating_add(1))

@@ -18,6 +18,8 @@ mod feed;
 
 use std::{sync::Arc, time::Duration};
 
+use bytes::Bytes;
+
 use iroh::{
     EndpointId,
     endpoint::{Connection, RecvStream, SendStream},
@@ -303,6 +305,18 @@ impl Reader {
                 })) if self.pattern.matches(&name) => {
                     self.shared.update(|f| f.published(&name, version, meta));
                 }
+                Ok(CtlResponse::Event(Event::PublishedInline {
+                    name,
+                    version,
+                    meta,
+                    bytes,
+                    ..
+                })) if self.pattern.matches(&name) => {
+                    // Checked against `meta` (length and hash) by `check_response`.
+                    let inline = Some(Bytes::from(bytes));
+                    self.shared
+                        .update(|f| f.published_with(&name, version, meta, inline));
+                }
                 Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
                     self.shared.update(|f| f.deleted(&name));
                 }
@@ -379,7 +393,8 @@ impl Deliverer {
                     version,
                     meta,
                     skipped,
-                } => match self.version(name, version, meta, skipped).await {
+                    inline,
+                } => match self.version(name, version, meta, skipped, inline).await {
                     Some(events) => events,
                     None => return,
                 },
@@ -422,10 +437,14 @@ impl Deliverer {
         version: u64,
         meta: TensorMeta,
         skipped: Option<(u64, u64)>,
+        inline: Option<Bytes>,
     ) -> Option<Vec<SubEvent>> {
-        let tensor = match self.auto_fetch {
-            false => None,
-            true => match fetch(&self.node, &self.stop, &name, version).await {
+        let tensor = match (self.auto_fetch, inline) {
+            (false, _) => None,
+            // The bytes came with the event, checked against its metadata: no look-up, no
+            // pull (and this node does not become a holder of a copy it did not ask for).
+            (true, Some(bytes)) => Some(Tensor::from_verified(meta.clone(), bytes)),
+            (true, None) => match fetch(&self.node, &self.stop, &name, version).await {
                 Fetched::Tensor(t) => Some(t),
                 Fetched::Stopped => return None,
                 Fetched::Failed(_) if self.shared.with(|f| f.has_newer(&name, version)) => {

@@ -36,6 +36,10 @@ pub(super) struct FakeState {
     pub(super) subscribers: usize,
     /// Put first in every look-up answer (a holder that misbehaves).
     pub(super) first_holder: Option<HolderAddr>,
+    /// `Lookup` requests answered.
+    pub(super) lookups: usize,
+    /// Inline events to send with one byte flipped (a broker that tampers).
+    pub(super) tamper_inline: usize,
 }
 
 impl FakeState {
@@ -63,6 +67,8 @@ impl FakeCluster {
                 fetching: Vec::new(),
                 subscribers: 0,
                 first_holder: None,
+                lookups: 0,
+                tamper_inline: 0,
             })),
             events: broadcast::channel(1024).0,
         }
@@ -119,7 +125,23 @@ impl FakeCluster {
                 version: st.registry.next_version(&name),
             },
             CtlRequest::Announce { ops } => announce(st, ops, &mut events),
-            CtlRequest::Lookup { name, version, .. } => lookup(st, sender, &name, version),
+            // As a broker does: the publish's event carries the bytes.
+            CtlRequest::Publish { ops, bytes } => match ops.first() {
+                Some(RegistryOp::Publish { name, version, .. }) => {
+                    let (name, version) = (name.clone(), *version);
+                    let answer = announce(st, ops, &mut events);
+                    events = events
+                        .into_iter()
+                        .map(|e| e.with_inline((&name, version), &bytes))
+                        .collect();
+                    answer
+                }
+                _ => error(ErrorCode::Malformed, "publish without a publish op"),
+            },
+            CtlRequest::Lookup { name, version, .. } => {
+                st.lookups += 1;
+                lookup(st, sender, &name, version)
+            }
             CtlRequest::Fetching {
                 name,
                 version,
@@ -288,15 +310,21 @@ impl FakeBroker {
                         Ok(None) | Err(_) => break,
                     },
                 };
-                let event = match received {
+                let mut event = match received {
                     Ok(event) => event,
                     Err(broadcast::error::RecvError::Lagged(_)) => continue,
                     Err(broadcast::error::RecvError::Closed) => break,
                 };
-                let name = match &event {
-                    Event::Published { name, .. } | Event::Deleted { name } => name,
-                };
-                if pattern.matches(name)
+                if let Event::PublishedInline { bytes, .. } = &mut event
+                    && !bytes.is_empty()
+                {
+                    let mut st = self.cluster.state();
+                    if st.tamper_inline > 0 {
+                        st.tamper_inline -= 1;
+                        bytes[0] ^= 0xff;
+                    }
+                }
+                if pattern.matches(event.name())
                     && wire::write_frame(&mut send, &CtlResponse::Event(event))
                         .await
                         .is_err()
