@@ -255,14 +255,19 @@ impl NodeHandle {
             let name = name.clone();
             move || format!("getting \"{name}\"")
         };
-        let got = limited(timeout, what, async move {
-            match (want, version) {
-                (Device::Cuda(_), _) => node.get_to(&name, version, want).await,
-                (_, Some(v)) => node.get_version(&name, v).await,
-                (_, None) => node.get(&name).await,
+        let got: std::pin::Pin<Box<dyn Future<Output = Work<_>> + Send>> = match want {
+            Device::Cuda(_) => Box::pin(limited(timeout, what, async move {
+                node.get_to(&name, version, want).await.map_err(to_py)
+            })?),
+            // The node's own deadline: past it, everything the get started stops.
+            Device::Host => {
+                let deadline = runtime::seconds(timeout)?;
+                Box::pin(async move {
+                    let got = node.get_within(&name, version, deadline).await;
+                    got.map_err(to_py)
+                })
             }
-            .map_err(to_py)
-        })?;
+        };
         Ok(async move {
             let got = got.await?;
             // A host get of a version this node keeps on a device: its bytes, in host memory.

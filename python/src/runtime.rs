@@ -76,6 +76,19 @@ where
     }
 }
 
+/// A limit in seconds as a duration; a negative or non-finite one is a `ValueError`.
+pub(crate) fn seconds(limit: Option<f64>) -> PyResult<Option<Duration>> {
+    limit
+        .map(|secs| {
+            Duration::try_from_secs_f64(secs).map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "timeout must be >= 0 seconds, got {secs}"
+                ))
+            })
+        })
+        .transpose()
+}
+
 /// `fut` within an optional limit in seconds: past it, `Timeout` naming `what`. A negative
 /// or non-finite limit is a `ValueError` at once.
 pub(crate) fn limited<F, T>(
@@ -86,15 +99,7 @@ pub(crate) fn limited<F, T>(
 where
     F: Future<Output = PyResult<T>> + Send,
 {
-    let after = limit
-        .map(|secs| {
-            Duration::try_from_secs_f64(secs).map_err(|_| {
-                pyo3::exceptions::PyValueError::new_err(format!(
-                    "timeout must be >= 0 seconds, got {secs}"
-                ))
-            })
-        })
-        .transpose()?;
+    let after = seconds(limit)?;
     Ok(async move {
         let Some(after) = after else {
             return fut.await;
