@@ -59,12 +59,14 @@ pub enum BenchCommand {
     /// (internal) measure one system's op against a serving process; prints JSON on stdout.
     #[command(hide = true)]
     P2pRecv(crate::bench_recv::RecvArgs),
-    /// (internal) the Rust publisher of `python -m tensor_broker bench`.
+    /// (internal) the Rust sender of `python -m tensor_broker bench`: obeys commands on
+    /// stdin, answers in JSON lines.
     #[command(hide = true)]
-    ClientPut(crate::bench_client::ClientBenchArgs),
-    /// (internal) the Rust getter of `python -m tensor_broker bench`; prints JSON on stdout.
+    ClientSend(crate::bench_client::ClientBenchArgs),
+    /// (internal) the Rust receiver of `python -m tensor_broker bench`: reports each tensor
+    /// in a JSON line, answers pings.
     #[command(hide = true)]
-    ClientGet(crate::bench_client::ClientBenchArgs),
+    ClientRecv(crate::bench_client::ClientBenchArgs),
 }
 
 /// Options for `tb bench p2p`.
@@ -378,11 +380,12 @@ fn summarize(system: System, reports: &[(Op, RecvReport)], max_size: u64) -> Sum
 pub async fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::P2p(args) => p2p(args).await,
-        BenchCommand::Broadcast(args) => crate::bench_cluster::broadcast(args).await,
+        // Boxed: inline, its future's layout exceeds the compiler's query depth limit.
+        BenchCommand::Broadcast(args) => Box::pin(crate::bench_cluster::broadcast(args)).await,
         BenchCommand::Registry(args) => crate::bench_cluster::registry(args).await,
         BenchCommand::P2pServe(args) => crate::bench_serve::serve(args).await,
-        BenchCommand::ClientPut(args) => crate::bench_client::put(&args).await,
-        BenchCommand::ClientGet(args) => crate::bench_client::get(&args).await,
+        BenchCommand::ClientSend(args) => crate::bench_client::send(&args).await,
+        BenchCommand::ClientRecv(args) => crate::bench_client::recv(&args).await,
         BenchCommand::P2pRecv(args) => {
             let report = crate::bench_recv::receive(&args).await?;
             println!("{}", serde_json::to_string(&report)?);

@@ -362,7 +362,7 @@ async fn round_trips(args: &RecvArgs, report: &mut RecvReport) -> Result<()> {
 }
 
 /// This process's peak resident set (VmHWM), 0 where /proc is not available.
-fn peak_rss_bytes() -> u64 {
+pub(crate) fn peak_rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()

@@ -10,23 +10,32 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from . import _bench
 
-    if argv[:1] == ["_bench-put"]:
-        return _bench.bench_put(argv[1:])
-    if argv[:1] == ["_bench-get"]:
-        return _bench.bench_get(argv[1:])
+    if argv[:1] == ["_bench-send"]:
+        return _bench.bench_send(argv[1:])
+    if argv[:1] == ["_bench-recv"]:
+        return _bench.bench_recv(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m tensor_broker")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",
-        help="get throughput and 4 KiB latency, Python package vs the Rust API, two processes",
+        help="one-way latency, MB/s, 4 KiB round trip and receiver peak RSS between two "
+        "processes: the Python package and the Rust API, by name and by push, vs ZeroMQ",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="sizes in bytes, comma-separated (default 4 KiB,1 MiB,64 MiB,256 MiB)")
-    b.add_argument("--rounds", type=int, default=1,
-                   help="rounds; each runs Python then Rust, samples pooled")
-    b.add_argument("--tb", default=None, help="the tb binary (default: $TB_BIN, PATH, target/release)")
+                   help="one-way sizes in bytes, comma-separated (default 4 KiB,1 MiB,64 MiB,"
+                   "256 MiB); the largest runs in a fresh receiver, whose peak RSS is reported")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="passes, the systems alternating within each; per-pass medians too")
+    b.add_argument("--quick", action="store_true",
+                   help="few messages per case (a smoke run, not a measurement)")
+    b.add_argument("--no-install", action="store_true",
+                   help="skip ZeroMQ when pyzmq is missing instead of pip-installing it")
+    b.add_argument("--tb", default=None,
+                   help="the tb binary (default: $TB_BIN, PATH, target/release)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat: at least 1")
     return _bench.bench(args)
 
 
