@@ -121,9 +121,9 @@ pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
     Config, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_PENDING_HANDSHAKES, DEFAULT_MAX_TENSOR_BYTES,
-    DEFAULT_MIN_SOURCE_RATE,
-    FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY, PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE,
-    SecretFileError, default_max_push_memory, parse_secret, read_secret_file,
+    DEFAULT_MIN_SOURCE_RATE, FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY,
+    PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE, SecretFileError, default_max_push_memory,
+    parse_secret, read_secret_file,
 };
 /// The cudarc this crate is built against: [`DeviceBuffer::from_cuda_slice`] and
 /// [`DeviceBuffer::cuda_slice`] take and give its `CudaSlice`, so an embedder that hands
