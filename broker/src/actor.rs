@@ -25,15 +25,19 @@ use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
 };
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::{
     BrokerError, BrokerState, Changes, Holders, RegistryStore, matching, observe::RegistryView,
 };
 
-/// Events buffered per subscription before it counts as lagging (its client then sees a
-/// version gap, which it reports as `Skipped`).
+/// Events buffered per subscription before it counts as lagging: it is then ended with an
+/// error (`Busy`, "fell behind") that its client sees, instead of missing events silently.
 pub const SUBSCRIPTION_BUFFER: usize = 1024;
+
+/// A subscription: its pattern, where its events go, and its lag signal.
+type Subscriber = (NamePattern, mpsc::Sender<Event>, CancellationToken);
 
 /// Default of `BrokerOptions::snapshot_period`: how often, at most, the actor publishes its
 /// registry for the HTTP side (the dashboard polls every second; Prometheus every 15 s or so).
@@ -130,6 +134,8 @@ pub enum BrokerMsg {
         pattern: NamePattern,
         /// Where matching events go.
         events: mpsc::Sender<Event>,
+        /// Cancelled when the subscription is dropped for lagging (its buffer was full).
+        lagged: CancellationToken,
         /// The subscription's id, for `Unsubscribe`.
         reply: RpcReplyPort<u64>,
     },
@@ -177,7 +183,7 @@ pub struct BrokerArgs {
 /// The broker actor's state.
 pub struct BrokerActorState {
     args: BrokerArgs,
-    subscriptions: HashMap<u64, (NamePattern, mpsc::Sender<Event>)>,
+    subscriptions: HashMap<u64, Subscriber>,
     next_subscription: u64,
     /// The registry as of the last change, shared with anti-entropy without copying per ask.
     snapshot: Option<Arc<Registry>>,
@@ -311,11 +317,12 @@ impl Actor for BrokerActor {
             BrokerMsg::Subscribe {
                 pattern,
                 events,
+                lagged,
                 reply,
             } => {
                 let id = st.next_subscription;
                 st.next_subscription += 1;
-                st.subscriptions.insert(id, (pattern, events));
+                st.subscriptions.insert(id, (pattern, events, lagged));
                 let _ = reply.send(id);
             }
             BrokerMsg::Unsubscribe { id } => {
@@ -427,17 +434,24 @@ fn carry_out(st: &mut BrokerActorState, changes: Changes) {
         let _ = st.args.gossip_out.send(op);
     }
     for event in &changes.events {
-        let subs = st.subscriptions.iter().map(|(id, (p, _))| (*id, p));
+        let subs = st.subscriptions.iter().map(|(id, (p, _, _))| (*id, p));
         let targets: Vec<u64> = matching(subs, event).collect();
         for id in targets {
-            let Some((_, tx)) = st.subscriptions.get(&id) else {
+            let Some((_, tx, lagged)) = st.subscriptions.get(&id) else {
                 continue;
             };
             match tx.try_send(event.clone()) {
                 Ok(()) => {}
-                // A slow subscriber misses this event; its client sees the version gap.
+                // A subscriber this far behind is ended with an error (its handler tells it),
+                // never left to miss events silently: it may subscribe again and catch up.
                 Err(mpsc::error::TrySendError::Full(_)) => {
-                    debug!(subscription = id, "subscriber lagging; event dropped")
+                    warn!(
+                        subscription = id,
+                        behind = SUBSCRIPTION_BUFFER,
+                        "ending a subscription that fell behind"
+                    );
+                    lagged.cancel();
+                    st.subscriptions.remove(&id);
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
                     st.subscriptions.remove(&id);
@@ -539,6 +553,79 @@ mod tests {
             eventually(|| gate.arrived.load(Ordering::SeqCst) >= 2).await,
             "the next tick flushed again"
         );
+        actor.stop(None);
+        tokio::time::timeout(LIMIT, done)
+            .await
+            .expect("the actor stops")
+            .expect("joined");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_subscriber_a_whole_buffer_behind_is_ended_not_left_missing_events() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = RegistryStore::open(dir.path()).expect("store");
+        let state = BrokerState::new(
+            NodeId([7; 32]),
+            BrokerConfig::default(),
+            Registry::new(),
+            now_ms(),
+        );
+        let (gossip_out, _outbox) = mpsc::unbounded_channel();
+        let (published, _view) = watch::channel(Arc::new(RegistryView::default()));
+        let args = BrokerArgs {
+            state,
+            store,
+            gossip_out,
+            tick: Duration::from_secs(60),
+            published,
+            snapshot_period: Duration::from_secs(60),
+        };
+        let (actor, done) = Actor::spawn(None, BrokerActor, args).await.expect("actor");
+        // A buffer of two events, never read meanwhile.
+        let (events, mut rx) = mpsc::channel(2);
+        let lagged = CancellationToken::new();
+        let subscribed = ask(&actor, LIMIT, |reply| BrokerMsg::Subscribe {
+            pattern: "m/*".parse().expect("pattern"),
+            events,
+            lagged: lagged.clone(),
+            reply,
+        })
+        .await;
+        subscribed.expect("subscribed");
+        let publisher = NodeId([1; 32]);
+        let name = TensorName::new("m/a").expect("name");
+        for version in 1..=4u64 {
+            let meta = tb_proto::TensorMeta::new(
+                tb_proto::DType::U8,
+                vec![1],
+                tb_proto::ContentHash([version as u8; 32]),
+            )
+            .expect("meta");
+            let op = RegistryOp::Publish {
+                name: name.clone(),
+                version,
+                meta,
+                publisher,
+                stamp: tb_proto::Stamp::default(),
+            };
+            let announced = ask(&actor, LIMIT, |reply| BrokerMsg::Announce {
+                from: publisher,
+                access: Access::ReadWrite,
+                ops: vec![op],
+                inline: None,
+                reply,
+            })
+            .await;
+            assert!(matches!(announced, Ok(Ok(()))), "publish {version}");
+            // Two fit; the third finds the buffer full and ends the subscription.
+            assert_eq!(lagged.is_cancelled(), version >= 3, "after v{version}");
+        }
+        // What was buffered is still there, then the channel ends: nothing after it.
+        for version in 1..=2u64 {
+            let got = rx.recv().await.expect("buffered");
+            assert!(matches!(got, Event::Published { version: v, .. } if v == version));
+        }
+        assert!(rx.recv().await.is_none(), "the subscription was dropped");
         actor.stop(None);
         tokio::time::timeout(LIMIT, done)
             .await

@@ -336,10 +336,12 @@ impl CtlProtocol {
         mut recv: RecvStream,
     ) {
         let (tx, mut rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        let lagged = CancellationToken::new();
         let asked = ask(&self.actor, self.request_timeout, |reply| {
             BrokerMsg::Subscribe {
                 pattern,
                 events: tx,
+                lagged: lagged.clone(),
                 reply,
             }
         })
@@ -353,13 +355,32 @@ impl CtlProtocol {
             }
         };
         // The client never writes again: its stream ending (or resetting) is the unsubscribe.
+        // A frame that cannot be written within the request timeout (a subscriber that stopped
+        // reading) ends the subscription; so does falling a whole buffer behind, with an error
+        // the client sees.
+        let stall = self.request_timeout;
         let mut sink = [0u8; 64];
         loop {
             tokio::select! {
+                biased;
+                () = lagged.cancelled() => {
+                    let why = error(
+                        ErrorCode::Busy,
+                        format!(
+                            "subscription ended: it fell {SUBSCRIPTION_BUFFER} events behind \
+                             (subscribe again; the versions missed show as skipped)"
+                        ),
+                    );
+                    let _ = tokio::time::timeout(stall, write_frame(&mut send, &why)).await;
+                    let _ = send.finish();
+                    break;
+                }
                 event = rx.recv() => {
                     let Some(event) = event else { break };
-                    if write_frame(&mut send, &CtlResponse::Event(event)).await.is_err() {
-                        break;
+                    let frame = CtlResponse::Event(event);
+                    match tokio::time::timeout(stall, write_frame(&mut send, &frame)).await {
+                        Ok(Ok(())) => {}
+                        _ => break,
                     }
                 }
                 read = recv.read(&mut sink) => {

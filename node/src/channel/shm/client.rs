@@ -53,6 +53,7 @@ impl ShmPull {
                 let tensor = super::tensor_from_memfd(fd, offset, self.meta)?;
                 if let Some(what) = &self.verify {
                     verify::check_all(tensor.data(), tensor.hash(), what)?;
+                    super::region::release_resident(tensor.data());
                 }
                 Ok(tensor)
             }

@@ -59,6 +59,33 @@ unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
 
+/// Alignment for [`release_resident`]: a multiple of every page size Linux uses.
+const RELEASE_ALIGN: usize = 64 << 10;
+
+/// Lets the kernel drop this process's page-table entries for the pages of `bytes`, a part of
+/// a [`Region`]'s mapping just read through once (hashed): the pages stay in the memfd and
+/// fault back in on the next read. The private view a caller gets next maps the same pages
+/// again, and without this they would count twice in the process's RSS. Only whole aligned
+/// pages inside `bytes` are released; a failure changes nothing and is ignored.
+pub(crate) fn release_resident(bytes: &[u8]) {
+    let start = (bytes.as_ptr() as usize).next_multiple_of(RELEASE_ALIGN);
+    let end = (bytes.as_ptr() as usize + bytes.len()) / RELEASE_ALIGN * RELEASE_ALIGN;
+    if end <= start {
+        return;
+    }
+    // SAFETY: `bytes` lies in a read-only private mapping of a sealed memfd (a `Region`'s),
+    // never written through, so it holds no private copies: dropping its page-table entries
+    // loses nothing, and later reads fault the same file pages back in. The range is
+    // page-aligned and inside the mapping.
+    let _ = unsafe {
+        mm::madvise(
+            start as *mut std::ffi::c_void,
+            end - start,
+            mm::Advice::LinuxDontNeed,
+        )
+    };
+}
+
 impl Region {
     /// Copies `data` into a new sealed memfd. `data` must not be empty (a zero-length mapping
     /// does not exist; empty payloads travel inline).

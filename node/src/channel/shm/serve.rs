@@ -296,6 +296,7 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
             // Every push is verified: its hash is what arrived, never the sender's claim.
             let tensor = super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())?;
             crate::channel::verify::check_all(tensor.data(), meta.hash, "a same-host push")?;
+            super::region::release_resident(tensor.data());
             Ok(tensor)
         }
         other => Err(Error::Io(format!(
