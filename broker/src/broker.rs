@@ -175,6 +175,7 @@ impl Broker {
             tracker: tracker.clone(),
             counters: counters.clone(),
             stats: stats.clone(),
+            per_peer: Default::default(),
         };
         let extra: Vec<(&'static [u8], Box<dyn iroh::protocol::DynProtocolHandler>)> = vec![
             (CTL_ALPN, Box::new(ctl)),

@@ -29,7 +29,7 @@ use tb_proto::{
 };
 use tokio::sync::mpsc;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{Instrument, debug, debug_span};
+use tracing::{Instrument, debug, debug_span, warn};
 
 use crate::{
     BrokerError,
@@ -56,6 +56,68 @@ pub(crate) struct CtlProtocol {
     pub(crate) counters: Arc<BrokerCounters>,
     /// Where heartbeat stats are kept for the dashboard.
     pub(crate) stats: Arc<MemberStatsBook>,
+    /// Connections and subscriptions each authenticated peer holds now.
+    pub(crate) per_peer: Arc<PerPeer>,
+}
+
+/// Most `tb/ctl/1` connections one node may hold to a broker at once (a node keeps one; a
+/// few more cover a restart or a CLI beside a worker with the same key).
+pub const MAX_CTL_CONNECTIONS_PER_PEER: usize = 8;
+/// Most subscriptions one node may hold on a broker at once.
+pub const MAX_SUBSCRIPTIONS_PER_PEER: usize = 256;
+
+/// What each authenticated peer holds on this broker now, so no member can hold more than its
+/// share: [`MAX_CTL_CONNECTIONS_PER_PEER`] connections, [`MAX_SUBSCRIPTIONS_PER_PEER`]
+/// subscriptions. A peer's row goes when it holds nothing.
+#[derive(Debug, Default)]
+pub(crate) struct PerPeer {
+    held: std::sync::Mutex<std::collections::HashMap<tb_proto::NodeId, [usize; 2]>>,
+}
+
+/// What a [`PerPeer`] slot counts.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Connection = 0,
+    Subscription = 1,
+}
+
+/// A slot taken in [`PerPeer`], given back on drop.
+struct PeerSlot {
+    table: Arc<PerPeer>,
+    peer: tb_proto::NodeId,
+    what: Held,
+}
+
+impl PerPeer {
+    /// Takes a slot of `what` for `peer`; `None` when it holds `max` already.
+    fn take(self: &Arc<Self>, peer: tb_proto::NodeId, what: Held, max: usize) -> Option<PeerSlot> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let row = held.entry(peer).or_default();
+        if row[what as usize] >= max {
+            if *row == [0, 0] {
+                held.remove(&peer);
+            }
+            return None;
+        }
+        row[what as usize] += 1;
+        Some(PeerSlot {
+            table: self.clone(),
+            peer,
+            what,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut held = self.table.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(row) = held.get_mut(&self.peer) {
+            row[self.what as usize] = row[self.what as usize].saturating_sub(1);
+            if *row == [0, 0] {
+                held.remove(&self.peer);
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for CtlProtocol {
@@ -83,6 +145,19 @@ impl ProtocolHandler for CtlProtocol {
             }
         };
         let peer = auth::node_id(&conn.remote_id());
+        let Some(_slot) = self
+            .per_peer
+            .take(peer, Held::Connection, MAX_CTL_CONNECTIONS_PER_PEER)
+        else {
+            self.counters.refused_connections.inc();
+            warn!(peer = %conn.remote_id().fmt_short(), "refusing a ctl connection: the peer holds {MAX_CTL_CONNECTIONS_PER_PEER} already");
+            let code = tb_proto::CloseCode::TooManyConnections.code();
+            conn.close(
+                iroh::endpoint::VarInt::from_u32(code),
+                b"too many ctl connections from this node",
+            );
+            return Ok(());
+        };
         loop {
             let accepted = tokio::select! {
                 _ = self.cancel.cancelled() => break,
@@ -179,6 +254,22 @@ impl CtlProtocol {
         }
         let answers = match request {
             CtlRequest::Subscribe { pattern } => {
+                let Some(_slot) =
+                    self.per_peer
+                        .take(peer, Held::Subscription, MAX_SUBSCRIPTIONS_PER_PEER)
+                else {
+                    self.counters.refused_subscriptions.inc();
+                    let why = error(
+                        ErrorCode::Busy,
+                        format!(
+                            "this node holds {MAX_SUBSCRIPTIONS_PER_PEER} subscriptions on this \
+                             broker already: close some, or watch a wider pattern"
+                        ),
+                    );
+                    let _ = write_frame(&mut send, &why).await;
+                    let _ = send.finish();
+                    return;
+                };
                 self.subscribe(pattern, send, recv).await;
                 return;
             }
@@ -364,6 +455,7 @@ impl CtlProtocol {
             tokio::select! {
                 biased;
                 () = lagged.cancelled() => {
+                    self.counters.lagged_subscriptions.inc();
                     let why = error(
                         ErrorCode::Busy,
                         format!(
@@ -466,5 +558,29 @@ mod tests {
             })
         );
         assert_eq!(rows[2].heartbeat, None, "heartbeats to another broker");
+    }
+
+    #[test]
+    fn a_peer_holds_at_most_its_share_and_slots_come_back() {
+        let table = Arc::new(PerPeer::default());
+        let (a, b) = (tb_proto::NodeId([1; 32]), tb_proto::NodeId([2; 32]));
+        let held: Vec<_> = (0..3)
+            .map(|_| table.take(a, Held::Subscription, 3).expect("under the cap"))
+            .collect();
+        assert!(table.take(a, Held::Subscription, 3).is_none(), "at the cap");
+        // Another kind, another peer: their own counts.
+        let conn = table.take(a, Held::Connection, 1).expect("a connection");
+        assert!(table.take(a, Held::Connection, 1).is_none());
+        let theirs = table.take(b, Held::Subscription, 3).expect("b's own share");
+        drop(held);
+        assert!(
+            table.take(a, Held::Subscription, 3).is_some(),
+            "freed on drop"
+        );
+        drop((conn, theirs));
+        assert!(
+            table.held.lock().expect("table").is_empty(),
+            "rows of peers holding nothing are gone"
+        );
     }
 }

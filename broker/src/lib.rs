@@ -68,6 +68,7 @@ mod sync;
 pub use actor::SNAPSHOT_PERIOD;
 pub use broker::{Broker, BrokerOptions, StartError};
 pub use config::{BrokerConfig, DEFAULT_MAX_SYNC_BYTES};
+pub use ctl::{MAX_CTL_CONNECTIONS_PER_PEER, MAX_SUBSCRIPTIONS_PER_PEER};
 pub use error::BrokerError;
 pub use events::{event_for, matching};
 pub use metrics::{BrokerCounters, Counter, MemberStatsBook};

@@ -51,6 +51,12 @@ pub struct BrokerCounters {
     pub sync_rounds: IntCounter,
     /// Anti-entropy pulls that failed (peer down, timeout).
     pub sync_failures: Counter,
+    /// `tb/ctl/1` connections refused: the peer held `MAX_CTL_CONNECTIONS_PER_PEER`.
+    pub refused_connections: Counter,
+    /// Subscriptions refused: the peer held `MAX_SUBSCRIPTIONS_PER_PEER`.
+    pub refused_subscriptions: Counter,
+    /// Subscriptions ended for falling a whole buffer behind.
+    pub lagged_subscriptions: Counter,
 }
 
 impl BrokerCounters {
@@ -64,6 +70,9 @@ impl BrokerCounters {
             gossip_rejected: Counter::default(),
             sync_rounds: metrics.sync_rounds.clone(),
             sync_failures: Counter::default(),
+            refused_connections: Counter::default(),
+            refused_subscriptions: Counter::default(),
+            lagged_subscriptions: Counter::default(),
         }
     }
 }

@@ -499,3 +499,47 @@ async fn a_broker_that_stops_answering_is_shown_dead() {
     asker.shutdown().await;
     brokers.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_holds_at_most_its_share_of_a_brokers_subscriptions() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path(), &[]).await;
+    let config = worker_config(vec![broker.addr().clone()]);
+    let greedy = node(config.clone()).await;
+    let cap = tb_broker::MAX_SUBSCRIPTIONS_PER_PEER;
+    let mut held = Vec::new();
+    for i in 0..cap {
+        let sub = within(LIMIT, "subscribe", greedy.subscribe(&format!("s/{i}")))
+            .await
+            .unwrap_or_else(|e| panic!("subscription {i}: {e}"));
+        held.push(sub);
+    }
+    // One more: the broker refuses it (Busy), and says why.
+    let mut over = within(LIMIT, "subscribe", greedy.subscribe("s/over"))
+        .await
+        .expect("subscribe");
+    let ended = within(LIMIT, "refusal", over.next()).await;
+    match ended {
+        Some(Err(e)) => assert!(e.to_string().contains("subscriptions"), "{e}"),
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    // Another node is unaffected.
+    let other = node(config).await;
+    let mut theirs = within(LIMIT, "subscribe", other.subscribe("s/x"))
+        .await
+        .expect("subscribe");
+    let publisher = node(worker_config(vec![broker.addr().clone()])).await;
+    publisher
+        .publish("s/x", f32_tensor(16, 1))
+        .await
+        .expect("publish");
+    match within(LIMIT, "event", theirs.next()).await {
+        Some(Ok(tb_node::SubEvent::Version { version: 1, .. })) => {}
+        other => panic!("expected s/x v1, got {other:?}"),
+    }
+    drop(held);
+    for n in [greedy, other, publisher] {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
