@@ -333,11 +333,7 @@ class Client:
         never a mix. Returns the version. Keys become ``prefix/key`` names (``.``, ``/``,
         ``-``, ``_``, ``:`` and alphanumerics). The same sets as ``tb put`` of a whole
         ``.safetensors`` file; ``metadata`` is its ``__metadata__``."""
-        members = []
-        for key, value in mapping.items():
-            data, dtype, shape = _convert.to_bytes(value)
-            members.append((str(key), data, dtype, list(shape)))
-        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        members, meta = _convert.set_members(mapping, metadata)
         return self._node.put_set(prefix, members, meta, keep)
 
     def get_many(

@@ -5,7 +5,7 @@ tensors that share the received memory (no copy)."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -125,3 +125,16 @@ def check_out(out: Any) -> tuple[np.ndarray, str, tuple[int, ...]]:
     if not arr.flags.writeable:
         raise ValueError("out is read-only: pass a writable array")
     return arr.reshape(-1).view(np.uint8), name, shape
+
+
+def set_members(
+    mapping: Mapping[str, Any], metadata: Mapping[str, str] | None
+) -> tuple[list[tuple[str, np.ndarray, str, list[int]]], dict[str, str]]:
+    """A ``put_many`` mapping as the native layer takes it: ``(key, bytes, dtype, shape)``
+    per member, and the metadata as strings."""
+    members = []
+    for key, value in mapping.items():
+        data, dtype, shape = to_bytes(value)
+        members.append((str(key), data, dtype, list(shape)))
+    return members, {str(k): str(v) for k, v in (metadata or {}).items()}
+

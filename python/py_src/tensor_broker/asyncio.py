@@ -199,11 +199,7 @@ class AsyncClient:
     ) -> int:
         """:meth:`tensor_broker.Client.put_many`: ``mapping`` as the next version of the set
         ``prefix``, atomically; returns the version."""
-        members = []
-        for key, value in mapping.items():
-            data, dtype, shape = _convert.to_bytes(value)
-            members.append((str(key), data, dtype, list(shape)))
-        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        members, meta = _convert.set_members(mapping, metadata)
         return await self._node.put_set_async(prefix, members, meta, keep)
 
     async def get_many(
