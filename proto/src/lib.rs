@@ -82,7 +82,7 @@ pub use msg::{
 };
 pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};
 pub use registry::{
-    Entry, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS, Member, Registry,
-    RegistryError, RegistryOp, Role, SYNC_BUCKETS, bucket_of, chunk_by_size,
+    Entry, Expiry, Forgotten, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS,
+    Member, Registry, RegistryError, RegistryOp, Role, SYNC_BUCKETS, bucket_of, chunk_by_size,
 };
 pub use set::{MAX_SET_MEMBERS, SET_ALIGN, SET_MAGIC, SetError, SetLayout, SetManifest, SetMember};

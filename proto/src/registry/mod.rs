@@ -22,6 +22,9 @@
 //!
 //! Holder marks of old versions are dropped by [`Registry::prune`], which every replica must run
 //! with the same `keep_versions` after each apply or merge; see there for why that converges.
+//! Rows of nodes that are gone, and the marks of nodes without a row, are dropped by
+//! [`Registry::forget`] once they are older than an [`Expiry`]; see there for why that
+//! converges and why nothing dropped comes back.
 
 mod entry;
 mod member;
@@ -34,7 +37,7 @@ use serde::{Deserialize, Serialize};
 pub(crate) use self::member::check_addrs;
 pub use self::{
     entry::{Entry, HolderMark},
-    member::{MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, Role},
+    member::{Expiry, MAX_ADDR_LEN, MAX_MEMBER_ADDRS, Member, Role},
     sync::{SYNC_BUCKETS, bucket_of, chunk_by_size},
 };
 use crate::{MetaError, NodeId, Stamp, TensorMeta, TensorName};
@@ -367,6 +370,67 @@ impl Registry {
             .is_some_and(|e| e.prune(keep_versions))
     }
 
+    /// Drops what nodes that are gone left behind, as of `now_ms` by the local clock: every
+    /// membership row [`Member::expired`] says is past keeping, then every holder mark of a
+    /// node without a row that is older than [`Expiry::dead_after_ms`]. Returns the nodes
+    /// whose rows went and the names whose entries lost marks.
+    ///
+    /// Like [`prune`](Self::prune), forgetting is not a CRDT operation but converges, and
+    /// nothing it drops comes back:
+    /// - whether a row or mark goes depends only on itself, the membership table and the
+    ///   clock, which only moves forward: once past keeping, always past keeping;
+    /// - a row merged in ([`forget_member`](Self::forget_member) after the merge) or loaded
+    ///   from disk that is past keeping goes at once, after replacing the row it supersedes,
+    ///   so a peer that has not forgotten yet cannot bring it back, and an older alive row of
+    ///   the same life is not left in its place;
+    /// - a mark merged in is checked the same way ([`forget_marks`](Self::forget_marks)).
+    ///
+    /// Replicas whose clocks differ drop a row at different moments; in between, the one that
+    /// dropped it refuses it again at every merge. What this cannot undo: a replica cut off
+    /// from the others for longer than a row's age (a partition) may keep an older alive row
+    /// of a node whose death or leave it never heard, and bring it back when the partition
+    /// heals, as a row that never expires. Restarting that broker judges it again.
+    pub fn forget(&mut self, now_ms: u64, expiry: &Expiry) -> Forgotten {
+        let members: Vec<NodeId> = self
+            .members
+            .values()
+            .filter(|m| m.expired(now_ms, expiry))
+            .map(|m| m.node)
+            .collect();
+        for node in &members {
+            self.members.remove(node);
+        }
+        let names = self
+            .entries
+            .iter_mut()
+            .filter_map(|(name, e)| {
+                forget_marks_of(e, &self.members, now_ms, expiry).then(|| name.clone())
+            })
+            .collect();
+        Forgotten { members, names }
+    }
+
+    /// [`forget`](Self::forget) for `node`'s row alone (after merging or applying it): true if
+    /// the row was past keeping and went.
+    pub fn forget_member(&mut self, node: &NodeId, now_ms: u64, expiry: &Expiry) -> bool {
+        let expired = self
+            .members
+            .get(node)
+            .is_some_and(|m| m.expired(now_ms, expiry));
+        if expired {
+            self.members.remove(node);
+        }
+        expired
+    }
+
+    /// [`forget`](Self::forget) for the marks of `name` alone (after merging or applying an op
+    /// on it): true if any went.
+    pub fn forget_marks(&mut self, name: &TensorName, now_ms: u64, expiry: &Expiry) -> bool {
+        self.entries
+            .get_mut(name)
+            .is_some_and(|e| forget_marks_of(e, &self.members, now_ms, expiry))
+    }
+
     /// The entry for `name`, if it is published and not deleted.
     pub fn entry(&self, name: &TensorName) -> Option<&Entry> {
         self.entries.get(name).filter(|e| e.is_live())
@@ -465,6 +529,31 @@ impl Registry {
             .filter_map(|n| self.members.get(n).cloned())
             .collect()
     }
+}
+
+/// What [`Registry::forget`] dropped: rows to delete from disk, entries to write again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// Nodes whose membership rows went.
+    pub members: Vec<NodeId>,
+    /// Names whose entries lost holder marks.
+    pub names: Vec<TensorName>,
+}
+
+/// Drops `entry`'s marks of nodes without a row in `members` that are older than
+/// [`Expiry::dead_after_ms`]; true if any went. A node's marks are all older than the row that
+/// said it was gone, so they go no sooner than its row did.
+fn forget_marks_of(
+    entry: &mut Entry,
+    members: &BTreeMap<NodeId, Member>,
+    now_ms: u64,
+    expiry: &Expiry,
+) -> bool {
+    let before = entry.holders.len();
+    entry.holders.retain(|(node, _), mark| {
+        members.contains_key(node) || !expiry.mark_expired(&mark.stamp, now_ms)
+    });
+    entry.holders.len() != before
 }
 
 fn mark(stamp: Stamp, present: bool) -> HolderMark {

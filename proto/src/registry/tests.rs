@@ -450,3 +450,171 @@ fn ops_have_golden_bytes() {
         assert_eq!(back, op);
     }
 }
+
+fn row(node: u8, epoch: u64, alive: bool, addrs: &[&str], stamp: Stamp) -> Member {
+    Member {
+        node: id(node),
+        role: Role::Worker,
+        addrs: addrs.iter().map(|a| a.to_string()).collect(),
+        epoch,
+        alive,
+        stamp,
+    }
+}
+
+const EXPIRY: Expiry = Expiry {
+    dead_after_ms: 1_000,
+    left_after_ms: 100,
+};
+
+#[test]
+fn forget_drops_expired_rows_and_the_old_marks_of_nodes_without_a_row() {
+    let mut r = registry(&[
+        publish("m/w", 1, 1, at(10, 1)),
+        holder("m/w", 1, 1, at(10, 9), true),
+        holder("m/w", 1, 2, at(10, 9), true),
+        holder("m/w", 1, 3, at(10, 9), true),
+        // A mark of a node whose row never came: young, so kept until it is old.
+        holder("m/w", 1, 4, at(900, 9), true),
+    ]);
+    for m in [
+        row(1, 1, true, &["a:1"], at(10, 9)),
+        row(2, 1, false, &["a:2"], at(20, 9)),
+        row(3, 1, false, &[], at(30, 9)),
+    ] {
+        r.merge_member(&m);
+    }
+    let before = r.clone();
+    assert_eq!(r.forget(130, &EXPIRY), Forgotten::default(), "all young");
+    assert_eq!(r, before);
+
+    // Node 3 left: its row goes after `left_after_ms`, its marks after `dead_after_ms`.
+    let gone = r.forget(131, &EXPIRY);
+    assert_eq!(gone.members, [id(3)]);
+    assert!(gone.names.is_empty());
+    assert!(r.member(&id(3)).is_none());
+    assert_eq!(r.live_holders(&name("m/w"), 1, |_| true).len(), 4);
+
+    // Node 2 fell silent: its row and its marks go after `dead_after_ms`; so do node 3's
+    // marks. Node 1 is alive: its old mark stays. Node 4's mark is still young.
+    let gone = r.forget(1_021, &EXPIRY);
+    assert_eq!(gone.members, [id(2)]);
+    assert_eq!(gone.names, [name("m/w")]);
+    assert_eq!(
+        r.live_holders(&name("m/w"), 1, |_| true),
+        [id(1), id(4)],
+        "alive node 1's old mark and node 4's young one"
+    );
+    assert_eq!(
+        r.members().map(|m| m.node).collect::<Vec<_>>(),
+        [id(1)],
+        "the alive row stays however old"
+    );
+    assert_eq!(r.forget(1_901, &EXPIRY).names, [name("m/w")]);
+    assert_eq!(r.live_holders(&name("m/w"), 1, |_| true), [id(1)]);
+    assert_eq!(r.forget(1_000_000, &EXPIRY), Forgotten::default());
+}
+
+#[test]
+fn a_merge_does_not_bring_back_a_forgotten_row_or_leave_an_older_alive_one() {
+    let alive = row(2, 1, true, &["a:2"], at(10, 9));
+    let dead = row(2, 1, false, &["a:2"], at(20, 9));
+    let now = 2_000;
+    // A forgot node 2; B, whose clock is behind, still has the dead row and sends it.
+    let mut a = Registry::new();
+    a.merge_member(&dead);
+    assert_eq!(a.forget(now, &EXPIRY).members, [id(2)]);
+    let mut b = Registry::new();
+    b.merge_member(&dead);
+    assert!(b.forget(500, &EXPIRY).members.is_empty());
+    for m in b.members_to_send(&a.member_digest()) {
+        a.merge_member(&m);
+        a.forget_member(&m.node, now, &EXPIRY);
+    }
+    assert!(a.member(&id(2)).is_none(), "the dead row came back");
+
+    // C still has the alive row: the expired dead row replaces it, then goes.
+    let mut c = Registry::new();
+    c.merge_member(&alive);
+    assert!(c.merge_member(&dead));
+    assert!(c.forget_member(&id(2), now, &EXPIRY));
+    assert!(c.member(&id(2)).is_none(), "the alive row was left behind");
+    // Merged in after that, the alive row is older than the forgotten one only by its stamp:
+    // it cannot be told apart from news, which is why a row must reach every replica
+    // before it expires (see `Registry::forget`).
+    assert!(!c.forget_member(&id(2), now, &EXPIRY));
+
+    // Old marks of the forgotten node, merged from a replica that kept them, go with them.
+    let marks = registry(&[
+        publish("m/w", 1, 1, at(10, 1)),
+        holder("m/w", 1, 2, at(10, 9), true),
+    ]);
+    for (n, e) in marks.entries_for([&name("m/w")]) {
+        a.merge_entry(&n, &e);
+        assert!(a.forget_marks(&n, now, &EXPIRY));
+    }
+    assert!(a.live_holders(&name("m/w"), 1, |_| true).is_empty());
+    assert_eq!(a.digest(), {
+        let mut m = marks.clone();
+        m.forget(now, &EXPIRY);
+        m.digest()
+    });
+}
+
+#[test]
+fn replicas_that_forget_end_equal_in_any_order() {
+    let rows = [
+        row(1, 1, true, &["a:1"], at(10, 9)),
+        row(1, 1, false, &["a:1"], at(20, 9)),
+        row(2, 1, false, &[], at(30, 9)),
+        row(3, 2, true, &["a:3"], at(40, 9)),
+        row(3, 1, false, &["a:3"], at(50, 9)),
+    ];
+    let ops: Vec<RegistryOp> = rows
+        .iter()
+        .cloned()
+        .map(RegistryOp::Member)
+        .chain([
+            publish("m/w", 1, 1, at(5, 1)),
+            holder("m/w", 1, 1, at(6, 9), true),
+            holder("m/w", 1, 2, at(7, 9), true),
+            // Young: a mark that arrives before its node's row must not be forgotten.
+            holder("m/w", 1, 3, at(4_500, 9), true),
+        ])
+        .collect();
+    let (early, late) = (60, 5_000);
+    let mut want: Option<Registry> = None;
+    for rotate in 0..ops.len() {
+        let mut order = ops.clone();
+        order.rotate_left(rotate);
+        // Half the ops reach one replica, half the other, each forgetting after every op
+        // while the rows are young; they merge each other's state both ways.
+        let (mut x, mut y) = (Registry::new(), Registry::new());
+        for (i, op) in order.iter().enumerate() {
+            let r = if i % 2 == 0 { &mut x } else { &mut y };
+            r.apply(op);
+            r.forget(early, &EXPIRY);
+        }
+        let (x0, y0) = (x.clone(), y.clone());
+        x.merge(&y0);
+        y.merge(&x0);
+        // Later, x forgets first (its clock is ahead), and y sends it everything it still
+        // holds before forgetting too: nothing forgotten comes back.
+        x.forget(late, &EXPIRY);
+        let y1 = y.clone();
+        x.merge(&y1);
+        x.forget(late, &EXPIRY);
+        y.forget(late, &EXPIRY);
+        assert_eq!(x, y, "rotation {rotate}");
+        assert_eq!(
+            x.members().map(|m| m.node).collect::<Vec<_>>(),
+            [id(3)],
+            "only node 3's alive second life stays"
+        );
+        assert_eq!(x.live_holders(&name("m/w"), 1, |_| true), [id(3)]);
+        match &want {
+            Some(w) => assert_eq!(&x, w, "rotation {rotate}"),
+            None => want = Some(x),
+        }
+    }
+}
