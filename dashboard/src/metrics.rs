@@ -165,6 +165,14 @@ pub struct Metrics {
     pub pool_evictions_idle: IntCounter,
     /// `tb_pool_evictions_total{reason="lru"}`.
     pub pool_evictions_lru: IntCounter,
+    /// `tb_pool_evictions_total{reason="superseded"}`: a peer's extra link closed once idle.
+    pub pool_evictions_superseded: IntCounter,
+    /// `tb_pool_evictions_total{reason="peer_cap"}`: a peer's oldest link closed past the
+    /// per-peer cap.
+    pub pool_evictions_peer_cap: IntCounter,
+    /// `tb_pool_refused_total{reason="pool_full"}`: a new peer's link refused by a pool full
+    /// of peers in use.
+    pub pool_refused_full: IntCounter,
     /// `tb_pool_connect_failures_total`.
     pub pool_connect_failures: IntCounter,
     /// `tb_transfer_bytes_total{direction="in"}`.
@@ -214,7 +222,14 @@ impl Metrics {
         let evictions = counter_vec(
             r,
             "tb_pool_evictions_total",
-            "Pooled links closed, by reason (idle timeout, LRU at the pool cap)",
+            "Links closed, by reason (idle timeout, LRU at the pool cap, superseded link idle, \
+             past the per-peer cap)",
+            &["reason"],
+        )?;
+        let refused = counter_vec(
+            r,
+            "tb_pool_refused_total",
+            "Links refused before serving anything on them, by reason",
             &["reason"],
         )?;
         let bytes = counter_vec(
@@ -281,6 +296,9 @@ impl Metrics {
             )?,
             pool_evictions_idle: evictions.with_label_values(&["idle"]),
             pool_evictions_lru: evictions.with_label_values(&["lru"]),
+            pool_evictions_superseded: evictions.with_label_values(&["superseded"]),
+            pool_evictions_peer_cap: evictions.with_label_values(&["peer_cap"]),
+            pool_refused_full: refused.with_label_values(&["pool_full"]),
             pool_connect_failures: counter(
                 Some(r),
                 "tb_pool_connect_failures_total",
@@ -660,6 +678,7 @@ mod tests {
         "tb_pool_dials_total",
         "tb_pool_reuses_total",
         "tb_pool_evictions_total",
+        "tb_pool_refused_total",
         "tb_pool_connect_failures_total",
         "tb_transfer_bytes_total",
         "tb_transfers_total",

@@ -46,7 +46,8 @@ pub struct Config {
     pub data_dir: Option<PathBuf>,
     /// Close a pooled link after it has been unused this long.
     pub idle_timeout: Duration,
-    /// Most pooled links at once; at the cap the least recently used idle link is evicted.
+    /// Most peers linked at once (each with at most [`crate::MAX_LINKS_PER_PEER`] links); at
+    /// the cap the least recently used idle peer is evicted.
     pub max_links: usize,
     /// A dial that has not completed by then fails with `PeerUnreachable`.
     pub connect_timeout: Duration,

@@ -42,6 +42,8 @@ pub(crate) struct NodeCtx {
     pub(crate) admission: Admission,
     /// The data channels this node runs and what its peers offered.
     pub(crate) channels: Channels,
+    /// Piece outlines being hashed, shared by concurrent requests for one tensor.
+    pub(crate) outlines: crate::upload::Outlines,
 }
 
 impl NodeCtx {

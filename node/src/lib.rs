@@ -23,10 +23,13 @@
 //! ```text
 //! Node (handle) ── NodeActor            owns the pool: peer id -> PeerActor
 //!                   ├── PeerActor        one per QUIC link: pooled (dialed or adopted), or
-//!                   │                    superseded by another and kept until unused
+//!                   │                    superseded by another and closed once idle; at most
+//!                   │                    `MAX_LINKS_PER_PEER` per peer (a new one closes the
+//!                   │                    peer's oldest)
 //!                   └── PeerActor        stops on idle timeout, eviction, or link loss
 //! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them (or
-//!                                       refuses them when the pool is full of busy links)
+//!                                       refuses a new peer's when the pool is full of busy
+//!                                       peers)
 //! TaskTracker ──── dial / serve tasks   every spawned task, joined at shutdown
 //!              ├── heartbeats           to the current broker, every `heartbeat_interval`
 //!              ├── eviction announcer   `RemoveHolder` for versions retention dropped
@@ -140,7 +143,7 @@ pub use endpoint::{
 pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
 pub use node::Node;
-pub use pool::{LinkGuard, PoolStats};
+pub use pool::{LinkGuard, MAX_LINKS_PER_PEER, PoolStats};
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use set::TensorSet;

@@ -144,6 +144,7 @@ impl Node {
             tracker: TaskTracker::new(),
             admission: auth::Admission::new(&config),
             channels: Channels::new(&config),
+            outlines: Default::default(),
             config,
         });
         for &kind in &ctx.config.channels {

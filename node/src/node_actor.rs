@@ -19,7 +19,7 @@ use crate::{
     error::{Error, Result},
     pool::{
         self, LinkGuard,
-        book::{Acquire, Insert, PoolBook},
+        book::{Acquire, Insert, Origin, PoolBook},
         link::{Link, LinkShared},
         peer::{self, PeerActor, PeerArgs, PeerMsg},
     },
@@ -36,13 +36,14 @@ pub(crate) enum NodeMsg {
     Dialed {
         peer: EndpointId,
         generation: u64,
-        /// The connection, and the access its peer proved in its welcome.
-        result: Result<(Connection, Access)>,
+        /// The connection, the access its peer proved in its welcome, and the link id its
+        /// channel offers were filed under.
+        result: Result<(Connection, Access, u64)>,
     },
-    /// A peer connected to us and passed the hello: pool the link if we have none to that
-    /// peer (else keep it, unpooled, until unused). The answer is the link its streams are
-    /// served under, or `None` when it was refused: the pool is full of links in use, and
-    /// the connection is closed with `TooManyConnections` before anything is served on it.
+    /// A peer connected to us and passed the hello: pool the link (or keep it superseded,
+    /// unpooled, until unused; see `pool::book`). The answer is the link its streams are
+    /// served under, or `None` when it was refused: a new peer while the pool is full of
+    /// peers in use, closed with `TooManyConnections` before anything is served on it.
     Adopt {
         conn: Connection,
         reply: RpcReplyPort<Option<Link>>,
@@ -52,8 +53,17 @@ pub(crate) enum NodeMsg {
 pub(crate) struct NodeState {
     ctx: Arc<NodeCtx>,
     book: PoolBook<Waiter, Link>,
-    /// Ready links by actor id, to match a stopped child with its pool slot.
-    children: std::collections::HashMap<ractor::ActorId, (EndpointId, u64, Arc<LinkShared>)>,
+    /// Every link in the book (pooled or superseded) by actor id, to match a stopped child
+    /// with its entry.
+    children: std::collections::HashMap<ractor::ActorId, Child>,
+}
+
+/// What a link's actor stands for in the book.
+struct Child {
+    peer: EndpointId,
+    generation: u64,
+    link: Arc<LinkShared>,
+    link_id: u64,
 }
 
 /// The per-process actor owning the connection pool.
@@ -69,7 +79,7 @@ impl Actor for NodeActor {
         _myself: ActorRef<NodeMsg>,
         ctx: Arc<NodeCtx>,
     ) -> Result<NodeState, ActorProcessingErr> {
-        let book = PoolBook::new(ctx.config.max_links);
+        let book = PoolBook::new(ctx.endpoint.id(), ctx.config.max_links);
         Ok(NodeState {
             ctx,
             book,
@@ -92,7 +102,8 @@ impl Actor for NodeActor {
             } => on_dialed(&myself, state, peer, generation, result).await,
             NodeMsg::Adopt { conn, reply } => {
                 let peer = conn.remote_id();
-                let link = insert_link(&myself, state, peer, None, conn).await;
+                let id = pool::link::next_link_id();
+                let link = insert_link(&myself, state, peer, Origin::Inbound, conn, id).await;
                 let _ = reply.send(link);
             }
         }
@@ -113,9 +124,11 @@ impl Actor for NodeActor {
             }
             _ => return Ok(()),
         };
-        if let Some((peer, generation, link)) = state.children.remove(&cell.get_id()) {
-            state.ctx.ready.remove(&peer, &link);
-            state.book.link_gone(&peer, generation);
+        if let Some(child) = state.children.remove(&cell.get_id()) {
+            let peer = child.peer;
+            state.ctx.ready.remove(&peer, &child.link);
+            state.book.link_gone(&peer, child.generation);
+            link_gone(state, peer, child.link_id);
         }
         Ok(())
     }
@@ -218,6 +231,7 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
         // The link's first request, bounded like any request (a silent peer costs the
         // request timeout here, then its requests time out over QUIC).
         let dial = async {
+            let link_id = pool::link::next_link_id();
             let (conn, access) = match tokio::time::timeout(timeout, dial).await {
                 Ok(dialed) => dialed?,
                 Err(_) => {
@@ -226,12 +240,11 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                 }
             };
             let limit = dial_ctx.config.request_timeout;
-            let exchange = channel_exchange(&dial_ctx, &conn, access);
+            let exchange = channel_exchange(&dial_ctx, &conn, access, link_id);
             if tokio::time::timeout(limit, exchange).await.is_err() {
                 debug!(peer = %peer.id.fmt_short(), "no channel offers in time: QUIC only");
-                dial_ctx.channels.forget(&peer.id);
             }
-            Ok((conn, access))
+            Ok((conn, access, link_id))
         };
         let result = tokio::select! {
             _ = cancel.cancelled() => Err(Error::Shutdown),
@@ -244,7 +257,8 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
         });
         // If the node is gone, close what we opened.
         if let Err(ractor::MessagingErr::SendErr(NodeMsg::Dialed {
-            result: Ok((c, _)), ..
+            result: Ok((c, _, _)),
+            ..
         })) = sent
         {
             peer::close(&c, CloseCode::Shutdown);
@@ -253,9 +267,10 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
 }
 
 /// Tells the peer of a new link the channels this node runs and learns its own (the first
-/// request on the link). A peer that does not answer usefully keeps to QUIC: the exchange
-/// never fails the dial.
-async fn channel_exchange(ctx: &NodeCtx, conn: &Connection, access: Access) {
+/// request on the link), filed under `link_id`. A peer that does not answer usefully keeps
+/// to QUIC on this link (what another link of it learned stays): the exchange never fails
+/// the dial.
+async fn channel_exchange(ctx: &NodeCtx, conn: &Connection, access: Access, link_id: u64) {
     let peer = conn.remote_id();
     let offers = ctx.channels.offers_for(peer, access);
     let exchange = async {
@@ -275,11 +290,8 @@ async fn channel_exchange(ctx: &NodeCtx, conn: &Connection, access: Access) {
         }
     };
     match exchange.await {
-        Ok(offers) => ctx.channels.learn(peer, access, offers),
-        Err(reason) => {
-            debug!(peer = %peer.fmt_short(), %reason, "no channel offers: QUIC only");
-            ctx.channels.forget(&peer);
-        }
+        Ok(offers) => ctx.channels.learn(peer, link_id, access, offers),
+        Err(reason) => debug!(peer = %peer.fmt_short(), %reason, "no channel offers: QUIC only"),
     }
 }
 
@@ -295,9 +307,9 @@ async fn on_dialed(
     state: &mut NodeState,
     peer: EndpointId,
     generation: u64,
-    result: Result<(Connection, Access)>,
+    result: Result<(Connection, Access, u64)>,
 ) {
-    let (conn, access) = match result {
+    let (conn, access, link_id) = match result {
         Ok(dialed) => dialed,
         Err(err) => {
             state.ctx.metrics.pool_connect_failures.inc();
@@ -309,22 +321,35 @@ async fn on_dialed(
     };
     // Pooled or superseded, the peer may open streams on this link too: serve them, as far
     // as the access it proved in its welcome allows.
-    if let Some(link) = insert_link(myself, state, peer, Some(generation), conn).await {
+    let origin = Origin::Dial(generation);
+    if let Some(link) = insert_link(myself, state, peer, origin, conn, link_id).await {
         serve::spawn_serve(&state.ctx, link, access);
     }
 }
 
-/// Puts a connection (a finished dial of `generation`, or an inbound one when `None`) under a
-/// new `PeerActor`: pooled, or superseded (the peer has a usable link already; kept unpooled
-/// until unused), and answers whoever waited for it. Returns the link to serve the peer's
-/// streams under, or `None` when the connection was refused (a pool full of links in use) or
-/// could not be set up — closed before anything was served on it.
+/// One link of `peer` (`link_id`) is gone: what it taught this node of the peer goes with the
+/// peer's last link (a newer link's offers stay, see `Channels::link_gone`).
+fn link_gone(state: &NodeState, peer: EndpointId, link_id: u64) {
+    let successor = state.book.link_of(&peer).map(|link| link.id);
+    state.ctx.channels.link_gone(&peer, link_id, successor);
+    state
+        .ctx
+        .ready
+        .set_superseded(state.book.superseded_count());
+}
+
+/// Puts a connection (a finished dial, or an inbound one) under a new `PeerActor`: pooled
+/// or superseded (see `pool::book`), and answers whoever waited for it. Returns the link to
+/// serve the peer's streams under, or `None` when the connection was refused (a new peer
+/// while the pool is full of peers in use) or could not be set up — closed before anything
+/// was served on it.
 async fn insert_link(
     myself: &ActorRef<NodeMsg>,
     state: &mut NodeState,
     peer: EndpointId,
-    generation: Option<u64>,
+    origin: Origin,
     conn: Connection,
+    link_id: u64,
 ) -> Option<Link> {
     let shared = Arc::new(LinkShared::new(Instant::now()));
     let args = PeerArgs {
@@ -338,47 +363,59 @@ async fn insert_link(
         Ok((actor, _)) => actor,
         Err(e) => {
             let err = Error::Io(format!("starting the link actor: {e}"));
-            if let Some(g) = generation {
+            if let Origin::Dial(g) = origin {
                 for waiter in state.book.dial_failed(&peer, g) {
                     let _ = waiter.send(Err(err.clone()));
                 }
             }
             peer::close(&conn, CloseCode::Normal);
+            link_gone(state, peer, link_id);
             return None;
         }
     };
     let link = Link {
+        id: link_id,
         conn,
         shared,
         actor,
     };
-    // A dial nobody waits for any more (its slot was dropped) is offered to the pool like an
-    // inbound link; only one that a usable link supersedes is kept unpooled.
-    let generation = generation
-        .filter(|&g| state.book.is_current_dial(&peer, g) || !state.book.wants_inbound(&peer));
-    match state
+    let inserted = state
         .book
-        .insert_ready(peer, generation, link.clone(), link.shared.clone())
-    {
-        Insert::Inserted { waiters, evicted } => {
-            if let Some(g) = state.book.ready_generation(&peer) {
-                let entry = (peer, g, link.shared.clone());
-                state.children.insert(link.actor.get_id(), entry);
-            }
+        .insert_ready(peer, origin, link.clone(), link.shared.clone());
+    let link = match inserted {
+        Insert::Pooled {
+            generation,
+            waiters,
+            evicted,
+            superseded,
+            over_cap,
+        } => {
+            adopt_child(state, peer, generation, &link);
             state.ctx.ready.insert(peer, &link);
-            if let Some((old_peer, old)) = evicted {
-                debug!(peer = %old_peer.fmt_short(), "evicting least recently used idle link");
-                state.ctx.metrics.pool_evictions_lru.inc();
-                let _ = old.actor.cast(PeerMsg::Close(CloseCode::LruEvicted));
+            close_evicted(state, evicted);
+            if let Some(old) = superseded {
+                let _ = old.actor.cast(PeerMsg::Supersede);
             }
+            close_over_cap(state, peer, over_cap);
             for waiter in waiters {
                 let _ = waiter.send(guard(&link, peer));
             }
             Some(link)
         }
-        Insert::Full { waiters } => {
+        Insert::Superseded {
+            generation,
+            over_cap,
+        } => {
+            adopt_child(state, peer, generation, &link);
+            let _ = link.actor.cast(PeerMsg::Supersede);
+            close_over_cap(state, peer, over_cap);
+            Some(link)
+        }
+        Insert::Full { waiters, evicted } => {
             let max = state.ctx.config.max_links;
-            debug!(peer = %peer.fmt_short(), max, "pool full of links in use: refusing a link");
+            debug!(peer = %peer.fmt_short(), max, "pool full of peers in use: refusing a link");
+            state.ctx.metrics.pool_refused_full.inc();
+            close_evicted(state, evicted);
             let _ = link
                 .actor
                 .cast(PeerMsg::Close(CloseCode::TooManyConnections));
@@ -388,10 +425,46 @@ async fn insert_link(
                     max: Some(max),
                 }));
             }
+            link_gone(state, peer, link_id);
             None
         }
-        // Superseded: kept, unpooled, while the peer uses it; its actor closes it once idle.
-        Insert::Stale => Some(link),
+    };
+    state
+        .ctx
+        .ready
+        .set_superseded(state.book.superseded_count());
+    link
+}
+
+/// Files a link's actor under its place in the book, to forget it when it stops.
+fn adopt_child(state: &mut NodeState, peer: EndpointId, generation: u64, link: &Link) {
+    let child = Child {
+        peer,
+        generation,
+        link: link.shared.clone(),
+        link_id: link.id,
+    };
+    state.children.insert(link.actor.get_id(), child);
+}
+
+/// Closes the links the LRU evicted to make room (idle ones, already closed for guards).
+fn close_evicted(state: &NodeState, evicted: Vec<(EndpointId, Link)>) {
+    for (old_peer, old) in evicted {
+        debug!(peer = %old_peer.fmt_short(), "evicting least recently used idle link");
+        state.ctx.metrics.pool_evictions_lru.inc();
+        let _ = old.actor.cast(PeerMsg::Close(CloseCode::LruEvicted));
+    }
+}
+
+/// Closes `peer`'s oldest links past [`pool::MAX_LINKS_PER_PEER`], counted.
+fn close_over_cap(state: &NodeState, peer: EndpointId, over_cap: Vec<Link>) {
+    for old in over_cap {
+        let max = pool::MAX_LINKS_PER_PEER;
+        debug!(peer = %peer.fmt_short(), max, "too many links from one peer: closing its oldest");
+        state.ctx.metrics.pool_evictions_peer_cap.inc();
+        let _ = old
+            .actor
+            .cast(PeerMsg::Close(CloseCode::TooManyConnections));
     }
 }
 

@@ -104,10 +104,11 @@ pub(crate) fn spawn_serve(ctx: &Arc<NodeCtx>, link: Link, access: Access) {
 /// its peer reads the close code (idle: redial) rather than an empty answer.
 const CLOSING_WAIT: Duration = Duration::from_secs(1);
 
-/// Serves the streams the peer opens on `link`. Each holds a guard on the link while it is
-/// served, so the link counts as in use (never idle- or LRU-closed) while the peer has a
-/// stream open on it, as it does while we have one; each as far as the peer's `access`
-/// allows.
+/// Serves the streams the peer opens on `link`, each as far as the peer's `access` allows.
+/// Each stream whose request arrived holds a guard on the link while it is served, so the
+/// link counts as in use (never idle- or LRU-closed) while the peer has a request open on
+/// it, as it does while we have one. A stream that sends no request holds nothing: a peer
+/// cannot keep a link (and its pool slot) in use with streams it leaves silent.
 async fn serve_connection(ctx: Arc<NodeCtx>, link: Link, access: Access) {
     let peer = link.conn.remote_id();
     loop {
@@ -116,13 +117,13 @@ async fn serve_connection(ctx: Arc<NodeCtx>, link: Link, access: Access) {
             accepted = link.conn.accept_bi() => accepted,
         };
         let Ok((send, recv)) = accepted else { break };
-        let Some(guard) = link.guard() else {
+        if !link.shared.is_usable() {
             // Closing (idle, evicted, shut down), which it does only with no stream open: this
             // one is not served. It dies with the connection, whose close code tells the peer.
             let _ = tokio::time::timeout(CLOSING_WAIT, link.conn.closed()).await;
             drop((send, recv));
             break;
-        };
+        }
         let span = debug_span!(
             "serve",
             me = %ctx.endpoint.id().fmt_short(),
@@ -130,43 +131,55 @@ async fn serve_connection(ctx: Arc<NodeCtx>, link: Link, access: Access) {
             tensor = tracing::field::Empty,
         );
         let task_ctx = ctx.clone();
+        let task_link = link.clone();
         ctx.tracker.spawn(
             async move {
                 tokio::select! {
                     _ = task_ctx.cancel.cancelled() => {}
-                    () = serve_stream_held(&task_ctx, peer, access, send, recv) => {}
+                    () = serve_stream(&task_ctx, &task_link, access, send, recv) => {}
                 }
-                drop(guard);
             }
             .instrument(span),
         );
     }
 }
 
-/// Serves one stream, then waits (within the stall timeout) until the peer has received the
-/// whole answer: until then the stream is open, and the caller's guard keeps the link in use.
-async fn serve_stream_held(
-    ctx: &NodeCtx,
-    peer: EndpointId,
-    access: Access,
-    send: SendStream,
-    recv: RecvStream,
-) {
-    let received = send.stopped();
-    serve_stream(ctx, peer, access, send, recv).await;
-    let _ = tokio::time::timeout(ctx.config.stall_timeout, received).await;
-}
-
+/// Serves one stream: reads its request, then answers it under a guard on the link, held
+/// until the peer has received the whole answer (within the stall timeout).
 async fn serve_stream(
     ctx: &NodeCtx,
-    peer: EndpointId,
+    link: &Link,
     access: Access,
     mut send: SendStream,
     mut recv: RecvStream,
 ) {
+    let Some(request) = read_request(ctx, access, &mut send, &mut recv).await else {
+        return;
+    };
+    let Some(guard) = link.guard() else {
+        // The link closed while the request arrived (closes happen only with no stream
+        // held): not served; the close code tells the peer to send it again elsewhere.
+        let _ = tokio::time::timeout(CLOSING_WAIT, link.conn.closed()).await;
+        return;
+    };
+    let received = send.stopped();
+    answer(ctx, link, access, request, send, recv).await;
+    let _ = tokio::time::timeout(ctx.config.stall_timeout, received).await;
+    drop(guard);
+}
+
+/// Reads a stream's request within the request timeout and admits it; a request that does
+/// not come, is malformed or too large, or is not allowed is refused here (`None`).
+async fn read_request(
+    ctx: &NodeCtx,
+    access: Access,
+    send: &mut SendStream,
+    recv: &mut RecvStream,
+) -> Option<DataRequest> {
+    let stall = ctx.config.stall_timeout;
     let request = tokio::time::timeout(
         ctx.config.request_timeout,
-        wire::read_frame_within::<DataRequest>(&mut recv, tb_proto::MAX_DATA_REQUEST_FRAME),
+        wire::read_frame_within::<DataRequest>(recv, tb_proto::MAX_DATA_REQUEST_FRAME),
     )
     .await;
     let request = match request {
@@ -177,45 +190,37 @@ async fn serve_stream(
                 _ => ErrorCode::Malformed,
             };
             debug!(%err, "refusing a bad request frame");
-            refuse(
-                &mut send,
-                &mut recv,
-                ctx.config.stall_timeout,
-                code,
-                err.to_string(),
-            )
-            .await;
-            return;
+            refuse(send, recv, stall, code, err.to_string()).await;
+            return None;
         }
         Ok(Err(ReadFrameError::Closed(reason))) => {
             debug!(%reason, "stream closed before a request");
-            return;
+            return None;
         }
         Err(_) => {
             let msg = format!("no request within {:?}", ctx.config.request_timeout);
-            refuse(
-                &mut send,
-                &mut recv,
-                ctx.config.stall_timeout,
-                ErrorCode::Malformed,
-                msg,
-            )
-            .await;
-            return;
+            refuse(send, recv, stall, ErrorCode::Malformed, msg).await;
+            return None;
         }
     };
     if let Err((code, message)) = admit_request(ctx, access, &request) {
         debug!(%message, "refusing a request");
-        refuse(
-            &mut send,
-            &mut recv,
-            ctx.config.stall_timeout,
-            code,
-            message,
-        )
-        .await;
-        return;
+        refuse(send, recv, stall, code, message).await;
+        return None;
     }
+    Some(request)
+}
+
+/// Answers an admitted request.
+async fn answer(
+    ctx: &NodeCtx,
+    link: &Link,
+    access: Access,
+    request: DataRequest,
+    mut send: SendStream,
+    recv: RecvStream,
+) {
+    let peer = link.conn.remote_id();
     if let Some(name) = request.name() {
         tracing::Span::current().record("tensor", name.as_str());
     }
@@ -239,7 +244,7 @@ async fn serve_stream(
             upload::serve_outline(ctx, send, &name, version).await;
         }
         DataRequest::Channels { offers } => {
-            ctx.channels.learn(peer, access, offers);
+            ctx.channels.learn(peer, link.id, access, offers);
             let offers = ctx.channels.offers_for(peer, access);
             let answer = DataResponse::Channels { offers };
             let _ = wire::write_frame_within(&mut send, &answer, ctx.config.stall_timeout).await;

@@ -1,14 +1,22 @@
 //! Sending payloads to pullers: under the node's upload limit ([`send_limited`]), from a
 //! version still arriving ([`serve_inflight`], the serving half of cut-through; see
 //! `inflight`), and the outline and pieces a puller in pieces may ask of this node
-//! ([`serve_outline`]).
+//! ([`serve_outline`], each tensor's outline hashed once however many ask: [`Outlines`]).
 
-use std::{ops::Range, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    ops::Range,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use bytes::Bytes;
 use iroh::endpoint::{SendStream, VarInt};
-use tb_proto::{CloseCode, DataResponse, ErrorCode, TensorName};
-use tokio::sync::watch;
+use tb_proto::{CloseCode, ContentHash, DataResponse, ErrorCode, TensorName};
+use tokio::sync::{OnceCell, watch};
 
 use tracing::debug;
 
@@ -17,7 +25,7 @@ use crate::{
     error::{Error, Result},
     inflight::{End, Incoming, Progress},
     serve::NotHeld,
-    tensor::Tensor,
+    tensor::{Outline, Tensor},
     wire::{self, Watchdog},
 };
 
@@ -249,8 +257,7 @@ pub(crate) async fn serve_outline(
         }
     };
     let byte_len = held.byte_len();
-    let outline = tokio::task::spawn_blocking(move || held.outline()).await;
-    let frame = match outline {
+    let frame = match ctx.outlines.of(&held).await {
         Ok(Some(values)) => DataResponse::Outline {
             piece_len: tb_proto::piece::piece_len(byte_len),
             values: values.to_vec(),
@@ -263,7 +270,7 @@ pub(crate) async fn serve_outline(
         },
         Err(e) => DataResponse::Error {
             code: ErrorCode::Internal,
-            message: format!("{what}: hashing the outline failed: {e}"),
+            message: format!("{what}: {e}"),
         },
     };
     if wire::write_frame_within(&mut send, &frame, ctx.config.stall_timeout)
@@ -271,6 +278,53 @@ pub(crate) async fn serve_outline(
         .is_ok()
     {
         let _ = send.finish();
+    }
+}
+
+/// The outlines being hashed now, by content: however many `Pieces` requests ask for one
+/// tensor's outline at once, one blocking task hashes it and the others wait for it without
+/// a thread; the tensor keeps the result (shared by every clone, the store's included), so
+/// later requests find it made.
+#[derive(Debug, Default)]
+pub(crate) struct Outlines {
+    hashing: Mutex<HashMap<ContentHash, Arc<OnceCell<Option<Outline>>>>>,
+    /// Blocking tasks started to make an outline.
+    tasks: AtomicU64,
+}
+
+impl Outlines {
+    /// `tensor`'s outline (`None` for a device tensor), made once however many ask.
+    pub(crate) async fn of(&self, tensor: &Tensor) -> Result<Option<Outline>, Error> {
+        let key = tensor.hash();
+        let cell = self.lock().entry(key).or_default().clone();
+        let made = cell
+            .get_or_try_init(|| {
+                self.tasks.fetch_add(1, Ordering::Relaxed);
+                let held = tensor.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || held.outline())
+                        .await
+                        .map_err(|e| Error::Io(format!("hashing the outline failed: {e}")))
+                }
+            })
+            .await
+            .cloned();
+        // Whoever gets here first retires the entry: the tensor keeps the outline.
+        let mut hashing = self.lock();
+        if hashing.get(&key).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+            hashing.remove(&key);
+        }
+        made
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<ContentHash, Arc<OnceCell<Option<Outline>>>>> {
+        self.hashing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocking tasks started to make an outline so far.
+    #[cfg(test)]
+    fn tasks(&self) -> u64 {
+        self.tasks.load(Ordering::Relaxed)
     }
 }
 
@@ -359,5 +413,67 @@ async fn serve_outline_inflight(
             },
             _ = send.stopped() => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: N concurrent `Pieces` requests for a tensor without an outline ran N
+    /// blocking tasks (one hashing, the others each holding a blocking thread while waiting).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_outline_requests_hash_once() {
+        const ASKING: usize = 16;
+        let len = 32 << 20;
+        let bytes = Bytes::from((0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let tensor = Tensor::new(tb_proto::DType::U8, vec![len as u64], bytes).expect("tensor");
+        let outlines = Outlines::default();
+        let asks = (0..ASKING).map(|_| outlines.of(&tensor));
+        let made = futures_join_all(asks).await;
+        let first = made[0]
+            .as_ref()
+            .expect("made")
+            .clone()
+            .expect("host outline");
+        for outline in &made {
+            let outline = outline
+                .as_ref()
+                .expect("made")
+                .clone()
+                .expect("host outline");
+            assert!(Arc::ptr_eq(&outline, &first), "one outline shared");
+        }
+        assert_eq!(outlines.tasks(), 1, "{ASKING} requests, one hashing task");
+        assert!(outlines.lock().is_empty(), "nothing kept once made");
+        // Later requests find it on the tensor (a clone, as the store hands out).
+        let again = outlines.of(&tensor.clone()).await.expect("made");
+        assert!(Arc::ptr_eq(&again.expect("host outline"), &first));
+    }
+
+    /// Polls every future together (all start before any finishes), as concurrent requests.
+    async fn futures_join_all<F: std::future::Future>(
+        futures: impl Iterator<Item = F>,
+    ) -> Vec<F::Output> {
+        let mut set: Vec<_> = futures.map(Box::pin).collect();
+        let mut done: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
+        std::future::poll_fn(|cx| {
+            let mut pending = false;
+            for (f, out) in set.iter_mut().zip(done.iter_mut()) {
+                if out.is_none() {
+                    match f.as_mut().poll(cx) {
+                        std::task::Poll::Ready(v) => *out = Some(v),
+                        std::task::Poll::Pending => pending = true,
+                    }
+                }
+            }
+            if pending {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
+        })
+        .await;
+        done.into_iter().flatten().collect()
     }
 }

@@ -355,6 +355,7 @@ const FAMILIES: &[(&str, &[&str])] = &[
     ("tb_pool_dials_total", &["broker", "worker"]),
     ("tb_pool_reuses_total", &["broker", "worker"]),
     ("tb_pool_evictions_total", &["broker", "worker"]),
+    ("tb_pool_refused_total", &["broker", "worker"]),
     ("tb_pool_connect_failures_total", &["broker", "worker"]),
     ("tb_transfer_bytes_total", &["broker", "worker"]),
     ("tb_transfers_total", &["broker", "worker"]),

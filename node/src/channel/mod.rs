@@ -255,6 +255,10 @@ pub(crate) struct ShmCache;
 /// What a peer offered on its latest link.
 #[derive(Debug)]
 struct Offered {
+    /// The link (`pool::link::next_link_id`) whose exchange this came from: the entry goes
+    /// when the peer's last link does, and only the end of the link it is filed under can
+    /// remove it, so a newer link's offers never go with an older link.
+    link: u64,
     /// The access it proved on that link: bytes from a read-only holder are verified.
     access: Access,
     offers: Vec<ChannelOffer>,
@@ -280,7 +284,8 @@ pub(crate) struct Channels {
     /// `Config::channels`: the kinds this node runs, best first.
     order: Vec<ChannelKind>,
     /// What each peer offered on its latest link (replaced when it offers again, e.g. after
-    /// a restart), and the access it proved on that link.
+    /// a restart), and the access it proved on that link; only peers with a link (or a dial
+    /// whose exchange is done) have an entry.
     offered: Mutex<HashMap<EndpointId, Offered>>,
     /// This node's end of the shm channel, when it runs it.
     #[cfg(target_os = "linux")]
@@ -373,12 +378,19 @@ impl Channels {
         offers
     }
 
-    /// Records what `peer`, which proved `access` on its link, offered (its offers were
-    /// validated by the frame's reader). Idle same-host connections to it are dropped: the
-    /// offer may come from a restarted process.
-    pub(crate) fn learn(&self, peer: EndpointId, access: Access, offers: Vec<ChannelOffer>) {
+    /// Records what `peer`, which proved `access` on its link `link`, offered (its offers
+    /// were validated by the frame's reader). Idle same-host connections to it are dropped:
+    /// the offer may come from a restarted process.
+    pub(crate) fn learn(
+        &self,
+        peer: EndpointId,
+        link: u64,
+        access: Access,
+        offers: Vec<ChannelOffer>,
+    ) {
         let withdrawn = HashMap::new();
         let offered = Offered {
+            link,
             access,
             offers,
             withdrawn,
@@ -390,14 +402,33 @@ impl Channels {
         }
     }
 
-    /// Forgets `peer`'s offers and idle same-host connections (the exchange failed, or its
-    /// link went): it is back to QUIC until a link exchanges offers again.
-    pub(crate) fn forget(&self, peer: &EndpointId) {
-        self.offered().remove(peer);
-        #[cfg(target_os = "linux")]
-        if let Some(shm) = &self.shm {
-            shm.forget(peer);
+    /// `peer`'s link `link` went. If its entry was filed under that link: with `successor`
+    /// (another live link of the peer) the entry is filed under that one now; without, it
+    /// is removed, with its backoffs and idle same-host connections (the peer is back to
+    /// QUIC until a link exchanges offers again). An entry filed under another link (a
+    /// newer one, or a dial whose exchange finished first) stays: that link removes it.
+    pub(crate) fn link_gone(&self, peer: &EndpointId, link: u64, successor: Option<u64>) {
+        let mut offered = self.offered();
+        let Some(entry) = offered.get_mut(peer).filter(|e| e.link == link) else {
+            return;
+        };
+        match successor {
+            Some(next) => entry.link = next,
+            None => {
+                offered.remove(peer);
+                drop(offered);
+                #[cfg(target_os = "linux")]
+                if let Some(shm) = &self.shm {
+                    shm.forget(peer);
+                }
+            }
         }
+    }
+
+    /// Peers whose offers are kept now.
+    #[cfg(test)]
+    pub(crate) fn peers_known(&self) -> usize {
+        self.offered().len()
     }
 
     /// Whether `peer`'s offers are known (its link exchanged them).
@@ -596,7 +627,7 @@ mod tests {
             return;
         }
         let peer = iroh::SecretKey::generate().public();
-        channels.learn(peer, Access::ReadWrite, vec![shm_offer()]);
+        channels.learn(peer, 1, Access::ReadWrite, vec![shm_offer()]);
         assert_eq!(channels.pick(&peer), ChannelKind::Shm);
         // Failures in a row double the pause, up to the cap.
         let pauses: Vec<_> = (0..9)
@@ -624,5 +655,33 @@ mod tests {
         // A success forgets the failures: the next one pauses for the first backoff again.
         channels.succeeded(&peer, ChannelKind::Shm);
         assert_eq!(channels.failed(&peer, ChannelKind::Shm), CHANNEL_BACKOFF);
+    }
+
+    /// Regression: a peer's offers (and backoffs) were kept for every peer ever seen; and
+    /// removing them when a link went could drop what a newer link of the peer had learned.
+    #[test]
+    fn offers_go_with_the_peers_last_link_and_only_with_the_link_they_came_on() {
+        let channels = Channels::new(&Config::default());
+        let (a, b) = (
+            iroh::SecretKey::generate().public(),
+            iroh::SecretKey::generate().public(),
+        );
+        channels.learn(a, 1, Access::ReadWrite, vec![shm_offer()]);
+        channels.learn(b, 2, Access::ReadWrite, vec![shm_offer()]);
+        channels.failed(&a, ChannelKind::Shm);
+        // A newer link of `a` (3) learned again; the old one (1) goes: 3's offers stay.
+        channels.learn(a, 3, Access::ReadOnly, vec![shm_offer()]);
+        channels.link_gone(&a, 1, None);
+        assert!(channels.knows(&a), "a newer link's offers stay");
+        // Link 3 goes while link 4 of `a` lives: the entry is filed under 4 now.
+        channels.link_gone(&a, 3, Some(4));
+        assert!(channels.knows(&a));
+        channels.link_gone(&a, 3, None);
+        assert!(channels.knows(&a), "3 no longer owns the entry");
+        channels.link_gone(&a, 4, None);
+        assert!(!channels.knows(&a), "gone with the last link");
+        assert!(channels.knows(&b));
+        channels.link_gone(&b, 2, None);
+        assert_eq!(channels.peers_known(), 0, "nothing kept for unlinked peers");
     }
 }

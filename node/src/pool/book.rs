@@ -1,22 +1,35 @@
-//! Pool bookkeeping as plain data: which peers are connecting or ready, who waits for a dial,
-//! which idle link to evict. The `NodeActor` is a thin shell over this; it is tested here
-//! without actors or sockets.
+//! Pool bookkeeping as plain data: which peers are connecting or linked, who waits for a dial,
+//! which link of a pair is pooled, which idle peer to evict. The `NodeActor` is a thin shell
+//! over this; it is tested here without actors or sockets.
 //!
 //! Rules (learned by iroh's own pool): concurrent requests for a new peer share one dial
 //! (`Connecting { waiters }`); generation numbers make events from an old dial harmless;
-//! dials in flight do not count toward the cap; only idle links (no stream open in either
-//! direction: served streams count as uses) are evicted, least recently used first, and a
-//! link is closed by a compare-and-swap on its use count, so a link that is being closed is
-//! never handed out and never serves another stream. An inbound link that finds the pool
-//! full of busy links is refused (`Insert::Full`) before anything is served on it.
+//! dials in flight do not count toward the cap; only idle peers (no stream open on any of
+//! their links, in either direction: served streams count as uses) are evicted, least
+//! recently used first, and a link is closed by a compare-and-swap on its use count, so a
+//! link that is being closed is never handed out and never serves another stream. A new
+//! peer's link that finds the pool full of busy peers is refused (`Insert::Full`) before
+//! anything is served on it.
+//!
+//! Links per peer: a peer may hold several links (both sides dialed at once, a restarted
+//! process dialing again, a member that dials on purpose). One is pooled; the others are
+//! *superseded*: still served while in use, closed by their actor once idle. Which one is
+//! pooled is decided the same way on both sides, so a pair converges on one link: of two
+//! links dialed by the same node the newer wins (a restarted peer's new link replaces its old
+//! one), of two dialed by different nodes the one the lower node id dialed wins. A peer holds
+//! at most [`MAX_LINKS_PER_PEER`] live links: a new one past that closes the peer's oldest
+//! superseded links (idle ones first), so the excess is always the peer's own, never another
+//! peer's, and an honest reconnect always gets in. The pool's cap (`Config::max_links`)
+//! counts peers holding at least one live link, so a node holds at most `max_links x
+//! MAX_LINKS_PER_PEER` links.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, sync::Arc, time::Instant};
 
 use iroh::EndpointId;
 
-use super::link::LinkShared;
+use super::{MAX_LINKS_PER_PEER, link::LinkShared};
 
-/// A peer's entry in the pool.
+/// A peer's pool slot: a dial in flight, or its pooled link.
 #[derive(Debug)]
 enum Slot<W, H> {
     Connecting {
@@ -27,7 +40,26 @@ enum Slot<W, H> {
         generation: u64,
         handle: H,
         link: Arc<LinkShared>,
+        /// Whether this node dialed it (decides which of two links a pair keeps).
+        ours: bool,
     },
+}
+
+/// A superseded link: kept, unpooled, until its actor closes it once idle.
+#[derive(Debug)]
+struct Extra<H> {
+    generation: u64,
+    handle: H,
+    link: Arc<LinkShared>,
+}
+
+/// Where a new link came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// Our dial of this generation.
+    Dial(u64),
+    /// The peer dialed us.
+    Inbound,
 }
 
 /// What `acquire` decided.
@@ -39,36 +71,53 @@ pub(crate) enum Acquire<W, H> {
     Queued,
     /// Start a dial with this generation; the waiter was queued on it.
     Dial { generation: u64 },
-    /// The pool is full of busy links.
+    /// The pool is full of busy peers.
     Full { waiter: W },
 }
 
 /// What to do with a finished dial or an adopted inbound link.
 #[derive(Debug)]
 pub(crate) enum Insert<W, H> {
-    /// Inserted; reply to these waiters, and close the evicted link if any.
-    Inserted {
+    /// Pooled under `generation`: reply to `waiters`; close the `evicted` links (LRU, to make
+    /// room); tell the link this one replaced (`superseded`) to close once idle; close the
+    /// `over_cap` links (the peer's oldest, past [`MAX_LINKS_PER_PEER`]).
+    Pooled {
+        generation: u64,
         waiters: Vec<W>,
-        evicted: Option<(EndpointId, H)>,
+        evicted: Vec<(EndpointId, H)>,
+        superseded: Option<H>,
+        over_cap: Vec<H>,
     },
-    /// The dial was superseded (or the peer already has a link): keep the connection unpooled.
-    Stale,
-    /// At the cap with every link busy: fail these waiters and drop the connection.
-    Full { waiters: Vec<W> },
+    /// Kept unpooled under `generation` (the peer's pooled link is preferred): served while
+    /// in use, closed once idle; close the `over_cap` links.
+    Superseded { generation: u64, over_cap: Vec<H> },
+    /// A new peer while every pooled peer is busy: fail these waiters and close the link
+    /// (and the `evicted` links, closed while looking for room).
+    Full {
+        waiters: Vec<W>,
+        evicted: Vec<(EndpointId, H)>,
+    },
 }
 
-/// The pool's state: one slot per peer.
+/// The pool's state: one slot per peer, and the superseded links each peer still holds.
 #[derive(Debug)]
 pub(crate) struct PoolBook<W, H> {
+    me: EndpointId,
     slots: HashMap<EndpointId, Slot<W, H>>,
+    /// Oldest first; a peer's entry goes with its last superseded link.
+    superseded: HashMap<EndpointId, Vec<Extra<H>>>,
     next_generation: u64,
     max_links: usize,
 }
 
 impl<W, H: Clone> PoolBook<W, H> {
-    pub(crate) fn new(max_links: usize) -> Self {
+    /// An empty book for the node `me` (its id breaks ties between a pair's links), pooling
+    /// at most `max_links` peers.
+    pub(crate) fn new(me: EndpointId, max_links: usize) -> Self {
         PoolBook {
+            me,
             slots: HashMap::new(),
+            superseded: HashMap::new(),
             next_generation: 0,
             max_links: max_links.max(1),
         }
@@ -93,7 +142,8 @@ impl<W, H: Clone> PoolBook<W, H> {
             }
             None => {}
         }
-        if self.ready_count() >= self.max_links && self.lru_idle().is_none() {
+        if !self.occupies(&peer) && self.occupancy() >= self.max_links && self.lru_idle().is_none()
+        {
             return Acquire::Full { waiter };
         }
         let generation = self.bump();
@@ -112,78 +162,177 @@ impl<W, H: Clone> PoolBook<W, H> {
         matches!(self.slots.get(peer), Some(Slot::Connecting { generation: g, .. }) if *g == generation)
     }
 
-    /// Whether an inbound link from `peer` should be adopted (no usable link to it yet).
-    pub(crate) fn wants_inbound(&self, peer: &EndpointId) -> bool {
-        match self.slots.get(peer) {
-            None | Some(Slot::Connecting { .. }) => true,
-            Some(Slot::Ready { link, .. }) => !link.is_usable(),
+    /// Makes room for one more peer, evicting the least recently used idle ones (all their
+    /// links). Returns the links closed, and whether there is room now.
+    fn make_room(&mut self) -> (Vec<(EndpointId, H)>, bool) {
+        let mut evicted = Vec::new();
+        // Closing can race with a guard being taken elsewhere; try the next oldest then.
+        for _ in 0..=self.max_links {
+            if self.occupancy() < self.max_links {
+                return (evicted, true);
+            }
+            let Some(peer) = self.lru_idle() else { break };
+            evicted.extend(self.close_idle_links(&peer).into_iter().map(|h| (peer, h)));
         }
+        (evicted, self.occupancy() < self.max_links)
     }
 
-    /// Makes room for one more ready link, evicting the least recently used idle one.
-    /// `Err(())` when the pool is full of busy links.
-    pub(crate) fn make_room(&mut self) -> Result<Option<(EndpointId, H)>, ()> {
-        if self.ready_count() < self.max_links {
-            return Ok(None);
-        }
-        // Closing can race with a guard being taken elsewhere; try the next oldest then.
-        for _ in 0..self.max_links {
-            let Some(peer) = self.lru_idle() else { break };
-            let Some(Slot::Ready { handle, link, .. }) = self.slots.get(&peer) else {
-                break;
-            };
-            let handle = handle.clone();
+    /// Closes every idle link of `peer` (forgetting dead ones) and returns their handles.
+    fn close_idle_links(&mut self, peer: &EndpointId) -> Vec<H> {
+        let mut closed = Vec::new();
+        if let Some(Slot::Ready { handle, link, .. }) = self.slots.get(peer) {
+            let (handle, usable) = (handle.clone(), link.is_usable());
             if link.try_close() {
-                self.slots.remove(&peer);
-                return Ok(Some((peer, handle)));
+                closed.push(handle);
+                self.slots.remove(peer);
+            } else if !usable {
+                self.slots.remove(peer);
             }
         }
-        Err(())
+        if let Some(extras) = self.superseded.get_mut(peer) {
+            extras.retain(|e| {
+                if e.link.try_close() {
+                    closed.push(e.handle.clone());
+                    return false;
+                }
+                e.link.is_usable()
+            });
+        }
+        self.drop_empty(peer);
+        closed
     }
 
-    /// Inserts a ready link for `peer` (a finished dial of `generation`, or an adopted inbound
-    /// link when `generation` is `None`) and returns who was waiting for it.
+    /// Puts a new link to `peer` in the book: pooled (replacing a pooled link it wins over,
+    /// which becomes superseded), or superseded, or refused when it is a new peer and the
+    /// pool is full of busy peers; then holds the peer to [`MAX_LINKS_PER_PEER`].
     pub(crate) fn insert_ready(
         &mut self,
         peer: EndpointId,
-        generation: Option<u64>,
+        origin: Origin,
         handle: H,
         link: Arc<LinkShared>,
     ) -> Insert<W, H> {
-        let current = match generation {
-            Some(g) => self.is_current_dial(&peer, g),
-            None => self.wants_inbound(&peer),
-        };
-        if !current {
-            return Insert::Stale;
-        }
-        let evicted = match self.make_room() {
-            Ok(evicted) => evicted,
-            Err(()) => {
-                let waiters = match self.slots.remove(&peer) {
-                    Some(Slot::Connecting { waiters, .. }) => waiters,
-                    _ => Vec::new(),
-                };
-                return Insert::Full { waiters };
-            }
-        };
-        let generation = self.bump();
-        let previous = self.slots.insert(
-            peer,
-            Slot::Ready {
+        let ours = matches!(origin, Origin::Dial(_));
+        let current = matches!(origin, Origin::Dial(g) if self.is_current_dial(&peer, g));
+        let pool_it = current
+            || match self.slots.get(&peer) {
+                Some(Slot::Ready {
+                    link: pooled,
+                    ours: pooled_ours,
+                    ..
+                }) if pooled.is_usable() => self.new_wins(&peer, ours, *pooled_ours),
+                _ => true,
+            };
+        if !pool_it {
+            let generation = self.bump();
+            self.superseded.entry(peer).or_default().push(Extra {
                 generation,
                 handle,
                 link,
-            },
-        );
-        let waiters = match previous {
-            Some(Slot::Connecting { waiters, .. }) => waiters,
-            _ => Vec::new(),
+            });
+            let over_cap = self.enforce_cap(&peer);
+            return Insert::Superseded {
+                generation,
+                over_cap,
+            };
+        }
+        let mut evicted = Vec::new();
+        if !self.occupies(&peer) {
+            let (closed, room) = self.make_room();
+            evicted = closed;
+            if !room {
+                let connecting = matches!(self.slots.get(&peer), Some(Slot::Connecting { .. }));
+                let waiters = match connecting.then(|| self.slots.remove(&peer)).flatten() {
+                    Some(Slot::Connecting { waiters, .. }) => waiters,
+                    _ => Vec::new(),
+                };
+                return Insert::Full { waiters, evicted };
+            }
+        }
+        let generation = self.bump();
+        let slot = Slot::Ready {
+            generation,
+            handle,
+            link,
+            ours,
         };
-        Insert::Inserted { waiters, evicted }
+        let (waiters, superseded) = match self.slots.insert(peer, slot) {
+            Some(Slot::Connecting { waiters, .. }) => (waiters, None),
+            Some(Slot::Ready {
+                generation,
+                handle,
+                link,
+                ..
+            }) if link.is_usable() => {
+                let old = handle.clone();
+                let extra = Extra {
+                    generation,
+                    handle,
+                    link,
+                };
+                self.superseded.entry(peer).or_default().push(extra);
+                (Vec::new(), Some(old))
+            }
+            _ => (Vec::new(), None),
+        };
+        let over_cap = self.enforce_cap(&peer);
+        Insert::Pooled {
+            generation,
+            waiters,
+            evicted,
+            superseded,
+            over_cap,
+        }
     }
 
-    /// The generation a ready link of `peer` was given (to match its actor's later stop).
+    /// Whether a new link (`ours`: we dialed it) wins the pool slot over a usable pooled one
+    /// (`pooled_ours`). Both sides of a pair decide alike: of two links one node dialed, the
+    /// newer; else the one the lower node id dialed.
+    fn new_wins(&self, peer: &EndpointId, ours: bool, pooled_ours: bool) -> bool {
+        if ours == pooled_ours {
+            return true;
+        }
+        let i_am_lower = self.me < *peer;
+        ours == i_am_lower
+    }
+
+    /// Holds `peer` to [`MAX_LINKS_PER_PEER`] live links: closes its oldest superseded links
+    /// past the cap, idle ones first, and returns them (marked unusable already).
+    fn enforce_cap(&mut self, peer: &EndpointId) -> Vec<H> {
+        let pooled = usize::from(matches!(
+            self.slots.get(peer),
+            Some(Slot::Ready { link, .. }) if link.is_usable()
+        ));
+        let Some(extras) = self.superseded.get_mut(peer) else {
+            return Vec::new();
+        };
+        extras.retain(|e| e.link.is_usable());
+        let mut excess = (pooled + extras.len()).saturating_sub(MAX_LINKS_PER_PEER);
+        let mut closed = Vec::new();
+        // Idle ones first (oldest first), then the oldest busy ones: the peer's own streams.
+        extras.retain(|e| {
+            if excess > 0 && e.link.try_close() {
+                excess -= 1;
+                closed.push(e.handle.clone());
+                return false;
+            }
+            true
+        });
+        extras.retain(|e| {
+            if excess > 0 {
+                excess -= 1;
+                e.link.mark_dead();
+                closed.push(e.handle.clone());
+                return false;
+            }
+            true
+        });
+        self.drop_empty(peer);
+        closed
+    }
+
+    /// The generation a pooled link of `peer` was given.
+    #[cfg(test)]
     pub(crate) fn ready_generation(&self, peer: &EndpointId) -> Option<u64> {
         match self.slots.get(peer) {
             Some(Slot::Ready { generation, .. }) => Some(*generation),
@@ -202,16 +351,41 @@ impl<W, H: Clone> PoolBook<W, H> {
         }
     }
 
-    /// A link's actor stopped: drop the slot if it still is that link.
+    /// The link of `generation` to `peer` stopped: forget it (stale generations change
+    /// nothing). Returns whether `peer` holds no link any more.
     pub(crate) fn link_gone(&mut self, peer: &EndpointId, generation: u64) -> bool {
-        if self.ready_generation(peer) == Some(generation) {
+        if matches!(self.slots.get(peer), Some(Slot::Ready { generation: g, .. }) if *g == generation)
+        {
             self.slots.remove(peer);
-            return true;
         }
-        false
+        if let Some(extras) = self.superseded.get_mut(peer) {
+            extras.retain(|e| e.generation != generation);
+        }
+        self.drop_empty(peer);
+        self.link_of(peer).is_none()
     }
 
-    /// Removes everything: ready handles (to close) and waiters (to fail).
+    /// A live link of `peer`: the pooled one, else its newest superseded one.
+    pub(crate) fn link_of(&self, peer: &EndpointId) -> Option<&H> {
+        if let Some(Slot::Ready { handle, link, .. }) = self.slots.get(peer)
+            && link.is_usable()
+        {
+            return Some(handle);
+        }
+        let extras = self.superseded.get(peer)?;
+        extras
+            .iter()
+            .rev()
+            .find(|e| e.link.is_usable())
+            .map(|e| &e.handle)
+    }
+
+    /// Superseded links held now, over every peer.
+    pub(crate) fn superseded_count(&self) -> usize {
+        self.superseded.values().map(Vec::len).sum()
+    }
+
+    /// Removes everything: link handles (to close) and waiters (to fail).
     pub(crate) fn drain(&mut self) -> (Vec<H>, Vec<W>) {
         let mut handles = Vec::new();
         let mut waiters = Vec::new();
@@ -221,25 +395,66 @@ impl<W, H: Clone> PoolBook<W, H> {
                 Slot::Connecting { waiters: w, .. } => waiters.extend(w),
             }
         }
+        for (_, extras) in self.superseded.drain() {
+            handles.extend(extras.into_iter().map(|e| e.handle));
+        }
         (handles, waiters)
     }
 
-    fn ready_count(&self) -> usize {
-        self.slots
-            .values()
-            .filter(|s| matches!(s, Slot::Ready { .. }))
-            .count()
+    /// Whether `peer` holds a live link (and so counts toward the cap already).
+    fn occupies(&self, peer: &EndpointId) -> bool {
+        self.link_of(peer).is_some()
     }
 
+    /// Peers holding at least one live link: what the cap counts.
+    fn occupancy(&self) -> usize {
+        let pooled = self.slots.iter().filter(|(peer, slot)| {
+            matches!(slot, Slot::Ready { link, .. } if link.is_usable())
+                || self.has_live_extra(peer)
+        });
+        let only_superseded = self
+            .superseded
+            .keys()
+            .filter(|peer| !self.slots.contains_key(*peer) && self.has_live_extra(peer));
+        pooled.count() + only_superseded.count()
+    }
+
+    fn has_live_extra(&self, peer: &EndpointId) -> bool {
+        self.superseded
+            .get(peer)
+            .is_some_and(|extras| extras.iter().any(|e| e.link.is_usable()))
+    }
+
+    /// The least recently used peer none of whose live links is in use.
     fn lru_idle(&self) -> Option<EndpointId> {
-        self.slots
-            .iter()
-            .filter_map(|(peer, slot)| match slot {
-                Slot::Ready { link, .. } => link.idle_since().map(|t| (t, *peer)),
-                Slot::Connecting { .. } => None,
-            })
+        let peers = self.slots.keys().chain(self.superseded.keys());
+        peers
+            .filter_map(|peer| self.idle_since(peer).map(|t| (t, *peer)))
             .min_by_key(|(t, _)| *t)
             .map(|(_, peer)| peer)
+    }
+
+    /// When `peer` last used any of its live links, if it uses none now (`None` also when it
+    /// holds no live link).
+    fn idle_since(&self, peer: &EndpointId) -> Option<Instant> {
+        let pooled = match self.slots.get(peer) {
+            Some(Slot::Ready { link, .. }) => Some(link),
+            _ => None,
+        };
+        let extras = self.superseded.get(peer).into_iter().flatten();
+        let links = pooled.into_iter().chain(extras.map(|e| &e.link));
+        let mut latest = None;
+        for link in links.filter(|l| l.is_usable()) {
+            let since = link.idle_since()?;
+            latest = latest.max(Some(since));
+        }
+        latest
+    }
+
+    fn drop_empty(&mut self, peer: &EndpointId) {
+        if self.superseded.get(peer).is_some_and(Vec::is_empty) {
+            self.superseded.remove(peer);
+        }
     }
 
     fn bump(&mut self) -> u64 {
@@ -260,13 +475,22 @@ mod tests {
         iroh::SecretKey::from_bytes(&[n; 32]).public()
     }
 
+    /// A book for a node whose id sorts below every `peer(n)`'s or above, as asked.
+    fn book(max_links: usize) -> Book {
+        Book::new(peer(0), max_links)
+    }
+
+    fn shared(at: Instant) -> Arc<LinkShared> {
+        Arc::new(LinkShared::new(at))
+    }
+
     fn ready(book: &mut Book, p: EndpointId, at: Instant) -> Arc<LinkShared> {
         let Acquire::Dial { generation } = book.acquire(p, 0) else {
             panic!("expected a dial")
         };
-        let link = Arc::new(LinkShared::new(at));
-        let Insert::Inserted { waiters, .. } =
-            book.insert_ready(p, Some(generation), "h", link.clone())
+        let link = shared(at);
+        let Insert::Pooled { waiters, .. } =
+            book.insert_ready(p, Origin::Dial(generation), "h", link.clone())
         else {
             panic!("expected insert")
         };
@@ -274,9 +498,13 @@ mod tests {
         link
     }
 
+    fn evicted_peers<H>(evicted: &[(EndpointId, H)]) -> Vec<EndpointId> {
+        evicted.iter().map(|(p, _)| *p).collect()
+    }
+
     #[test]
     fn concurrent_requests_share_one_dial() {
-        let mut book = Book::new(4);
+        let mut book = book(4);
         let p = peer(1);
         let Acquire::Dial { generation } = book.acquire(p, 1) else {
             panic!()
@@ -284,14 +512,15 @@ mod tests {
         for w in 2..=200 {
             assert!(matches!(book.acquire(p, w), Acquire::Queued));
         }
-        let link = Arc::new(LinkShared::new(Instant::now()));
-        let Insert::Inserted { waiters, evicted } =
-            book.insert_ready(p, Some(generation), "h", link)
+        let link = shared(Instant::now());
+        let Insert::Pooled {
+            waiters, evicted, ..
+        } = book.insert_ready(p, Origin::Dial(generation), "h", link)
         else {
             panic!()
         };
         assert_eq!(waiters, (1..=200).collect::<Vec<_>>());
-        assert!(evicted.is_none());
+        assert!(evicted.is_empty());
         assert!(matches!(
             book.acquire(p, 201),
             Acquire::Reuse { waiter: 201, .. }
@@ -300,42 +529,36 @@ mod tests {
 
     #[test]
     fn stale_dial_results_are_ignored() {
-        let mut book = Book::new(4);
+        let mut book = book(4);
         let p = peer(1);
         let Acquire::Dial { generation } = book.acquire(p, 1) else {
             panic!()
         };
         assert_eq!(book.dial_failed(&p, generation), vec![1]);
         assert!(book.dial_failed(&p, generation).is_empty());
-        let link = Arc::new(LinkShared::new(Instant::now()));
-        assert!(matches!(
-            book.insert_ready(p, Some(generation), "h", link),
-            Insert::Stale
-        ));
     }
 
     #[test]
     fn lru_idle_link_is_evicted_at_the_cap() {
-        let mut book = Book::new(2);
+        let mut book = book(2);
         let t0 = Instant::now();
         let old = ready(&mut book, peer(1), t0);
         let _newer = ready(&mut book, peer(2), t0 + Duration::from_secs(1));
         let Acquire::Dial { generation } = book.acquire(peer(3), 7) else {
             panic!()
         };
-        let link = Arc::new(LinkShared::new(t0));
-        let Insert::Inserted { evicted, .. } =
-            book.insert_ready(peer(3), Some(generation), "h3", link)
+        let Insert::Pooled { evicted, .. } =
+            book.insert_ready(peer(3), Origin::Dial(generation), "h3", shared(t0))
         else {
             panic!()
         };
-        assert_eq!(evicted.map(|(p, _)| p), Some(peer(1)));
+        assert_eq!(evicted_peers(&evicted), vec![peer(1)]);
         assert!(!old.is_usable(), "evicted link is closed");
     }
 
     #[test]
     fn busy_pool_is_full() {
-        let mut book = Book::new(1);
+        let mut book = book(1);
         let link = ready(&mut book, peer(1), Instant::now());
         assert!(link.try_acquire());
         assert!(matches!(
@@ -348,33 +571,36 @@ mod tests {
 
     #[test]
     fn a_link_being_used_at_dial_completion_makes_the_pool_full() {
-        let mut book = Book::new(1);
+        let mut book = book(1);
         let link = ready(&mut book, peer(1), Instant::now());
         let Acquire::Dial { generation } = book.acquire(peer(2), 5) else {
             panic!()
         };
         assert!(link.try_acquire(), "became busy while dialing");
-        let new = Arc::new(LinkShared::new(Instant::now()));
-        match book.insert_ready(peer(2), Some(generation), "h2", new) {
-            Insert::Full { waiters } => assert_eq!(waiters, vec![5]),
+        let new = shared(Instant::now());
+        match book.insert_ready(peer(2), Origin::Dial(generation), "h2", new) {
+            Insert::Full { waiters, evicted } => {
+                assert_eq!(waiters, vec![5]);
+                assert!(evicted.is_empty());
+            }
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
     fn gone_links_are_removed_only_for_their_generation() {
-        let mut book = Book::new(2);
+        let mut book = book(2);
         let p = peer(1);
         ready(&mut book, p, Instant::now());
         let generation = book.ready_generation(&p).expect("ready");
-        assert!(!book.link_gone(&p, generation + 100));
-        assert!(book.link_gone(&p, generation));
+        assert!(!book.link_gone(&p, generation + 100), "still linked");
+        assert!(book.link_gone(&p, generation), "its last link went");
         assert!(matches!(book.acquire(p, 1), Acquire::Dial { .. }));
     }
 
     #[test]
     fn closed_link_is_never_handed_out() {
-        let mut book = Book::new(2);
+        let mut book = book(2);
         let p = peer(1);
         let link = ready(&mut book, p, Instant::now());
         assert!(link.try_close());
@@ -385,24 +611,26 @@ mod tests {
     /// pulling through looked idle and was evicted under it.
     #[test]
     fn a_link_with_served_streams_is_not_evictable() {
-        let mut book = Book::new(1);
+        let mut book = book(1);
         let link = ready(&mut book, peer(1), Instant::now());
         // The serving side takes a use per stream it serves, as our own requests do.
         assert!(link.try_acquire(), "a served stream holds the link");
-        assert!(book.make_room().is_err(), "nothing to evict");
+        assert!(!book.make_room().1, "nothing to evict");
         assert!(matches!(
             book.acquire(peer(2), 9),
             Acquire::Full { waiter: 9 }
         ));
         assert!(!link.try_close(), "the idle close fails too");
         assert!(link.release(Instant::now()));
-        assert!(matches!(book.make_room(), Ok(Some((p, _))) if p == peer(1)));
+        let (evicted, room) = book.make_room();
+        assert!(room);
+        assert_eq!(evicted_peers(&evicted), vec![peer(1)]);
         assert!(!link.is_usable(), "evicted once the stream ended");
     }
 
     #[test]
     fn lru_skips_links_in_use_by_either_side() {
-        let mut book = Book::new(3);
+        let mut book = book(3);
         let t0 = Instant::now();
         let ours = ready(&mut book, peer(1), t0);
         let theirs = ready(&mut book, peer(2), t0 + Duration::from_secs(1));
@@ -415,16 +643,16 @@ mod tests {
         let Acquire::Dial { generation } = book.acquire(peer(4), 7) else {
             panic!("an idle link makes room")
         };
-        let new = Arc::new(LinkShared::new(t0));
-        let Insert::Inserted { evicted, waiters } =
-            book.insert_ready(peer(4), Some(generation), "h4", new)
+        let Insert::Pooled {
+            evicted, waiters, ..
+        } = book.insert_ready(peer(4), Origin::Dial(generation), "h4", shared(t0))
         else {
             panic!("expected insert")
         };
         assert_eq!(waiters, vec![7]);
         assert_eq!(
-            evicted.map(|(p, _)| p),
-            Some(peer(3)),
+            evicted_peers(&evicted),
+            vec![peer(3)],
             "the newest but only idle link goes, not the older busy ones"
         );
         assert!(ours.is_usable() && theirs.is_usable());
@@ -433,36 +661,181 @@ mod tests {
 
     #[test]
     fn a_full_pool_refuses_an_inbound_link() {
-        let mut book = Book::new(1);
+        let mut book = book(1);
         let busy = ready(&mut book, peer(1), Instant::now());
         assert!(busy.try_acquire());
-        let inbound = Arc::new(LinkShared::new(Instant::now()));
-        match book.insert_ready(peer(2), None, "in", inbound) {
-            Insert::Full { waiters } => assert!(waiters.is_empty()),
+        let inbound = shared(Instant::now());
+        match book.insert_ready(peer(2), Origin::Inbound, "in", inbound) {
+            Insert::Full { waiters, .. } => assert!(waiters.is_empty()),
             other => panic!("expected Full, got {other:?}"),
         }
-        assert_eq!(book.ready_count(), 1, "the busy link stays, alone");
+        assert_eq!(book.occupancy(), 1, "the busy link stays, alone");
         assert!(busy.is_usable());
     }
 
+    /// Both sides dial at once: each keeps pooled the link the lower node id dialed, so the
+    /// pair converges on one link and the other is only superseded (closed once idle).
     #[test]
-    fn inbound_links_are_adopted_only_without_a_usable_link() {
-        let mut book = Book::new(2);
-        let p = peer(1);
-        let link = Arc::new(LinkShared::new(Instant::now()));
+    fn a_pair_that_dialed_each_other_pools_the_same_link() {
+        let (low, high) = (peer(1).min(peer(2)), peer(1).max(peer(2)));
+        // On `low`: its own dial is pooled first, then `high`'s arrives.
+        let mut on_low = Book::new(low, 4);
+        let Acquire::Dial { generation } = on_low.acquire(high, 1) else {
+            panic!()
+        };
+        let own = shared(Instant::now());
+        let pooled = on_low.insert_ready(high, Origin::Dial(generation), "low's", own.clone());
+        assert!(matches!(pooled, Insert::Pooled { .. }));
+        let theirs = shared(Instant::now());
+        let kept = on_low.insert_ready(high, Origin::Inbound, "high's", theirs);
+        assert!(matches!(kept, Insert::Superseded { .. }), "{kept:?}");
         assert!(matches!(
-            book.insert_ready(p, None, "in", link),
-            Insert::Inserted { .. }
+            on_low.acquire(high, 2),
+            Acquire::Reuse {
+                handle: "low's",
+                ..
+            }
         ));
-        let second = Arc::new(LinkShared::new(Instant::now()));
+        // On `high`: its own dial is pooled first, then `low`'s arrives and wins.
+        let mut on_high = Book::new(high, 4);
+        let Acquire::Dial { generation } = on_high.acquire(low, 1) else {
+            panic!()
+        };
+        let own = shared(Instant::now());
+        let pooled = on_high.insert_ready(low, Origin::Dial(generation), "high's", own.clone());
+        assert!(matches!(pooled, Insert::Pooled { .. }));
+        let theirs = shared(Instant::now());
+        match on_high.insert_ready(low, Origin::Inbound, "low's", theirs) {
+            Insert::Pooled { superseded, .. } => assert_eq!(superseded, Some("high's")),
+            other => panic!("expected the lower id's link pooled, got {other:?}"),
+        }
         assert!(matches!(
-            book.insert_ready(p, None, "in2", second),
-            Insert::Stale
+            on_high.acquire(low, 2),
+            Acquire::Reuse {
+                handle: "low's",
+                ..
+            }
         ));
-        assert_eq!(
-            book.ready_count(),
-            1,
-            "the second inbound link is not pooled"
+        assert!(
+            own.is_usable(),
+            "superseded, still usable by what runs on it"
         );
+    }
+
+    /// A restarted peer dials again while its old link still looks usable here: the new
+    /// link is pooled and the old one superseded.
+    #[test]
+    fn a_reconnecting_peer_s_new_link_replaces_its_old_one() {
+        let mut book = book(4);
+        let p = peer(1);
+        let old = shared(Instant::now());
+        let first = book.insert_ready(p, Origin::Inbound, "old", old.clone());
+        assert!(matches!(first, Insert::Pooled { .. }));
+        assert!(old.try_acquire(), "a stream of the old process, stuck");
+        match book.insert_ready(p, Origin::Inbound, "new", shared(Instant::now())) {
+            Insert::Pooled {
+                superseded,
+                over_cap,
+                ..
+            } => {
+                assert_eq!(superseded, Some("old"));
+                assert!(over_cap.is_empty());
+            }
+            other => panic!("expected the new link pooled, got {other:?}"),
+        }
+        assert!(matches!(
+            book.acquire(p, 1),
+            Acquire::Reuse { handle: "new", .. }
+        ));
+    }
+
+    /// A peer that opens link after link holds at most `MAX_LINKS_PER_PEER`: each one past
+    /// the cap closes its oldest superseded link, an idle one first, a busy one if none is.
+    #[test]
+    fn a_peer_holds_at_most_the_per_peer_cap_of_links() {
+        let mut book = book(64);
+        let p = peer(1);
+        let names = ["l0", "l1", "l2", "l3", "l4", "l5", "l6", "l7", "l8", "l9"];
+        let mut links = Vec::new();
+        let mut closed = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            let link = shared(Instant::now());
+            // All busy but l1, which the peer left idle.
+            if i != 1 {
+                assert!(link.try_acquire());
+            }
+            links.push(link.clone());
+            match book.insert_ready(p, Origin::Inbound, name, link) {
+                Insert::Pooled { over_cap, .. } => closed.extend(over_cap),
+                other => panic!("{other:?}"),
+            }
+            let live = links.iter().filter(|l| l.is_usable()).count();
+            assert!(live <= MAX_LINKS_PER_PEER, "{live} live after {name}");
+        }
+        assert_eq!(closed.len(), names.len() - MAX_LINKS_PER_PEER);
+        assert_eq!(closed[0], "l1", "the idle one went first");
+        assert_eq!(
+            &closed[1..],
+            &["l0", "l2", "l3", "l4", "l5"],
+            "then the oldest"
+        );
+        assert!(matches!(
+            book.acquire(p, 1),
+            Acquire::Reuse { handle: "l9", .. }
+        ));
+        assert_eq!(book.superseded_count(), MAX_LINKS_PER_PEER - 1);
+        assert_eq!(book.occupancy(), 1, "one peer, however many links");
+    }
+
+    /// A peer's superseded links keep it linked after its pooled link goes, and count
+    /// toward the pool's cap; it is evicted only when all of them are idle.
+    #[test]
+    fn superseded_links_count_toward_the_cap_until_the_last_goes() {
+        let mut book = book(1);
+        let p = peer(1);
+        let t0 = Instant::now();
+        book.insert_ready(p, Origin::Inbound, "a", shared(t0));
+        let Insert::Pooled { generation, .. } =
+            book.insert_ready(p, Origin::Inbound, "b", shared(t0))
+        else {
+            panic!()
+        };
+        let older = book.superseded[&p][0].generation;
+        let busy = book.superseded[&p][0].link.clone();
+        assert!(busy.try_acquire(), "the superseded link is in use");
+        assert!(
+            !book.link_gone(&p, generation),
+            "the superseded link is left"
+        );
+        assert!(
+            matches!(book.acquire(peer(2), 1), Acquire::Full { .. }),
+            "the peer still holds the one slot, busy"
+        );
+        assert!(busy.release(Instant::now()));
+        assert!(matches!(book.acquire(peer(2), 1), Acquire::Dial { .. }));
+        assert!(book.link_gone(&p, older), "its last link went");
+        assert!(
+            book.superseded.is_empty(),
+            "nothing kept for a peer with no link"
+        );
+    }
+
+    #[test]
+    fn evicting_a_peer_closes_all_its_idle_links() {
+        let mut book = book(1);
+        let p = peer(1);
+        let (a, b) = (shared(Instant::now()), shared(Instant::now()));
+        book.insert_ready(p, Origin::Inbound, "a", a.clone());
+        book.insert_ready(p, Origin::Inbound, "b", b.clone());
+        let Insert::Pooled { evicted, .. } =
+            book.insert_ready(peer(2), Origin::Inbound, "c", shared(Instant::now()))
+        else {
+            panic!("room made")
+        };
+        let mut handles: Vec<_> = evicted.iter().map(|(_, h)| *h).collect();
+        handles.sort();
+        assert_eq!(handles, vec!["a", "b"]);
+        assert!(!a.is_usable() && !b.is_usable());
+        assert_eq!(book.occupancy(), 1);
     }
 }

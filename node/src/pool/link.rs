@@ -11,7 +11,7 @@
 use std::{
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Instant,
 };
@@ -90,9 +90,18 @@ impl LinkShared {
     }
 }
 
+/// A fresh link id, unique in this process: what a peer's channel offers are filed under
+/// ([`next_link_id`]), so that the end of one link never drops what another learned.
+pub(crate) fn next_link_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 /// One link as the pool and the serving side hold it: its connection, use count and actor.
 #[derive(Debug, Clone)]
 pub(crate) struct Link {
+    /// Its [`next_link_id`].
+    pub(crate) id: u64,
     pub(crate) conn: Connection,
     pub(crate) shared: Arc<LinkShared>,
     pub(crate) actor: ActorRef<PeerMsg>,

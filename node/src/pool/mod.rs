@@ -1,6 +1,7 @@
-//! The connection pool: one `PeerActor` per iroh QUIC link (pooled, or superseded and kept
-//! until unused), supervised by the `NodeActor`, with guards that make "in use" a fact of the
-//! type system — for the streams we open and for those we serve.
+//! The connection pool: one `PeerActor` per iroh QUIC link (pooled, or superseded and closed
+//! once idle; at most [`MAX_LINKS_PER_PEER`] per peer), supervised by the `NodeActor`, with
+//! guards that make "in use" a fact of the type system — for the streams we open and for
+//! those we serve.
 
 pub(crate) mod book;
 pub(crate) mod link;
@@ -8,7 +9,10 @@ pub(crate) mod peer;
 
 use std::{
     collections::HashMap,
-    sync::{Arc, RwLock},
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicUsize, Ordering},
+    },
 };
 
 use iroh::EndpointId;
@@ -17,17 +21,37 @@ use tb_dashboard::Metrics;
 pub use link::LinkGuard;
 use link::{Link, LinkShared};
 
+/// Most live links one peer may hold to a node, pooled and superseded together: a new link
+/// past it closes that peer's oldest superseded ones (idle first), counted in
+/// `tb_pool_evictions_total{reason="peer_cap"}`. Two nodes that dial each other at once hold
+/// two for a moment, a restarted peer one more; the rest is room for races.
+pub const MAX_LINKS_PER_PEER: usize = 4;
+
+/// How long a superseded link (one a pair no longer pools) is kept once idle, at most (the
+/// idle timeout when shorter): long enough for the peer's first request on a link it just
+/// dialed to arrive, short enough that a peer's extra links do not linger.
+pub const SUPERSEDED_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A read replica of the pool's ready links, written only by the `NodeActor`.
 ///
 /// A request for a peer that already has a pooled link takes its guard here, without a
 /// round trip through the actor's mailbox (that hop is a sizeable part of a 4 KiB pull).
 /// Every other case — a miss, a closed or dead link — goes to the actor, which decides.
 #[derive(Debug, Default)]
-pub(crate) struct ReadyLinks(RwLock<HashMap<EndpointId, Link>>);
+pub(crate) struct ReadyLinks(
+    RwLock<HashMap<EndpointId, Link>>,
+    /// Superseded links held now (live, unpooled), as the `NodeActor` last counted them.
+    AtomicUsize,
+);
 
 impl ReadyLinks {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<EndpointId, Link>> {
         self.0.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records how many superseded links the pool holds now.
+    pub(crate) fn set_superseded(&self, count: usize) {
+        self.1.store(count, Ordering::Relaxed);
     }
 
     pub(crate) fn insert(&self, peer: EndpointId, link: &Link) {
@@ -83,10 +107,14 @@ pub(crate) fn snapshot(metrics: &Metrics, ready: &ReadyLinks) -> PoolStats {
     PoolStats {
         links_active,
         links_idle,
+        links_superseded: ready.1.load(Ordering::Relaxed),
         dials: metrics.pool_dials.get(),
         reuses: metrics.pool_reuses.get(),
         evictions_idle: metrics.pool_evictions_idle.get(),
         evictions_lru: metrics.pool_evictions_lru.get(),
+        evictions_superseded: metrics.pool_evictions_superseded.get(),
+        evictions_peer_cap: metrics.pool_evictions_peer_cap.get(),
+        refused_full: metrics.pool_refused_full.get(),
         connect_failures: metrics.pool_connect_failures.get(),
     }
 }
@@ -98,6 +126,9 @@ pub struct PoolStats {
     pub links_active: usize,
     /// Pooled links with no stream open in either direction.
     pub links_idle: usize,
+    /// Superseded links: a peer's extra links (not pooled), served while in use and closed
+    /// once idle.
+    pub links_superseded: usize,
     /// Dials started (concurrent requests for one new peer share one).
     pub dials: u64,
     /// Requests served by an already pooled link.
@@ -107,6 +138,12 @@ pub struct PoolStats {
     pub evictions_idle: u64,
     /// Idle links closed to make room at the maximum pool size.
     pub evictions_lru: u64,
+    /// Superseded links closed once idle.
+    pub evictions_superseded: u64,
+    /// A peer's oldest links closed when it opened more than [`MAX_LINKS_PER_PEER`].
+    pub evictions_peer_cap: u64,
+    /// New peers' links refused (`TooManyConnections`) by a pool full of peers in use.
+    pub refused_full: u64,
     /// Dials that failed or timed out.
     pub connect_failures: u64,
 }

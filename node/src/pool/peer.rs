@@ -1,10 +1,10 @@
 //! `PeerActor`: owns one QUIC connection to one peer — a pooled link, or a superseded one
-//! (a second link to a peer that already has one) kept until it is unused.
+//! (another link of a peer whose pooled link is preferred) closed once it is unused.
 //!
 //! It watches the connection and stops when it dies, closes it after the idle timeout once no
 //! guard is alive (no stream open in either direction: the streams we serve hold guards too),
-//! and closes it when the pool evicts it. Idle closes use [`CloseCode::IdleEvicted`], which
-//! the peer reads as "redial". Its parent `NodeActor` supervises it and drops it from the pool
+//! after [`SUPERSEDED_IDLE`] at most once it is superseded, and when the pool evicts it. Idle
+//! closes use [`CloseCode::IdleEvicted`], which the peer reads as "redial". Its parent `NodeActor` supervises it and drops it from the pool
 //! when it stops. It never waits on its parent.
 
 use std::{sync::Arc, time::Duration};
@@ -20,13 +20,16 @@ use tracing::debug;
 
 use tb_dashboard::Metrics;
 
-use super::link::LinkShared;
+use super::{SUPERSEDED_IDLE, link::LinkShared};
 
 /// Messages a `PeerActor` handles.
 #[derive(Debug)]
 pub enum PeerMsg {
     /// The last guard was dropped: start (or keep) the idle clock.
     Released,
+    /// The pool prefers another link of this peer: close this one once idle, after
+    /// [`SUPERSEDED_IDLE`] at most.
+    Supersede,
     /// Time to check whether the link has been idle long enough to close.
     CheckIdle,
     /// The pool evicted the link (or the node shuts down): close it with this code.
@@ -48,6 +51,18 @@ pub(crate) struct PeerState {
     args: PeerArgs,
     watcher: JoinHandle<()>,
     check_scheduled: bool,
+    /// Unpooled: closed once idle for [`SUPERSEDED_IDLE`] (or the idle timeout if shorter).
+    superseded: bool,
+}
+
+impl PeerState {
+    /// How long the link may stay idle before it is closed.
+    fn idle_limit(&self) -> Duration {
+        match self.superseded {
+            true => self.args.idle_timeout.min(SUPERSEDED_IDLE),
+            false => self.args.idle_timeout,
+        }
+    }
 }
 
 /// The actor for one link, pooled or superseded.
@@ -80,6 +95,7 @@ impl Actor for PeerActor {
             args,
             watcher,
             check_scheduled: false,
+            superseded: false,
         };
         if state.args.link.idle_since().is_some() {
             let timeout = state.args.idle_timeout;
@@ -96,7 +112,15 @@ impl Actor for PeerActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             PeerMsg::Released => {
-                let timeout = state.args.idle_timeout;
+                let timeout = state.idle_limit();
+                schedule_check(&myself, state, timeout);
+            }
+            PeerMsg::Supersede => {
+                state.superseded = true;
+                // A check set for the longer idle timeout may be pending: set a sooner one
+                // (a spare check finds the link in use, or not idle long enough, and waits).
+                state.check_scheduled = false;
+                let timeout = state.idle_limit();
                 schedule_check(&myself, state, timeout);
             }
             PeerMsg::CheckIdle => check_idle(&myself, state),
@@ -141,14 +165,18 @@ fn check_idle(myself: &ActorRef<PeerMsg>, state: &mut PeerState) {
         return; // in use: the next `Released` restarts the clock
     };
     let idle_for = since.elapsed();
-    let timeout = state.args.idle_timeout;
+    let timeout = state.idle_limit();
     if idle_for < timeout {
         schedule_check(myself, state, timeout - idle_for);
         return;
     }
     if state.args.link.try_close() {
-        debug!(peer = %state.args.peer.fmt_short(), ?idle_for, "closing idle link");
-        state.args.metrics.pool_evictions_idle.inc();
+        let superseded = state.superseded;
+        debug!(peer = %state.args.peer.fmt_short(), ?idle_for, superseded, "closing idle link");
+        match superseded {
+            true => state.args.metrics.pool_evictions_superseded.inc(),
+            false => state.args.metrics.pool_evictions_idle.inc(),
+        }
         close(&state.args.conn, CloseCode::IdleEvicted);
         myself.stop(Some("idle".into()));
     }
