@@ -114,6 +114,13 @@ pub enum BrokerMsg {
         /// The answer.
         reply: RpcReplyPort<Result<(), BrokerError>>,
     },
+    /// A node closed, saying it shuts down, the ctl connection it heartbeated on at `epoch`.
+    Leave {
+        /// The authenticated node.
+        from: NodeId,
+        /// The epoch of the last heartbeat accepted on that connection.
+        epoch: u64,
+    },
     /// Entries under a prefix.
     List {
         /// The prefix (empty: all).
@@ -303,6 +310,10 @@ impl Actor for BrokerActor {
                 reply,
             } => {
                 let _ = reply.send(state.fetching(&name, version, from, active, now));
+            }
+            BrokerMsg::Leave { from, epoch } => {
+                let changes = state.leave(from, epoch, now);
+                carry_out(st, changes);
             }
             BrokerMsg::List {
                 prefix,

@@ -156,7 +156,10 @@ impl Broker {
 
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
-        let counters = Arc::new(BrokerCounters::new(&metrics));
+        let counters = Arc::new(
+            BrokerCounters::new(&metrics)
+                .map_err(|e| StartError::Start(format!("metrics: {e}")))?,
+        );
         let stats = Arc::new(MemberStatsBook::default());
         let gossip = Gossip::builder()
             .broadcast_config(gossip_broadcast_config())

@@ -1,5 +1,11 @@
 //! [`BrokerConfig`]: every knob of the broker's decisions, with offline single-machine defaults.
 
+use tb_proto::Expiry;
+
+/// Default of [`BrokerConfig::forget_period_ms`]: a minute (rows' ages are counted in minutes
+/// and days).
+pub const DEFAULT_FORGET_PERIOD_MS: u64 = 60_000;
+
 /// Default of [`BrokerConfig::max_sync_bytes`]: 256 MiB.
 pub const DEFAULT_MAX_SYNC_BYTES: u64 = 256 << 20;
 
@@ -36,6 +42,16 @@ pub struct BrokerConfig {
     /// and the next round tries again. Default 256 MiB, enough for about a million names;
     /// raise it for larger registries, or anti-entropy cannot complete.
     pub max_sync_bytes: u64,
+    /// When rows of nodes that are gone leave the registry: a row marked dead after
+    /// `expiry.dead_after_ms` (default a day), with the holder marks of its node; a row of a
+    /// node that left cleanly (closed its ctl connection saying it shuts down) after
+    /// `expiry.left_after_ms` (default five minutes). Every broker of a cluster should use the
+    /// same values.
+    pub expiry: Expiry,
+    /// How often the whole registry is walked for rows and holder marks past their `expiry`
+    /// (a walk costs time in proportion to the number of holder marks; what merges and loads
+    /// bring is checked at once whatever this says).
+    pub forget_period_ms: u64,
 }
 
 impl Default for BrokerConfig {
@@ -49,6 +65,8 @@ impl Default for BrokerConfig {
             max_tensor_bytes: 64 << 30,
             fetch_timeout_ms: 120_000,
             max_sync_bytes: DEFAULT_MAX_SYNC_BYTES,
+            expiry: Expiry::default(),
+            forget_period_ms: DEFAULT_FORGET_PERIOD_MS,
         }
     }
 }

@@ -8,14 +8,22 @@
 //! answers (`Listing`,
 //! `Members`, anti-entropy) are cut with `chunk_by_size` so no frame passes the control-frame
 //! cap. A subscription keeps its stream open and forwards events until either side closes.
+//!
+//! A connection remembers the epoch of the last heartbeat the actor accepted on it; when the
+//! node closes it with [`CloseCode::Shutdown`](tb_proto::CloseCode::Shutdown), the actor is
+//! told that the node left (`BrokerMsg::Leave`), so a short-lived client's row goes soon
+//! after it does (see `BrokerState::leave`).
 
 use std::{
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use iroh::{
-    endpoint::{Connection, RecvStream, SendStream},
+    endpoint::{Connection, ConnectionError, RecvStream, SendStream},
     protocol::{AcceptError, ProtocolHandler},
 };
 use ractor::{ActorRef, rpc::CallResult};
@@ -34,7 +42,7 @@ use tracing::{Instrument, debug, debug_span, warn};
 use crate::{
     BrokerError,
     actor::{BrokerMsg, SUBSCRIPTION_BUFFER},
-    metrics::{BrokerCounters, MemberStatsBook},
+    metrics::{BrokerCounters, MemberStatsBook, Refusal},
     sync,
 };
 
@@ -149,7 +157,7 @@ impl ProtocolHandler for CtlProtocol {
             .per_peer
             .take(peer, Held::Connection, MAX_CTL_CONNECTIONS_PER_PEER)
         else {
-            self.counters.refused_connections.inc();
+            self.counters.refused.inc(Refusal::CtlConnections);
             warn!(peer = %conn.remote_id().fmt_short(), "refusing a ctl connection: the peer holds {MAX_CTL_CONNECTIONS_PER_PEER} already");
             let code = tb_proto::CloseCode::TooManyConnections.code();
             conn.close(
@@ -158,13 +166,16 @@ impl ProtocolHandler for CtlProtocol {
             );
             return Ok(());
         };
+        // The epoch of the last heartbeat accepted on this connection (0: none yet).
+        let life = Arc::new(AtomicU64::new(0));
         loop {
             let accepted = tokio::select! {
-                _ = self.cancel.cancelled() => break,
+                _ = self.cancel.cancelled() => return Ok(()),
                 accepted = conn.accept_bi() => accepted,
             };
             let Ok((send, recv)) = accepted else { break };
             let this = self.clone();
+            let life = life.clone();
             let span = debug_span!(
                 "ctl",
                 me = %self.me.fmt_short(),
@@ -176,14 +187,26 @@ impl ProtocolHandler for CtlProtocol {
                 async move {
                     tokio::select! {
                         _ = this.cancel.cancelled() => {}
-                        () = this.serve_stream(peer, access, send, recv) => {}
+                        () = this.serve_stream(peer, access, &life, send, recv) => {}
                     }
                 }
                 .instrument(span),
             );
         }
+        let epoch = life.load(Ordering::Relaxed);
+        if epoch != 0 && closed_at_shutdown(&conn) {
+            // Nobody waits on the answer; a broker shutting down has no one to tell.
+            let _ = self.actor.cast(BrokerMsg::Leave { from: peer, epoch });
+        }
         Ok(())
     }
+}
+
+/// Whether the peer closed `conn` saying it shuts down (a clean leave).
+fn closed_at_shutdown(conn: &Connection) -> bool {
+    let shutdown = iroh::endpoint::VarInt::from_u32(tb_proto::CloseCode::Shutdown.code());
+    matches!(conn.close_reason(), Some(ConnectionError::ApplicationClosed(close))
+        if close.error_code == shutdown)
 }
 
 /// Asks the actor and waits (bounded) for its answer.
@@ -217,6 +240,7 @@ impl CtlProtocol {
         &self,
         peer: tb_proto::NodeId,
         access: Access,
+        life: &AtomicU64,
         mut send: SendStream,
         mut recv: RecvStream,
     ) {
@@ -227,6 +251,7 @@ impl CtlProtocol {
                 Ok(Ok(request)) => request,
                 Ok(Err(ReadFrameError::Closed(_))) => return,
                 Ok(Err(ReadFrameError::Invalid(e))) => {
+                    self.counters.refused.inc(Refusal::Malformed);
                     let _ =
                         write_frame(&mut send, &error(ErrorCode::Malformed, e.to_string())).await;
                     let _ = send.finish();
@@ -237,11 +262,13 @@ impl CtlProtocol {
         let allowed = tb_proto::authorize(self.key.access(), access, request.write_action());
         if let Err(e) = allowed {
             debug!(%e, request = request.kind(), "refusing a request the peer's access does not allow");
+            self.counters.refused.inc(Refusal::Unauthorized);
             let _ = write_frame(&mut send, &error(ErrorCode::Unauthorized, e.to_string())).await;
             let _ = send.finish();
             return;
         }
         if let Err(e) = request.validate(self.max_tensor_bytes) {
+            self.counters.refused.inc(Refusal::Malformed);
             let _ = write_frame(&mut send, &error(ErrorCode::Malformed, e.to_string())).await;
             let _ = send.finish();
             return;
@@ -258,7 +285,7 @@ impl CtlProtocol {
                     self.per_peer
                         .take(peer, Held::Subscription, MAX_SUBSCRIPTIONS_PER_PEER)
                 else {
-                    self.counters.refused_subscriptions.inc();
+                    self.counters.refused.inc(Refusal::Subscriptions);
                     let why = error(
                         ErrorCode::Busy,
                         format!(
@@ -279,6 +306,7 @@ impl CtlProtocol {
                     timeout: self.request_timeout,
                     max_tensor_bytes: self.max_tensor_bytes,
                     budget: &self.sync_budget,
+                    refused: &self.counters.refused,
                 };
                 if let Err(e) = conversation
                     .run(buckets, members, &mut send, &mut recv)
@@ -289,7 +317,7 @@ impl CtlProtocol {
                 let _ = send.finish();
                 return;
             }
-            request => self.answer(peer, access, request).await,
+            request => self.answer(peer, access, life, request).await,
         };
         for frame in answers {
             if write_frame(&mut send, &frame).await.is_err() {
@@ -300,11 +328,12 @@ impl CtlProtocol {
         let _ = tokio::time::timeout(self.request_timeout, send.stopped()).await;
     }
 
-    /// The answer frames to a one-shot request.
+    /// The answer frames to a one-shot request; an accepted heartbeat's epoch goes in `life`.
     async fn answer(
         &self,
         from: tb_proto::NodeId,
         access: Access,
+        life: &AtomicU64,
         request: CtlRequest,
     ) -> Vec<CtlResponse> {
         let (actor, t) = (&self.actor, self.request_timeout);
@@ -329,6 +358,9 @@ impl CtlProtocol {
                 // epoch, say) records nothing.
                 if let (Ok(Ok(())), Some(stats)) = (&answered, stats) {
                     self.stats.record(from, stats, Instant::now());
+                }
+                if let Ok(Ok(())) = &answered {
+                    life.store(epoch, Ordering::Relaxed);
                 }
                 answered.map(|r| r.map_or_else(refused, |()| CtlResponse::Ok))
             }
@@ -455,7 +487,7 @@ impl CtlProtocol {
             tokio::select! {
                 biased;
                 () = lagged.cancelled() => {
-                    self.counters.lagged_subscriptions.inc();
+                    self.counters.refused.inc(Refusal::LaggedSubscription);
                     let why = error(
                         ErrorCode::Busy,
                         format!(

@@ -13,12 +13,15 @@
 //!   [`next_version`](BrokerState::next_version), [`lookup`](BrokerState::lookup),
 //!   [`fetching`](BrokerState::fetching), [`list`](BrokerState::list),
 //!   [`members`](BrokerState::members), [`remote_op`](BrokerState::remote_op),
-//!   [`merge_entries`](BrokerState::merge_entries), and the periodic
-//!   [`expire`](BrokerState::expire).
+//!   [`merge_entries`](BrokerState::merge_entries), [`leave`](BrokerState::leave) (a node
+//!   that closed its connection at shutdown), and the periodic
+//!   [`expire`](BrokerState::expire) (liveness, and forgetting the rows of nodes gone).
 //! - [`Changes`]: what one of those calls changed: ops to gossip, names and members to persist,
 //!   [`Event`](tb_proto::Event)s for subscribers ([`matching`] picks the subscriptions).
-//! - [`BrokerConfig`]: retention, liveness timeout, fan-out width, size limit, anti-entropy
-//!   byte budget.
+//! - [`BrokerConfig`]: retention, liveness timeout, when rows of nodes gone are forgotten,
+//!   fan-out width, size limit, anti-entropy byte budget.
+//! - [`BrokerCounters`]: what the broker counted; [`Refusals`] are exported as
+//!   `tb_broker_refused_total{reason}`.
 //! - [`BrokerError`]: why a request or op was refused, with its wire code.
 //! - [`RegistryStore`]: the replica in sled, reloaded on restart, and the broker's epoch.
 //!
@@ -67,11 +70,11 @@ mod sync;
 
 pub use actor::SNAPSHOT_PERIOD;
 pub use broker::{Broker, BrokerOptions, StartError};
-pub use config::{BrokerConfig, DEFAULT_MAX_SYNC_BYTES};
+pub use config::{BrokerConfig, DEFAULT_FORGET_PERIOD_MS, DEFAULT_MAX_SYNC_BYTES};
 pub use ctl::{MAX_CTL_CONNECTIONS_PER_PEER, MAX_SUBSCRIPTIONS_PER_PEER};
 pub use error::BrokerError;
 pub use events::{event_for, matching};
-pub use metrics::{BrokerCounters, Counter, MemberStatsBook};
+pub use metrics::{BrokerCounters, Counter, MemberStatsBook, Refusal, Refusals};
 pub use persist::{FORMAT_VERSION, LOCK_WAIT, PersistError, RegistryStore};
 pub use state::{BrokerState, Changes, Holders, MAX_VERSION_SKIP};
 pub use sync::SyncStats;

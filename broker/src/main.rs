@@ -40,6 +40,15 @@ struct Args {
     /// Mark a worker or peer broker dead after this many seconds without a heartbeat.
     #[arg(long, env = "TB_LIVENESS_TIMEOUT", default_value_t = 10)]
     liveness_timeout: u64,
+    /// Seconds after which the row of a node marked dead leaves the registry (and `tb status`),
+    /// with what that node held: on every broker, from disk too. Default a day.
+    #[arg(long, env = "TB_FORGET_DEAD_AFTER", default_value_t = tb_proto::Expiry::DEAD_AFTER_MS / 1000)]
+    forget_dead_after: u64,
+    /// Seconds after which the row of a node that left cleanly (a client or worker that shut
+    /// down, closing its connection) leaves the registry. Keep it well above --sync-interval:
+    /// the leave must reach every broker first. Default five minutes.
+    #[arg(long, env = "TB_FORGET_LEFT_AFTER", default_value_t = tb_proto::Expiry::LEFT_AFTER_MS / 1000)]
+    forget_left_after: u64,
     /// Seconds between anti-entropy rounds with every peer broker.
     #[arg(long, env = "TB_SYNC_INTERVAL", default_value_t = 5)]
     sync_interval: u64,
@@ -84,6 +93,8 @@ async fn main() -> Result<()> {
     opts.node.cluster_key = cluster_key;
     opts.join = args.join.map(|t| t.brokers).unwrap_or_default();
     opts.state.liveness_timeout_ms = args.liveness_timeout.saturating_mul(1000);
+    opts.state.expiry.dead_after_ms = args.forget_dead_after.saturating_mul(1000);
+    opts.state.expiry.left_after_ms = args.forget_left_after.saturating_mul(1000);
     opts.sync_interval = Duration::from_secs(args.sync_interval.max(1));
     let broker = Broker::spawn(opts)
         .await

@@ -1,9 +1,11 @@
 //! The broker's own counters (requests, refusals, gossip, anti-entropy), read without
 //! messaging the actor, and the latest heartbeat stats of each worker.
 //!
-//! The counters the metrics contract names (auth failures, gossip in/out, sync rounds) *are*
-//! the process's Prometheus counters (`IntCounter` handles share one value), so nothing is
-//! counted twice; the others are plain atomics.
+//! The counters the metrics contract names (auth failures, gossip in/out, sync rounds,
+//! refusals) *are* the process's Prometheus counters (`IntCounter` handles share one value), so
+//! nothing is counted twice; the others are plain atomics. The broker's own family,
+//! `tb_broker_refused_total{reason}` ([`Refusals`]), is registered here in the process's
+//! registry, every reason at zero from the start.
 
 use std::{
     collections::HashMap,
@@ -14,6 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use prometheus::{IntCounterVec, Opts};
 use tb_dashboard::{AuthFailures, IntCounter, Metrics};
 use tb_proto::{MAX_SYNC_MEMBERS, NodeId, NodeStats};
 
@@ -51,18 +54,17 @@ pub struct BrokerCounters {
     pub sync_rounds: IntCounter,
     /// Anti-entropy pulls that failed (peer down, timeout).
     pub sync_failures: Counter,
-    /// `tb/ctl/1` connections refused: the peer held `MAX_CTL_CONNECTIONS_PER_PEER`.
-    pub refused_connections: Counter,
-    /// Subscriptions refused: the peer held `MAX_SUBSCRIPTIONS_PER_PEER`.
-    pub refused_subscriptions: Counter,
-    /// Subscriptions ended for falling a whole buffer behind.
-    pub lagged_subscriptions: Counter,
+    /// What authenticated peers were refused or cut off, by reason
+    /// (`tb_broker_refused_total{reason}`).
+    pub refused: Refusals,
 }
 
 impl BrokerCounters {
-    /// Counters backed by `metrics` where the contract names them.
-    pub fn new(metrics: &Metrics) -> Self {
-        BrokerCounters {
+    /// Counters backed by `metrics` where the contract names them; fails only if the broker's
+    /// own family cannot be made (a bug: its name and label are fixed).
+    pub fn new(metrics: &Metrics) -> Result<Self, prometheus::Error> {
+        Ok(BrokerCounters {
+            refused: Refusals::new(metrics)?,
             requests: Counter::default(),
             auth_failures: metrics.auth_failures.clone(),
             gossip_sent: metrics.gossip_out.clone(),
@@ -70,10 +72,91 @@ impl BrokerCounters {
             gossip_rejected: Counter::default(),
             sync_rounds: metrics.sync_rounds.clone(),
             sync_failures: Counter::default(),
-            refused_connections: Counter::default(),
-            refused_subscriptions: Counter::default(),
-            lagged_subscriptions: Counter::default(),
+        })
+    }
+}
+
+/// Why the broker refused an authenticated peer, or cut it off (the `reason` label of
+/// `tb_broker_refused_total`). Peers refused before authenticating are counted in
+/// `tb_auth_failures_total` instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A `tb/ctl/1` connection past `MAX_CTL_CONNECTIONS_PER_PEER` (closed with
+    /// `TooManyConnections`).
+    CtlConnections,
+    /// A subscription past `MAX_SUBSCRIPTIONS_PER_PEER` (answered `Busy`).
+    Subscriptions,
+    /// A subscription ended for falling a whole buffer of events behind (`Busy`).
+    LaggedSubscription,
+    /// A request the peer's credential does not allow (a read-only member publishing, say).
+    Unauthorized,
+    /// A request that failed validation, or that could not be decoded.
+    Malformed,
+    /// An anti-entropy conversation that would have gone over the sync budget.
+    SyncBudget,
+}
+
+impl Refusal {
+    /// Every reason, in label order.
+    pub const ALL: [Refusal; 6] = [
+        Refusal::CtlConnections,
+        Refusal::Subscriptions,
+        Refusal::LaggedSubscription,
+        Refusal::Unauthorized,
+        Refusal::Malformed,
+        Refusal::SyncBudget,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::CtlConnections => "ctl_connections",
+            Refusal::Subscriptions => "subscriptions",
+            Refusal::LaggedSubscription => "lagged_subscription",
+            Refusal::Unauthorized => "unauthorized",
+            Refusal::Malformed => "malformed",
+            Refusal::SyncBudget => "sync_budget",
         }
+    }
+}
+
+/// `tb_broker_refused_total{reason}`: one counter per [`Refusal`].
+#[derive(Debug)]
+pub struct Refusals([IntCounter; Refusal::ALL.len()]);
+
+impl Refusals {
+    /// The family, registered in `metrics`' registry. A registry that has it already (a second
+    /// broker given the same `Metrics`) keeps the first one's; this broker then counts
+    /// without exporting, and says so once.
+    fn new(metrics: &Metrics) -> Result<Self, prometheus::Error> {
+        let opts = Opts::new(
+            "tb_broker_refused_total",
+            "Requests and connections the broker refused an authenticated peer, or subscriptions \
+             it ended, by reason",
+        );
+        let family = IntCounterVec::new(opts, &["reason"])?;
+        match metrics.registry().register(Box::new(family.clone())) {
+            Ok(()) => {}
+            Err(prometheus::Error::AlreadyReg) => {
+                tracing::warn!(
+                    "tb_broker_refused_total is exported by another broker of this process: this one's refusals are counted, not exported"
+                );
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(Refusals(
+            Refusal::ALL.map(|r| family.with_label_values(&[r.as_str()])),
+        ))
+    }
+
+    /// Counts one refusal for `reason`.
+    pub fn inc(&self, reason: Refusal) {
+        self.0[reason as usize].inc();
+    }
+
+    /// Refusals counted for `reason`.
+    pub fn get(&self, reason: Refusal) -> u64 {
+        self.0[reason as usize].get()
     }
 }
 
@@ -143,6 +226,34 @@ mod tests {
             tensors,
             ..NodeStats::default()
         }
+    }
+
+    #[test]
+    fn refusals_are_exported_by_reason_from_zero() {
+        let metrics = Metrics::new(tb_dashboard::Role::Broker).expect("metrics");
+        let counters = BrokerCounters::new(&metrics).expect("counters");
+        for reason in Refusal::ALL {
+            let series = format!(
+                "tb_broker_refused_total{{reason=\"{}\"}} 0",
+                reason.as_str()
+            );
+            assert!(metrics.encode().contains(&series), "{series}");
+        }
+        counters.refused.inc(Refusal::Subscriptions);
+        counters.refused.inc(Refusal::Subscriptions);
+        assert_eq!(counters.refused.get(Refusal::Subscriptions), 2);
+        let page = metrics.encode();
+        assert!(page.contains("tb_broker_refused_total{reason=\"subscriptions\"} 2"));
+        assert!(page.contains("tb_broker_refused_total{reason=\"ctl_connections\"} 0"));
+        // A second broker on the same metrics still counts, and the first one's stay.
+        let second = BrokerCounters::new(&metrics).expect("counters");
+        second.refused.inc(Refusal::Malformed);
+        assert_eq!(second.refused.get(Refusal::Malformed), 1);
+        assert!(
+            metrics
+                .encode()
+                .contains("tb_broker_refused_total{reason=\"subscriptions\"} 2")
+        );
     }
 
     #[test]

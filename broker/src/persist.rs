@@ -187,7 +187,8 @@ impl RegistryStore {
 
     /// Writes the entries of `names` and the rows of `nodes` as `registry` holds them now (the
     /// `names` and `members` of a [`Changes`](crate::Changes)): encoded here, applied by the
-    /// writer thread in the order given.
+    /// writer thread in the order given. A row `registry` no longer has (forgotten: see
+    /// [`Registry::forget`]) is deleted.
     pub fn save_changed(
         &self,
         registry: &Registry,
@@ -202,9 +203,14 @@ impl RegistryStore {
             );
         }
         let mut members = sled::Batch::default();
-        for member in registry.members_for(nodes) {
-            let value = encode(&member, || format!("member {}", member.node))?;
-            members.insert(&member.node.0, value);
+        for node in nodes {
+            match registry.member(node) {
+                Some(member) => {
+                    let value = encode(member, || format!("member {node}"))?;
+                    members.insert(&node.0, value);
+                }
+                None => members.remove(&node.0),
+            }
         }
         self.writer
             .send(Write::Batches { entries, members })

@@ -38,7 +38,11 @@ use tb_proto::{
     MAX_SYNC_MEMBERS, Member, MemberStatus, NodeId, Registry, TensorName, chunk_by_size,
 };
 
-use crate::{actor::BrokerMsg, ctl::ask};
+use crate::{
+    actor::BrokerMsg,
+    ctl::ask,
+    metrics::{Refusal, Refusals},
+};
 
 /// Most frames one side of a conversation may send in one step (a bound on the loop; 4096
 /// frames of up to 1 MiB is far more than any registry this build is meant for).
@@ -54,6 +58,8 @@ pub(crate) struct Responder<'a> {
     pub(crate) max_tensor_bytes: u64,
     /// What the asker's names may hold of this broker's memory, with every other conversation.
     pub(crate) budget: &'a ByteBudget,
+    /// Where a conversation refused for the budget is counted.
+    pub(crate) refused: &'a Refusals,
 }
 
 impl Responder<'_> {
@@ -82,6 +88,7 @@ impl Responder<'_> {
             match read(recv, self.timeout, self.max_tensor_bytes).await? {
                 CtlRequest::SyncNames { names: part, last } => {
                     if let Err(err) = held.try_grow(encoded_len(&part)) {
+                        self.refused.inc(Refusal::SyncBudget);
                         let code = match err {
                             BudgetError::TooLarge { .. } => ErrorCode::TooLarge,
                             BudgetError::Busy { .. } => ErrorCode::Busy,

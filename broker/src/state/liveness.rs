@@ -15,6 +15,10 @@
 //! alive a grace period, as if heard at start-up: a worker that died while the broker was down
 //! is marked dead one timeout later. A worker that heartbeats only to another broker is marked
 //! dead once too, and that broker writes it alive again at its next heartbeat.
+//!
+//! A worker that shuts down cleanly closes its ctl connection saying so; the broker it
+//! heartbeated to on that connection writes its row as left ([`BrokerState::leave`]: dead, no
+//! addresses), which the registry forgets after `expiry.left_after_ms` instead of a day.
 
 use std::collections::BTreeMap;
 
@@ -123,9 +127,33 @@ impl BrokerState {
         }
     }
 
+    /// Takes a clean leave: `node`, which heartbeated at `epoch` on a ctl connection it then
+    /// closed saying it shuts down. Writes its row as left (dead, no addresses) when the row
+    /// is a worker's, alive, and of that life: a leave from a previous life (a restart whose
+    /// first heartbeat came first) or a broker's changes nothing (a broker's row keeps its
+    /// addresses, which peers find it back by). This broker stops judging the node.
+    pub fn leave(&mut self, node: NodeId, epoch: u64, now_ms: u64) -> Changes {
+        let Some(row) = self.registry.member(&node) else {
+            return Changes::default();
+        };
+        if !row.alive || row.epoch != epoch || row.role != Role::Worker || node == self.node() {
+            return Changes::default();
+        }
+        let left = Member {
+            alive: false,
+            addrs: Vec::new(),
+            ..row.clone()
+        };
+        self.heard.0.remove(&node);
+        tracing::info!(node = %node, epoch, "left: the node closed its connection at shutdown");
+        self.local_op(RegistryOp::Member(left), now_ms)
+    }
+
     /// Marks dead the workers this broker heard from but not for longer than
     /// `liveness_timeout_ms`, forgets them until they are heard again, and drops fetches
-    /// in flight that went without news for `fetch_timeout_ms`. Call it periodically.
+    /// in flight that went without news for `fetch_timeout_ms`. Forgets rows and marks past
+    /// their [expiry](crate::BrokerConfig::expiry), at most once every
+    /// [`forget_period_ms`](crate::BrokerConfig::forget_period_ms). Call it periodically.
     pub fn expire(&mut self, now_ms: u64) -> Changes {
         let (timeout, me) = (self.config.liveness_timeout_ms, self.node());
         self.heard.watch_brokers(&self.registry, me, now_ms);
@@ -155,6 +183,7 @@ impl BrokerState {
             changes.extend(self.local_op(RegistryOp::Member(row), now_ms));
         }
         changes.extend(self.refute_own_death(now_ms));
+        changes.extend(self.forget_expired(now_ms));
         changes
     }
 

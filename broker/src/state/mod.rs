@@ -15,11 +15,16 @@
 //!   (workers cannot speak for others), restamps it with its own clock (a worker's clock is
 //!   not trusted to order registry writes), applies it and gossips it.
 //! - [`local_op`](BrokerState::local_op), [`publish`](BrokerState::publish),
-//!   [`heartbeat`](BrokerState::heartbeat), [`expire`](BrokerState::expire): ops this broker
-//!   originates, stamped with its clock.
+//!   [`heartbeat`](BrokerState::heartbeat), [`leave`](BrokerState::leave),
+//!   [`expire`](BrokerState::expire): ops this broker originates, stamped with its clock.
 //! - [`remote_op`](BrokerState::remote_op) and [`merge_entries`](BrokerState::merge_entries):
 //!   what other brokers wrote, from gossip and anti-entropy. Validated, their stamps observed
 //!   (refused when too far in the future), merged; never re-gossiped.
+//!
+//! Rows of nodes that are gone are forgotten by the rule of [`Registry::forget`] (see
+//! [`BrokerConfig::expiry`]): at load, after every apply and merge (for what it touched, so
+//! nothing forgotten comes back from a peer or the disk), and in full every
+//! [`forget_period_ms`](BrokerConfig::forget_period_ms) from [`expire`](BrokerState::expire).
 
 mod liveness;
 mod lookup;
@@ -31,8 +36,8 @@ mod tests;
 use std::collections::BTreeMap;
 
 use tb_proto::{
-    Access, AccessError, Entry, Event, Hlc, ListedEntry, Member, NodeId, Registry, RegistryOp,
-    Stamp, TensorMeta, TensorName,
+    Access, AccessError, Entry, Event, Forgotten, Hlc, ListedEntry, Member, NodeId, Registry,
+    RegistryOp, Stamp, TensorMeta, TensorName,
 };
 
 pub use self::lookup::Holders;
@@ -50,7 +55,7 @@ pub struct Changes {
     pub gossip: Vec<RegistryOp>,
     /// Names whose entries changed, to persist.
     pub names: Vec<TensorName>,
-    /// Nodes whose membership rows changed, to persist.
+    /// Nodes whose membership rows changed, to persist (or went: to delete).
     pub members: Vec<NodeId>,
     /// Events for subscribers whose patterns match.
     pub events: Vec<Event>,
@@ -95,6 +100,10 @@ pub struct BrokerState {
     heard: LastHeard,
     fanout: FanOut,
     metas: MetaCache,
+    /// What was forgotten but not yet handed out in [`Changes`] (at load).
+    forgotten: Changes,
+    /// When [`expire`](Self::expire) next walks the whole registry to forget.
+    next_forget_ms: u64,
 }
 
 impl BrokerState {
@@ -102,9 +111,13 @@ impl BrokerState {
     ///
     /// The clock starts past every stamp in the registry, so new writes beat old ones even if
     /// the wall clock stepped back across the restart. Workers the registry holds as alive get
-    /// a grace period: they count as heard at `now_ms` (see [`expire`](Self::expire)).
+    /// a grace period: they count as heard at `now_ms` (see [`expire`](Self::expire)). Rows
+    /// and marks past their [expiry](BrokerConfig::expiry) are forgotten at once; the first
+    /// [`expire`](Self::expire) hands them out, so that they are deleted from the disk too.
     pub fn new(node: NodeId, config: BrokerConfig, mut registry: Registry, now_ms: u64) -> Self {
         registry.prune(config.keep_versions);
+        let forgotten = changes_of(registry.forget(now_ms, &config.expiry));
+        let next_forget_ms = now_ms.saturating_add(config.forget_period_ms);
         let mut hlc = Hlc::new(node);
         // A persisted stamp too far ahead was written under a wrong clock; ignoring it only
         // means this broker's next writes might lose to it, as they would have anyway.
@@ -124,6 +137,8 @@ impl BrokerState {
             heard,
             fanout,
             metas,
+            forgotten,
+            next_forget_ms,
         }
     }
 
@@ -154,7 +169,7 @@ impl BrokerState {
     pub fn local_op(&mut self, op: RegistryOp, now_ms: u64) -> Changes {
         let op = restamp(op, self.hlc.now(now_ms));
         let mut changes = Changes::default();
-        if self.apply(&op, &mut changes) {
+        if self.apply(&op, &mut changes, now_ms) {
             changes.gossip.push(op);
         }
         changes
@@ -333,7 +348,7 @@ impl BrokerState {
         op.validate(self.config.max_tensor_bytes)?;
         self.hlc.observe(op.stamp(), now_ms)?;
         let mut changes = Changes::default();
-        self.apply(op, &mut changes);
+        self.apply(op, &mut changes, now_ms);
         Ok(changes)
     }
 
@@ -347,6 +362,20 @@ impl BrokerState {
         now_ms: u64,
     ) -> Changes {
         let mut changes = Changes::default();
+        let expiry = self.config.expiry;
+        // Rows first: whether a merged holder mark is kept depends on its node's row.
+        for member in members {
+            let checked = member.validate().map_err(BrokerError::from).and_then(|()| {
+                self.hlc
+                    .observe(&member.stamp, now_ms)
+                    .map_err(BrokerError::from)
+            });
+            if let Err(error) = checked {
+                tracing::warn!(node = %member.node, %error, "sync: refused a member row");
+            } else if self.merge_member(member, now_ms) {
+                changes.note_member(member.node);
+            }
+        }
         // Each changed name with its live version before the first change to it, so a name
         // that comes twice still makes one event.
         let mut merged = BTreeMap::new();
@@ -360,21 +389,10 @@ impl BrokerState {
                 merged.entry(name).or_insert(before);
             }
         }
-        for member in members {
-            let checked = member.validate().map_err(BrokerError::from).and_then(|()| {
-                self.hlc
-                    .observe(&member.stamp, now_ms)
-                    .map_err(BrokerError::from)
-            });
-            if let Err(error) = checked {
-                tracing::warn!(node = %member.node, %error, "sync: refused a member row");
-            } else if self.registry.merge_member(member) {
-                changes.note_member(member.node);
-            }
-        }
-        // Every other entry was pruned already; only the merged ones can need it.
+        // Every other entry was pruned and forgotten already; only the merged ones can need it.
         for name in merged.keys() {
             self.registry.prune_name(name, self.config.keep_versions);
+            self.registry.forget_marks(name, now_ms, &expiry);
         }
         for (name, before) in merged {
             self.entry_changed(name, before, &mut changes);
@@ -425,8 +443,16 @@ impl BrokerState {
         self.registry.members().cloned().collect()
     }
 
-    /// Applies a validated op and notes what it changed; true if it changed anything.
-    fn apply(&mut self, op: &RegistryOp, changes: &mut Changes) -> bool {
+    /// Applies a validated op at `now_ms` and notes what it changed; true if it changed
+    /// anything. A membership row goes through [`merge_member`](Self::merge_member).
+    fn apply(&mut self, op: &RegistryOp, changes: &mut Changes, now_ms: u64) -> bool {
+        if let RegistryOp::Member(member) = op {
+            let changed = self.merge_member(member, now_ms);
+            if changed {
+                changes.note_member(member.node);
+            }
+            return changed;
+        }
         let name = op_name(op);
         let before = name.and_then(|n| self.live_version(n));
         if !self.registry.apply(op) {
@@ -434,16 +460,47 @@ impl BrokerState {
         }
         // Every replica prunes after every apply, or replicas would not converge. An op changes
         // only its own name's entry, and every entry was pruned before (at load, and after
-        // every apply and merge), so pruning that one entry prunes the whole registry.
+        // every apply and merge), so pruning that one entry prunes the whole registry. So for
+        // forgetting: what the op brought is forgotten at once if it is past its expiry.
         if let Some(name) = name {
             self.registry.prune_name(name, self.config.keep_versions);
-        }
-        match (op, name) {
-            (RegistryOp::Member(member), _) => changes.note_member(member.node),
-            (_, Some(name)) => self.entry_changed(name, before, changes),
-            (_, None) => {}
+            self.registry
+                .forget_marks(name, now_ms, &self.config.expiry);
+            self.entry_changed(name, before, changes);
         }
         true
+    }
+
+    /// Merges one membership row at `now_ms`; true if the table changed. A row past its
+    /// [expiry](BrokerConfig::expiry) replaces the row it supersedes and then goes, so that
+    /// neither it nor an older row of the same node stays; one that finds no row changes
+    /// nothing.
+    fn merge_member(&mut self, member: &Member, now_ms: u64) -> bool {
+        let had = self.registry.member(&member.node).is_some();
+        if !self.registry.merge_member(member) {
+            return false;
+        }
+        let forgot = self
+            .registry
+            .forget_member(&member.node, now_ms, &self.config.expiry);
+        had || !forgot
+    }
+
+    /// Forgets what is past its [expiry](BrokerConfig::expiry) in the whole registry, at most
+    /// once every [`forget_period_ms`](BrokerConfig::forget_period_ms), and hands out what was
+    /// forgotten at load.
+    fn forget_expired(&mut self, now_ms: u64) -> Changes {
+        let mut changes = std::mem::take(&mut self.forgotten);
+        if now_ms < self.next_forget_ms {
+            return changes;
+        }
+        self.next_forget_ms = now_ms.saturating_add(self.config.forget_period_ms);
+        let forgotten = self.registry.forget(now_ms, &self.config.expiry);
+        if !forgotten.members.is_empty() {
+            tracing::info!(rows = forgotten.members.len(), "forgot rows of nodes gone");
+        }
+        changes.extend(changes_of(forgotten));
+        changes
     }
 
     /// Follows up a change to `name`'s entry: persistence, the event, the recent-metadata
@@ -473,6 +530,16 @@ impl BrokerState {
         self.registry
             .entry(name)
             .is_some_and(|e| e.holders_of(version).any(|n| n == node))
+    }
+}
+
+/// What [`Registry::forget`] dropped, as changes to persist (names to write again, rows to
+/// delete).
+fn changes_of(forgotten: Forgotten) -> Changes {
+    Changes {
+        names: forgotten.names,
+        members: forgotten.members,
+        ..Changes::default()
     }
 }
 

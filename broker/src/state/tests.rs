@@ -421,3 +421,217 @@ fn read_only_senders_only_mark_versions_the_registry_keeps() {
         assert!(b.announce_as(id(2), Access::ReadWrite, op, 50).is_ok());
     }
 }
+
+/// A broker whose rows of nodes gone expire fast: dead rows after 100 s, left ones after 10 s.
+fn forgetful_broker(now_ms: u64) -> BrokerState {
+    let config = BrokerConfig {
+        expiry: tb_proto::Expiry {
+            dead_after_ms: 100_000,
+            left_after_ms: 10_000,
+        },
+        ..BrokerConfig::default()
+    };
+    BrokerState::new(BROKER, config, Registry::new(), now_ms)
+}
+
+fn heartbeat(b: &mut BrokerState, n: u8, epoch: u64, now_ms: u64) {
+    let addrs = vec![format!("10.0.0.{n}:4433")];
+    b.heartbeat(id(n), Role::Worker, addrs, epoch, now_ms)
+        .expect("heartbeat");
+}
+
+fn member_nodes(b: &BrokerState) -> Vec<NodeId> {
+    b.members().iter().map(|m| m.node).collect()
+}
+
+#[test]
+fn rows_of_dead_nodes_are_forgotten_with_what_they_held() {
+    let mut b = forgetful_broker(0);
+    heartbeat(&mut b, 1, 1, 0);
+    heartbeat(&mut b, 2, 1, 0);
+    let w = name("m/w");
+    b.announce(id(1), publish_op("m/w", 1, 1, Stamp::ZERO), 0)
+        .expect("published");
+    b.announce(id(2), add_holder("m/w", 1, 2, Stamp::ZERO), 0)
+        .expect("held");
+    // Node 2 keeps heartbeating; node 1 falls silent and is marked dead at 10 s.
+    heartbeat(&mut b, 2, 1, 9_000);
+    let dead = b.expire(10_001);
+    assert_eq!(dead.members, [id(1)]);
+    heartbeat(&mut b, 2, 1, 15_000);
+    assert!(b.expire(15_001).members.is_empty());
+    assert_eq!(member_nodes(&b), [id(1), id(2)], "dead, not forgotten yet");
+
+    // A day's worth (here 100 s) after it was marked dead, its row and marks go; node 2,
+    // alive however long ago its row was written, stays with its mark.
+    heartbeat(&mut b, 2, 1, 110_000);
+    let before = b.expire(110_001);
+    assert!(before.members.is_empty(), "exactly the age: kept");
+    heartbeat(
+        &mut b,
+        2,
+        1,
+        110_000 + crate::config::DEFAULT_FORGET_PERIOD_MS,
+    );
+    let gone = b.expire(110_001 + crate::config::DEFAULT_FORGET_PERIOD_MS);
+    assert_eq!(gone.members, [id(1)]);
+    assert_eq!(gone.names, std::slice::from_ref(&w));
+    assert!(gone.gossip.is_empty(), "every replica forgets on its own");
+    assert_eq!(member_nodes(&b), [id(2)]);
+    let e = b.registry().entry(&w).expect("still published");
+    assert_eq!(e.holders_of(1).collect::<Vec<_>>(), [id(2)]);
+    assert_eq!(
+        b.list("", 10)[0].holders,
+        1,
+        "the publisher stays the publisher, not a holder"
+    );
+}
+
+#[test]
+fn a_clean_leave_writes_the_row_left_and_it_goes_soon() {
+    let mut b = forgetful_broker(0);
+    heartbeat(&mut b, 1, 7, 0);
+    b.heartbeat(id(9), Role::Broker, vec!["10.0.0.9:1".into()], 1, 0)
+        .expect("a peer broker");
+    // A leave from a previous life, a broker's, or an unknown node's changes nothing.
+    assert!(b.leave(id(1), 6, 1_000).is_empty());
+    assert!(b.leave(id(9), 1, 1_000).is_empty());
+    assert!(b.leave(id(3), 1, 1_000).is_empty());
+    assert!(b.leave(BROKER, 1, 1_000).is_empty());
+
+    let left = b.leave(id(1), 7, 1_000);
+    assert_eq!(left.members, [id(1)]);
+    match &left.gossip[..] {
+        [RegistryOp::Member(row)] => {
+            assert!(row.has_left() && row.epoch == 7 && row.stamp.node == BROKER);
+        }
+        other => panic!("expected one member op, got {other:?}"),
+    }
+    assert!(b.leave(id(1), 7, 1_100).is_empty(), "once");
+    // Not judged again: no dead row on top of the left one.
+    let judged = b.expire(20_000);
+    assert!(!judged.members.contains(&id(1)), "{judged:?}");
+
+    // Soon after (10 s here, not the dead rows' 100 s) the row goes.
+    let gone = b.expire(11_001 + crate::config::DEFAULT_FORGET_PERIOD_MS);
+    assert_eq!(gone.members, [id(1)]);
+    assert_eq!(member_nodes(&b), [id(9)]);
+
+    // The same life heartbeating again (a leave raced by a late heartbeat) is a member again.
+    heartbeat(&mut b, 1, 7, 80_000);
+    assert!(b.registry().member(&id(1)).is_some_and(|m| m.alive));
+}
+
+#[test]
+fn rows_and_marks_past_their_age_are_not_taken_back_from_peers() {
+    let now = 500_000;
+    let mut b = forgetful_broker(now);
+    // Another broker told this one about worker 1, alive, and that it holds m/w v1.
+    let alive = Member {
+        node: id(1),
+        role: Role::Worker,
+        addrs: vec!["10.0.0.1:4433".into()],
+        epoch: 1,
+        alive: true,
+        stamp: stamp(1_000, 101),
+    };
+    b.merge_entries(&[], std::slice::from_ref(&alive), now);
+    assert_eq!(member_nodes(&b), [id(1)]);
+
+    // A peer that has not forgotten it yet sends its dead row from long ago: it replaces the
+    // alive one, then goes, leaving no row behind.
+    let dead = Member {
+        alive: false,
+        stamp: stamp(2_000, 101),
+        ..alive.clone()
+    };
+    let merged = b.merge_entries(&[], std::slice::from_ref(&dead), now);
+    assert_eq!(merged.members, [id(1)], "to delete from disk");
+    assert!(member_nodes(&b).is_empty());
+    // Sent again, by sync or by a late gossip, it stays gone.
+    assert!(
+        b.merge_entries(&[], std::slice::from_ref(&dead), now)
+            .is_empty()
+    );
+    let again = b.remote_op(&RegistryOp::Member(dead.clone()), now);
+    assert!(again.expect("valid").is_empty());
+    assert!(member_nodes(&b).is_empty());
+
+    // Its old holder marks, merged from a peer that kept them, go as well; a young mark of a
+    // node whose row has not arrived yet stays.
+    let mut peer = Registry::new();
+    peer.apply(&publish_op("m/w", 1, 2, stamp(1_000, 101)));
+    peer.apply(&add_holder("m/w", 1, 1, stamp(1_500, 101)));
+    peer.apply(&add_holder("m/w", 1, 3, stamp(now - 10, 101)));
+    let entries = peer.entries_for([&name("m/w")]);
+    b.merge_entries(&entries, &[], now);
+    let e = b.registry().entry(&name("m/w")).expect("published");
+    assert_eq!(
+        e.holders.keys().map(|(n, _)| *n).collect::<Vec<_>>(),
+        [id(3)]
+    );
+}
+
+#[test]
+fn a_reloaded_registry_has_no_forgotten_rows_on_disk_either() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = crate::RegistryStore::open(dir.path()).expect("store");
+    let save = |b: &BrokerState, changes: &Changes| {
+        store
+            .save_changed(b.registry(), &changes.names, &changes.members)
+            .expect("save");
+    };
+    let mut b = forgetful_broker(0);
+    for n in [1, 2, 3] {
+        heartbeat(&mut b, n, 1, 0);
+        let nodes = [id(n)];
+        save(
+            &b,
+            &Changes {
+                members: nodes.to_vec(),
+                ..Changes::default()
+            },
+        );
+    }
+    let held = b
+        .announce(id(1), publish_op("m/w", 1, 1, Stamp::ZERO), 0)
+        .expect("published");
+    save(&b, &held);
+    heartbeat(&mut b, 2, 1, 9_000);
+    heartbeat(&mut b, 3, 1, 9_000);
+    let dead = b.expire(10_001);
+    save(&b, &dead);
+    let left = b.leave(id(3), 1, 10_500);
+    save(&b, &left);
+    store.flush().expect("flush");
+    assert_eq!(store.load(u64::MAX).expect("load").members().count(), 3);
+
+    // Restarted two minutes on: node 3 (left) is forgotten, node 1 (dead 110 s) too, node 2
+    // (alive as far as this broker knew) stays.
+    let later = 130_000;
+    let loaded = store.load(u64::MAX).expect("load");
+    let mut b = BrokerState::new(BROKER, forgetful_broker(0).config().clone(), loaded, later);
+    assert_eq!(member_nodes(&b), [id(2)]);
+    assert!(
+        b.registry()
+            .entry(&name("m/w"))
+            .is_some_and(|e| e.holders.is_empty()),
+        "node 1's mark went with its row"
+    );
+    // The first tick hands out what the load forgot, so the disk forgets it too.
+    let first = b.expire(later + 1);
+    assert_eq!(first.members, [id(1), id(3)]);
+    save(&b, &first);
+    store.flush().expect("flush");
+    let reloaded = store.load(u64::MAX).expect("load");
+    assert_eq!(
+        reloaded.members().map(|m| m.node).collect::<Vec<_>>(),
+        [id(2)]
+    );
+    assert!(
+        reloaded
+            .entry(&name("m/w"))
+            .is_some_and(|e| e.holders.is_empty())
+    );
+    assert!(b.expire(later + 2).is_empty(), "handed out once");
+}
