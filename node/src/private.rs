@@ -21,6 +21,8 @@ enum Private {
         map_len: usize,
         offset: usize,
         len: usize,
+        /// What the mapping's file must outlive it for (its region: not pooled meanwhile).
+        _keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
     },
     /// A heap allocation from `Box::<[u8]>::into_raw`.
     Copied { ptr: NonNull<u8>, len: usize },
@@ -46,13 +48,14 @@ impl PrivateBytes {
     ///
     /// # Safety
     /// `base..base + map_len` must be a mapping (`mmap`) that nothing else refers to or
-    /// unmaps, and `offset + len <= map_len`.
+    /// unmaps, and `offset + len <= map_len`. `keep` is held until the mapping is gone.
     #[cfg(target_os = "linux")]
     pub(crate) unsafe fn mapped(
         base: NonNull<u8>,
         map_len: usize,
         offset: usize,
         len: usize,
+        keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
     ) -> Self {
         debug_assert!(offset + len <= map_len);
         PrivateBytes(Private::Mapped {
@@ -60,6 +63,7 @@ impl PrivateBytes {
             map_len,
             offset,
             len,
+            _keep: keep,
         })
     }
 
@@ -104,15 +108,15 @@ impl PrivateBytes {
 
 impl Drop for PrivateBytes {
     fn drop(&mut self) {
-        match self.0 {
+        match &self.0 {
             #[cfg(target_os = "linux")]
             Private::Mapped { base, map_len, .. } => {
                 // SAFETY: the mapping handed to `mapped`, which nothing else unmaps: unmapped
                 // exactly once.
-                let _ = unsafe { rustix::mm::munmap(base.as_ptr().cast(), map_len) };
+                let _ = unsafe { rustix::mm::munmap(base.as_ptr().cast(), *map_len) };
             }
             Private::Copied { ptr, len } => {
-                let slice = std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len);
+                let slice = std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), *len);
                 // SAFETY: `ptr`/`len` came from `Box::into_raw` in `copy_of` and are turned
                 // back into that box exactly once.
                 drop(unsafe { Box::from_raw(slice) });

@@ -75,6 +75,11 @@ impl std::fmt::Debug for Tensor {
 
 impl Tensor {
     /// Makes a tensor, checking `data.len() == product(shape) * itemsize`, and hashes it.
+    ///
+    /// On Linux, payloads above 64 KiB are copied (hashed in the same pass) into a sealed
+    /// memfd, the memory the node serves same-host peers from and lends readers: the node
+    /// then holds one copy of the bytes (`data` is dropped once the caller drops it), not a
+    /// heap copy plus a memfd made at the first same-host serve.
     pub fn new(dtype: DType, shape: Vec<u64>, data: impl Into<Bytes>) -> Result<Self> {
         let data = data.into();
         let expected = tb_proto::byte_len_for(dtype, &shape)?;
@@ -83,6 +88,10 @@ impl Tensor {
                 "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
                 data.len()
             )));
+        }
+        #[cfg(target_os = "linux")]
+        if data.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
+            return Tensor::copy_from(dtype, shape, &data);
         }
         let meta = TensorMeta::new(dtype, shape, ContentHash::of(&data))?;
         Ok(Tensor {
@@ -157,9 +166,17 @@ impl Tensor {
         buf.into_tensor(meta)
     }
 
-    /// A 1-D `u8` tensor over `data`.
+    /// A 1-D `u8` tensor over `data` (copied into a memfd above 64 KiB, as [`new`](Self::new)
+    /// does).
     pub fn from_bytes(data: impl Into<Bytes>) -> Self {
         let data = data.into();
+        #[cfg(target_os = "linux")]
+        if data.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
+            let shape = vec![data.len() as u64];
+            if let Ok(tensor) = Tensor::copy_from(DType::U8, shape, &data) {
+                return tensor;
+            }
+        }
         let meta = TensorMeta {
             dtype: DType::U8,
             shape: vec![data.len() as u64],

@@ -150,7 +150,7 @@ impl HostBuf {
         match self {
             HostBuf::Heap(vec) => Ok(Tensor::from_verified(meta, bytes::Bytes::from(vec))),
             #[cfg(target_os = "linux")]
-            HostBuf::Memfd(writer) => Ok(Tensor::from_region(meta, writer.seal()?)),
+            HostBuf::Memfd(writer) => Ok(Tensor::from_region(meta, writer.finish()?)),
         }
     }
 }

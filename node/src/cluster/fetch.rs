@@ -103,7 +103,7 @@ pub(crate) async fn fetch(
     let early = version
         .filter(|v| !matches!(store.get(&name, Some(*v)), Lookup::Found(..)))
         .map(|v| inflight.start(&name, v, None));
-    let (holders, slot) = match held::look_up(node, cluster, &name, version).await? {
+    let (holders, mut slot) = match held::look_up(node, cluster, &name, version).await? {
         Found::Holders(holders, slot) => (holders, slot),
         Found::Held(v, tensor) => {
             if let Some(receiving) = early {
@@ -124,9 +124,7 @@ pub(crate) async fn fetch(
         None => inflight.start(&name, v, Some(meta.clone())),
     };
     let len = memory_len(&meta)?;
-    if let Err(e) = cluster.fetching(&name, v, true).await {
-        debug!(%name, v, %e, "broker did not take the fetch start");
-    }
+    slot.announce_start();
     let feed = Feed {
         receiving: &mut receiving,
         progress,
@@ -157,10 +155,22 @@ pub(crate) async fn fetch(
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
     receiving.done(tensor.clone());
     if inserted == Inserted::Stored && cluster.serves {
-        let op = cluster.holder_op(&name, v, true);
-        if let Err(e) = cluster.announce(vec![op]).await {
-            warn!(%name, v, %e, "fetched, but could not tell the broker this node holds it");
-        }
+        // From a task: the caller has its bytes now, not one broker round trip later (the op
+        // is stamped, so a later "dropped it" still wins however the two arrive).
+        let (op, cluster, cancel) = (
+            cluster.holder_op(&name, v, true),
+            cluster.clone(),
+            node.ctx().cancel.clone(),
+        );
+        let announced_name = name.clone();
+        node.ctx().tracker.spawn(async move {
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                sent = cluster.announce(vec![op]) => if let Err(e) = sent {
+                    warn!(name = %announced_name, v, %e, "fetched, but could not tell the broker this node holds it");
+                }
+            }
+        });
     }
     Ok(Pulled {
         name,

@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tb_proto::{TensorMeta, TensorName};
-use tracing::debug;
 
 use super::{
     Cluster,
@@ -111,15 +110,13 @@ where
         Ok((v, tensor.meta().clone()))
     };
     cluster.ensure_joined().await?;
-    let (holders, slot) = match held::look_up(node, cluster, &name, version).await? {
+    let (holders, mut slot) = match held::look_up(node, cluster, &name, version).await? {
         Found::Holders(holders, slot) => (holders, slot),
         Found::Held(v, tensor) => return held(v, tensor, dest, check),
     };
     let (v, meta) = (holders.version, holders.meta.clone());
     fits(&name, &meta, dest, check)?;
-    if let Err(e) = cluster.fetching(&name, v, true).await {
-        debug!(%name, v, %e, "broker did not take the fetch start");
-    }
+    slot.announce_start();
     let mut receiving = node.ctx().inflight.start(&name, v, Some(meta.clone()));
     let feed = Feed {
         receiving: &mut receiving,

@@ -17,6 +17,9 @@ pub(super) struct FetchSlot {
     cluster: Arc<Cluster>,
     name: TensorName,
     version: u64,
+    /// The task telling the broker the fetch started, if one was sent: the end waits for it,
+    /// so the broker hears the two in order.
+    started: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl FetchSlot {
@@ -32,7 +35,24 @@ impl FetchSlot {
             cluster: cluster.clone(),
             name: name.clone(),
             version,
+            started: None,
         }
+    }
+
+    /// Tells the broker, from a task, that this node is now receiving the version (so it can
+    /// name this node as a source that is still receiving): the transfer does not wait for
+    /// the broker's answer.
+    pub(super) fn announce_start(&mut self) {
+        let (cluster, name, version) = (self.cluster.clone(), self.name.clone(), self.version);
+        let cancel = self.ctx.cancel.clone();
+        self.started = Some(self.ctx.tracker.spawn(async move {
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                started = cluster.fetching(&name, version, true) => if let Err(e) = started {
+                    debug!(%name, version, %e, "broker did not take the fetch start");
+                }
+            }
+        }));
     }
 }
 
@@ -44,7 +64,11 @@ impl Drop for FetchSlot {
         }
         let (cluster, name, version) = (self.cluster.clone(), self.name.clone(), self.version);
         let cancel = self.ctx.cancel.clone();
+        let started = self.started.take();
         self.ctx.tracker.spawn(async move {
+            if let Some(started) = started {
+                let _ = started.await;
+            }
             tokio::select! {
                 _ = cancel.cancelled() => {}
                 ended = cluster.fetching(&name, version, false) => if let Err(e) = ended {

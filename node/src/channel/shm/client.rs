@@ -301,7 +301,8 @@ async fn push(
             match &region {
                 Some(region) => {
                     let memfd = ShmPayload::Memfd { offset: 0 };
-                    conn.write_frame_and(&memfd, &[], Some(region.fd())).await
+                    conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
+                        .await
                 }
                 None => conn.write_frame_and(&ShmPayload::Inline, data, None).await,
             }

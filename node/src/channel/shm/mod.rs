@@ -24,6 +24,7 @@
 //!   every core before anyone sees the bytes; a mismatch is `Corrupt`.
 //!
 mod client;
+mod pool;
 mod region;
 mod serve;
 mod socket;

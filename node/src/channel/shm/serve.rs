@@ -1,7 +1,7 @@
 //! The serving side of the shm channel: accept same-host connections, admit the peers whose
 //! token and user check out, and answer their requests in order on each connection.
 
-use std::{os::fd::AsFd, sync::Arc};
+use std::sync::Arc;
 
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
@@ -202,7 +202,7 @@ async fn serve_pull(
         }
         let region = tensor.shm_region()?;
         let memfd = ShmPayload::Memfd { offset: 0 };
-        conn.write_frame_and(&memfd, &[], Some(region.fd().as_fd()))
+        conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
             .await
     })
     .await;
