@@ -432,18 +432,8 @@ fn carry_out(st: &mut BrokerActorState, changes: Changes) {
     }
     st.snapshot = None;
     st.dirty = true;
-    let registry = st.args.state.registry();
-    if let Err(e) = st
-        .args
-        .store
-        .save_changed(registry, &changes.names, &changes.members)
-    {
-        warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
-    }
-    for op in changes.gossip {
-        // The gossip task only goes away at shutdown; then there is nobody to tell.
-        let _ = st.args.gossip_out.send(op);
-    }
+    // Subscribers first: their writers start while this actor encodes the changes for sled
+    // (queued to the writer thread) and hands the ops to gossip.
     for event in &changes.events {
         let subs = st.subscriptions.iter().map(|(id, (p, _, _))| (*id, p));
         let targets: Vec<u64> = matching(subs, event).collect();
@@ -469,6 +459,18 @@ fn carry_out(st: &mut BrokerActorState, changes: Changes) {
                 }
             }
         }
+    }
+    let registry = st.args.state.registry();
+    if let Err(e) = st
+        .args
+        .store
+        .save_changed(registry, &changes.names, &changes.members)
+    {
+        warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
+    }
+    for op in changes.gossip {
+        // The gossip task only goes away at shutdown; then there is nobody to tell.
+        let _ = st.args.gossip_out.send(op);
     }
 }
 
