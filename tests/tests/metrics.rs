@@ -366,6 +366,7 @@ const FAMILIES: &[(&str, &[&str])] = &[
     ("tb_gossip_messages_total", &["broker"]),
     ("tb_sync_rounds_total", &["broker"]),
     ("tb_cluster_nodes", &["broker"]),
+    ("tb_broker_refused_total", &["broker"]),
     ("tb_store_bytes", &["worker"]),
     ("tb_store_tensors", &["worker"]),
     ("tb_auth_failures_total", &["broker", "worker"]),

@@ -110,3 +110,9 @@ pub(crate) fn held() -> (usize, usize) {
     let pool = pool();
     (pool.idle.len(), pool.bytes)
 }
+
+/// Whether the pool holds a buffer of `len` bytes.
+#[cfg(test)]
+pub(crate) fn holds(len: usize) -> bool {
+    pool().idle.iter().any(|(_, l, _)| *l == len)
+}

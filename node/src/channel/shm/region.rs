@@ -357,10 +357,10 @@ impl Drop for RegionWriter {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unmapped exactly once.
         let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
-        // A receive that failed part-way: nobody saw these bytes; the pages can be reused.
-        if let Ok(fd) = self.fd.try_clone() {
-            pool::give(fd, self.len);
-        }
+        // Not pooled: a writer dropped unfinished (a receive that failed, or a buffer made
+        // for a transfer that arrived zero-copy instead) may never have touched its pages,
+        // and a pooled buffer is mapped with all its pages populated: that would allocate
+        // and zero the whole size for nothing.
     }
 }
 
@@ -531,7 +531,8 @@ mod tests {
             "in use by a view: not reused"
         );
         other.as_mut().fill(3);
-        drop(other);
+        let other = other.finish().expect("finish");
+        let other_inode = inode(other.fd.as_fd());
         drop(view);
         // Now nothing maps it: the next writer of that size gets it (the most recent first),
         // rewrites it, and readers see only the new bytes.
@@ -543,6 +544,14 @@ mod tests {
         // Another size does not take it.
         let smaller = RegionWriter::new(LEN - 1).expect("writer");
         assert_ne!(inode(smaller.fd.as_fd()), first);
+        // A writer dropped unfinished is not pooled (its pages may never have been touched).
+        drop(smaller);
+        assert!(!pool::holds(LEN - 1));
+        drop(other);
+        assert_eq!(
+            inode(RegionWriter::new(LEN).expect("writer").fd.as_fd()),
+            other_inode
+        );
         let (buffers, bytes) = pool::held();
         assert!(buffers <= pool::MAX_BUFFERS && bytes <= pool::MAX_BYTES);
     }
