@@ -1,0 +1,138 @@
+use super::*;
+
+#[test]
+fn a_copy_reads_back_and_once_shared_refuses_writes() {
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let region = Arc::new(Region::copy_of(&data).expect("region"));
+    assert_eq!(region.bytes(), &data[..]);
+    assert_eq!(region.slice(10..20), Bytes::copy_from_slice(&data[10..20]));
+    assert!(!region.is_sealed(), "sealed only when the fd is passed on");
+    // Sealed before the fd leaves: no write, no resize, even through the owner's own fd.
+    let fd = region.shared_fd().expect("sealed");
+    assert!(region.is_sealed());
+    assert!(rustix::io::pwrite(fd, b"x", 0).is_err());
+    assert!(fs::ftruncate(fd, 1).is_err());
+    assert!(fs::ftruncate(fd, 1 << 30).is_err());
+    // A second call hands out the same, sealed, fd.
+    assert!(region.shared_fd().is_ok());
+}
+
+#[test]
+fn a_writer_finishes_into_a_region_whose_private_views_do_not_write_through() {
+    let mut writer = RegionWriter::new(10_000).expect("writer");
+    writer.as_mut().fill(7);
+    let region = Arc::new(writer.finish().expect("finish"));
+    assert!(region.bytes().iter().all(|&b| b == 7));
+    let view = region.private_view(0..region.len()).expect("view");
+    // SAFETY (test): the view is this test's own writable mapping of `len` bytes.
+    let written = unsafe { std::slice::from_raw_parts_mut(view.as_mut_ptr(), view.len()) };
+    written[0] = 1;
+    written[9_999] = 1;
+    assert_eq!((region.bytes()[0], region.bytes()[9_999]), (7, 7));
+    let other = region.private_view(0..region.len()).expect("view");
+    // SAFETY (test): as above.
+    let fresh = unsafe { std::slice::from_raw_parts(other.as_mut_ptr(), other.len()) };
+    assert!(fresh.iter().all(|&b| b == 7));
+    assert!(
+        RegionWriter::new(0).is_err(),
+        "an empty memfd cannot be mapped"
+    );
+}
+
+/// The inode behind a region's fd (a pooled memfd keeps its inode).
+fn inode(fd: BorrowedFd<'_>) -> u64 {
+    fs::fstat(fd).expect("fstat").st_ino
+}
+
+#[test]
+fn an_unshared_region_dropped_gives_its_pages_to_the_next_writer_of_its_size() {
+    // A size no other test uses: the pool is the process's.
+    const LEN: usize = 3 * 4096 + 17;
+    let mut writer = RegionWriter::new(LEN).expect("writer");
+    writer.as_mut().fill(1);
+    let region = Arc::new(writer.finish().expect("finish"));
+    let first = inode(region.fd.as_fd());
+    // A private view keeps the region, so its memfd is not pooled while the view lives.
+    let view = region.private_view(0..LEN).expect("view");
+    drop(region);
+    let mut other = RegionWriter::new(LEN).expect("writer");
+    assert_ne!(
+        inode(other.fd.as_fd()),
+        first,
+        "in use by a view: not reused"
+    );
+    other.as_mut().fill(3);
+    let other = other.finish().expect("finish");
+    let other_inode = inode(other.fd.as_fd());
+    drop(view);
+    // Now nothing maps it: the next writer of that size gets it (the most recent first),
+    // rewrites it, and readers see only the new bytes.
+    let mut again = RegionWriter::new(LEN).expect("writer");
+    assert_eq!(inode(again.fd.as_fd()), first, "reused");
+    again.as_mut().fill(2);
+    let reused = Arc::new(again.finish().expect("finish"));
+    assert!(reused.bytes().iter().all(|&b| b == 2));
+    // Another size does not take it.
+    let smaller = RegionWriter::new(LEN - 1).expect("writer");
+    assert_ne!(inode(smaller.fd.as_fd()), first);
+    // A writer dropped unfinished is not pooled (its pages may never have been touched).
+    drop(smaller);
+    assert!(!pool::holds(LEN - 1));
+    drop(other);
+    assert_eq!(
+        inode(RegionWriter::new(LEN).expect("writer").fd.as_fd()),
+        other_inode
+    );
+    let (buffers, bytes) = pool::held();
+    assert!(buffers <= pool::MAX_BUFFERS && bytes <= pool::MAX_BYTES);
+}
+
+#[test]
+fn a_region_whose_fd_was_shared_is_never_pooled() {
+    const LEN: usize = 5 * 4096 + 3;
+    let region = Region::copy_of(&[9u8; LEN]).expect("region");
+    let first = inode(region.fd.as_fd());
+    region.shared_fd().expect("sealed");
+    drop(region);
+    let writer = RegionWriter::new(LEN).expect("writer");
+    assert_ne!(
+        inode(writer.fd.as_fd()),
+        first,
+        "a sealed memfd is not rewritten"
+    );
+    // A region mapped from a peer's fd is sealed: never pooled either.
+    let source = Region::copy_of(&[4u8; LEN]).expect("region");
+    let dup = source
+        .shared_fd()
+        .expect("sealed")
+        .try_clone_to_owned()
+        .expect("dup");
+    let peer_inode = inode(dup.as_fd());
+    let (peer, _) = Region::from_peer(dup, LEN as u64).expect("mapped");
+    drop((peer, source));
+    let writer = RegionWriter::new(LEN).expect("writer");
+    assert_ne!(inode(writer.fd.as_fd()), peer_inode);
+}
+
+#[test]
+fn a_peer_fd_must_be_sealed_and_long_enough() {
+    let region = Region::copy_of(b"hello").expect("region");
+    let fd = region.shared_fd().expect("sealed");
+    let dup = fd.try_clone_to_owned().expect("dup");
+    let (peer, whole) = Region::from_peer(dup, 5).expect("sealed");
+    assert_eq!(peer.bytes(), b"hello");
+    assert!(whole);
+    // Only the payload is mapped, however long the file.
+    let dup = region.fd.try_clone().expect("dup");
+    let (peer, whole) = Region::from_peer(dup, 3).expect("sealed");
+    assert_eq!((peer.bytes(), whole), (&b"hel"[..], false));
+    let dup = region.fd.try_clone().expect("dup");
+    assert!(Region::from_peer(dup, 6).is_err());
+    // An unsealed memfd (its owner could still change it) is refused.
+    let open = fs::memfd_create("t", MemfdFlags::ALLOW_SEALING).expect("memfd");
+    fs::ftruncate(&open, 5).expect("size");
+    assert!(Region::from_peer(open, 5).is_err());
+    // So is a file descriptor that is no memfd at all.
+    let file = std::fs::File::open("/proc/self/status").expect("file");
+    assert!(Region::from_peer(OwnedFd::from(file), 1).is_err());
+}
