@@ -54,6 +54,9 @@ use crate::{
 pub(crate) const INLINE_MAX: usize = 64 << 10;
 /// Idle client connections kept per peer.
 const MAX_IDLE_PER_PEER: usize = 4;
+/// Peers with idle client connections, at most: a peer's entry is dropped with its link, but a
+/// transfer that ends after that may pool its connection again, so the table is bounded too.
+const MAX_IDLE_PEERS: usize = 256;
 /// Domain separation of the admission token MAC.
 const TOKEN_CONTEXT: &[u8] = b"tensor-broker shm admission v1";
 
@@ -198,6 +201,9 @@ impl Shm {
     /// Pools a connection whose last exchange completed cleanly.
     fn put_idle(&self, peer: EndpointId, conn: ShmStream) {
         let mut idle = self.idle();
+        if idle.len() >= MAX_IDLE_PEERS && !idle.contains_key(&peer) {
+            return;
+        }
         let conns = idle.entry(peer).or_default();
         if conns.len() < MAX_IDLE_PER_PEER {
             conns.push(conn);

@@ -131,3 +131,26 @@ fn a_private_view_is_written_without_changing_the_tensor() {
     let small = Tensor::copy_from(DType::U8, vec![16], &[7u8; 16]).expect("tensor");
     assert!(!small.private_view().expect("view").is_mapped());
 }
+
+#[tokio::test]
+async fn idle_connections_are_kept_for_a_bounded_number_of_peers() {
+    let shm = super::Shm::bind().expect("shm");
+    let conn = || {
+        let (ours, _theirs) = tokio::net::UnixStream::pair().expect("socket pair");
+        super::socket::ShmStream::new(ours)
+    };
+    let first = iroh::SecretKey::generate().public();
+    shm.put_idle(first, conn());
+    for _ in 0..super::MAX_IDLE_PEERS + 10 {
+        shm.put_idle(iroh::SecretKey::generate().public(), conn());
+    }
+    assert_eq!(shm.idle().len(), super::MAX_IDLE_PEERS);
+    // A peer already in the table still pools (up to its own limit); a new one does not.
+    for _ in 0..super::MAX_IDLE_PER_PEER + 2 {
+        shm.put_idle(first, conn());
+    }
+    assert_eq!(shm.idle()[&first].len(), super::MAX_IDLE_PER_PEER);
+    shm.forget(&first);
+    assert!(shm.take_idle(&first).is_none());
+    assert_eq!(shm.idle().len(), super::MAX_IDLE_PEERS - 1);
+}
