@@ -493,13 +493,33 @@ async fn fetch(
     let Some(node) = node.upgrade() else {
         return Fetched::Stopped;
     };
-    let got = tokio::select! {
-        _ = stop.cancelled() => return Fetched::Stopped,
-        got = node.get_version(name.as_str(), version) => got,
-    };
-    match got {
-        Ok(pulled) => Fetched::Tensor(pulled.buffer),
-        Err(Error::Shutdown) => Fetched::Stopped,
-        Err(e) => Fetched::Failed(e),
+    // The event says the version exists, but the broker answering the look-up may not know a
+    // live holder yet: with several brokers, the publish can reach it by gossip before the
+    // holder mark or the publisher's row does. So "not found" is asked again a few times,
+    // with growing pauses (bounded: NOT_FOUND_RETRIES tries, ~1.5 s in all).
+    let mut pause = NOT_FOUND_PAUSE;
+    for attempt in 0..=NOT_FOUND_RETRIES {
+        let got = tokio::select! {
+            _ = stop.cancelled() => return Fetched::Stopped,
+            got = node.get_version(name.as_str(), version) => got,
+        };
+        match got {
+            Ok(pulled) => return Fetched::Tensor(pulled.buffer),
+            Err(Error::Shutdown) => return Fetched::Stopped,
+            Err(Error::NotFound { .. }) if attempt < NOT_FOUND_RETRIES => {
+                tokio::select! {
+                    _ = stop.cancelled() => return Fetched::Stopped,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                pause *= 2;
+            }
+            Err(e) => return Fetched::Failed(e),
+        }
     }
+    Fetched::Failed(Error::Io(format!("fetching \"{name}\" v{version}")))
 }
+
+/// Look-ups again after "not found" for a version an event announced, at most.
+const NOT_FOUND_RETRIES: u32 = 5;
+/// The pause before the first of them (doubling after each).
+const NOT_FOUND_PAUSE: Duration = Duration::from_millis(50);
