@@ -175,6 +175,15 @@ pub struct Metrics {
     pub pool_refused_full: IntCounter,
     /// `tb_pool_connect_failures_total`.
     pub pool_connect_failures: IntCounter,
+    /// `tb_watch_offers_total{direction="out"}`: small versions this node offered straight to
+    /// the subscribers watching it (one per watcher).
+    pub watch_offers_out: IntCounter,
+    /// `tb_watch_offers_total{direction="in"}`: offers a subscription took from a publisher
+    /// (before, or instead of, its broker's event).
+    pub watch_offers_in: IntCounter,
+    /// `tb_watch_offers_total{direction="refused"}`: offers refused (bad metadata, or bytes
+    /// whose length or hash is not the metadata's).
+    pub watch_offers_refused: IntCounter,
     /// `tb_transfer_bytes_total{direction="in"}`.
     pub bytes_in: IntCounter,
     /// `tb_transfer_bytes_total{direction="out"}`.
@@ -231,6 +240,13 @@ impl Metrics {
             "tb_pool_refused_total",
             "Links refused before serving anything on them, by reason",
             &["reason"],
+        )?;
+        let offers = counter_vec(
+            r,
+            "tb_watch_offers_total",
+            "Small versions sent straight from publisher to subscriber, by direction (out, in, \
+             refused)",
+            &["direction"],
         )?;
         let bytes = counter_vec(
             r,
@@ -304,6 +320,9 @@ impl Metrics {
                 "tb_pool_connect_failures_total",
                 "Dials that failed or timed out",
             )?,
+            watch_offers_out: offers.with_label_values(&["out"]),
+            watch_offers_in: offers.with_label_values(&["in"]),
+            watch_offers_refused: offers.with_label_values(&["refused"]),
             bytes_in: bytes.with_label_values(&["in"]),
             bytes_out: bytes.with_label_values(&["out"]),
             transfers,
@@ -680,6 +699,7 @@ mod tests {
         "tb_pool_evictions_total",
         "tb_pool_refused_total",
         "tb_pool_connect_failures_total",
+        "tb_watch_offers_total",
         "tb_transfer_bytes_total",
         "tb_transfers_total",
         "tb_transfer_duration_seconds",

@@ -44,6 +44,9 @@ pub(crate) struct NodeCtx {
     pub(crate) channels: Channels,
     /// Piece outlines being hashed, shared by concurrent requests for one tensor.
     pub(crate) outlines: crate::upload::Outlines,
+    /// The subscribers watching names this node publishes (small versions go to them
+    /// straight, see [`crate::watch`]).
+    pub(crate) watchers: crate::watch::Watchers,
 }
 
 impl NodeCtx {

@@ -107,6 +107,7 @@ mod store;
 mod tensor;
 mod ticket;
 mod upload;
+mod watch;
 mod wire;
 
 /// Length-prefixed postcard frames on QUIC streams, for protocols served beside `tb/data/1`

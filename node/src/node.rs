@@ -145,6 +145,7 @@ impl Node {
             admission: auth::Admission::new(&config),
             channels: Channels::new(&config),
             outlines: Default::default(),
+            watchers: Default::default(),
             config,
         });
         for &kind in &ctx.config.channels {

@@ -243,6 +243,7 @@ async fn answer(
         DataRequest::Pieces { name, version } => {
             upload::serve_outline(ctx, send, &name, version).await;
         }
+        DataRequest::Watch { name } => crate::watch::serve(ctx, send, recv, name).await,
         DataRequest::Channels { offers } => {
             ctx.channels.learn(peer, link.id, access, offers);
             let offers = ctx.channels.offers_for(peer, access);

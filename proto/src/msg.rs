@@ -9,6 +9,9 @@
 //! - `Pieces { name, version }` -> `Outline { .. }` then `Have { .. }` frames as the server
 //!   gets more pieces, or `Error`: the version's piece outline and which pieces the server
 //!   can serve (see [`crate::piece`]); the pieces themselves are `Pull`s of their ranges.
+//! - `Watch { name }` -> an `Offer { version, meta, bytes }` frame for each small version of
+//!   `name` the server publishes from then on, until either side closes the stream, or
+//!   `Error`: how a small version reaches a subscriber in one hop (see [`DataRequest::Watch`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -81,6 +84,16 @@ pub enum DataRequest {
         /// The version.
         version: u64,
     },
+    /// Send me each version of this tensor you publish from now on whose bytes ride inline
+    /// (at most [`MAX_INLINE_BYTES`](crate::MAX_INLINE_BYTES)), as a
+    /// [`DataResponse::Offer`] with its bytes, on this stream, as soon as you publish it
+    /// (before your broker has answered). A subscriber sends it to a name's publisher: the
+    /// broker's event still comes and is a duplicate; offers are a shortcut, never the only
+    /// news. Either side ends the stream by closing it.
+    Watch {
+        /// The tensor.
+        name: TensorName,
+    },
 }
 
 impl DataRequest {
@@ -90,7 +103,8 @@ impl DataRequest {
             DataRequest::Pull { name, .. }
             | DataRequest::Push { name, .. }
             | DataRequest::TcpPull { name, .. }
-            | DataRequest::Pieces { name, .. } => Some(name),
+            | DataRequest::Pieces { name, .. }
+            | DataRequest::Watch { name } => Some(name),
             DataRequest::Channels { .. } => None,
         }
     }
@@ -103,7 +117,8 @@ impl DataRequest {
             DataRequest::Pull { .. }
             | DataRequest::Channels { .. }
             | DataRequest::TcpPull { .. }
-            | DataRequest::Pieces { .. } => None,
+            | DataRequest::Pieces { .. }
+            | DataRequest::Watch { .. } => None,
         }
     }
 
@@ -120,7 +135,9 @@ impl DataRequest {
                 .checked_add(r.len)
                 .map(|_| ())
                 .ok_or(MetaError::Overflow),
-            DataRequest::Pull { .. } | DataRequest::Pieces { .. } => Ok(()),
+            DataRequest::Pull { .. } | DataRequest::Pieces { .. } | DataRequest::Watch { .. } => {
+                Ok(())
+            }
             DataRequest::TcpPull { sockets, .. } => {
                 crate::channel::validate_tcp_sockets(*sockets).map_err(MetaError::from)
             }
@@ -184,6 +201,18 @@ pub enum DataResponse {
         pieces: Vec<u32>,
         /// The server has the whole version now (this is its last frame).
         complete: bool,
+    },
+    /// On a [`DataRequest::Watch`] stream: the server published `version` of the watched
+    /// name; its bytes follow in the frame. The watcher checks them with
+    /// [`check_offer`](crate::check_offer) before using them.
+    Offer {
+        /// The version.
+        version: u64,
+        /// What its bytes are.
+        meta: TensorMeta,
+        /// The bytes: `meta.byte_len` of them, at most
+        /// [`MAX_INLINE_BYTES`](crate::MAX_INLINE_BYTES), hashing to `meta.hash`.
+        bytes: Vec<u8>,
     },
 }
 

@@ -195,6 +195,21 @@ fn tcp_frames() {
     };
     // len 6 | Have=6 | [0, 300] | complete
     golden(&have, "06000000 06 02 00 ac02 01");
+    let watch = DataRequest::Watch {
+        name: TensorName::new("w").expect("name"),
+    };
+    // len 3 | Watch=5 | name "w"
+    golden(&watch, "03000000 05 0177");
+    let offer = DataResponse::Offer {
+        version: 300,
+        meta: TensorMeta::new(DType::U8, vec![2], ContentHash([0x11; 32])).expect("meta"),
+        bytes: vec![0xab, 0xcd],
+    };
+    // len 42 | Offer=7 | version 300 | U8=1 | shape [2] | byte_len 2 | hash | bytes [ab cd]
+    golden(
+        &offer,
+        &format!("2a000000 07 ac02 01 0102 02 {H_11} 02abcd"),
+    );
     let hello = TcpHello {
         token: [0x11; 32],
         range: tb_proto::ByteRange {

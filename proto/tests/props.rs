@@ -83,6 +83,7 @@ fn request() -> impl Strategy<Value = DataRequest> {
             }),
         (tensor_name(), any::<u64>())
             .prop_map(|(name, version)| DataRequest::Pieces { name, version }),
+        tensor_name().prop_map(|name| DataRequest::Watch { name }),
     ]
 }
 
@@ -125,6 +126,16 @@ fn response() -> impl Strategy<Value = DataResponse> {
             ),
         (proptest::collection::vec(any::<u32>(), 0..8), any::<bool>())
             .prop_map(|(pieces, complete)| DataResponse::Have { pieces, complete }),
+        (
+            any::<u64>(),
+            meta(),
+            proptest::collection::vec(any::<u8>(), 0..64)
+        )
+            .prop_map(|(version, meta, bytes)| DataResponse::Offer {
+                version,
+                meta,
+                bytes
+            }),
     ]
 }
 

@@ -257,6 +257,22 @@ impl CtlResponse {
 
 /// Refuses inline bytes over [`MAX_INLINE_BYTES`] or other than `meta` says (length and
 /// BLAKE3 hash): a tampered inline payload is never taken.
+/// Checks a [`DataResponse::Offer`](crate::DataResponse::Offer) of `version` of `name` as a
+/// watcher receives it: a valid version and metadata (within `max_tensor_bytes`), and bytes
+/// of at most [`MAX_INLINE_BYTES`] whose length and BLAKE3 hash are the metadata's. An offer
+/// that fails is refused, never a tensor.
+pub fn check_offer(
+    name: &TensorName,
+    version: u64,
+    meta: &TensorMeta,
+    bytes: &[u8],
+    max_tensor_bytes: u64,
+) -> Result<(), CtlError> {
+    check_version(name, version)?;
+    check_meta(name, version, meta, max_tensor_bytes)?;
+    check_inline(meta, bytes)
+}
+
 fn check_inline(meta: &TensorMeta, bytes: &[u8]) -> Result<(), CtlError> {
     let len = bytes.len() as u64;
     if len > MAX_INLINE_BYTES {

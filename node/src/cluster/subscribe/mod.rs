@@ -15,6 +15,7 @@
 //! known; what is published after that is reported.
 
 mod feed;
+mod watch;
 
 use std::{sync::Arc, time::Duration};
 
@@ -32,7 +33,10 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, warn};
 
-use self::feed::{Feed, Next};
+use self::{
+    feed::{Feed, Next},
+    watch::Watching,
+};
 use super::{
     Cluster,
     ctl_client::check_response,
@@ -170,6 +174,7 @@ pub(crate) async fn start(
         shared: shared.clone(),
         stop: stop.clone(),
         max_tensor_bytes: ctx.config.max_tensor_bytes,
+        watching: Watching::new(node, cluster.clone(), shared.clone(), stop.clone()),
     };
     ctx.tracker.spawn(reader.run(stream));
     let auto_fetch = ctx.config.auto_fetch;
@@ -235,6 +240,8 @@ struct Reader {
     shared: Arc<Shared>,
     stop: CancellationToken,
     max_tensor_bytes: u64,
+    /// Watch streams to the publishers of the names heard of (small versions in one hop).
+    watching: Arc<Watching>,
 }
 
 impl Reader {
@@ -310,12 +317,14 @@ impl Reader {
                     version,
                     meta,
                     bytes,
-                    ..
+                    publisher,
                 })) if self.pattern.matches(&name) => {
                     // Checked against `meta` (length and hash) by `check_response`.
                     let inline = Some(Bytes::from(bytes));
                     self.shared
                         .update(|f| f.published_with(&name, version, meta, inline));
+                    // Its next small versions can come straight from their publisher.
+                    self.watching.heard(&name, publisher);
                 }
                 Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
                     self.shared.update(|f| f.deleted(&name));

@@ -1,0 +1,269 @@
+//! [`Watching`]: a subscription's `Watch` streams to the publishers of the names it hears of,
+//! so that their small versions come in one hop (see [`crate::watch`] for the publisher's
+//! side).
+//!
+//! Each broker event names the version's publisher. The first event of a name from a
+//! publisher other than this node starts a watch task: it asks a broker for the publisher's
+//! addresses (a look-up of the name, once), opens a `Watch { name }` stream on the pooled
+//! link, and puts each offer that checks out (metadata, length, BLAKE3 hash) into the
+//! subscription's feed, where the broker's event for the same version later is old news. An
+//! offer that does not check out ends the watch; so does any answer but offers. A watch that
+//! ended is not started again for that publisher and name before a backoff (1 s, doubling to
+//! 30 s); the broker's events carry on meanwhile, so nothing depends on a watch.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use iroh::EndpointId;
+use tb_proto::{DataRequest, DataResponse, NodeId, TensorName};
+use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tracing::debug;
+
+use super::Shared;
+use crate::{
+    client,
+    cluster::{Cluster, fetch::peers_of},
+    ctx::NodeCtx,
+    error::{Error, Result},
+    node::{Node, WeakNode},
+    pool::LinkGuard,
+    wire,
+};
+
+/// Most names one subscription watches at once (a prefix subscription over more names gets
+/// the rest through its broker only).
+const MAX_WATCHED: usize = 64;
+/// Pause before a watch of the same name and publisher after one ended; doubles each time.
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// Longest such pause.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Most (name, publisher) pairs remembered for their backoff.
+const MAX_REMEMBERED: usize = 1024;
+
+/// One watch running: whom it watches, and the guard that stops it when dropped.
+struct Running {
+    publisher: NodeId,
+    generation: u64,
+    _stop: DropGuard,
+}
+
+/// When a watch of a (name, publisher) may start again, and the pause after the next end.
+struct Ended {
+    not_before: Instant,
+    backoff: Duration,
+}
+
+#[derive(Default)]
+struct State {
+    running: HashMap<TensorName, Running>,
+    ended: HashMap<(TensorName, NodeId), Ended>,
+    generation: u64,
+}
+
+/// The watches of one subscription.
+pub(super) struct Watching {
+    node: WeakNode,
+    me: NodeId,
+    cluster: Arc<Cluster>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    state: Mutex<State>,
+}
+
+impl Watching {
+    pub(super) fn new(
+        node: &Node,
+        cluster: Arc<Cluster>,
+        shared: Arc<Shared>,
+        stop: CancellationToken,
+    ) -> Arc<Watching> {
+        Arc::new(Watching {
+            me: crate::auth::node_id(&node.id()),
+            node: node.downgrade(),
+            cluster,
+            shared,
+            stop,
+            state: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A broker said `publisher` published a version of `name`: watch it, unless this
+    /// subscription does already, it is this node, or a backoff or the cap says not now.
+    pub(super) fn heard(self: &Arc<Self>, name: &TensorName, publisher: NodeId) {
+        if publisher == self.me || self.stop.is_cancelled() {
+            return;
+        }
+        let mut state = self.lock();
+        if state
+            .running
+            .get(name)
+            .is_some_and(|r| r.publisher == publisher)
+        {
+            return;
+        }
+        if state.running.len() >= MAX_WATCHED && !state.running.contains_key(name) {
+            return;
+        }
+        let key = (name.clone(), publisher);
+        if state
+            .ended
+            .get(&key)
+            .is_some_and(|e| e.not_before > Instant::now())
+        {
+            return;
+        }
+        let Some(tracker) = self.node.upgrade().map(|n| n.ctx().tracker.clone()) else {
+            return;
+        };
+        state.generation += 1;
+        let generation = state.generation;
+        let stop = self.stop.child_token();
+        // A new publisher of the name replaces the watch of the old one (dropped: stopped).
+        state.running.insert(
+            name.clone(),
+            Running {
+                publisher,
+                generation,
+                _stop: stop.clone().drop_guard(),
+            },
+        );
+        drop(state);
+        let this = self.clone();
+        let name = name.clone();
+        tracker.spawn(async move {
+            let ended = tokio::select! {
+                _ = stop.cancelled() => return,
+                ended = this.watch(&name, publisher) => ended,
+            };
+            debug!(%name, publisher = ?publisher, %ended, "a watch ended");
+            this.ended(name, publisher, generation);
+        });
+    }
+
+    /// Notes that the watch of `name` (the `generation`th started) ended: another may start
+    /// after the backoff.
+    fn ended(&self, name: TensorName, publisher: NodeId, generation: u64) {
+        let mut state = self.lock();
+        if state
+            .running
+            .get(&name)
+            .is_some_and(|r| r.generation == generation)
+        {
+            state.running.remove(&name);
+        }
+        let now = Instant::now();
+        if state.ended.len() >= MAX_REMEMBERED {
+            state.ended.retain(|_, e| e.not_before > now);
+        }
+        let entry = state.ended.entry((name, publisher)).or_insert(Ended {
+            not_before: now,
+            backoff: FIRST_BACKOFF,
+        });
+        entry.not_before = now + entry.backoff;
+        entry.backoff = (entry.backoff * 2).min(MAX_BACKOFF);
+    }
+
+    /// Watches `name` at `publisher` until the stream ends; returns why it ended.
+    async fn watch(&self, name: &TensorName, publisher: NodeId) -> Error {
+        let addrs = match self.addresses(name, publisher).await {
+            Ok(addrs) => addrs,
+            Err(e) => return e,
+        };
+        let mut last = Error::Io(format!("no address of {publisher:?} to watch \"{name}\""));
+        for addr in addrs {
+            // The node is held only while linking: a watch never keeps it alive.
+            let Some(node) = self.node.upgrade() else {
+                return Error::Shutdown;
+            };
+            let linked = node.link(&addr).await;
+            let ctx = node.ctx().clone();
+            drop(node);
+            match linked {
+                Ok(link) => return self.watch_on(&ctx, link, name).await,
+                Err(e) => last = e,
+            }
+        }
+        last
+    }
+
+    /// The publisher's addresses, from a broker's look-up of the name.
+    async fn addresses(
+        &self,
+        name: &TensorName,
+        publisher: NodeId,
+    ) -> Result<Vec<crate::endpoint::PeerAddr>> {
+        let timeout = self.cluster.request_timeout;
+        let holders = self.cluster.ctl.lookup(name, None, &[], timeout).await?;
+        match holders.holders.iter().find(|h| h.node == publisher) {
+            Some(holder) => peers_of(holder),
+            None => Err(Error::NotFound {
+                what: format!("the publisher of \"{name}\" among its holders"),
+            }),
+        }
+    }
+
+    /// One watch stream on `link`, until it ends; returns why it ended.
+    async fn watch_on(&self, ctx: &NodeCtx, link: LinkGuard, name: &TensorName) -> Error {
+        match self.stream(ctx, &link, name).await {
+            Ok(never) => match never {},
+            Err(e) => e,
+        }
+    }
+
+    async fn stream(
+        &self,
+        ctx: &NodeCtx,
+        link: &LinkGuard,
+        name: &TensorName,
+    ) -> Result<std::convert::Infallible> {
+        let (mut send, mut recv) = client::open(ctx, link).await?;
+        let request = DataRequest::Watch { name: name.clone() };
+        wire::write_frame_within(&mut send, &request, ctx.config.stall_timeout).await?;
+        let peer: EndpointId = link.peer();
+        loop {
+            let frame = match wire::read_frame::<DataResponse>(&mut recv).await {
+                Ok(frame) => frame,
+                Err(e) => return Err(e.into_error(&format!("a watch of \"{name}\""))),
+            };
+            match frame {
+                DataResponse::Offer {
+                    version,
+                    meta,
+                    bytes,
+                } => {
+                    let max = ctx.config.max_tensor_bytes;
+                    if let Err(e) = tb_proto::check_offer(name, version, &meta, &bytes, max) {
+                        ctx.metrics.watch_offers_refused.inc();
+                        tracing::warn!(%name, version, peer = %peer.fmt_short(), %e, "refused an offer");
+                        return Err(Error::Corrupt(format!(
+                            "an offer of \"{name}\" v{version} from {}: {e}",
+                            peer.fmt_short()
+                        )));
+                    }
+                    ctx.metrics.watch_offers_in.inc();
+                    let bytes = Some(Bytes::from(bytes));
+                    self.shared
+                        .update(|f| f.published_with(name, version, meta, bytes));
+                }
+                DataResponse::Error { code, message } => {
+                    return Err(client::remote_error(link, code, message));
+                }
+                _ => {
+                    return Err(Error::Io(format!(
+                        "{} answered a watch with a frame that is not an offer",
+                        peer.fmt_short()
+                    )));
+                }
+            }
+        }
+    }
+}

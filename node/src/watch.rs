@@ -1,0 +1,261 @@
+//! [`Watchers`]: the subscribers watching this node's names, and serving a `Watch` stream.
+//!
+//! A subscriber that hears of a version of a name from a broker's event learns who published
+//! it, and opens a `Watch { name }` stream to that publisher on their pooled link. From then
+//! on, each small version (its bytes inline, at most [`MAX_INLINE_BYTES`]) the publisher
+//! publishes goes down that stream as an `Offer` as soon as it is stored, beside the publish
+//! to the broker rather than after it: one QUIC hop from publisher to subscriber instead of
+//! two through the broker. The broker's event still comes and is a duplicate the
+//! subscription drops; offers are a shortcut, never the only news, so an offer that is late,
+//! dropped (a watcher whose queue is full) or never sent (the stream is down) costs latency,
+//! never a version.
+//!
+//! Bounded: at most [`MAX_WATCHERS`] streams per node and [`MAX_WATCHERS_PER_NAME`] per name
+//! (beyond them a `Watch` is refused `Busy`), each with a queue of [`QUEUE`] offers whose
+//! bytes all watchers of a version share.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use bytes::Bytes;
+use iroh::endpoint::{RecvStream, SendStream};
+use tb_proto::{DataResponse, ErrorCode, MAX_INLINE_BYTES, TensorMeta, TensorName};
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use crate::{ctx::NodeCtx, wire};
+
+/// Most `Watch` streams one node serves at once.
+pub(crate) const MAX_WATCHERS: usize = 1024;
+/// Most `Watch` streams of one name.
+pub(crate) const MAX_WATCHERS_PER_NAME: usize = 256;
+/// Offers waiting to be written, per watcher: beyond it, a new offer is not queued for that
+/// watcher (its subscription hears of the version from the broker).
+const QUEUE: usize = 8;
+
+/// One version offered to the watchers of its name.
+#[derive(Debug, Clone)]
+struct Offer {
+    version: u64,
+    meta: TensorMeta,
+    bytes: Bytes,
+}
+
+#[derive(Debug)]
+struct Watcher {
+    id: u64,
+    tx: mpsc::Sender<Offer>,
+}
+
+/// The watchers of each name this node publishes.
+#[derive(Debug, Default)]
+pub(crate) struct Watchers {
+    by_name: Mutex<HashMap<TensorName, Vec<Watcher>>>,
+    next_id: AtomicU64,
+}
+
+/// A watcher's place in [`Watchers`]: dropping it takes the watcher out.
+struct Registered<'a> {
+    watchers: &'a Watchers,
+    name: TensorName,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let mut by_name = self.watchers.lock();
+        if let Some(list) = by_name.get_mut(&self.name) {
+            list.retain(|w| w.id != self.id);
+            if list.is_empty() {
+                by_name.remove(&self.name);
+            }
+        }
+    }
+}
+
+impl Watchers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TensorName, Vec<Watcher>>> {
+        self.by_name.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a watcher of `name`, or says why not (the limits).
+    fn register(
+        &self,
+        name: &TensorName,
+    ) -> Result<(Registered<'_>, mpsc::Receiver<Offer>), String> {
+        let mut by_name = self.lock();
+        let total: usize = by_name.values().map(Vec::len).sum();
+        if total >= MAX_WATCHERS {
+            return Err(format!(
+                "this node serves {MAX_WATCHERS} watch streams already"
+            ));
+        }
+        let list = by_name.entry(name.clone()).or_default();
+        if list.len() >= MAX_WATCHERS_PER_NAME {
+            return Err(format!(
+                "\"{name}\" has {MAX_WATCHERS_PER_NAME} watchers already"
+            ));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        list.push(Watcher { id, tx });
+        let registered = Registered {
+            watchers: self,
+            name: name.clone(),
+            id,
+        };
+        Ok((registered, rx))
+    }
+
+    /// Offers `version` of `name` to its watchers, when its bytes are small enough to ride
+    /// inline; returns how many watchers it was queued for. Never waits.
+    pub(crate) fn offer(
+        &self,
+        name: &TensorName,
+        version: u64,
+        meta: &TensorMeta,
+        bytes: &[u8],
+    ) -> usize {
+        if bytes.len() as u64 > MAX_INLINE_BYTES {
+            return 0;
+        }
+        let by_name = self.lock();
+        let Some(list) = by_name.get(name) else {
+            return 0;
+        };
+        let offer = Offer {
+            version,
+            meta: meta.clone(),
+            bytes: Bytes::copy_from_slice(bytes),
+        };
+        list.iter()
+            .filter(|w| w.tx.try_send(offer.clone()).is_ok())
+            .count()
+    }
+
+    /// Watchers now, of every name.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().values().map(Vec::len).sum()
+    }
+}
+
+/// Serves a `Watch { name }` stream: writes an `Offer` for each version offered until the
+/// watcher closes the stream (or it stalls), or the node stops. Refused `Busy` past the
+/// limits.
+pub(crate) async fn serve(
+    ctx: &NodeCtx,
+    mut send: SendStream,
+    mut recv: RecvStream,
+    name: TensorName,
+) {
+    let stall = ctx.config.stall_timeout;
+    let (registered, mut offers) = match ctx.watchers.register(&name) {
+        Ok(registered) => registered,
+        Err(message) => {
+            debug!(%message, "refusing a watch");
+            let answer = DataResponse::Error {
+                code: ErrorCode::Busy,
+                message,
+            };
+            let _ = wire::write_frame_within(&mut send, &answer, stall).await;
+            let _ = send.finish();
+            return;
+        }
+    };
+    // The watcher sends nothing more: its side ending (a finish, a reset, the link) ends
+    // the watch.
+    let mut gone = Box::pin(async move {
+        let mut buf = [0u8; 64];
+        while let Ok(Some(_)) = recv.read(&mut buf).await {}
+    });
+    loop {
+        let offer = tokio::select! {
+            () = &mut gone => break,
+            _ = ctx.cancel.cancelled() => break,
+            offer = offers.recv() => match offer {
+                Some(offer) => offer,
+                None => break,
+            },
+        };
+        let frame = DataResponse::Offer {
+            version: offer.version,
+            meta: offer.meta,
+            bytes: offer.bytes.to_vec(),
+        };
+        if let Err(e) = wire::write_frame_within(&mut send, &frame, stall).await {
+            debug!(%e, %name, "a watch stream stalled or closed");
+            break;
+        }
+        ctx.metrics.watch_offers_out.inc();
+    }
+    drop(registered);
+    let _ = send.finish();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(bytes: &[u8]) -> TensorMeta {
+        TensorMeta::new(
+            tb_proto::DType::U8,
+            vec![bytes.len() as u64],
+            tb_proto::ContentHash::of(bytes),
+        )
+        .expect("meta")
+    }
+
+    #[tokio::test]
+    async fn offers_reach_each_watcher_of_the_name_and_leave_with_it() {
+        let watchers = Watchers::default();
+        let w = TensorName::new("w").expect("name");
+        let other = TensorName::new("other").expect("name");
+        let (one, mut rx1) = watchers.register(&w).expect("first");
+        let (_two, mut rx2) = watchers.register(&w).expect("second");
+        let bytes = [7u8; 100];
+        assert_eq!(watchers.offer(&w, 3, &meta(&bytes), &bytes), 2);
+        assert_eq!(watchers.offer(&other, 1, &meta(&bytes), &bytes), 0);
+        for rx in [&mut rx1, &mut rx2] {
+            let got = rx.recv().await.expect("an offer");
+            assert_eq!((got.version, &got.bytes[..]), (3, &bytes[..]));
+        }
+        drop(one);
+        assert_eq!(watchers.len(), 1);
+        assert_eq!(watchers.offer(&w, 4, &meta(&bytes), &bytes), 1);
+    }
+
+    #[test]
+    fn large_versions_are_not_offered_and_full_queues_skip() {
+        let watchers = Watchers::default();
+        let w = TensorName::new("w").expect("name");
+        let (_reg, _rx) = watchers.register(&w).expect("watch");
+        let big = vec![0u8; MAX_INLINE_BYTES as usize + 1];
+        assert_eq!(watchers.offer(&w, 1, &meta(&big), &big), 0);
+        let small = [1u8; 8];
+        for v in 0..QUEUE as u64 {
+            assert_eq!(watchers.offer(&w, v + 2, &meta(&small), &small), 1);
+        }
+        // Nobody reads: the queue is full, the next offer is skipped, nothing blocks.
+        assert_eq!(watchers.offer(&w, 100, &meta(&small), &small), 0);
+    }
+
+    #[test]
+    fn watchers_per_name_are_bounded() {
+        let watchers = Watchers::default();
+        let w = TensorName::new("w").expect("name");
+        let held: Vec<_> = (0..MAX_WATCHERS_PER_NAME)
+            .map(|_| watchers.register(&w).expect("under the cap"))
+            .collect();
+        assert!(watchers.register(&w).is_err());
+        let other = TensorName::new("x").expect("name");
+        assert!(watchers.register(&other).is_ok());
+        drop(held);
+        assert!(watchers.register(&w).is_ok());
+    }
+}

@@ -1,0 +1,146 @@
+//! Small versions in one hop: a subscriber that heard of a name's publisher watches it, and
+//! the publisher's next small versions come straight down that stream (the broker's event
+//! for each is a duplicate the subscription drops). Checks that every offered version is
+//! told once, in order, with its bytes, and that the counters on both sides agree.
+
+use std::time::Duration;
+
+use tb_broker::{Broker, BrokerOptions};
+use tb_node::{Config, Node, PeerAddr, SubEvent, Subscription, proto::ClusterKey};
+use tb_tests::{f32_tensor, node, test_config, within};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const SECRET: &[u8] = b"watch tests share this secret, 32+ bytes..";
+
+fn key() -> ClusterKey {
+    ClusterKey::from_secret(SECRET).expect("secret")
+}
+
+async fn broker(dir: &std::path::Path) -> Broker {
+    let mut opts = BrokerOptions::new(dir);
+    opts.node = test_config();
+    opts.node.cluster_key = key();
+    within(LIMIT, "broker start", Broker::spawn(opts))
+        .await
+        .expect("broker starts")
+}
+
+fn worker_config(broker: &PeerAddr) -> Config {
+    Config {
+        brokers: vec![broker.clone()],
+        cluster_key: key(),
+        heartbeat_interval: Duration::from_millis(300),
+        ..test_config()
+    }
+}
+
+/// Publishes `version` of "w" (4 KiB, its bytes a function of the version) and waits for the
+/// subscriber to be told it; panics on anything else (a duplicate or a gap included).
+async fn publish_and_receive(publisher: &Node, sub: &mut Subscription, version: u64) {
+    let tensor = f32_tensor(1024, version as u8);
+    let published = publisher
+        .publish("w", tensor.clone())
+        .await
+        .expect("publish");
+    assert_eq!(published, version, "versions follow one another");
+    let event = within(LIMIT, "event", sub.next_timeout(Duration::from_secs(20)))
+        .await
+        .expect("the subscription goes on")
+        .expect("an event");
+    match event {
+        SubEvent::Version {
+            version: told,
+            tensor: got,
+            ..
+        } => {
+            assert_eq!(told, version, "told once, in order");
+            let got = got.expect("auto-fetched");
+            assert_eq!(got.data(), tensor.data(), "bytes equal");
+        }
+        other => panic!("v{version}: unexpected {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_versions_come_straight_from_their_publisher_once_watched() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let publisher = node(worker_config(broker.addr())).await;
+    let subscriber = node(worker_config(broker.addr())).await;
+    let mut sub = subscriber.subscribe("w").await.expect("subscribe");
+    // The first versions come through the broker; their events name the publisher, which
+    // the subscription starts watching in the background. Bounded: 200 versions.
+    let mut version = 0;
+    while subscriber.metrics().watch_offers_in.get() == 0 {
+        version += 1;
+        assert!(version <= 200, "no offer came straight from the publisher");
+        publish_and_receive(&publisher, &mut sub, version).await;
+    }
+    let (taken, sent) = (
+        subscriber.metrics().watch_offers_in.get(),
+        publisher.metrics().watch_offers_out.get(),
+    );
+    const MORE: u64 = 20;
+    for _ in 0..MORE {
+        version += 1;
+        publish_and_receive(&publisher, &mut sub, version).await;
+    }
+    // Each of them was offered and taken (and its broker event dropped as old news).
+    assert_eq!(publisher.metrics().watch_offers_out.get() - sent, MORE);
+    assert_eq!(subscriber.metrics().watch_offers_in.get() - taken, MORE);
+    assert_eq!(subscriber.metrics().watch_offers_refused.get(), 0);
+    // Nothing else is waiting: no duplicate of any version.
+    match sub.next_timeout(Duration::from_millis(500)).await {
+        Some(Err(tb_node::Error::Timeout { .. })) => {}
+        other => panic!("nothing more was published, got {other:?}"),
+    }
+    drop(sub);
+    subscriber.shutdown().await;
+    publisher.shutdown().await;
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_versions_and_a_nodes_own_versions_are_not_offered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let publisher = node(worker_config(broker.addr())).await;
+    let subscriber = node(worker_config(broker.addr())).await;
+    let mut theirs = subscriber.subscribe("big").await.expect("subscribe");
+    let mut mine = publisher.subscribe("w").await.expect("subscribe");
+    for v in 1..=5u8 {
+        // 64 KiB: over the inline limit, told through the broker and pulled.
+        let big = f32_tensor(16 << 10, v);
+        publisher
+            .publish("big", big.clone())
+            .await
+            .expect("publish");
+        let small = f32_tensor(1024, v);
+        publisher
+            .publish("w", small.clone())
+            .await
+            .expect("publish");
+        for (sub, tensor) in [(&mut theirs, &big), (&mut mine, &small)] {
+            let event = within(LIMIT, "event", sub.next_timeout(Duration::from_secs(20)))
+                .await
+                .expect("goes on")
+                .expect("event");
+            let SubEvent::Version {
+                version,
+                tensor: Some(got),
+                ..
+            } = event
+            else {
+                panic!("unexpected {event:?}");
+            };
+            assert_eq!(version, u64::from(v));
+            assert_eq!(got.data(), tensor.data(), "bytes equal");
+        }
+    }
+    assert_eq!(publisher.metrics().watch_offers_out.get(), 0);
+    assert_eq!(subscriber.metrics().watch_offers_in.get(), 0);
+    drop((theirs, mine));
+    subscriber.shutdown().await;
+    publisher.shutdown().await;
+    broker.shutdown().await;
+}
