@@ -59,6 +59,25 @@ pub(crate) struct Watchers {
     next_id: AtomicU64,
 }
 
+/// One watcher: the offers of its name as frames to write, until it is dropped (which takes
+/// it out of [`Watchers`]).
+pub(crate) struct Watch<'a> {
+    _registered: Registered<'a>,
+    offers: mpsc::Receiver<Offer>,
+}
+
+impl Watch<'_> {
+    /// The next offer as the frame that carries it; `None` if the watchers were dropped.
+    pub(crate) async fn next_frame(&mut self) -> Option<DataResponse> {
+        let offer = self.offers.recv().await?;
+        Some(DataResponse::Offer {
+            version: offer.version,
+            meta: offer.meta,
+            bytes: offer.bytes.to_vec(),
+        })
+    }
+}
+
 /// A watcher's place in [`Watchers`]: dropping it takes the watcher out.
 struct Registered<'a> {
     watchers: &'a Watchers,
@@ -84,10 +103,7 @@ impl Watchers {
     }
 
     /// Adds a watcher of `name`, or says why not (the limits).
-    fn register(
-        &self,
-        name: &TensorName,
-    ) -> Result<(Registered<'_>, mpsc::Receiver<Offer>), String> {
+    pub(crate) fn register(&self, name: &TensorName) -> Result<Watch<'_>, String> {
         let mut by_name = self.lock();
         let total: usize = by_name.values().map(Vec::len).sum();
         if total >= MAX_WATCHERS {
@@ -102,14 +118,17 @@ impl Watchers {
             ));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(QUEUE);
+        let (tx, offers) = mpsc::channel(QUEUE);
         list.push(Watcher { id, tx });
         let registered = Registered {
             watchers: self,
             name: name.clone(),
             id,
         };
-        Ok((registered, rx))
+        Ok(Watch {
+            _registered: registered,
+            offers,
+        })
     }
 
     /// Offers `version` of `name` to its watchers, when its bytes are small enough to ride
@@ -145,9 +164,9 @@ impl Watchers {
     }
 }
 
-/// Serves a `Watch { name }` stream: writes an `Offer` for each version offered until the
-/// watcher closes the stream (or it stalls), or the node stops. Refused `Busy` past the
-/// limits.
+/// Serves a `Watch { name }` stream on QUIC: writes an `Offer` for each version offered
+/// until the watcher closes the stream (or it stalls), or the node stops. Refused `Busy` past
+/// the limits.
 pub(crate) async fn serve(
     ctx: &NodeCtx,
     mut send: SendStream,
@@ -155,8 +174,8 @@ pub(crate) async fn serve(
     name: TensorName,
 ) {
     let stall = ctx.config.stall_timeout;
-    let (registered, mut offers) = match ctx.watchers.register(&name) {
-        Ok(registered) => registered,
+    let mut watch = match ctx.watchers.register(&name) {
+        Ok(watch) => watch,
         Err(message) => {
             debug!(%message, "refusing a watch");
             let answer = DataResponse::Error {
@@ -175,18 +194,13 @@ pub(crate) async fn serve(
         while let Ok(Some(_)) = recv.read(&mut buf).await {}
     });
     loop {
-        let offer = tokio::select! {
+        let frame = tokio::select! {
             () = &mut gone => break,
             _ = ctx.cancel.cancelled() => break,
-            offer = offers.recv() => match offer {
-                Some(offer) => offer,
+            frame = watch.next_frame() => match frame {
+                Some(frame) => frame,
                 None => break,
             },
-        };
-        let frame = DataResponse::Offer {
-            version: offer.version,
-            meta: offer.meta,
-            bytes: offer.bytes.to_vec(),
         };
         if let Err(e) = wire::write_frame_within(&mut send, &frame, stall).await {
             debug!(%e, %name, "a watch stream stalled or closed");
@@ -194,7 +208,7 @@ pub(crate) async fn serve(
         }
         ctx.metrics.watch_offers_out.inc();
     }
-    drop(registered);
+    drop(watch);
     let _ = send.finish();
 }
 
@@ -216,14 +230,22 @@ mod tests {
         let watchers = Watchers::default();
         let w = TensorName::new("w").expect("name");
         let other = TensorName::new("other").expect("name");
-        let (one, mut rx1) = watchers.register(&w).expect("first");
-        let (_two, mut rx2) = watchers.register(&w).expect("second");
+        let mut one = watchers.register(&w).expect("first");
+        let mut two = watchers.register(&w).expect("second");
         let bytes = [7u8; 100];
         assert_eq!(watchers.offer(&w, 3, &meta(&bytes), &bytes), 2);
         assert_eq!(watchers.offer(&other, 1, &meta(&bytes), &bytes), 0);
-        for rx in [&mut rx1, &mut rx2] {
-            let got = rx.recv().await.expect("an offer");
-            assert_eq!((got.version, &got.bytes[..]), (3, &bytes[..]));
+        for watch in [&mut one, &mut two] {
+            let got = watch.next_frame().await.expect("an offer");
+            let DataResponse::Offer {
+                version,
+                bytes: got,
+                ..
+            } = got
+            else {
+                panic!("not an offer: {got:?}");
+            };
+            assert_eq!((version, &got[..]), (3, &bytes[..]));
         }
         drop(one);
         assert_eq!(watchers.len(), 1);
@@ -234,7 +256,7 @@ mod tests {
     fn large_versions_are_not_offered_and_full_queues_skip() {
         let watchers = Watchers::default();
         let w = TensorName::new("w").expect("name");
-        let (_reg, _rx) = watchers.register(&w).expect("watch");
+        let _watch = watchers.register(&w).expect("watch");
         let big = vec![0u8; MAX_INLINE_BYTES as usize + 1];
         assert_eq!(watchers.offer(&w, 1, &meta(&big), &big), 0);
         let small = [1u8; 8];

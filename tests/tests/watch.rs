@@ -1,12 +1,16 @@
 //! Small versions in one hop: a subscriber that heard of a name's publisher watches it, and
 //! the publisher's next small versions come straight down that stream (the broker's event
 //! for each is a duplicate the subscription drops). Checks that every offered version is
-//! told once, in order, with its bytes, and that the counters on both sides agree.
+//! told once, in order, with its bytes, and that the counters on both sides agree, on the
+//! same-host socket (the default between two nodes of one host) and over QUIC.
 
 use std::time::Duration;
 
 use tb_broker::{Broker, BrokerOptions};
-use tb_node::{Config, Node, PeerAddr, SubEvent, Subscription, proto::ClusterKey};
+use tb_node::{
+    Config, Node, PeerAddr, SubEvent, Subscription,
+    proto::{ChannelKind, ClusterKey},
+};
 use tb_tests::{f32_tensor, node, test_config, within};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -26,8 +30,13 @@ async fn broker(dir: &std::path::Path) -> Broker {
 }
 
 fn worker_config(broker: &PeerAddr) -> Config {
+    worker_on(broker, &ChannelKind::DEFAULT)
+}
+
+fn worker_on(broker: &PeerAddr, channels: &[ChannelKind]) -> Config {
     Config {
         brokers: vec![broker.clone()],
+        channels: channels.to_vec(),
         cluster_key: key(),
         heartbeat_interval: Duration::from_millis(300),
         ..test_config()
@@ -62,11 +71,20 @@ async fn publish_and_receive(publisher: &Node, sub: &mut Subscription, version: 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn small_versions_come_straight_from_their_publisher_once_watched() {
+async fn small_versions_come_straight_from_their_publisher_on_the_same_host_socket() {
+    small_versions_come_straight_from_their_publisher(&ChannelKind::DEFAULT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_versions_come_straight_from_their_publisher_over_quic() {
+    small_versions_come_straight_from_their_publisher(&[ChannelKind::Quic]).await;
+}
+
+async fn small_versions_come_straight_from_their_publisher(channels: &[ChannelKind]) {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path()).await;
-    let publisher = node(worker_config(broker.addr())).await;
-    let subscriber = node(worker_config(broker.addr())).await;
+    let publisher = node(worker_on(broker.addr(), channels)).await;
+    let subscriber = node(worker_on(broker.addr(), channels)).await;
     let mut sub = subscriber.subscribe("w").await.expect("subscribe");
     // The first versions come through the broker; their events name the publisher, which
     // the subscription starts watching in the background. Bounded: 200 versions.

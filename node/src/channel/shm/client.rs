@@ -345,7 +345,7 @@ async fn push(
 }
 
 /// A pooled connection to `peer`, or a new one (connected, credentials checked, hello sent).
-async fn connection(
+pub(super) async fn connection(
     ctx: &NodeCtx,
     route: &ShmRoute,
     peer: EndpointId,

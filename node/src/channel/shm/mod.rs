@@ -28,6 +28,7 @@ mod pool;
 mod region;
 mod serve;
 mod socket;
+mod watch;
 
 use std::{
     collections::HashMap,
@@ -43,6 +44,7 @@ pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionWriter};
 pub(crate) use serve::spawn_listener;
 use socket::ShmStream;
+pub(crate) use watch::ShmWatch;
 
 use crate::{
     error::{Error, Result},

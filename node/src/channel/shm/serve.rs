@@ -153,12 +153,13 @@ async fn serve_request(
                 .await
         }
         DataRequest::Push { name, meta } => serve_push(ctx, conn, peer, name, meta).await,
-        DataRequest::Channels { .. }
-        | DataRequest::TcpPull { .. }
-        | DataRequest::Pieces { .. }
-        | DataRequest::Watch { .. } => Err(Error::Io(
-            "a QUIC-only request on a same-host socket".into(),
-        )),
+        DataRequest::Watch { name } => {
+            super::watch::serve(ctx, conn, &name).await;
+            Err(Error::Io("the watch ended".into()))
+        }
+        DataRequest::Channels { .. } | DataRequest::TcpPull { .. } | DataRequest::Pieces { .. } => {
+            Err(Error::Io("a channel request on a same-host socket".into()))
+        }
     }
 }
 

@@ -186,7 +186,18 @@ impl Watching {
             };
             let linked = node.link(&addr).await;
             let ctx = node.ctx().clone();
+            #[cfg(target_os = "linux")]
+            let same_host = match &linked {
+                Ok(_) => self.same_host(&node, &addr, name).await,
+                Err(_) => None,
+            };
             drop(node);
+            #[cfg(target_os = "linux")]
+            if let Some(watch) = same_host {
+                // The QUIC link is not needed while the socket carries the watch.
+                drop(linked);
+                return self.watch_same_host(&ctx, watch, name).await;
+            }
             match linked {
                 Ok(link) => return self.watch_on(&ctx, link, name).await,
                 Err(e) => last = e,
@@ -209,6 +220,86 @@ impl Watching {
                 what: format!("the publisher of \"{name}\" among its holders"),
             }),
         }
+    }
+
+    /// A watch of `name` open on the same-host socket of the peer at `addr`, when the pair's
+    /// channel is shm and the socket answers.
+    #[cfg(target_os = "linux")]
+    async fn same_host(
+        &self,
+        node: &Node,
+        addr: &crate::endpoint::PeerAddr,
+        name: &TensorName,
+    ) -> Option<crate::channel::ShmWatch> {
+        let ctx = node.ctx();
+        let links = || node.link(addr);
+        let Ok(Some(crate::channel::Route::Shm(route))) =
+            crate::channel::route(ctx, &addr.id, links).await
+        else {
+            return None;
+        };
+        match crate::channel::ShmWatch::open(ctx, &route, name).await {
+            Ok(watch) => Some(watch),
+            Err(e) => {
+                debug!(%name, ?e, "no same-host watch; watching over QUIC");
+                None
+            }
+        }
+    }
+
+    /// A watch on the same-host socket, until it ends; returns why it ended.
+    #[cfg(target_os = "linux")]
+    async fn watch_same_host(
+        &self,
+        ctx: &NodeCtx,
+        mut watch: crate::channel::ShmWatch,
+        name: &TensorName,
+    ) -> Error {
+        loop {
+            let taken = match watch.next().await {
+                Ok(frame) => self.take(ctx, name, watch.peer(), frame),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = taken {
+                return e;
+            }
+        }
+    }
+
+    /// Takes one frame of a watch of `name` from `peer`: an offer that checks out goes into
+    /// the feed; anything else ends the watch.
+    fn take(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        peer: EndpointId,
+        frame: DataResponse,
+    ) -> Result<()> {
+        let DataResponse::Offer {
+            version,
+            meta,
+            bytes,
+        } = frame
+        else {
+            return Err(Error::Io(format!(
+                "{} answered a watch with a frame that is not an offer",
+                peer.fmt_short()
+            )));
+        };
+        let max = ctx.config.max_tensor_bytes;
+        if let Err(e) = tb_proto::check_offer(name, version, &meta, &bytes, max) {
+            ctx.metrics.watch_offers_refused.inc();
+            tracing::warn!(%name, version, peer = %peer.fmt_short(), %e, "refused an offer");
+            return Err(Error::Corrupt(format!(
+                "an offer of \"{name}\" v{version} from {}: {e}",
+                peer.fmt_short()
+            )));
+        }
+        ctx.metrics.watch_offers_in.inc();
+        let bytes = Some(Bytes::from(bytes));
+        self.shared
+            .update(|f| f.published_with(name, version, meta, bytes));
+        Ok(())
     }
 
     /// One watch stream on `link`, until it ends; returns why it ended.
@@ -235,34 +326,10 @@ impl Watching {
                 Err(e) => return Err(e.into_error(&format!("a watch of \"{name}\""))),
             };
             match frame {
-                DataResponse::Offer {
-                    version,
-                    meta,
-                    bytes,
-                } => {
-                    let max = ctx.config.max_tensor_bytes;
-                    if let Err(e) = tb_proto::check_offer(name, version, &meta, &bytes, max) {
-                        ctx.metrics.watch_offers_refused.inc();
-                        tracing::warn!(%name, version, peer = %peer.fmt_short(), %e, "refused an offer");
-                        return Err(Error::Corrupt(format!(
-                            "an offer of \"{name}\" v{version} from {}: {e}",
-                            peer.fmt_short()
-                        )));
-                    }
-                    ctx.metrics.watch_offers_in.inc();
-                    let bytes = Some(Bytes::from(bytes));
-                    self.shared
-                        .update(|f| f.published_with(name, version, meta, bytes));
-                }
                 DataResponse::Error { code, message } => {
                     return Err(client::remote_error(link, code, message));
                 }
-                _ => {
-                    return Err(Error::Io(format!(
-                        "{} answered a watch with a frame that is not an offer",
-                        peer.fmt_short()
-                    )));
-                }
+                frame => self.take(ctx, name, peer, frame)?,
             }
         }
     }
