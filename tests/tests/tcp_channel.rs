@@ -246,8 +246,8 @@ impl FakeHolder {
                     .write_all(&reply(&DataResponse::Channels { offers }))
                     .await;
             }
-            DataRequest::Pieces { .. } => {
-                // This holder serves in one stream only.
+            DataRequest::Pieces { .. } | DataRequest::Watch { .. } => {
+                // This holder serves in one stream only, and nobody subscribes.
                 let no = DataResponse::Error {
                     code: tb_node::proto::ErrorCode::NotFound,
                     message: "no pieces here".into(),

@@ -336,8 +336,8 @@ impl ProtocolHandler for IdleRacingServer {
                     let none = DataResponse::Channels { offers: Vec::new() };
                     frame::encode(&none).expect("encode")
                 }
-                // Pulled directly, never asked for pieces.
-                Ok(DataRequest::Pieces { .. }) | Err(_) => break,
+                // Pulled directly, never asked for pieces; nobody subscribes.
+                Ok(DataRequest::Pieces { .. } | DataRequest::Watch { .. }) | Err(_) => break,
             };
             let _ = send.write_all(&answer).await;
             let _ = send.finish();

@@ -697,6 +697,36 @@ fn every_request_names_the_access_it_needs() {
 }
 
 #[test]
+fn offers_must_match_their_metadata() {
+    let bytes = vec![7u8; 100];
+    let good = TensorMeta::new(DType::U8, vec![100], ContentHash::of(&bytes)).expect("meta");
+    let w = name("m/a");
+    assert_eq!(crate::check_offer(&w, 3, &good, &bytes, MAX), Ok(()));
+    // One byte changed, one byte short: refused.
+    let mut tampered = bytes.clone();
+    tampered[42] ^= 1;
+    assert_eq!(
+        crate::check_offer(&w, 3, &good, &tampered, MAX),
+        Err(CtlError::InlineMismatch {
+            len: 100,
+            expected: 100
+        })
+    );
+    assert!(crate::check_offer(&w, 3, &good, &bytes[..99], MAX).is_err());
+    // Version 0 is never published; over the inline limit is refused before hashing.
+    assert!(crate::check_offer(&w, 0, &good, &bytes, MAX).is_err());
+    let big = vec![0u8; MAX_INLINE_BYTES as usize + 1];
+    let big_meta =
+        TensorMeta::new(DType::U8, vec![big.len() as u64], ContentHash::of(&big)).expect("meta");
+    assert_eq!(
+        crate::check_offer(&w, 3, &big_meta, &big, MAX),
+        Err(CtlError::InlineTooLarge {
+            len: MAX_INLINE_BYTES + 1
+        })
+    );
+}
+
+#[test]
 fn inline_bytes_must_match_their_publish() {
     let bytes = vec![7u8; 100];
     let good = TensorMeta::new(DType::U8, vec![100], ContentHash::of(&bytes)).expect("meta");
