@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tensor_broker import _bench
+from tensor_broker import _bench, _bench_extra, _bench_report
 
 SIZES = (4096, 65536)
 
@@ -67,6 +67,53 @@ def test_the_zeromq_baseline_divides_every_figure(report: dict) -> None:
         assert c["x_zeromq"] and all(v > 0 for v in c["x_zeromq"].values()), c
         if c["system"] == "zeromq":
             assert set(c["x_zeromq"].values()) == {1.0}, c
+
+
+def test_the_extras_report_every_measurement(report: dict) -> None:
+    x = report["extra"]
+    assert set(x) == {"get_by_name", "put_warm", "async_rtt"}
+    n = _bench_extra.counts(quick=True)
+
+    get = x["get_by_name"]
+    assert get["size_bytes"] == _bench_extra.GET_SIZE and get["check"] == "full"
+    assert get["samples"] == n["get"] and get["checked"] == n["get"] + 1  # the warm-up too
+    assert 0 < get["p50_us"] <= get["p99_us"], get
+    assert get["pass_p50_us"] == [get["p50_us"]] and get["pass_p99_us"] == [get["p99_us"]]
+    assert get["met"] is (get["p50_us"] <= get["target_p50_us"] == 250)
+
+    put = x["put_warm"]
+    assert put["size_bytes"] == 256 << 20 and put["keep"] == 1 and put["checked"] == 1
+    assert put["samples"] == n["put"] and put["warmups"] == n["put_warmups"]
+    assert put["put_gb_s"] > 0 and put["pass_put_gb_s"] == [put["put_gb_s"]], put
+
+    rtt = x["async_rtt"]
+    assert rtt["size_bytes"] == _bench.RTT_SIZE
+    for kind in ("async", "sync"):
+        assert rtt[f"{kind}_samples"] == n["rtt_chunks"] * n["rtt_chunk"], rtt
+        assert 0 < rtt[f"{kind}_p50_us"] <= rtt[f"{kind}_p99_us"], rtt
+    # Ratios of the unrounded percentiles; the figures beside them are rounded to 0.1 µs.
+    assert rtt["x_sync"] == pytest.approx(rtt["async_p50_us"] / rtt["sync_p50_us"], rel=1e-2)
+    assert rtt["x_sync_p99"] == pytest.approx(rtt["async_p99_us"] / rtt["sync_p99_us"],
+                                              rel=1e-2)
+    assert rtt["pass_x_sync"] == [rtt["x_sync"]]
+    assert rtt["met"] is (rtt["x_sync"] <= rtt["target_x_sync"] == 1.1)
+
+
+def test_the_put_is_divided_by_blake3_alone(report: dict) -> None:
+    pytest.importorskip("blake3")
+    put = report["extra"]["put_warm"]
+    assert put["blake3_gb_s"] > 0 and put["blake3_threads"] == "AUTO", put
+    assert put["x_blake3"] == pytest.approx(put["put_gb_s"] / put["blake3_gb_s"], rel=1e-2)
+    assert put["pass_x_blake3"] == [put["x_blake3"]]
+    assert put["met"] is (put["x_blake3"] >= put["target_x_blake3"] == 0.8)
+
+
+def test_the_tables_show_the_extras(report: dict) -> None:
+    text = _bench_report.tables(report)
+    assert "Extra measurements" in text
+    for row in ("4 KiB get by name, not subscribed", "256 MiB put, warm (keep=1)",
+                "4 KiB round trip, asyncio vs sync"):
+        assert row in text
 
 
 def test_payload_check_finds_a_changed_byte() -> None:
