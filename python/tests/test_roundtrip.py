@@ -120,7 +120,7 @@ def memfd_of(address: int) -> tuple[str, str]:
 
 
 def test_get_is_zero_copy(client: tb.Client, cluster: tb.LocalCluster) -> None:
-    a = np.arange(1 << 16, dtype=np.float32)
+    a = np.arange(5 << 18, dtype=np.float32)  # 5 MiB: above the 4 MiB inline limit
     v = client.put("zc/a", a)
     with cluster.connect() as other:
         got = other.get("zc/a")

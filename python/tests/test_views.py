@@ -24,7 +24,9 @@ def run(spawn, code: str) -> None:
     child.finish()
 
 
-@pytest.mark.parametrize("n", [1 << 18, 1000])  # 1 MiB (a mapping) and 4 KB (a copy)
+# 5 MiB (a mapping of the holder's memfd: above the 4 MiB inline limit), 1 MiB (inline into a
+# memfd of the reader's, then a mapping) and 4 KB (a copy)
+@pytest.mark.parametrize("n", [5 << 18, 1 << 18, 1000])
 def test_in_place_ops_on_a_same_host_get_change_nothing_served(spawn, n: int) -> None:
     run(
         spawn,
@@ -57,7 +59,7 @@ def test_an_optimizer_step_on_a_received_state_dict_changes_nothing_served(spawn
     run(
         spawn,
         """
-w0 = np.linspace(-1, 1, 1 << 18, dtype=np.float32)
+w0 = np.linspace(-1, 1, 5 << 18, dtype=np.float32)  # 5 MiB: the holder's memfd, mapped
 a.put_many("views/m", {"w": w0, "b": np.ones(7, np.float32)})
 sd = b.get_many_torch("views/m")
 w = torch.nn.Parameter(sd["w"])
@@ -77,7 +79,8 @@ def test_get_many_members_map_the_sets_memfd(client, cluster) -> None:
 
     from test_roundtrip import memfd_of
 
-    sd = {"w": np.arange(1 << 18, dtype=np.float32), "b": np.ones(1 << 17, np.float32)}
+    # 5.5 MiB in all: above the 4 MiB inline limit, the set travels as the holder's memfd.
+    sd = {"w": np.arange(5 << 18, dtype=np.float32), "b": np.ones(1 << 17, np.float32)}
     client.put_many("views/sd", sd)
     with cluster.connect() as other:
         first, second = other.get_many("views/sd"), other.get_many("views/sd")
@@ -91,7 +94,7 @@ def test_a_large_get_is_a_mapping_shared_by_its_arrays(client, cluster) -> None:
     import numpy as np
     import tensor_broker as tb
 
-    x = np.arange(1 << 18, dtype=np.float32)
+    x = np.arange(5 << 18, dtype=np.float32)  # 5 MiB: above the 4 MiB inline limit
     client.put("views/zc", x)
     with cluster.connect() as other:
         buf = other.get_buffer("views/zc")
@@ -135,8 +138,9 @@ say("ok")
 def test_more_tensors_than_a_1024_fd_limit_arrive_over_shm(client, spawn) -> None:
     import numpy as np
 
-    # Every tensor above 64 KiB is a memfd on both sides (held by the node, mapped by each
-    # same-host reader): more of them than Python's common soft limit of 1024 open files.
+    # Every tensor above 64 KiB is a memfd on both sides (held by the node, and received into
+    # one by each same-host reader, inline up to 4 MiB): more of them than Python's common soft
+    # limit of 1024 open files.
     import resource
 
     n, elems = 1100, 20_000

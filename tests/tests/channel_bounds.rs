@@ -25,7 +25,7 @@ use tb_tests::{
 const LIMIT: Duration = Duration::from_secs(60);
 const START: Duration = Duration::from_secs(30);
 const SECRET: &str = "channel-bounds-test-secret-32-bytes";
-/// Past the inline limit (64 KiB): a holder passes its memfd.
+/// Past the inline limit (4 MiB): a holder passes its memfd.
 const LEN: usize = (8 << 20) + 3;
 
 fn key() -> ClusterKey {

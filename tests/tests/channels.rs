@@ -23,8 +23,10 @@ fn config(channels: &[ChannelKind]) -> Config {
     }
 }
 
-/// Tensors of every dtype, with byte lengths around the inline limit (64 KiB) and the
-/// parallel-copy threshold (4 MiB), none a multiple of a piece size, plus empty ones.
+/// Tensors of every dtype, with byte lengths around the size above which an inline payload is
+/// received into a memfd rather than plain memory (64 KiB) and around the inline limit and
+/// parallel-copy threshold (both 4 MiB), none a multiple of a piece size, plus empty ones and
+/// tensors of exactly those sizes.
 fn tensors() -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     let elems = [0usize, 1, 3, 16_383, 16_385, 1_048_577];
@@ -39,6 +41,12 @@ fn tensors() -> Vec<(String, Tensor)> {
         "t/empty-2d".into(),
         Tensor::new(DType::F32, vec![0, 7], Vec::new()).expect("tensor"),
     ));
+    // The largest heap-received inline payload, and the largest inline one (the next byte
+    // goes as a memfd: `F32` above is 4 MiB + 4).
+    for len in [64usize << 10, 4 << 20] {
+        let tensor = Tensor::new(DType::U8, vec![len as u64], pattern(len, 9)).expect("tensor");
+        out.push((format!("t/u8-{len}"), tensor));
+    }
     out
 }
 
@@ -96,7 +104,9 @@ async fn a_zero_copy_tensor_stays_valid_after_its_version_is_evicted() {
     })
     .await;
     let reader = node(config(&ChannelKind::DEFAULT)).await;
-    let first = Tensor::new(DType::U8, vec![3 << 20], pattern(3 << 20, 7)).expect("tensor");
+    // Past the inline limit (4 MiB): the reader maps the holder's memfd.
+    const LEN: usize = 5 << 20;
+    let first = Tensor::new(DType::U8, vec![LEN as u64], pattern(LEN, 7)).expect("tensor");
     let v1 = holder.publish_local("w", first.clone()).expect("publish");
     let got = within(LIMIT, "pull", reader.pull(holder.addr(), "w", Some(v1)))
         .await
@@ -104,7 +114,7 @@ async fn a_zero_copy_tensor_stays_valid_after_its_version_is_evicted() {
     assert_eq!(reader.channel_to(&holder.id()), ChannelKind::Shm);
     // Newer versions evict v1 from the holder's store; the reader's mapping keeps the bytes.
     for seed in 0..3u8 {
-        let next = Tensor::new(DType::U8, vec![3 << 20], pattern(3 << 20, seed)).expect("t");
+        let next = Tensor::new(DType::U8, vec![LEN as u64], pattern(LEN, seed)).expect("t");
         holder.publish_local("w", next).expect("publish");
     }
     let evicted = within(
@@ -118,7 +128,7 @@ async fn a_zero_copy_tensor_stays_valid_after_its_version_is_evicted() {
         "v1 is gone from the holder: {evicted:?}"
     );
     drop(first);
-    assert_eq!(got.buffer.data(), &pattern(3 << 20, 7));
+    assert_eq!(got.buffer.data(), &pattern(LEN, 7));
     assert_eq!(ContentHash::of(got.buffer.data()), got.meta.hash);
     holder.shutdown().await;
     reader.shutdown().await;
@@ -175,7 +185,7 @@ async fn a_cluster_get_from_a_holder_of_this_host_moves_over_shm() {
         })
     };
     let (holder, reader) = (worker().await, worker().await);
-    // Past the inline limit: the holder passes its sealed memfd.
+    // Past the inline limit (4 MiB): the holder passes its sealed memfd.
     let len = (8 << 20) + 3;
     let tensor = Tensor::new(DType::U8, vec![len as u64], pattern(len, 5)).expect("tensor");
     let version = within(LIMIT, "publish", holder.publish("c/w", tensor.clone()))

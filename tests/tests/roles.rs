@@ -707,8 +707,8 @@ async fn shm_works_between_read_only_and_read_write_nodes() {
         ..test_config()
     })
     .await;
-    // Above the 64 KiB inline limit: each goes as a memfd.
-    let (a, b) = (f32_tensor(100_000, 1), f32_tensor(100_000, 2));
+    // Above the 4 MiB inline limit: each goes as a memfd.
+    let (a, b) = (f32_tensor(1_100_000, 1), f32_tensor(1_100_000, 2));
     rw.publish_local("shm/a", a.clone()).expect("publish");
     ro.publish_local("shm/b", b.clone()).expect("publish");
     for _ in 0..2 {

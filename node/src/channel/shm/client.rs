@@ -7,7 +7,6 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 
-use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{
     Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
@@ -24,35 +23,55 @@ use crate::{
     tensor::Tensor,
 };
 
-/// A pull whose header arrived on the socket.
-pub(crate) struct ShmPull {
+/// A pull whose header arrived on the socket, its payload announced.
+pub(crate) struct ShmPull<'r> {
     /// The version sent.
     pub(crate) version: u64,
     /// Its metadata (for a memfd payload, as verified by its holder).
     pub(crate) meta: TensorMeta,
     payload: Payload,
+    /// The route it came on (an inline payload's connection is pooled again once read).
+    route: &'r ShmRoute,
+    /// This transfer, as errors name it.
+    what: String,
     /// Hash a memfd payload before handing its bytes out (the holder proved only read-only
-    /// access), naming this transfer in a `Corrupt` error.
-    verify: Option<String>,
+    /// access). Inline payloads are hashed whoever sent them.
+    verify_memfd: bool,
 }
 
 enum Payload {
-    /// Read and hash-checked already.
-    Inline(Bytes),
+    /// Follows on this connection, its length checked against [`INLINE_MAX`]: read (and
+    /// hashed) straight into the buffer it ends in.
+    Inline(ShmStream),
     /// The holder's sealed memfd (checked), and where the payload starts in it.
     Memfd { fd: OwnedFd, offset: u64 },
 }
 
-impl ShmPull {
+impl ShmPull<'_> {
     /// The payload as a tensor: the mapping of the holder's memfd (zero-copy), or the inline
-    /// bytes.
-    pub(crate) fn into_tensor(self) -> Result<Tensor> {
+    /// bytes read into a pooled memfd of this process (one copy). An inline payload whose
+    /// socket fails is left to QUIC (nothing was handed out yet); one that does not hash to
+    /// `meta.hash` is `Corrupt`.
+    pub(crate) async fn into_tensor(self, ctx: &NodeCtx) -> Result<Tensor, ChannelError> {
         match self.payload {
-            Payload::Inline(bytes) => Ok(Tensor::from_verified(self.meta, bytes)),
+            Payload::Inline(mut conn) => {
+                let stall = ctx.config.stall_timeout;
+                let read = super::read_inline(&mut conn, &self.meta, &self.what);
+                match within(stall, &self.what, read).await {
+                    Ok(tensor) => {
+                        self.route.shm.put_idle(self.route.peer, conn);
+                        Ok(tensor)
+                    }
+                    Err(err @ Error::Corrupt(_)) => Err(ChannelError::Final(err)),
+                    Err(err) => Err(ChannelError::Fallback(err)),
+                }
+            }
             Payload::Memfd { fd, offset } => {
-                let tensor = super::tensor_from_memfd(fd, offset, self.meta)?;
-                if let Some(what) = &self.verify {
-                    verify::check_all(tensor.data(), tensor.hash(), what)?;
+                let tensor =
+                    super::tensor_from_memfd(fd, offset, self.meta).map_err(ChannelError::Final)?;
+                if self.verify_memfd {
+                    verify::check_all(tensor.data(), tensor.hash(), &self.what)
+                        .map_err(ChannelError::Final)?;
                     super::region::release_resident(tensor.data());
                 }
                 Ok(tensor)
@@ -60,8 +79,9 @@ impl ShmPull {
         }
     }
 
-    /// Copies the payload into `dest` (exactly `meta.byte_len` bytes).
-    pub(crate) async fn copy_into(self, dest: &mut [u8]) -> Result<()> {
+    /// Copies the payload into `dest` (exactly `meta.byte_len` bytes): an inline one is read
+    /// from the socket straight into it.
+    pub(crate) async fn copy_into(self, ctx: &NodeCtx, dest: &mut [u8]) -> Result<()> {
         if dest.len() as u64 != self.meta.byte_len {
             return Err(Error::InvalidTensor(format!(
                 "destination buffer has {} bytes, the tensor {}",
@@ -70,8 +90,11 @@ impl ShmPull {
             )));
         }
         match self.payload {
-            Payload::Inline(bytes) => {
-                dest.copy_from_slice(&bytes);
+            Payload::Inline(mut conn) => {
+                let stall = ctx.config.stall_timeout;
+                let read = super::read_inline_into(&mut conn, dest, &self.meta, &self.what);
+                within(stall, &self.what, read).await?;
+                self.route.shm.put_idle(self.route.peer, conn);
                 Ok(())
             }
             Payload::Memfd { fd, offset } => {
@@ -83,10 +106,10 @@ impl ShmPull {
                 })?;
                 Region::check_peer_fd(&fd, end)?;
                 super::region::pread_parallel(fd.as_fd(), dest, offset).await?;
-                match &self.verify {
-                    Some(what) => verify::check_all(dest, self.meta.hash, what),
-                    None => Ok(()),
+                if self.verify_memfd {
+                    verify::check_all(dest, self.meta.hash, &self.what)?;
                 }
+                Ok(())
             }
         }
     }
@@ -108,7 +131,7 @@ impl Channel for ShmRoute {
         let pulled = pull(ctx, self, name, version).await?;
         let (meta, version) = (pulled.meta.clone(), pulled.version);
         let mut buffer = alloc(&meta).map_err(ChannelError::Final)?;
-        let copied = pulled.copy_into(buffer.as_mut()).await;
+        let copied = pulled.copy_into(ctx, buffer.as_mut()).await;
         copied.map_err(ChannelError::Final)?;
         count_in(ctx, meta.byte_len);
         Ok(Pulled {
@@ -119,7 +142,8 @@ impl Channel for ShmRoute {
         })
     }
 
-    /// The tensor maps the holder's sealed memfd (zero-copy).
+    /// The tensor maps the holder's sealed memfd (zero-copy), or owns a pooled memfd the
+    /// inline payload was read into.
     async fn pull(
         &self,
         ctx: &NodeCtx,
@@ -128,7 +152,7 @@ impl Channel for ShmRoute {
     ) -> Result<Pulled<Tensor>, ChannelError> {
         let pulled = pull(ctx, self, name, version).await?;
         let (meta, version) = (pulled.meta.clone(), pulled.version);
-        let tensor = pulled.into_tensor().map_err(ChannelError::Final)?;
+        let tensor = pulled.into_tensor(ctx).await?;
         count_in(ctx, meta.byte_len);
         Ok(Pulled {
             name: name.clone(),
@@ -163,13 +187,14 @@ fn count_in(ctx: &NodeCtx, len: u64) {
         .transfer(ChannelKind::Shm, inbound, len);
 }
 
-/// Pulls `name` from the route's peer on the same-host socket up to the payload.
-async fn pull(
+/// Pulls `name` from the route's peer on the same-host socket up to the payload (a memfd
+/// taken, or inline bytes announced and still on the socket).
+async fn pull<'r>(
     ctx: &NodeCtx,
-    route: &ShmRoute,
+    route: &'r ShmRoute,
     name: &TensorName,
     version: Option<u64>,
-) -> Result<ShmPull, ChannelError> {
+) -> Result<ShmPull<'r>, ChannelError> {
     let peer = route.peer;
     let request = DataRequest::Pull {
         name: name.clone(),
@@ -182,12 +207,27 @@ async fn pull(
         attempts += 1;
         let mut conn = connection(ctx, route, peer).await?;
         match pull_on(ctx, &mut conn, peer, &request, &what).await {
-            Ok(mut pulled) => {
-                if route.access != Access::ReadWrite {
-                    pulled.verify = Some(what);
-                }
-                route.shm.put_idle(peer, conn);
-                return Ok(pulled);
+            Ok(Header {
+                version,
+                meta,
+                memfd,
+            }) => {
+                let payload = match memfd {
+                    Some((fd, offset)) => {
+                        route.shm.put_idle(peer, conn);
+                        Payload::Memfd { fd, offset }
+                    }
+                    // Pooled again once the payload is read.
+                    None => Payload::Inline(conn),
+                };
+                return Ok(ShmPull {
+                    version,
+                    meta,
+                    payload,
+                    route,
+                    what,
+                    verify_memfd: route.access != Access::ReadWrite,
+                });
             }
             Err(PullFailure::Answered(err)) => {
                 route.shm.put_idle(peer, conn);
@@ -214,13 +254,22 @@ enum PullFailure {
     Answered(Error),
 }
 
+/// What a pull's answer announced: the version, its metadata (validated), and the memfd
+/// that holds the payload, or `None` when the payload follows inline.
+struct Header {
+    version: u64,
+    meta: TensorMeta,
+    memfd: Option<(OwnedFd, u64)>,
+}
+
+/// Sends `request` on `conn` and reads the answer up to the payload.
 async fn pull_on(
     ctx: &NodeCtx,
     conn: &mut ShmStream,
     peer: EndpointId,
     request: &DataRequest,
     what: &str,
-) -> Result<ShmPull, PullFailure> {
+) -> Result<Header, PullFailure> {
     let timeout = ctx.config.request_timeout;
     let peer_short = peer.fmt_short().to_string();
     let answer = within(timeout, what, async {
@@ -244,29 +293,21 @@ async fn pull_on(
     meta.validate(ctx.config.max_tensor_bytes)
         .map_err(|e| PullFailure::Answered(e.into()))?;
     let stall = ctx.config.stall_timeout;
-    let payload = within(stall, what, async {
+    let memfd = within(stall, what, async {
         match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
-            ShmPayload::Inline => {
-                let bytes = super::read_inline(conn, &meta).await.map_err(|e| match e {
-                    Error::Corrupt(m) => Error::Corrupt(format!("{what}: {m}")),
-                    Error::Io(m) => Error::Io(format!("{what}: {m}")),
-                    e => e,
-                })?;
-                Ok(Payload::Inline(bytes))
-            }
-            ShmPayload::Memfd { offset } => Ok(Payload::Memfd {
-                fd: conn.take_fd()?,
-                offset,
-            }),
+            // Refused before anything is allocated for it.
+            ShmPayload::Inline => super::inline_len(&meta)
+                .map(|_| None)
+                .map_err(|e| Error::Io(format!("{what}: {e}"))),
+            ShmPayload::Memfd { offset } => Ok(Some((conn.take_fd()?, offset))),
         }
     })
     .await
     .map_err(PullFailure::Broken)?;
-    Ok(ShmPull {
+    Ok(Header {
         version,
         meta,
-        payload,
-        verify: None,
+        memfd,
     })
 }
 
@@ -281,7 +322,8 @@ async fn push(
     let data = tensor.host_data().ok_or_else(|| {
         ChannelError::Fallback(Error::Io("a device tensor goes over QUIC".into()))
     })?;
-    // Large payloads go as the tensor's sealed memfd (made once per tensor, then reused).
+    // Above the inline limit, as the tensor's sealed memfd (made once per tensor, then
+    // reused); below it inline, which leaves the tensor's memfd unsealed (poolable).
     let region = if data.len() > INLINE_MAX {
         Some(tensor.shm_region().map_err(ChannelError::Fallback)?)
     } else {

@@ -9,12 +9,15 @@
 //! (`SO_PEERCRED`). Nothing is assumed from an IP address.
 //!
 //! Once connected, the pair's requests (`Pull`, `Push`) travel on the socket in the same
-//! frames as on QUIC ([`socket`]). Small payloads follow inline; large ones are passed as the
-//! sealed memfd that holds them ([`region`]): a `get` maps it read-only (zero-copy: the
-//! tensor borrows the mapping, which stays valid while a reader holds it, even after the
-//! version is evicted), a `pull_into` copies out of it with `pread` on two threads.
+//! frames as on QUIC ([`socket`]). Payloads up to [`INLINE_MAX`] (4 MiB) follow inline and are
+//! read straight into the reader's buffer: a `pull_into` reads into the caller's, a `get` and
+//! a push into a memfd from this process's pool (plain memory up to 64 KiB), which the tensor
+//! then owns and gives back to the pool when dropped. Larger ones are passed as the sealed
+//! memfd that holds them ([`region`]): a `get` maps it read-only (zero-copy: the tensor
+//! borrows the mapping, which stays valid while a reader holds it, even after the version is
+//! evicted), a `pull_into` copies out of it with `pread` on two threads.
 //!
-//! Integrity: inline payloads are hashed and checked as on QUIC. A memfd is accepted only
+//! Integrity: inline payloads are hashed and checked as on QUIC, right after they are read. A memfd is accepted only
 //! sealed against writes and resizes (checked with `F_GET_SEALS`), so its bytes cannot change
 //! once its holder sealed it. Whether its bytes are hashed depends on who sent it:
 //! - a pull from a holder that proved read-write access is not hashed again: the holder
@@ -46,14 +49,24 @@ pub(crate) use serve::spawn_listener;
 use socket::ShmStream;
 pub(crate) use watch::ShmWatch;
 
+use super::{HostBuf, verify};
 use crate::{
     error::{Error, Result},
     tensor::Tensor,
 };
 
-/// Payloads up to this size travel inline on the socket (a memfd costs a mapping and page
-/// faults, more than copying this much twice).
-pub(crate) const INLINE_MAX: usize = 64 << 10;
+/// Payloads up to this size travel inline on the socket, pulls and pushes alike, into a buffer
+/// the reader takes from its memfd pool. Below it that copy costs less than passing the
+/// holder's memfd: a passed memfd is sealed for good, so the holder's pool can never recycle
+/// it and every later version of that size is written into fresh pages (about 1.1-1.5 GB/s
+/// on a VM, against 10-40 GB/s into recycled ones), and the reader maps and faults in a fresh
+/// mapping per version; inline, the holder's memfd stays unsealed and both sides' buffers are
+/// recycled. Above it the copy itself costs more than the mapping. It also bounds what a
+/// reader allocates for an inline payload before a byte of it is verified.
+pub(crate) const INLINE_MAX: usize = 4 << 20;
+/// Inline payloads up to this size are hashed on the runtime's thread (a few microseconds);
+/// larger ones on every core, with the runtime told first ([`verify::check_all`]).
+const HASH_IN_PLACE_MAX: usize = 64 << 10;
 /// Idle client connections kept per peer.
 const MAX_IDLE_PER_PEER: usize = 4;
 /// Peers with idle client connections, at most: a peer's entry is dropped with its link, but a
@@ -237,25 +250,57 @@ fn tensor_from_memfd(fd: OwnedFd, offset: u64, meta: TensorMeta) -> Result<Tenso
     })
 }
 
-/// Reads an inline payload (at most [`INLINE_MAX`] bytes) and checks it against `meta`'s
-/// hash: a mismatch is `Corrupt`.
-async fn read_inline(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Bytes> {
-    let len = usize::try_from(meta.byte_len).unwrap_or(usize::MAX);
-    if len > INLINE_MAX {
-        return Err(Error::Io(format!(
-            "an inline payload of {len} bytes (the limit is {INLINE_MAX})"
+/// The length of an inline payload of `meta`, refused unless it is within [`INLINE_MAX`]:
+/// checked before anything is allocated for it (`meta` comes from a peer, validated against
+/// the tensor size limit only).
+fn inline_len(meta: &TensorMeta) -> Result<usize> {
+    match usize::try_from(meta.byte_len) {
+        Ok(len) if len <= INLINE_MAX => Ok(len),
+        _ => Err(Error::Io(format!(
+            "an inline payload of {} bytes (the limit is {INLINE_MAX})",
+            meta.byte_len
+        ))),
+    }
+}
+
+/// Reads an inline payload of `meta` into a buffer of its own, hash-checked: a host tensor in
+/// a pooled memfd (plain memory up to 64 KiB), one copy from the socket.
+async fn read_inline(conn: &mut ShmStream, meta: &TensorMeta, what: &str) -> Result<Tensor> {
+    let mut buf = HostBuf::new(inline_len(meta)?)?;
+    read_inline_into(conn, buf.as_mut(), meta, what).await?;
+    buf.into_tensor(meta.clone())
+}
+
+/// Reads an inline payload of `meta` into `dest` (exactly its length, at most
+/// [`INLINE_MAX`]) and checks it against `meta`'s hash: a mismatch is `Corrupt`, naming
+/// `what`.
+async fn read_inline_into(
+    conn: &mut ShmStream,
+    dest: &mut [u8],
+    meta: &TensorMeta,
+    what: &str,
+) -> Result<()> {
+    if dest.len() != inline_len(meta)? {
+        return Err(Error::InvalidTensor(format!(
+            "{what}: destination buffer has {} bytes, the tensor {}",
+            dest.len(),
+            meta.byte_len
         )));
     }
-    let mut buf = vec![0u8; len];
-    conn.read_exact(&mut buf).await?;
-    let hash = ContentHash::of(&buf);
+    conn.read_exact(dest).await?;
+    // Hashed right after, while the bytes are still in cache: on every core (the runtime told
+    // first) unless the payload is small.
+    if dest.len() > HASH_IN_PLACE_MAX {
+        return verify::check_all(dest, meta.hash, what);
+    }
+    let hash = ContentHash::of(dest);
     if hash != meta.hash {
         return Err(Error::Corrupt(format!(
-            "expected hash {}, got {hash}",
+            "{what}: expected hash {}, got {hash}",
             meta.hash
         )));
     }
-    Ok(Bytes::from(buf))
+    Ok(())
 }
 
 /// The abstract address for a socket name.

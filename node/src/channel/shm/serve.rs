@@ -163,6 +163,9 @@ async fn serve_request(
     }
 }
 
+/// A same-host push, as errors name it.
+const PUSH: &str = "a same-host push";
+
 async fn serve_pull(
     ctx: &NodeCtx,
     conn: &mut ShmStream,
@@ -201,6 +204,7 @@ async fn serve_pull(
     let stall = ctx.config.stall_timeout;
     let sent = within(stall, "a same-host pull", async {
         conn.write_frame(&header).await?;
+        // Inline up to the limit: the tensor's memfd stays unsealed, so it can be recycled.
         if data.len() <= INLINE_MAX {
             return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
         }
@@ -286,20 +290,18 @@ async fn serve_push(
     answered
 }
 
-/// Receives a pushed payload: inline bytes or the pusher's sealed memfd, hash-checked either
-/// way.
+/// Receives a pushed payload, hash-checked either way: inline bytes, read into a pooled
+/// memfd of this process (plain memory up to 64 KiB), or the pusher's sealed memfd.
 async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
     let len = usize::try_from(meta.byte_len)
         .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
     match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
-        ShmPayload::Inline => {
-            let bytes = super::read_inline(conn, meta).await?;
-            Ok(Tensor::from_verified(meta.clone(), bytes))
-        }
+        // At most `INLINE_MAX` bytes are allocated, checked first.
+        ShmPayload::Inline => super::read_inline(conn, meta, PUSH).await,
         ShmPayload::Memfd { offset } if len > 0 => {
             // Every push is verified: its hash is what arrived, never the sender's claim.
             let tensor = super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())?;
-            crate::channel::verify::check_all(tensor.data(), meta.hash, "a same-host push")?;
+            crate::channel::verify::check_all(tensor.data(), meta.hash, PUSH)?;
             super::region::release_resident(tensor.data());
             Ok(tensor)
         }

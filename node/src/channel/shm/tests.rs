@@ -1,6 +1,6 @@
 //! The shm channel between two nodes of this process: what it verifies and what it trusts.
-//! Bytes from a holder that proved only read-only access and every pushed memfd are hashed
-//! before anyone sees them; a holder's lie is `Corrupt`, never a tensor.
+//! Bytes from a holder that proved only read-only access, every pushed memfd and every inline
+//! payload are hashed before anyone sees them; a holder's lie is `Corrupt`, never a tensor.
 
 use std::time::Duration;
 
@@ -11,7 +11,12 @@ use crate::{Config, Error, Node, Tensor};
 
 const LIMIT: Duration = Duration::from_secs(30);
 /// Above the inline limit: the payload goes as a memfd.
-const LEN: usize = (1 << 20) + 13;
+const LEN: usize = super::INLINE_MAX + (1 << 20) + 13;
+/// Above the plain-memory size (64 KiB) and within the inline limit: the payload goes inline,
+/// into a pooled memfd of the reader.
+const INLINE_LEN: usize = (1 << 20) + 29;
+const _: () = assert!(INLINE_LEN > crate::channel::PRIVATE_COPY_MAX);
+const _: () = assert!(INLINE_LEN <= super::INLINE_MAX);
 
 async fn node(key: ClusterKey) -> Node {
     let config = Config {
@@ -24,7 +29,11 @@ async fn node(key: ClusterKey) -> Node {
 }
 
 fn bytes(seed: u8) -> Bytes {
-    (0..LEN)
+    bytes_of(LEN, seed)
+}
+
+fn bytes_of(len: usize, seed: u8) -> Bytes {
+    (0..len)
         .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
         .collect::<Vec<u8>>()
         .into()
@@ -32,9 +41,21 @@ fn bytes(seed: u8) -> Bytes {
 
 /// A tensor that claims `truth`'s hash over other bytes: what a lying holder or pusher has.
 fn lie() -> (Tensor, Tensor) {
-    let truth = Tensor::new(DType::U8, vec![LEN as u64], bytes(1)).expect("tensor");
-    let lie = Tensor::from_verified(truth.meta().clone(), bytes(2));
+    lie_of(LEN)
+}
+
+/// [`lie`] of `len` bytes.
+fn lie_of(len: usize) -> (Tensor, Tensor) {
+    let truth = Tensor::new(DType::U8, vec![len as u64], bytes_of(len, 1)).expect("tensor");
+    let lie = Tensor::from_verified(truth.meta().clone(), bytes_of(len, 2));
     (truth, lie)
+}
+
+/// Whether `tensor`'s bytes are the mapping of its own memfd (not plain memory, which
+/// `shm_region` would copy into a new one).
+fn in_own_memfd(tensor: &Tensor) -> bool {
+    let region = tensor.shm_region().expect("region");
+    region.bytes().as_ptr() == tensor.data().as_ptr() && region.len() == tensor.data().len()
 }
 
 async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
@@ -105,6 +126,91 @@ async fn an_shm_push_whose_bytes_do_not_match_its_claim_is_refused() {
     assert!(receiver.metrics().channels.transfers(ChannelKind::Shm) >= 1);
     pusher.shutdown().await;
     receiver.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_payload_above_64_kib_arrives_in_a_pooled_memfd_and_a_lie_is_refused() {
+    // Read-write on both sides: inline bytes are hashed whoever sent them.
+    let holder = node(ClusterKey::open()).await;
+    let reader = node(ClusterKey::open()).await;
+    let channels = &reader.metrics().channels;
+
+    // Honest: the same bytes, into a memfd of the reader's own, and the holder's memfd is
+    // never passed (so never sealed: its pool can recycle it).
+    let honest = Tensor::copy_from(DType::U8, vec![INLINE_LEN as u64], &bytes_of(INLINE_LEN, 5))
+        .expect("tensor");
+    holder
+        .publish_local("inline/t", honest.clone())
+        .expect("publish");
+    let got = within("pull", reader.pull(holder.addr(), "inline/t", None))
+        .await
+        .expect("inline pull");
+    assert_eq!(got.buffer.data(), honest.data());
+    assert!(in_own_memfd(&got.buffer), "received into a memfd");
+    assert!(
+        !honest.shm_region().expect("region").is_sealed(),
+        "the holder's memfd was not passed"
+    );
+    let mut dest = vec![0u8; INLINE_LEN];
+    let into = reader.pull_into(holder.addr(), "inline/t", None, |_| Ok(&mut dest[..]));
+    within("pull_into", into).await.expect("inline pull_into");
+    assert_eq!(&dest[..], &honest.data()[..]);
+    assert_eq!(channels.transfers(ChannelKind::Shm), 2);
+    // Dropped, the reader's buffer goes to its pool, for the next receive of that size.
+    drop(got);
+    assert!(
+        super::pool::holds(INLINE_LEN),
+        "the received memfd is pooled"
+    );
+
+    // A lying holder: refused on shm, not by falling back to QUIC.
+    let (_truth, lie) = lie_of(INLINE_LEN);
+    let name = TensorName::new("inline/lie").expect("name");
+    holder.ctx().store.insert_at(name, 1, lie.clone());
+    let got = within("pull", reader.pull(holder.addr(), "inline/lie", Some(1))).await;
+    assert_corrupt_over_shm(got.map(|p| p.buffer), "pull");
+    let into = reader.pull_into(holder.addr(), "inline/lie", Some(1), |_| Ok(&mut dest[..]));
+    assert_corrupt_over_shm(within("pull_into", into).await.map(|_| ()), "pull_into");
+    assert_eq!(channels.fallbacks(ChannelKind::Shm), 0);
+
+    // A lying push: refused by the receiver, and nothing reaches recv().
+    let pushed = within("push", reader.push(holder.addr(), "inline/p", &lie)).await;
+    match pushed {
+        Err(Error::Corrupt(message)) => {
+            assert!(message.contains("a same-host push"), "{message}");
+        }
+        other => panic!("expected the receiver's Corrupt, got {other:?}"),
+    }
+    let nothing = holder.recv_timeout(Duration::from_millis(300)).await;
+    assert!(nothing.is_err(), "a lying push reached recv(): {nothing:?}");
+    // An honest push arrives, inline, into the receiver's memfd.
+    within("push", reader.push(holder.addr(), "inline/p", &honest))
+        .await
+        .expect("an honest push");
+    let pushed = within("recv", holder.recv()).await.expect("received");
+    assert_eq!(pushed.tensor.data(), honest.data());
+    assert!(in_own_memfd(&pushed.tensor), "pushed into a memfd");
+    assert!(!honest.shm_region().expect("region").is_sealed());
+    assert_eq!(reader.metrics().channels.fallbacks(ChannelKind::Shm), 0);
+    holder.shutdown().await;
+    reader.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_inline_payload_above_the_limit_is_refused_before_anything_is_read() {
+    let (ours, _theirs) = tokio::net::UnixStream::pair().expect("socket pair");
+    let mut conn = super::socket::ShmStream::new(ours);
+    let hash = tb_proto::ContentHash::of(b"");
+    let over = super::INLINE_MAX as u64 + 1;
+    let meta = tb_proto::TensorMeta::new(DType::U8, vec![over], hash).expect("meta");
+    assert!(super::inline_len(&meta).is_err());
+    // Nothing is sent: a reader that allocated and waited for the bytes would time out.
+    match within("read", super::read_inline(&mut conn, &meta, "test")).await {
+        Err(Error::Io(message)) => assert!(message.contains("limit"), "{message}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let at = tb_proto::TensorMeta::new(DType::U8, vec![over - 1], hash).expect("meta");
+    assert_eq!(super::inline_len(&at).expect("within"), super::INLINE_MAX);
 }
 
 #[test]
