@@ -35,7 +35,7 @@ pub(crate) struct ShmPull<'r> {
     /// This transfer, as errors name it.
     what: String,
     /// Hash a memfd payload before handing its bytes out (the holder proved only read-only
-    /// access). Inline payloads are hashed whoever sent them.
+    /// access). Inline payloads are hashed as `super::hash_inline` says.
     verify_memfd: bool,
 }
 
@@ -56,7 +56,8 @@ impl ShmPull<'_> {
         match self.payload {
             Payload::Inline(mut conn) => {
                 let stall = ctx.config.stall_timeout;
-                let read = super::read_inline(&mut conn, &self.meta, &self.what);
+                let holder = Some(self.route.access);
+                let read = super::read_inline(&mut conn, &self.meta, &self.what, holder);
                 match within(stall, &self.what, read).await {
                     Ok(tensor) => {
                         self.route.shm.put_idle(self.route.peer, conn);
@@ -92,7 +93,8 @@ impl ShmPull<'_> {
         match self.payload {
             Payload::Inline(mut conn) => {
                 let stall = ctx.config.stall_timeout;
-                let read = super::read_inline_into(&mut conn, dest, &self.meta, &self.what);
+                let holder = Some(self.route.access);
+                let read = super::read_inline_into(&mut conn, dest, &self.meta, &self.what, holder);
                 within(stall, &self.what, read).await?;
                 self.route.shm.put_idle(self.route.peer, conn);
                 Ok(())

@@ -263,22 +263,39 @@ fn inline_len(meta: &TensorMeta) -> Result<usize> {
     }
 }
 
-/// Reads an inline payload of `meta` into a buffer of its own, hash-checked: a host tensor in
-/// a pooled memfd (plain memory up to 64 KiB), one copy from the socket.
-async fn read_inline(conn: &mut ShmStream, meta: &TensorMeta, what: &str) -> Result<Tensor> {
+/// Whether an inline payload of `len` bytes is hashed by its reader: always for a push and
+/// from a holder that proved only read-only access, and when small (it costs less than
+/// deciding not to); not from a read-write holder above that, the trust its memfds get (a
+/// read-write member could as well publish other bytes; the holder hashed them when it
+/// wrote them, and its region never changes).
+fn hash_inline(len: usize, holder: Option<Access>) -> bool {
+    len <= HASH_IN_PLACE_MAX || holder != Some(Access::ReadWrite)
+}
+
+/// Reads an inline payload of `meta` into a buffer of its own, hash-checked unless
+/// [`hash_inline`] says not (`holder`: the access of the holder it was pulled from, `None`
+/// for a push): a host tensor in a pooled memfd (plain memory up to 64 KiB), one copy from
+/// the socket.
+async fn read_inline(
+    conn: &mut ShmStream,
+    meta: &TensorMeta,
+    what: &str,
+    holder: Option<Access>,
+) -> Result<Tensor> {
     let mut buf = HostBuf::new(inline_len(meta)?)?;
-    read_inline_into(conn, buf.as_mut(), meta, what).await?;
+    read_inline_into(conn, buf.as_mut(), meta, what, holder).await?;
     buf.into_tensor(meta.clone())
 }
 
 /// Reads an inline payload of `meta` into `dest` (exactly its length, at most
-/// [`INLINE_MAX`]) and checks it against `meta`'s hash: a mismatch is `Corrupt`, naming
-/// `what`.
+/// [`INLINE_MAX`]) and checks it against `meta`'s hash unless [`hash_inline`] says not: a
+/// mismatch is `Corrupt`, naming `what`.
 async fn read_inline_into(
     conn: &mut ShmStream,
     dest: &mut [u8],
     meta: &TensorMeta,
     what: &str,
+    holder: Option<Access>,
 ) -> Result<()> {
     if dest.len() != inline_len(meta)? {
         return Err(Error::InvalidTensor(format!(
@@ -288,8 +305,10 @@ async fn read_inline_into(
         )));
     }
     conn.read_exact(dest).await?;
-    // Hashed right after, while the bytes are still in cache: on every core (the runtime told
-    // first) unless the payload is small.
+    if !hash_inline(dest.len(), holder) {
+        return Ok(());
+    }
+    // Hashed right after: on every core (the runtime told first) unless the payload is small.
     if dest.len() > HASH_IN_PLACE_MAX {
         return verify::check_all(dest, meta.hash, what);
     }

@@ -297,7 +297,7 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
         .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
     match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
         // At most `INLINE_MAX` bytes are allocated, checked first.
-        ShmPayload::Inline => super::read_inline(conn, meta, PUSH).await,
+        ShmPayload::Inline => super::read_inline(conn, meta, PUSH, None).await,
         ShmPayload::Memfd { offset } if len > 0 => {
             // Every push is verified: its hash is what arrived, never the sender's claim.
             let tensor = super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())?;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tb_proto::{ChannelKind, ClusterKey, DType, TensorName};
+use tb_proto::{Access, ChannelKind, ClusterKey, DType, TensorName};
 
 use crate::{Config, Error, Node, Tensor};
 
@@ -130,7 +130,7 @@ async fn an_shm_push_whose_bytes_do_not_match_its_claim_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_inline_payload_above_64_kib_arrives_in_a_pooled_memfd_and_a_lie_is_refused() {
-    // Read-write on both sides: inline bytes are hashed whoever sent them.
+    // Read-write on both sides (and a read-only liar below).
     let holder = node(ClusterKey::open()).await;
     let reader = node(ClusterKey::open()).await;
     let channels = &reader.metrics().channels;
@@ -163,15 +163,30 @@ async fn an_inline_payload_above_64_kib_arrives_in_a_pooled_memfd_and_a_lie_is_r
         "the received memfd is pooled"
     );
 
-    // A lying holder: refused on shm, not by falling back to QUIC.
+    // A lying holder that proved only read-only access: refused on shm, not by falling
+    // back to QUIC.
     let (_truth, lie) = lie_of(INLINE_LEN);
+    let liar = node(ClusterKey::open().read_only()).await;
     let name = TensorName::new("inline/lie").expect("name");
-    holder.ctx().store.insert_at(name, 1, lie.clone());
-    let got = within("pull", reader.pull(holder.addr(), "inline/lie", Some(1))).await;
+    liar.ctx().store.insert_at(name.clone(), 1, lie.clone());
+    let got = within("pull", reader.pull(liar.addr(), "inline/lie", Some(1))).await;
     assert_corrupt_over_shm(got.map(|p| p.buffer), "pull");
-    let into = reader.pull_into(holder.addr(), "inline/lie", Some(1), |_| Ok(&mut dest[..]));
+    let into = reader.pull_into(liar.addr(), "inline/lie", Some(1), |_| Ok(&mut dest[..]));
     assert_corrupt_over_shm(within("pull_into", into).await.map(|_| ()), "pull_into");
     assert_eq!(channels.fallbacks(ChannelKind::Shm), 0);
+    liar.shutdown().await;
+    // A read-write holder's inline bytes get the trust its memfds get: not hashed again (it
+    // could as well publish other bytes). Its small payloads still are (below 64 KiB a hash
+    // costs less than deciding not to).
+    holder.ctx().store.insert_at(name, 1, lie.clone());
+    let got = within("pull", reader.pull(holder.addr(), "inline/lie", Some(1)))
+        .await
+        .expect("a read-write holder is trusted");
+    assert_eq!(got.buffer.data(), lie.data(), "what it served");
+    assert!(super::hash_inline(INLINE_LEN, None), "pushes are hashed");
+    assert!(super::hash_inline(INLINE_LEN, Some(Access::ReadOnly)));
+    assert!(!super::hash_inline(INLINE_LEN, Some(Access::ReadWrite)));
+    assert!(super::hash_inline(64 << 10, Some(Access::ReadWrite)));
 
     // A lying push: refused by the receiver, and nothing reaches recv().
     let pushed = within("push", reader.push(holder.addr(), "inline/p", &lie)).await;
@@ -205,7 +220,7 @@ async fn an_inline_payload_above_the_limit_is_refused_before_anything_is_read() 
     let meta = tb_proto::TensorMeta::new(DType::U8, vec![over], hash).expect("meta");
     assert!(super::inline_len(&meta).is_err());
     // Nothing is sent: a reader that allocated and waited for the bytes would time out.
-    match within("read", super::read_inline(&mut conn, &meta, "test")).await {
+    match within("read", super::read_inline(&mut conn, &meta, "test", None)).await {
         Err(Error::Io(message)) => assert!(message.contains("limit"), "{message}"),
         other => panic!("expected a refusal, got {other:?}"),
     }
