@@ -9,15 +9,18 @@
 //! (`SO_PEERCRED`). Nothing is assumed from an IP address.
 //!
 //! Once connected, the pair's requests (`Pull`, `Push`) travel on the socket in the same
-//! frames as on QUIC ([`socket`]). Payloads up to [`INLINE_MAX`] (4 MiB) follow inline and are
-//! read straight into the reader's buffer: a `pull_into` reads into the caller's, a `get` and
-//! a push into a memfd from this process's pool (plain memory up to 64 KiB), which the tensor
-//! then owns and gives back to the pool when dropped. Larger ones are passed as the sealed
-//! memfd that holds them ([`region`]): a `get` maps it read-only (zero-copy: the tensor
+//! frames as on QUIC ([`socket`]). Pulled payloads up to [`PULL_INLINE_MAX`] (64 KiB) and
+//! pushed ones up to [`INLINE_MAX`] (4 MiB) follow inline and are read straight into the
+//! reader's buffer: a `pull_into` reads into the caller's, a `get` and a push into plain
+//! memory up to 64 KiB and above that a memfd from this process's pool, which the tensor then
+//! owns and gives back to the pool when dropped. Larger ones are passed as the sealed memfd
+//! that holds them ([`region`]): a `get` maps it read-only (zero-copy: the tensor
 //! borrows the mapping, which stays valid while a reader holds it, even after the version is
 //! evicted), a `pull_into` copies out of it with `pread` on two threads.
 //!
-//! Integrity: inline payloads are hashed and checked as on QUIC, right after they are read. A memfd is accepted only
+//! Integrity: inline payloads are hashed and checked as on QUIC, right after they are read
+//! (except a pulled one above 64 KiB from a read-write holder, trusted as its memfds are:
+//! `hash_inline`). A memfd is accepted only
 //! sealed against writes and resizes (checked with `F_GET_SEALS`), so its bytes cannot change
 //! once its holder sealed it. Whether its bytes are hashed depends on who sent it:
 //! - a pull from a holder that proved read-write access is not hashed again: the holder
@@ -55,15 +58,21 @@ use crate::{
     tensor::Tensor,
 };
 
-/// Payloads up to this size travel inline on the socket, pulls and pushes alike, into a buffer
-/// the reader takes from its memfd pool. Below it that copy costs less than passing the
-/// holder's memfd: a passed memfd is sealed for good, so the holder's pool can never recycle
-/// it and every later version of that size is written into fresh pages (about 1.1-1.5 GB/s
-/// on a VM, against 10-40 GB/s into recycled ones), and the reader maps and faults in a fresh
-/// mapping per version; inline, the holder's memfd stays unsealed and both sides' buffers are
-/// recycled. Above it the copy itself costs more than the mapping. It also bounds what a
-/// reader allocates for an inline payload before a byte of it is verified.
+/// Pushes up to this size travel inline on the socket, into a buffer the receiver takes from
+/// its memfd pool, and a reader takes no larger inline payload (it also bounds what a reader
+/// allocates before a byte of it is verified). A push is hashed by its receiver whichever
+/// way it comes, so inline it costs one copy more and saves the pusher's memfd: a passed
+/// memfd is sealed for good and never recycled, so every later version of that size would be
+/// written into fresh pages (about 1.1-1.5 GB/s on a VM, against 10-40 GB/s into recycled
+/// ones). Measured on the 2-core VM: a 1 MiB push 0.8 -> 1.3 GB/s. Pulls inline only up to
+/// [`PULL_INLINE_MAX`].
 pub(crate) const INLINE_MAX: usize = 4 << 20;
+/// Pulls up to this size travel inline; larger ones pass the holder's sealed memfd, which the
+/// reader maps (zero-copy). Inline up to 4 MiB was tried and measured worse between
+/// processes: by name at 1 MiB 245 MB/s against 390-540 with the memfd passed (the holder
+/// reads its region page by page through its mapping, and two copies with socket hand-offs
+/// cost more than a mapping the reader faults in).
+pub(crate) const PULL_INLINE_MAX: usize = 64 << 10;
 /// Inline payloads up to this size are hashed on the runtime's thread (a few microseconds);
 /// larger ones on every core, with the runtime told first ([`verify::check_all`]).
 const HASH_IN_PLACE_MAX: usize = 64 << 10;

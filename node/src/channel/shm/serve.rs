@@ -12,7 +12,7 @@ use tb_proto::{
 use tokio::net::UnixListener;
 use tracing::debug;
 
-use super::{INLINE_MAX, Shm, socket::ShmStream, socket::within};
+use super::{PULL_INLINE_MAX, Shm, socket::ShmStream, socket::within};
 use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
@@ -204,8 +204,8 @@ async fn serve_pull(
     let stall = ctx.config.stall_timeout;
     let sent = within(stall, "a same-host pull", async {
         conn.write_frame(&header).await?;
-        // Inline up to the limit: the tensor's memfd stays unsealed, so it can be recycled.
-        if data.len() <= INLINE_MAX {
+        // Inline when small (a memfd costs more than the copy); larger ones pass the memfd.
+        if data.len() <= PULL_INLINE_MAX {
             return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
         }
         let region = tensor.shm_region()?;
@@ -296,7 +296,7 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
     let len = usize::try_from(meta.byte_len)
         .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
     match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
-        // At most `INLINE_MAX` bytes are allocated, checked first.
+        // At most `INLINE_MAX` bytes are allocated, checked first (`inline_len`).
         ShmPayload::Inline => super::read_inline(conn, meta, PUSH, None).await,
         ShmPayload::Memfd { offset } if len > 0 => {
             // Every push is verified: its hash is what arrived, never the sender's claim.

@@ -12,8 +12,8 @@ use crate::{Config, Error, Node, Tensor};
 const LIMIT: Duration = Duration::from_secs(30);
 /// Above the inline limit: the payload goes as a memfd.
 const LEN: usize = super::INLINE_MAX + (1 << 20) + 13;
-/// Above the plain-memory size (64 KiB) and within the inline limit: the payload goes inline,
-/// into a pooled memfd of the reader.
+/// Above the plain-memory size (64 KiB) and within the inline limit: a push of it goes
+/// inline, into a pooled memfd of the receiver (a pull passes the holder's memfd).
 const INLINE_LEN: usize = (1 << 20) + 29;
 const _: () = assert!(INLINE_LEN > crate::channel::PRIVATE_COPY_MAX);
 const _: () = assert!(INLINE_LEN <= super::INLINE_MAX);
@@ -129,14 +129,13 @@ async fn an_shm_push_whose_bytes_do_not_match_its_claim_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_inline_payload_above_64_kib_arrives_in_a_pooled_memfd_and_a_lie_is_refused() {
+async fn a_push_above_64_kib_goes_inline_into_a_pooled_memfd_and_a_lie_is_refused() {
     // Read-write on both sides (and a read-only liar below).
     let holder = node(ClusterKey::open()).await;
     let reader = node(ClusterKey::open()).await;
     let channels = &reader.metrics().channels;
 
-    // Honest: the same bytes, into a memfd of the reader's own, and the holder's memfd is
-    // never passed (so never sealed: its pool can recycle it).
+    // A pull of that size passes the holder's memfd (sealed), which the reader maps.
     let honest = Tensor::copy_from(DType::U8, vec![INLINE_LEN as u64], &bytes_of(INLINE_LEN, 5))
         .expect("tensor");
     holder
@@ -144,24 +143,18 @@ async fn an_inline_payload_above_64_kib_arrives_in_a_pooled_memfd_and_a_lie_is_r
         .expect("publish");
     let got = within("pull", reader.pull(holder.addr(), "inline/t", None))
         .await
-        .expect("inline pull");
+        .expect("pull");
     assert_eq!(got.buffer.data(), honest.data());
-    assert!(in_own_memfd(&got.buffer), "received into a memfd");
     assert!(
-        !honest.shm_region().expect("region").is_sealed(),
-        "the holder's memfd was not passed"
+        honest.shm_region().expect("region").is_sealed(),
+        "the holder's memfd was passed"
     );
     let mut dest = vec![0u8; INLINE_LEN];
     let into = reader.pull_into(holder.addr(), "inline/t", None, |_| Ok(&mut dest[..]));
-    within("pull_into", into).await.expect("inline pull_into");
+    within("pull_into", into).await.expect("pull_into");
     assert_eq!(&dest[..], &honest.data()[..]);
     assert_eq!(channels.transfers(ChannelKind::Shm), 2);
-    // Dropped, the reader's buffer goes to its pool, for the next receive of that size.
     drop(got);
-    assert!(
-        super::pool::holds(INLINE_LEN),
-        "the received memfd is pooled"
-    );
 
     // A lying holder that proved only read-only access: refused on shm, not by falling
     // back to QUIC.
@@ -198,14 +191,23 @@ async fn an_inline_payload_above_64_kib_arrives_in_a_pooled_memfd_and_a_lie_is_r
     }
     let nothing = holder.recv_timeout(Duration::from_millis(300)).await;
     assert!(nothing.is_err(), "a lying push reached recv(): {nothing:?}");
-    // An honest push arrives, inline, into the receiver's memfd.
-    within("push", reader.push(holder.addr(), "inline/p", &honest))
+    // An honest push arrives, inline, into a memfd of the receiver's own; the pusher's
+    // memfd is never passed (so never sealed: its pool can recycle it), and the receiver's
+    // buffer goes to its pool once dropped, for the next receive of that size.
+    let fresh = Tensor::copy_from(DType::U8, vec![INLINE_LEN as u64], &bytes_of(INLINE_LEN, 6))
+        .expect("tensor");
+    within("push", reader.push(holder.addr(), "inline/p", &fresh))
         .await
         .expect("an honest push");
     let pushed = within("recv", holder.recv()).await.expect("received");
-    assert_eq!(pushed.tensor.data(), honest.data());
+    assert_eq!(pushed.tensor.data(), fresh.data());
     assert!(in_own_memfd(&pushed.tensor), "pushed into a memfd");
-    assert!(!honest.shm_region().expect("region").is_sealed());
+    assert!(!fresh.shm_region().expect("region").is_sealed());
+    drop(pushed);
+    assert!(
+        super::pool::holds(INLINE_LEN),
+        "the received memfd is pooled"
+    );
     assert_eq!(reader.metrics().channels.fallbacks(ChannelKind::Shm), 0);
     holder.shutdown().await;
     reader.shutdown().await;
