@@ -2,13 +2,15 @@
 //! the publisher's next small versions come straight down that stream (the broker's event
 //! for each is a duplicate the subscription drops). Checks that every offered version is
 //! told once, in order, with its bytes, and that the counters on both sides agree, on the
-//! same-host socket (the default between two nodes of one host) and over QUIC.
+//! same-host socket (the default between two nodes of one host) and over QUIC. And a get by
+//! name of a small newest version: its broker answers with the bytes (one round trip, no
+//! pull), only while a live node holds it.
 
 use std::time::Duration;
 
 use tb_broker::{Broker, BrokerOptions};
 use tb_node::{
-    Config, Node, PeerAddr, SubEvent, Subscription,
+    Config, Error, Node, PeerAddr, SubEvent, Subscription,
     proto::{ChannelKind, ClusterKey},
 };
 use tb_tests::{f32_tensor, node, test_config, within};
@@ -160,5 +162,54 @@ async fn large_versions_and_a_nodes_own_versions_are_not_offered() {
     drop((theirs, mine));
     subscriber.shutdown().await;
     publisher.shutdown().await;
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_of_a_small_newest_version_is_answered_by_its_broker_with_the_bytes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let publisher = node(worker_config(broker.addr())).await;
+    let getter = node(worker_config(broker.addr())).await;
+    let bytes_in = |n: &Node| n.metrics().bytes_in.get();
+    for v in 1..=3u8 {
+        let small = f32_tensor(1024, v);
+        publisher
+            .publish("w", small.clone())
+            .await
+            .expect("publish");
+        let got = within(LIMIT, "get", getter.get("w")).await.expect("get");
+        assert_eq!(got.version, u64::from(v), "the newest");
+        assert_eq!(got.buffer.data(), small.data(), "bytes equal");
+    }
+    assert_eq!(bytes_in(&getter), 0, "nothing was pulled");
+    // An older version, or a large one, is pulled from its holder as before.
+    let older = within(LIMIT, "get", getter.get_version("w", 2))
+        .await
+        .expect("get v2");
+    assert_eq!(older.buffer.data(), f32_tensor(1024, 2).data());
+    let big = f32_tensor(16 << 10, 9);
+    publisher
+        .publish("big", big.clone())
+        .await
+        .expect("publish");
+    let got = within(LIMIT, "get", getter.get("big")).await.expect("get");
+    assert_eq!(got.buffer.data(), big.data());
+    let pulled = 4096 + 4 * (16 << 10);
+    assert_eq!(
+        bytes_in(&getter),
+        pulled,
+        "v2 and the large one were pulled"
+    );
+    // Once its only holder is gone, the broker hands out no bytes of it (the getter falls
+    // back to the older version it holds itself, as a get does when the newest has no live
+    // holder).
+    publisher.shutdown().await;
+    match within(LIMIT, "get", getter.get("w")).await {
+        Err(Error::NotFound { .. }) => {}
+        Ok(got) if got.version == 2 => assert_eq!(got.buffer.data(), f32_tensor(1024, 2).data()),
+        other => panic!("no live holder of v3: NotFound or the getter's v2, got {other:?}"),
+    }
+    getter.shutdown().await;
     broker.shutdown().await;
 }

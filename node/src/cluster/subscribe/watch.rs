@@ -4,7 +4,7 @@
 //!
 //! Each broker event names the version's publisher. The first event of a name from a
 //! publisher other than this node starts a watch task: it asks a broker for the publisher's
-//! addresses (a look-up of the name, once), opens a `Watch { name }` stream on the pooled
+//! addresses (its membership table, once), opens a `Watch { name }` stream on the pooled
 //! link, and puts each offer that checks out (metadata, length, BLAKE3 hash) into the
 //! subscription's feed, where the broker's event for the same version later is old news. An
 //! offer that does not check out ends the watch; so does any answer but offers. A watch that
@@ -206,20 +206,26 @@ impl Watching {
         last
     }
 
-    /// The publisher's addresses, from a broker's look-up of the name.
+    /// The publisher's addresses, from a broker's membership table (a look-up would count
+    /// this node as fetching, or answer a small version with its bytes and no holders).
     async fn addresses(
         &self,
         name: &TensorName,
         publisher: NodeId,
     ) -> Result<Vec<crate::endpoint::PeerAddr>> {
         let timeout = self.cluster.request_timeout;
-        let holders = self.cluster.ctl.lookup(name, None, &[], timeout).await?;
-        match holders.holders.iter().find(|h| h.node == publisher) {
-            Some(holder) => peers_of(holder),
-            None => Err(Error::NotFound {
-                what: format!("the publisher of \"{name}\" among its holders"),
-            }),
-        }
+        let members = self.cluster.ctl.members(timeout).await?;
+        let Some(row) = members.into_iter().find(|m| m.member.node == publisher) else {
+            return Err(Error::NotFound {
+                what: format!("the publisher of \"{name}\" among the members"),
+            });
+        };
+        let holder = tb_proto::HolderAddr {
+            node: publisher,
+            addrs: row.member.addrs,
+            complete: true,
+        };
+        peers_of(&holder)
     }
 
     /// A watch of `name` open on the same-host socket of the peer at `addr`, when the pair's
