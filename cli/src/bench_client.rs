@@ -1,8 +1,8 @@
 //! `tb bench client-send` / `tb bench client-recv` (hidden): the Rust side of
 //! `python -m tensor_broker bench`, which starts each as its own process and drives it in
-//! lines. The protocol and the payload are described once, in the module doc of
-//! `python/py_src/tensor_broker/_bench.py`; these two do exactly what its Python sender and
-//! receiver do, through `tb_node` (`Node::publish` / `Node::subscribe` with `--mode name`,
+//! lines. The protocol and the payload are described once, in the module docs of
+//! `python/py_src/tensor_broker/_bench_proto.py` and `_bench_workers.py`; these two do exactly
+//! what its Python sender and receiver do, through `tb_node` (`Node::publish` / `Node::subscribe` with `--mode name`,
 //! `Node::push` / `Node::recv_timeout` with `--mode push`), so the report's lines differ only
 //! in the API.
 //!
