@@ -2,9 +2,9 @@
 //! `python -m tensor_broker bench`, which starts each as its own process and drives it in
 //! lines. The protocol and the payload are described once, in the module docs of
 //! `python/py_src/tensor_broker/_bench_proto.py` and `_bench_workers.py`; these two do exactly
-//! what its Python sender and receiver do, through `tb_node` (`Node::publish` / `Node::subscribe` with `--mode name`,
-//! `Node::push` / `Node::recv_timeout` with `--mode push`), so the report's lines differ only
-//! in the API.
+//! what its Python sender and receiver do, through `tb_node` (`Node::publish` /
+//! `Node::subscribe` with `--mode name`, `Node::push` / `Node::recv_timeout` with `--mode
+//! push`), so the report's lines differ only in the API.
 //!
 //! The one difference: std gives no safe access to CLOCK_MONOTONIC's value, so both Rust
 //! ends stamp one-way sends with the system clock (CLOCK_REALTIME), also one clock for every
