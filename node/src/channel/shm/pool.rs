@@ -1,9 +1,6 @@
 //! The pool of idle memfds: regions whose fd never left the process, given back when their
 //! last holder dropped them, and taken by the next [`RegionWriter`](super::RegionWriter) of
 //! the same size, whose writes then land in pages already faulted in instead of fresh ones.
-//! A buffer comes back with the writable mapping it was written through, kept mapped: the
-//! next writer neither maps nor populates it, and nobody unmaps it in between (for 256 MiB,
-//! each of those costs 15-30 ms of page-table work here, as much as copying the bytes).
 //!
 //! Bounded in bytes and in buffers (the oldest go first), and an idle buffer is closed after
 //! [`IDLE`]: a sweeper thread (one per process, started with the first pooled buffer) checks
@@ -25,18 +22,9 @@ pub(crate) const IDLE: Duration = Duration::from_secs(30);
 /// How often the sweeper closes buffers idle longer than [`IDLE`].
 const SWEEP: Duration = Duration::from_secs(5);
 
-/// A pooled buffer: the memfd, its size, when it was given back, and its writable mapping
-/// when it kept one (unmapped when the buffer is closed).
-pub(crate) struct Idle {
-    pub(crate) fd: OwnedFd,
-    pub(crate) len: usize,
-    pub(crate) map: Option<super::region::Map>,
-    at: Instant,
-}
-
 struct Pool {
-    /// Oldest first.
-    idle: VecDeque<Idle>,
+    /// Oldest first: (fd, its size, when it was given back).
+    idle: VecDeque<(OwnedFd, usize, Instant)>,
     bytes: usize,
 }
 
@@ -54,7 +42,7 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 /// Gives back an unsealed memfd of `len` bytes that nothing maps any more and that never left
 /// the process. Buffers pushed out to stay within the bounds are closed after the lock is
 /// released (closing frees their pages, which takes a while for large ones).
-pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<super::region::Map>) {
+pub(crate) fn give(fd: OwnedFd, len: usize) {
     if len > MAX_BYTES {
         return;
     }
@@ -62,18 +50,13 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<super::region::Map>) {
     {
         let mut pool = pool();
         while pool.idle.len() >= MAX_BUFFERS || pool.bytes + len > MAX_BYTES {
-            let Some(old) = pool.idle.pop_front() else {
+            let Some((old, old_len, _)) = pool.idle.pop_front() else {
                 break;
             };
-            pool.bytes -= old.len;
+            pool.bytes -= old_len;
             closed.push(old);
         }
-        pool.idle.push_back(Idle {
-            fd,
-            len,
-            map,
-            at: Instant::now(),
-        });
+        pool.idle.push_back((fd, len, Instant::now()));
         pool.bytes += len;
     }
     drop(closed);
@@ -94,12 +77,12 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<super::region::Map>) {
 }
 
 /// A pooled memfd of exactly `len` bytes (the most recently given back), if there is one.
-pub(crate) fn take(len: usize) -> Option<Idle> {
+pub(crate) fn take(len: usize) -> Option<OwnedFd> {
     let mut pool = pool();
-    let at = pool.idle.iter().rposition(|i| i.len == len)?;
-    let idle = pool.idle.remove(at)?;
-    pool.bytes -= idle.len;
-    Some(idle)
+    let at = pool.idle.iter().rposition(|(_, l, _)| *l == len)?;
+    let (fd, len, _) = pool.idle.remove(at)?;
+    pool.bytes -= len;
+    Some(fd)
 }
 
 /// Closes the buffers idle since before `now - IDLE`.
@@ -107,13 +90,14 @@ fn sweep(now: Instant) {
     let mut closed = Vec::new();
     {
         let mut pool = pool();
-        while let Some(idle) = pool.idle.front() {
-            if now.duration_since(idle.at) < IDLE {
+        while let Some((_, len, at)) = pool.idle.front() {
+            if now.duration_since(*at) < IDLE {
                 break;
             }
-            if let Some(idle) = pool.idle.pop_front() {
-                pool.bytes -= idle.len;
-                closed.push(idle);
+            let len = *len;
+            if let Some((fd, _, _)) = pool.idle.pop_front() {
+                pool.bytes -= len;
+                closed.push(fd);
             }
         }
     }
@@ -130,5 +114,5 @@ pub(crate) fn held() -> (usize, usize) {
 /// Whether the pool holds a buffer of `len` bytes.
 #[cfg(test)]
 pub(crate) fn holds(len: usize) -> bool {
-    pool().idle.iter().any(|i| i.len == len)
+    pool().idle.iter().any(|(_, l, _)| *l == len)
 }

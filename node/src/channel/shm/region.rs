@@ -1,10 +1,10 @@
 //! [`Region`]: a tensor's bytes in a memfd, mapped read-only; [`RegionWriter`]: a region
 //! being filled.
 //!
-//! A region is written once, through a shared writable mapping, and then read through a
-//! read-only one ([`RegionWriter::finish`]); the region keeps the writable mapping, unused,
-//! until its fd first leaves the process ([`Region::shared_fd`]), when it is unmapped and the
-//! file sealed against writes, shrinking, growing and further seal changes. A peer that receives the fd checks those seals before it maps it:
+//! A region is written once, through a shared writable mapping that is unmapped before the
+//! region is mapped read-only ([`RegionWriter::finish`]). Before its fd first leaves the
+//! process ([`Region::shared_fd`]) the file is sealed against writes, shrinking, growing and
+//! further seal changes. A peer that receives the fd checks those seals before it maps it:
 //! from then on nobody, the sender included, can change the bytes it reads, and the mapping
 //! (with the fd) stays valid for as long as anyone holds it, whatever happens to the version
 //! in the sender's store.
@@ -14,8 +14,7 @@
 //! already-touched buffers ([`pool`]): the next region of the same size is written into those
 //! pages, not into fresh ones that fault in and are zeroed page by page (on this kind of
 //! machine a write into fresh memfd pages runs at about 1.1-1.5 GB/s, into touched ones at
-//! 10-40 GB/s), with the writable mapping the region kept, so the next writer does not map
-//! it again either. Nothing can reach a pooled memfd's old bytes: the region, its `Bytes` and its
+//! 10-40 GB/s). Nothing can reach a pooled memfd's old bytes: the region, its `Bytes` and its
 //! private views (which keep the region alive) are gone, and it was never passed to anyone.
 //!
 //! Sealed regions are mapped `MAP_PRIVATE`: before Linux 6.7 a `MAP_SHARED` mapping of an
@@ -66,31 +65,6 @@ pub(crate) struct Region {
     len: usize,
     /// Set once the file is sealed (`Err`: sealing failed, and the fd is never passed on).
     sealed: OnceLock<std::result::Result<(), String>>,
-    /// The shared writable mapping the region was written through, never used again: kept
-    /// for the pool, unmapped when the file is sealed (a seal against writes is refused
-    /// while a writable shared mapping exists).
-    written: std::sync::Mutex<Option<Map>>,
-}
-
-/// A mapping this process made, unmapped when dropped.
-#[derive(Debug)]
-pub(crate) struct Map {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a `Map` is only an owned address range: it is read or written through by its one
-// owner (a `RegionWriter`), or not at all (kept by a region or the pool), and unmapped once.
-unsafe impl Send for Map {}
-// SAFETY: as above; a shared `Map` is never read through.
-unsafe impl Sync for Map {}
-
-impl Drop for Map {
-    fn drop(&mut self) {
-        // SAFETY: a mapping made by `RegionWriter::new`, owned by this `Map` alone, unmapped
-        // exactly once; nothing refers to its bytes any more (its writer was consumed).
-        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
-    }
 }
 
 // SAFETY: the mapping is read-only, and nothing writes the file while a `Region` of it
@@ -142,13 +116,6 @@ impl Region {
     /// only way the fd leaves the process. A sealed region never goes back to the pool.
     pub(crate) fn shared_fd(&self) -> Result<BorrowedFd<'_>> {
         let sealed = self.sealed.get_or_init(|| {
-            // Nothing reads through the writable mapping: unmap it so the seal takes.
-            drop(
-                self.written
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take(),
-            );
             fs::fcntl_add_seals(&*self.fd, SEALS).map_err(|e| format!("sealing a memfd: {e}"))
         });
         match sealed {
@@ -221,7 +188,6 @@ impl Region {
             ptr,
             len,
             sealed: OnceLock::new(),
-            written: std::sync::Mutex::new(None),
         })
     }
 
@@ -296,15 +262,10 @@ impl Drop for Region {
         let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
         // SAFETY: `fd` is taken exactly once, here, and never used again.
         let fd = unsafe { ManuallyDrop::take(&mut self.fd) };
-        // Never passed on (unsealed), and nobody reads its bytes any more: its pages (and
-        // the writable mapping, if it kept one) can take the next region of this size.
-        let written = self
-            .written
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        // Never passed on (unsealed), and no mapping of it is left: its pages can take the
+        // next region of this size.
         if self.sealed.get().is_none() {
-            pool::give(fd, self.len, written);
+            pool::give(fd, self.len);
         }
     }
 }
@@ -315,7 +276,8 @@ impl Drop for Region {
 #[derive(Debug)]
 pub(crate) struct RegionWriter {
     fd: OwnedFd,
-    map: Map,
+    ptr: NonNull<u8>,
+    len: usize,
 }
 
 // SAFETY: the writer owns its mapping exclusively (no other reference to it exists until it
@@ -332,13 +294,10 @@ impl RegionWriter {
         if len == 0 {
             return Err(Error::Io("an empty memfd cannot be mapped".into()));
         }
-        // A pooled memfd comes with its mapping, or its pages are all there: map them in
-        // one call rather than one page fault per page as the writer goes.
+        // A pooled memfd's pages are all there: map them in one call rather than one page
+        // fault per page as the writer goes.
         let (fd, populate) = match pool::take(len) {
-            Some(pool::Idle {
-                fd, map: Some(map), ..
-            }) => return Ok(RegionWriter { fd, map }),
-            Some(idle) => (idle.fd, MapFlags::POPULATE),
+            Some(fd) => (fd, MapFlags::POPULATE),
             None => {
                 let fd = fs::memfd_create(
                     "tensor-broker",
@@ -350,7 +309,7 @@ impl RegionWriter {
             }
         };
         // SAFETY: a fresh shared writable mapping of a file of exactly `len` bytes that only
-        // this writer can resize (it does not); unmapped when its `Map` drops.
+        // this writer can resize (it does not); unmapped in `seal` or `Drop`.
         let ptr = unsafe {
             mm::mmap(
                 std::ptr::null_mut(),
@@ -364,40 +323,46 @@ impl RegionWriter {
         .map_err(|e| io("mapping a memfd for writing", e))?;
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
-        Ok(RegionWriter {
-            fd,
-            map: Map { ptr, len },
-        })
+        Ok(RegionWriter { fd, ptr, len })
     }
 
-    /// Maps the file read-only: a [`Region`] (sealed when its fd is first passed on,
-    /// [`Region::shared_fd`]), which keeps the writable mapping, unused, for the pool.
+    /// Unmaps the writable mapping and maps the file read-only: a [`Region`] (sealed when
+    /// its fd is first passed on, [`Region::shared_fd`]).
     pub(crate) fn finish(self) -> Result<Region> {
-        let RegionWriter { fd, map } = self;
-        let region = Region::map(fd, map.len)?;
-        *region.written.lock().unwrap_or_else(|p| p.into_inner()) = Some(map);
-        Ok(region)
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: the mapping made in `new`, unmapped once (`Drop` will not run: the writer
+        // is consumed), before the region exists (a write seal is refused while it exists).
+        let _ = unsafe { mm::munmap(this.ptr.as_ptr().cast(), this.len) };
+        // SAFETY: the fd is moved out exactly once; `this` is never used again.
+        let fd = unsafe { std::ptr::read(&this.fd) };
+        Region::map(fd, this.len)
     }
 }
 
 impl AsRef<[u8]> for RegionWriter {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `map` maps `len` bytes while the writer lives.
-        unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr(), self.map.len) }
+        // SAFETY: `ptr` maps `len` bytes while the writer lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl AsMut<[u8]> for RegionWriter {
     fn as_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, and the writer is borrowed mutably: the only view of the bytes.
-        unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr(), self.map.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
-// A writer dropped unfinished is not pooled (its `Map` unmaps, its fd closes): a receive that
-// failed, or a buffer made for a transfer that arrived zero-copy instead, may never have
-// touched its pages, and a pooled buffer is reused with all its pages populated: that would
-// allocate and zero the whole size for nothing.
+impl Drop for RegionWriter {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped exactly once.
+        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        // Not pooled: a writer dropped unfinished (a receive that failed, or a buffer made
+        // for a transfer that arrived zero-copy instead) may never have touched its pages,
+        // and a pooled buffer is mapped with all its pages populated: that would allocate
+        // and zero the whole size for nothing.
+    }
+}
 
 /// Set by [`fail_maps_for_tests`]' hook: every later mapping of a sealed memfd fails, as it
 /// would on a kernel that refused it.

@@ -50,7 +50,6 @@ fn an_unshared_region_dropped_gives_its_pages_to_the_next_writer_of_its_size() {
     const LEN: usize = 3 * 4096 + 17;
     let mut writer = RegionWriter::new(LEN).expect("writer");
     writer.as_mut().fill(1);
-    let first_map = writer.as_ref().as_ptr();
     let region = Arc::new(writer.finish().expect("finish"));
     let first = inode(region.fd.as_fd());
     // A private view keeps the region, so its memfd is not pooled while the view lives.
@@ -70,11 +69,6 @@ fn an_unshared_region_dropped_gives_its_pages_to_the_next_writer_of_its_size() {
     // rewrites it, and readers see only the new bytes.
     let mut again = RegionWriter::new(LEN).expect("writer");
     assert_eq!(inode(again.fd.as_fd()), first, "reused");
-    assert_eq!(
-        again.as_ref().as_ptr(),
-        first_map,
-        "with the writable mapping it was written through: not mapped again"
-    );
     again.as_mut().fill(2);
     let reused = Arc::new(again.finish().expect("finish"));
     assert!(reused.bytes().iter().all(|&b| b == 2));
@@ -98,11 +92,7 @@ fn a_region_whose_fd_was_shared_is_never_pooled() {
     const LEN: usize = 5 * 4096 + 3;
     let region = Region::copy_of(&[9u8; LEN]).expect("region");
     let first = inode(region.fd.as_fd());
-    // Sealing against writes takes: the writable mapping the region kept is gone first.
     region.shared_fd().expect("sealed");
-    assert!(region.is_sealed());
-    assert!(region.written.lock().expect("lock").is_none());
-    assert!(region.bytes().iter().all(|&b| b == 9), "read as before");
     drop(region);
     let writer = RegionWriter::new(LEN).expect("writer");
     assert_ne!(
