@@ -288,10 +288,6 @@ impl Actor for BrokerActor {
                 }
                 carry_out(st, changes);
                 let _ = reply.send(refused.map_or(Ok(()), Err));
-                // After the answer: kept for the gets of the newest version by name.
-                if let (Some((name, version)), Some(bytes)) = (published, inline) {
-                    st.args.state.keep_small(&name, version, bytes);
-                }
             }
             BrokerMsg::NextVersion { name, reply } => {
                 let _ = reply.send(state.next_version(&name));
@@ -303,15 +299,7 @@ impl Actor for BrokerActor {
                 exclude,
                 reply,
             } => {
-                // The newest version, nobody excluded: its bytes when this broker keeps them.
-                let inline = match (version, exclude.is_empty()) {
-                    (None, true) => state.lookup_inline(&name, from),
-                    _ => None,
-                };
-                let found = match inline {
-                    Some(found) => Ok(found),
-                    None => state.lookup_excluding(&name, version, from, &exclude, now),
-                };
+                let found = state.lookup_excluding(&name, version, from, &exclude, now);
                 let _ = reply.send(found);
             }
             BrokerMsg::Fetching {

@@ -491,17 +491,6 @@ fn ctl_holders_and_listing() {
         &msg,
         &format!("51000000 02 0177 01 0b 02 02 03 18 {H_AB} 01 {H_11} 01 03 683a31 00 01"),
     );
-    let msg = CtlResponse::HoldersInline {
-        name: name("w"),
-        version: 1,
-        meta: TensorMeta::new(DType::U8, vec![2], ContentHash([0x11; 32])).expect("meta"),
-        bytes: vec![0xab, 0xcd],
-    };
-    // len 43 | HoldersInline=9 | "w" | v1 | U8=1 | shape [2] | byte_len 2 | hash | [ab cd]
-    golden(
-        &msg,
-        &format!("2b000000 09 0177 01 01 0102 02 {H_11} 02abcd"),
-    );
     let msg = CtlResponse::Listing {
         entries: vec![ListedEntry {
             name: name("w"),

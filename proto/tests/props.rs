@@ -448,16 +448,6 @@ fn ctl_response() -> impl Strategy<Value = CtlResponse> {
                 holders,
             }
         ),
-        (tensor_name(), version(), vec(any::<u8>(), 0..64)).prop_map(|(name, version, bytes)| {
-            let hash = ContentHash::of(&bytes);
-            let meta = TensorMeta::new(DType::U8, vec![bytes.len() as u64], hash).expect("meta");
-            CtlResponse::HoldersInline {
-                name,
-                version,
-                meta,
-                bytes,
-            }
-        }),
         (vec(listed_entry(), 0..4), any::<bool>())
             .prop_map(|(entries, last)| CtlResponse::Listing { entries, last }),
         event().prop_map(CtlResponse::Event),

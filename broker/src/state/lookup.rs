@@ -24,21 +24,10 @@ pub struct Holders {
     /// How many of the first holders the asker may pull pieces from at once (each counted
     /// one of its fan-out slots for the asker).
     pub sources: usize,
-    /// The version's bytes, when this broker keeps them (a small newest version published
-    /// here): the asker needs no pull (`holders` is empty then).
-    pub inline: Option<Vec<u8>>,
 }
 
 impl From<Holders> for CtlResponse {
     fn from(h: Holders) -> Self {
-        if let Some(bytes) = h.inline {
-            return CtlResponse::HoldersInline {
-                name: h.name,
-                version: h.version,
-                meta: h.meta,
-                bytes,
-            };
-        }
         CtlResponse::Holders {
             name: h.name,
             version: h.version,
@@ -62,42 +51,6 @@ impl BrokerState {
     /// (`chain_min_bytes`) the source with the fewest fetchers comes first, even one still
     /// receiving, so fetchers arriving together form a chain (at most `max_chain_depth` long);
     /// for a small one complete holders come first, so they form a shallow tree.
-    /// Keeps `bytes`, the bytes of `version` of `name` that came with its publish, when that
-    /// is the name's newest version and they are its bytes (checked by hash), for
-    /// [`lookup_inline`](Self::lookup_inline).
-    pub fn keep_small(&mut self, name: &TensorName, version: u64, bytes: Vec<u8>) {
-        let Some(entry) = self.registry.entry(name) else {
-            return;
-        };
-        if entry.version != version || entry.meta.byte_len != bytes.len() as u64 {
-            return;
-        }
-        let hash = entry.meta.hash;
-        if tb_proto::ContentHash::of(&bytes) == hash {
-            self.small.keep(name, version, hash, bytes);
-        }
-    }
-
-    /// The newest version of `name` with its bytes, when this broker keeps them and a live,
-    /// reachable node other than `asker` holds that version (a version only dead nodes held
-    /// is not handed out, as [`lookup`](Self::lookup) would not). Records nothing: the
-    /// asker fetches from nobody.
-    pub fn lookup_inline(&self, name: &TensorName, asker: NodeId) -> Option<Holders> {
-        let entry = self.registry.entry(name)?;
-        let bytes = self.small.get(name, entry.version, &entry.meta.hash)?;
-        let held = entry
-            .holders_of(entry.version)
-            .any(|n| n != asker && super::reachable(&self.registry, &n).is_some());
-        held.then(|| Holders {
-            name: name.clone(),
-            version: entry.version,
-            meta: entry.meta.clone(),
-            holders: Vec::new(),
-            sources: 0,
-            inline: Some(bytes.to_vec()),
-        })
-    }
-
     pub fn lookup(
         &mut self,
         name: &TensorName,
@@ -154,7 +107,6 @@ impl BrokerState {
             meta,
             holders: plan.holders,
             sources: plan.sources,
-            inline: None,
         })
     }
 

@@ -29,7 +29,6 @@
 mod liveness;
 mod lookup;
 mod meta_cache;
-mod small;
 
 #[cfg(test)]
 mod tests;
@@ -101,8 +100,6 @@ pub struct BrokerState {
     heard: LastHeard,
     fanout: FanOut,
     metas: MetaCache,
-    /// The bytes of small newest versions published here, for one-round-trip gets.
-    small: small::SmallVersions,
     /// What was forgotten but not yet handed out in [`Changes`] (at load).
     forgotten: Changes,
     /// When [`expire`](Self::expire) next walks the whole registry to forget.
@@ -140,7 +137,6 @@ impl BrokerState {
             heard,
             fanout,
             metas,
-            small: small::SmallVersions::default(),
             forgotten,
             next_forget_ms,
         }

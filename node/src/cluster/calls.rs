@@ -22,9 +22,6 @@ pub(crate) struct Holders {
     pub(crate) holders: Vec<HolderAddr>,
     /// How many of the first holders to pull pieces from at once (the broker's set).
     pub(crate) sources: usize,
-    /// The version's bytes, when the broker answered with them (checked against `meta` on
-    /// decode): nothing to pull.
-    pub(crate) inline: Option<bytes::Bytes>,
 }
 
 /// The variant's name, for messages about answers nobody expected.
@@ -33,7 +30,6 @@ fn kind(response: &CtlResponse) -> &'static str {
         CtlResponse::Ok => "Ok",
         CtlResponse::Version { .. } => "Version",
         CtlResponse::Holders { .. } => "Holders",
-        CtlResponse::HoldersInline { .. } => "HoldersInline",
         CtlResponse::Listing { .. } => "Listing",
         CtlResponse::Event(_) => "Event",
         CtlResponse::Members { .. } => "Members",
@@ -143,27 +139,8 @@ impl CtlClient {
                 meta,
                 holders,
                 sources: usize::from(sources),
-                inline: None,
-            }),
-            // Only for the newest version (none asked).
-            CtlResponse::HoldersInline {
-                name: answered,
-                version: found,
-                meta,
-                bytes,
-            } if answered == *name && version.is_none() => Ok(Holders {
-                version: found,
-                meta,
-                holders: Vec::new(),
-                sources: 0,
-                inline: Some(bytes::Bytes::from(bytes)),
             }),
             CtlResponse::Holders {
-                name: answered,
-                version: found,
-                ..
-            }
-            | CtlResponse::HoldersInline {
                 name: answered,
                 version: found,
                 ..

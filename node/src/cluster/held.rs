@@ -24,8 +24,7 @@ use crate::{
 pub(super) enum Found {
     /// Pull from these; the look-up took `slot` (handed back when the get drops it).
     Holders(Holders, FetchSlot),
-    /// This node holds the version, and its hash is the registry's; or the broker answered
-    /// with the version's bytes.
+    /// This node holds the version, and its hash is the registry's.
     Held(u64, Tensor),
 }
 
@@ -42,14 +41,6 @@ pub(super) async fn look_up(
 ) -> Result<Found> {
     let store = &node.ctx().store;
     match cluster.lookup(name, version).await {
-        // The broker kept the newest version's bytes (a small one published through it):
-        // checked against its metadata on decode, nothing to pull, no fetch to record.
-        Ok(Holders {
-            version,
-            meta,
-            inline: Some(bytes),
-            ..
-        }) => Ok(Found::Held(version, Tensor::from_verified(meta, bytes))),
         Ok(holders) => {
             let slot = FetchSlot::taken(node, cluster, name, holders.version);
             let registry = holders.meta.hash;

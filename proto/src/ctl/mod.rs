@@ -282,20 +282,6 @@ pub enum CtlResponse {
         /// A human-readable explanation naming the thing that failed.
         message: String,
     },
-    /// The answer to a `Lookup` of the newest version (no version asked, nobody excluded)
-    /// of a name whose newest version is small and published through this broker: its bytes,
-    /// which the broker keeps for the purpose (at most [`MAX_INLINE_BYTES`] each, bounded in
-    /// all), so the get needs no pull. Checked against `meta` when decoded.
-    HoldersInline {
-        /// The tensor.
-        name: TensorName,
-        /// Its newest version.
-        version: u64,
-        /// What its bytes are.
-        meta: TensorMeta,
-        /// The bytes, `meta.byte_len` of them, hashing to `meta.hash`.
-        bytes: Vec<u8>,
-    },
 }
 
 impl CtlResponse {
@@ -311,7 +297,6 @@ impl CtlResponse {
             CtlResponse::Ok
             | CtlResponse::Version { .. }
             | CtlResponse::Holders { .. }
-            | CtlResponse::HoldersInline { .. }
             | CtlResponse::Error { .. } => true,
         }
     }

@@ -177,16 +177,6 @@ impl CtlResponse {
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), CtlError> {
         match self {
             CtlResponse::Version { version: 0 } => Err(CtlError::ZeroVersionAssigned),
-            CtlResponse::HoldersInline {
-                name,
-                version,
-                meta,
-                bytes,
-            } => {
-                check_version(name, *version)?;
-                check_meta(name, *version, meta, max_tensor_bytes)?;
-                check_inline(meta, bytes)
-            }
             CtlResponse::Holders {
                 name,
                 version,
