@@ -477,11 +477,19 @@ impl CtlProtocol {
                 return;
             }
         };
+        // Registered: from now on every change is told on this stream. The `Ok` says so, and
+        // the subscriber's `subscribe` returns only once it read it (a version published right
+        // after is never missed).
+        let stall = self.request_timeout;
+        let acked = tokio::time::timeout(stall, write_frame(&mut send, &CtlResponse::Ok)).await;
+        if !matches!(acked, Ok(Ok(()))) {
+            let _ = self.actor.cast(BrokerMsg::Unsubscribe { id });
+            return;
+        }
         // The client never writes again: its stream ending (or resetting) is the unsubscribe.
         // A frame that cannot be written within the request timeout (a subscriber that stopped
         // reading) ends the subscription; so does falling a whole buffer behind, with an error
         // the client sees.
-        let stall = self.request_timeout;
         let mut sink = [0u8; 64];
         loop {
             tokio::select! {

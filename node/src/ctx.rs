@@ -43,10 +43,12 @@ pub(crate) struct NodeCtx {
     /// The data channels this node runs and what its peers offered.
     pub(crate) channels: Channels,
     /// Piece outlines being hashed, shared by concurrent requests for one tensor.
-    pub(crate) outlines: crate::upload::Outlines,
+    pub(crate) outlines: crate::serve::upload::Outlines,
     /// The subscribers watching names this node publishes (small versions go to them
     /// straight, see [`crate::watch`]).
     pub(crate) watchers: crate::watch::Watchers,
+    /// What answers each kind of request on `tb/data/1` (see [`crate::serve::service`]).
+    pub(crate) services: crate::serve::Services,
 }
 
 impl NodeCtx {

@@ -122,6 +122,10 @@ pub enum Error {
     /// The node is shutting down or has shut down.
     #[error("node is shut down")]
     Shutdown,
+    /// What was to be registered is registered already (a second service for one request
+    /// kind): take the first out before adding another.
+    #[error("in use: {0}")]
+    InUse(String),
     /// A transport or file-system error.
     #[error("i/o error: {0}")]
     Io(String),

@@ -44,7 +44,11 @@
 //! flight, or starting one), opens a bi-stream, writes a `Pull` frame, reads the `Header`
 //! frame, lets the caller supply the destination buffer, reads the payload straight into it
 //! while hashing, and checks the BLAKE3 hash before returning. The serving side
-//! (`serve`) answers from the [`Store`] with slices of the shared bytes, no copies.
+//! (`serve`) reads each stream's first frame, admits it once (the peer's access, the node's
+//! limits) and hands it to the [`Service`] its request kind is registered to in the node's
+//! table; the built-in pull service answers from the [`Store`] with slices of the shared
+//! bytes, no copies. A crate above this one serves a new kind with [`Node::add_service`]; a
+//! kind nobody serves is answered `Unsupported`.
 //!
 //! ## How a cluster get flows
 //! `Node::get` asks the current broker (`tb/ctl/1`, one reused connection per broker, failing
@@ -106,7 +110,6 @@ mod set;
 mod store;
 mod tensor;
 mod ticket;
-mod upload;
 mod watch;
 mod wire;
 
@@ -147,6 +150,7 @@ pub use node::Node;
 pub use pool::{LinkGuard, MAX_LINKS_PER_PEER, PoolStats};
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
+pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};
 pub use set::TensorSet;
 pub use store::{Inserted, Lookup, Retention, Store};
 /// Why a peer was refused before authenticating (what `auth::server_hello` reports).

@@ -146,6 +146,7 @@ impl Node {
             channels: Channels::new(&config),
             outlines: Default::default(),
             watchers: Default::default(),
+            services: crate::serve::Services::builtin(),
             config,
         });
         for &kind in &ctx.config.channels {
@@ -449,6 +450,25 @@ impl Node {
         let name = TensorName::new(name)?;
         self.guarded(self.inner.ctx.inbox.take(Some(&name), timeout))
             .await
+    }
+
+    /// Serves `kind` requests on this node's `tb/data/1` links with `service` (see
+    /// [`Service`](crate::Service)): the extension point for request kinds defined in
+    /// tb-proto and served by a crate above this one. A kind served already (every built-in
+    /// kind is) is refused with [`Error::InUse`].
+    pub fn add_service(
+        &self,
+        kind: tb_proto::RequestKind,
+        service: Arc<dyn crate::Service>,
+    ) -> Result<()> {
+        self.inner.ctx.services.add(kind, service)
+    }
+
+    /// Stops serving `kind` requests: later ones are answered `Unsupported` (streams being
+    /// served finish). Returns the service taken out, which [`Node::add_service`] can put
+    /// back; `None` when nothing served the kind.
+    pub fn remove_service(&self, kind: tb_proto::RequestKind) -> Option<Arc<dyn crate::Service>> {
+        self.inner.ctx.services.remove(kind)
     }
 
     /// Each peer with a usable pooled link and the data channel negotiated with it.

@@ -78,7 +78,7 @@ pub use hlc::{ClockError, Hlc, MAX_DRIFT_MS, NodeId, Stamp};
 pub use meta::{MAX_RANK, MetaError, TensorMeta, byte_len_for};
 pub use msg::{
     ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
-    MAX_DATA_REQUEST_FRAME,
+    MAX_DATA_REQUEST_FRAME, RequestKind,
 };
 pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};
 pub use registry::{

@@ -96,7 +96,68 @@ pub enum DataRequest {
     },
 }
 
+/// The kind of a [`DataRequest`]: what a node's table of request services is keyed by. A
+/// node answers a kind it serves nothing for with [`ErrorCode::Unsupported`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum RequestKind {
+    /// [`DataRequest::Pull`].
+    Pull,
+    /// [`DataRequest::Push`].
+    Push,
+    /// [`DataRequest::Channels`].
+    Channels,
+    /// [`DataRequest::TcpPull`].
+    TcpPull,
+    /// [`DataRequest::Pieces`].
+    Pieces,
+    /// [`DataRequest::Watch`].
+    Watch,
+}
+
+impl RequestKind {
+    /// Every kind.
+    pub const ALL: [RequestKind; 6] = [
+        RequestKind::Pull,
+        RequestKind::Push,
+        RequestKind::Channels,
+        RequestKind::TcpPull,
+        RequestKind::Pieces,
+        RequestKind::Watch,
+    ];
+
+    /// Its name in logs and refusals.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestKind::Pull => "pull",
+            RequestKind::Push => "push",
+            RequestKind::Channels => "channels",
+            RequestKind::TcpPull => "tcp-pull",
+            RequestKind::Pieces => "pieces",
+            RequestKind::Watch => "watch",
+        }
+    }
+}
+
+impl std::fmt::Display for RequestKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl DataRequest {
+    /// Which kind of request this is.
+    pub fn kind(&self) -> RequestKind {
+        match self {
+            DataRequest::Pull { .. } => RequestKind::Pull,
+            DataRequest::Push { .. } => RequestKind::Push,
+            DataRequest::Channels { .. } => RequestKind::Channels,
+            DataRequest::TcpPull { .. } => RequestKind::TcpPull,
+            DataRequest::Pieces { .. } => RequestKind::Pieces,
+            DataRequest::Watch { .. } => RequestKind::Watch,
+        }
+    }
+
     /// The tensor the request is about, if it is about one.
     pub fn name(&self) -> Option<&TensorName> {
         match self {
@@ -258,11 +319,13 @@ pub enum ErrorCode {
     Internal,
     /// The serving node is stopping.
     ShuttingDown,
+    /// The serving node serves nothing for this kind of request (a service it does not run).
+    Unsupported,
 }
 
 impl ErrorCode {
     /// Every error code.
-    pub const ALL: [ErrorCode; 9] = [
+    pub const ALL: [ErrorCode; 10] = [
         ErrorCode::NotFound,
         ErrorCode::TooLarge,
         ErrorCode::InvalidTensor,
@@ -272,6 +335,7 @@ impl ErrorCode {
         ErrorCode::Malformed,
         ErrorCode::Internal,
         ErrorCode::ShuttingDown,
+        ErrorCode::Unsupported,
     ];
 }
 

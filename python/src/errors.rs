@@ -76,6 +76,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         | Error::Standalone
         | Error::DeviceUnavailable(_) => "Unavailable",
         Error::InvalidName(_)
+        | Error::InUse(_)
         | Error::InvalidTensor(_)
         | Error::TooLarge(_)
         | Error::BadAddress { .. } => "InvalidArgument",

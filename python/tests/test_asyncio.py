@@ -202,3 +202,30 @@ def test_sync_client_arecv_and_aincoming(cluster: tb.LocalCluster) -> None:
             assert rest == ["i/1", "i/2"]
 
         run(main())
+
+
+def test_a_cancelled_wait_on_a_subscription_loses_no_version(cluster: tb.LocalCluster) -> None:
+    """Small versions come straight from their publisher once the subscription watches it;
+    cancelling a task that awaits the next one neither ends the subscription nor loses the
+    version that arrives after."""
+
+    async def main() -> None:
+        async with await cluster.connect_async() as a, await cluster.connect_async() as b:
+            async with b.subscribe("cw") as sub:
+                # The first versions are told by the broker; their events start the watch.
+                for i in range(1, 6):
+                    await a.put("cw", np.full(16, i, dtype=np.int32))
+                    got = await sub.next(timeout=LIMIT_S)
+                    assert (got.version, got.array().tolist()) == (i, [i] * 16)
+                for i in range(6, 11):
+                    waiting = asyncio.create_task(sub.next())
+                    await asyncio.sleep(0.02)
+                    waiting.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await waiting
+                    await a.put("cw", np.full(16, i, dtype=np.int32))
+                    got = await sub.next(timeout=LIMIT_S)
+                    assert (got.version, got.array().tolist()) == (i, [i] * 16)
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    run(main())

@@ -174,7 +174,6 @@ async fn readers_and_subscribers_never_see_two_versions_at_once() {
     let reader = Arc::new(node(worker_config(b.addr())).await);
     let subscriber = node(worker_config(b.addr())).await;
     let mut sub = subscriber.subscribe("ckpt").await.expect("subscribe");
-    tokio::time::sleep(Duration::from_millis(300)).await;
 
     let publishing = {
         let publisher = publisher.clone();

@@ -327,6 +327,16 @@ impl CtlClient {
         Err(self.exhausted(failed))
     }
 
+    /// How many brokers this client knows (the most tries a failover makes).
+    pub(crate) fn broker_count(&self) -> usize {
+        self.brokers.len()
+    }
+
+    /// The largest tensor this node accepts, which bounds what an answer may describe.
+    pub(crate) fn max_tensor_bytes(&self) -> u64 {
+        self.max_tensor_bytes
+    }
+
     /// Checks that the broker at the other end of `conn` still answers (a one-entry `List`
     /// within `timeout`; any answer counts). A long-lived stream on a link to a broker killed
     /// without a close would otherwise wait for QUIC's idle timeout (30 s): when the probe

@@ -125,7 +125,7 @@ pub(crate) async fn fetch(
     };
     let len = memory_len(&meta)?;
     slot.announce_start();
-    let feed = Feed {
+    let feed = Reports {
         receiving: &mut receiving,
         progress,
     };
@@ -207,7 +207,7 @@ fn pulled(
 
 /// Where a get reports the bytes it receives: the cut-through feed for this node's own
 /// pullers, and the caller's progress.
-pub(super) struct Feed<'a> {
+pub(super) struct Reports<'a> {
     pub(super) receiving: &'a mut Receiving,
     pub(super) progress: Option<&'a TransferProgress>,
 }
@@ -254,15 +254,15 @@ pub(super) async fn from_holders(
     cluster: &Cluster,
     name: &TensorName,
     first: Holders,
-    feed: Feed<'_>,
+    feed: Reports<'_>,
     dest: &mut [u8],
 ) -> Result<Received> {
-    let Feed {
+    let Reports {
         receiving,
         progress,
     } = feed;
     if first.meta.byte_len >= swarm::MIN_BYTES && !whole_by_channel(node, cluster, &first).await {
-        let feed = Feed {
+        let feed = Reports {
             receiving: &mut *receiving,
             progress,
         };
@@ -370,7 +370,7 @@ impl OneStream<'_> {
         let (name, version) = (self.want.name, self.want.version);
         self.tries.count += 1;
         let at = self.resume.filled();
-        let into = resume::Into {
+        let into = resume::Target {
             dest: &mut *self.dest,
             resume: &mut self.resume,
             feed: &*self.receiving,
@@ -448,7 +448,7 @@ async fn from_holder(
     node: &Node,
     holder: &HolderAddr,
     want: Want<'_>,
-    into: resume::Into<'_>,
+    into: resume::Target<'_>,
     watch: Option<Watch<'_>>,
 ) -> Result<Ended> {
     let unreachable = |reason: String| Error::PeerUnreachable {
@@ -631,7 +631,7 @@ async fn pull_from(
     name: &TensorName,
     version: u64,
     meta: &TensorMeta,
-    mut into: resume::Into<'_>,
+    mut into: resume::Target<'_>,
 ) -> Result<()> {
     let mut redials = 0;
     loop {

@@ -14,7 +14,7 @@ use tb_proto::{TensorMeta, TensorName};
 
 use super::{
     Cluster,
-    fetch::{self, Feed},
+    fetch::{self, Reports},
     held::{self, Found},
 };
 use crate::{
@@ -118,7 +118,7 @@ where
     fits(&name, &meta, dest, check)?;
     slot.announce_start();
     let mut receiving = node.ctx().inflight.start(&name, v, Some(meta.clone()));
-    let feed = Feed {
+    let feed = Reports {
         receiving: &mut receiving,
         progress: None,
     };

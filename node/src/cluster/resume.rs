@@ -68,7 +68,7 @@ impl Resume {
 /// Where one version is received: the buffer, how far it got, the cut-through feed that
 /// publishes the bytes to this node's own pullers, the caller's progress, if any, and the
 /// bytes received so far for whoever watches the pace while the pull runs.
-pub(crate) struct Into<'a> {
+pub(crate) struct Target<'a> {
     pub(crate) dest: &'a mut [u8],
     pub(crate) resume: &'a mut Resume,
     pub(crate) feed: &'a Receiving,
@@ -76,10 +76,10 @@ pub(crate) struct Into<'a> {
     pub(crate) reached: &'a AtomicU64,
 }
 
-impl Into<'_> {
+impl Target<'_> {
     /// The same destination, borrowed again for one more attempt.
-    pub(crate) fn reborrow(&mut self) -> Into<'_> {
-        Into {
+    pub(crate) fn reborrow(&mut self) -> Target<'_> {
+        Target {
             dest: &mut *self.dest,
             resume: &mut *self.resume,
             feed: self.feed,
@@ -99,9 +99,9 @@ pub(crate) async fn pull_rest(
     name: &TensorName,
     version: u64,
     expected: &TensorMeta,
-    into: Into<'_>,
+    into: Target<'_>,
 ) -> Result<()> {
-    let Into {
+    let Target {
         dest,
         resume,
         feed,

@@ -51,7 +51,7 @@ use tracing::debug;
 use super::{
     Cluster,
     calls::Holders,
-    fetch::{Feed, REFRESH},
+    fetch::{REFRESH, Reports},
 };
 use crate::{
     channel::verify::Pieces,
@@ -195,7 +195,7 @@ pub(super) async fn fetch(
     cluster: &Cluster,
     name: &TensorName,
     first: &Holders,
-    feed: Feed<'_>,
+    feed: Reports<'_>,
     dest: &mut [u8],
 ) -> Result<Swarmed> {
     let meta = &first.meta;
@@ -234,8 +234,13 @@ pub(super) async fn fetch(
 }
 
 impl<'a> Swarm<'a> {
-    async fn run(&mut self, first: &Holders, feed: Feed<'_>, dest: &mut [u8]) -> Result<Swarmed> {
-        let Feed {
+    async fn run(
+        &mut self,
+        first: &Holders,
+        feed: Reports<'_>,
+        dest: &mut [u8],
+    ) -> Result<Swarmed> {
+        let Reports {
             receiving,
             progress,
         } = feed;

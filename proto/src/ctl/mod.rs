@@ -10,7 +10,7 @@
 //! | `NextVersion` | `Version` |
 //! | `Lookup` | `Holders` |
 //! | `List` | `Listing` frames until `last` |
-//! | `Subscribe` | `Event` frames until either side closes the stream |
+//! | `Subscribe` | `Ok` once the subscription is registered, then `Event` frames until either side closes the stream |
 //! | `Members` | `Members` frames until `last` (member rows with their heartbeat stats) |
 //! | `SyncBuckets`, then `SyncNames` frames until `last` | `SyncDiff` frames until `last`, then `SyncEntries` frames until `last` |
 //!

@@ -193,18 +193,59 @@ pub(crate) async fn start(
     })
 }
 
+/// Opens a `Subscribe` stream and waits for the broker's `Ok`, which it sends once the
+/// subscription is registered: every version published after this returns is told on the
+/// stream (and the listing that follows covers everything before). A broker that is shutting
+/// down or answers nothing usable is avoided and the next one tried; a refusal (too many
+/// subscriptions) is the caller's error.
 async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
     let request = CtlRequest::Subscribe {
         pattern: pattern.clone(),
     };
     let timeout = cluster.request_timeout;
-    let (send, recv, conn) = cluster.ctl.open_stream(&request, timeout).await?;
-    Ok(Stream {
-        _send: send,
-        recv,
-        broker: conn.remote_id(),
-        conn,
-    })
+    let mut last = None;
+    for _ in 0..cluster.ctl.broker_count().max(1) {
+        let (send, mut recv, conn) = cluster.ctl.open_stream(&request, timeout).await?;
+        let broker = conn.remote_id();
+        let label = broker.fmt_short().to_string();
+        let first = tokio::time::timeout(timeout, wire::read_frame::<CtlResponse>(&mut recv));
+        let failure = match first.await {
+            Err(_) => {
+                let what = format!("broker {label} to register a subscription");
+                Error::timeout(what, timeout)
+            }
+            Ok(frame) => match frame
+                .map_err(|e| e.into_error(&format!("subscription stream from broker {label}")))
+                .and_then(|f| check_response(f, &label, cluster.ctl.max_tensor_bytes()))
+            {
+                Ok(CtlResponse::Ok) => {
+                    return Ok(Stream {
+                        _send: send,
+                        recv,
+                        broker,
+                        conn,
+                    });
+                }
+                Ok(CtlResponse::Error { code, message }) => {
+                    match answer_error(label, code, message) {
+                        Failure::Answered(e) => return Err(e),
+                        Failure::Unusable(e) => e,
+                    }
+                }
+                Ok(_) => Error::Io(format!(
+                    "broker {label} answered a subscription with something other than Ok"
+                )),
+                Err(e) => e,
+            },
+        };
+        debug!(%failure, "subscription not registered; trying the next broker");
+        cluster.ctl.avoid(&broker);
+        last = Some(failure);
+    }
+    Err(last.unwrap_or(Error::NoBroker {
+        tried: 0,
+        failures: Vec::new(),
+    }))
 }
 
 /// The live names matching `pattern`, and whether the listing is complete (under the limit).
@@ -329,8 +370,8 @@ impl Reader {
                 Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
                     self.shared.update(|f| f.deleted(&name));
                 }
-                // A broker may acknowledge the subscription; events for other names are not ours.
-                Ok(CtlResponse::Ok | CtlResponse::Event(_)) => {}
+                // Events for other names are not ours (the `Ok` was read by `open`).
+                Ok(CtlResponse::Event(_)) => {}
                 Ok(CtlResponse::Error { code, message }) => {
                     return match answer_error(broker, code, message) {
                         Failure::Answered(e) => Ended::Refused(e),
