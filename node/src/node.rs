@@ -241,19 +241,15 @@ impl Node {
         if let Some(p) = progress {
             p.set_total(tensor.byte_len());
         }
-        if let Some(route) = self.route(addr).await? {
-            let ctx = &self.inner.ctx;
-            let push = route.push(ctx, &name, tensor);
-            if self
-                .on_channel(&route, TransferKind::Push, push)
-                .await?
-                .is_some()
-            {
-                if let Some(p) = progress {
-                    p.reached(tensor.byte_len());
-                }
-                return Ok(());
-            }
+        let ctx = &self.inner.ctx;
+        let push = async |route: &channel::Route| route.push(ctx, &name, tensor).await;
+        if self
+            .by_channel(addr, TransferKind::Push, push)
+            .await?
+            .is_some()
+        {
+            crate::progress::reached(progress, tensor.byte_len());
+            return Ok(());
         }
         let links = || self.link(addr);
         self.guarded(client::push(&self.inner.ctx, links, name, tensor, progress))
@@ -285,12 +281,10 @@ impl Node {
         version: Option<u64>,
     ) -> Result<Pulled<Tensor>> {
         let name = TensorName::new(name)?;
-        if let Some(route) = self.route(addr).await? {
-            let ctx = &self.inner.ctx;
-            let pull = route.pull(ctx, &name, version);
-            if let Some(pulled) = self.on_channel(&route, TransferKind::Pull, pull).await? {
-                return Ok(pulled);
-            }
+        let ctx = &self.inner.ctx;
+        let pull = async |route: &channel::Route| route.pull(ctx, &name, version).await;
+        if let Some(pulled) = self.by_channel(addr, TransferKind::Pull, pull).await? {
+            return Ok(pulled);
         }
         let pulled = self.quic_pull_into(addr, name, version, channel::alloc_host);
         pulled.await?.into_tensor()
@@ -313,39 +307,31 @@ impl Node {
     {
         let name = TensorName::new(name)?;
         let mut alloc = Some(alloc);
-        if let Some(route) = self.route(addr).await? {
-            let ctx = &self.inner.ctx;
-            let alloc = |meta: &TensorMeta| match alloc.take() {
-                Some(alloc) => alloc(meta),
-                None => Err(Error::Io("a pull allocated its buffer twice".into())),
-            };
-            let pull = route.pull_into(ctx, &name, version, alloc);
-            if let Some(pulled) = self.on_channel(&route, TransferKind::Pull, pull).await? {
-                return Ok(pulled);
-            }
+        let ctx = &self.inner.ctx;
+        let once = |meta: &TensorMeta| match alloc.take() {
+            Some(alloc) => alloc(meta),
+            None => Err(Error::Io("a pull allocated its buffer twice".into())),
+        };
+        let pull = async |route: &channel::Route| route.pull_into(ctx, &name, version, once).await;
+        if let Some(pulled) = self.by_channel(addr, TransferKind::Pull, pull).await? {
+            return Ok(pulled);
         }
         let alloc = alloc.ok_or_else(|| Error::Io("a pull allocated its buffer twice".into()))?;
         self.quic_pull_into(addr, name, version, alloc).await
     }
 
-    /// Runs `transfer` on `route`'s channel, timed as `kind`: `None` when it is left to QUIC
-    /// (see [`channel::attempt`]).
-    async fn on_channel<T>(
+    /// Runs `transfer` on the channel of the pair with the peer at `addr` (dialing it first
+    /// on first contact), timed as `kind`: `None` when it goes over QUIC instead (see
+    /// [`channel::first`]).
+    async fn by_channel<T>(
         &self,
-        route: &channel::Route,
+        addr: &PeerAddr,
         kind: TransferKind,
-        transfer: impl Future<Output = Result<T, channel::ChannelError>>,
+        transfer: impl AsyncFnOnce(&channel::Route) -> Result<T, channel::ChannelError>,
     ) -> Result<Option<T>> {
-        let attempt = channel::attempt(&self.inner.ctx, route, kind, transfer);
-        self.guarded(attempt).await
-    }
-
-    /// The channel a transfer with the peer at `addr` takes now (`None`: QUIC), dialing it
-    /// first on first contact.
-    async fn route(&self, addr: &PeerAddr) -> Result<Option<channel::Route>> {
         let links = || self.link(addr);
-        self.guarded(channel::route(&self.inner.ctx, &addr.id, links))
-            .await
+        let first = channel::first(&self.inner.ctx, &addr.id, links, kind, transfer);
+        self.guarded(first).await
     }
 
     /// [`pull_into`](Self::pull_into) over the QUIC link.

@@ -554,6 +554,27 @@ where
     Ok(channels.route_for(*peer, kind, link))
 }
 
+/// The one "the pair's channel first, then QUIC" step every transfer takes: when the pair
+/// with `peer` runs a channel other than QUIC, runs `transfer` on its route, timed as `timed`
+/// (see [`attempt`]). `Ok(None)`: do it over QUIC (the pair runs QUIC, or the channel left
+/// this transfer to QUIC); `Err` final.
+pub(crate) async fn first<T, L, LF>(
+    ctx: &NodeCtx,
+    peer: &EndpointId,
+    links: L,
+    timed: TransferKind,
+    transfer: impl AsyncFnOnce(&Route) -> Result<T, ChannelError>,
+) -> Result<Option<T>>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+{
+    let Some(route) = route(ctx, peer, links).await? else {
+        return Ok(None);
+    };
+    attempt(ctx, &route, timed, transfer(&route)).await
+}
+
 /// What a channel's attempt at a transfer came to: `Ok(Some)` done; `Ok(None)` do it over
 /// QUIC (a channel that failed is withdrawn for the peer for a backoff, logged at warn and
 /// the fallback counted in `tb_channel_fallbacks_total`); `Err` final.

@@ -600,11 +600,8 @@ async fn by_channel(
 ) -> Result<Option<Tensor>> {
     let ctx = node.ctx();
     let links = || node.link(peer);
-    let Some(route) = channel::route(ctx, &peer.id, links).await? else {
-        return Ok(None);
-    };
-    let pull = route.pull(ctx, name, Some(version));
-    let Some(pulled) = channel::attempt(ctx, &route, TransferKind::Pull, pull).await? else {
+    let pull = async |route: &channel::Route| route.pull(ctx, name, Some(version)).await;
+    let Some(pulled) = channel::first(ctx, &peer.id, links, TransferKind::Pull, pull).await? else {
         return Ok(None);
     };
     if pulled.version != version || pulled.meta != *expected {
