@@ -14,7 +14,7 @@
 //! made while receiving (no full-tensor copy at the end). When the receive completes, the
 //! verified tensor replaces the pieces and servers send the rest from it.
 //!
-//! A receive that fetches the version in pieces from several sources (`cluster::swarm`)
+//! A receive that fetches the version in pieces from several sources (`cluster::get::pieces`)
 //! publishes each piece once it is verified, in whatever order pieces land, and lists it in
 //! [`Progress::have`] with the version's outline ([`Progress::outline`]): peers that fetch in
 //! pieces too learn from it which pieces this node serves (a `Pieces` request), and pull each

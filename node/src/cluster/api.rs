@@ -7,9 +7,7 @@ use std::{collections::BTreeMap, time::Duration};
 use tb_proto::{ErrorCode, ListedEntry, MAX_LIST_LIMIT, Member, NamePattern, TensorName};
 use tracing::debug;
 
-use super::{
-    MembersView, Subscription, ctl_client::short_addr, failover, fetch, members, subscribe,
-};
+use super::{MembersView, Subscription, ctl_client::short_addr, failover, get, members, subscribe};
 use crate::{
     client::Pulled,
     endpoint::PeerAddr,
@@ -225,7 +223,7 @@ impl Node {
             });
         }
         let got = self
-            .guarded(fetch::fetch(self, cluster, name.clone(), version, progress))
+            .guarded(get::fetch(self, cluster, name.clone(), version, progress))
             .await;
         match got {
             Err(e @ Error::NotFound { .. }) => self
@@ -379,7 +377,7 @@ async fn set_member(
     for (at, _) in full.rmatch_indices('/') {
         let (parent, key) = (&full[..at], &full[at + 1..]);
         let parent = TensorName::new(parent)?;
-        let set = match fetch::fetch(node, cluster, parent.clone(), version, progress).await {
+        let set = match get::fetch(node, cluster, parent.clone(), version, progress).await {
             Ok(set) => set,
             Err(Error::NotFound { .. }) => continue,
             Err(e) => return Err(e),

@@ -14,7 +14,7 @@ use tb_proto::{TensorMeta, TensorName};
 
 use super::{
     Cluster,
-    fetch::{self, Reports},
+    get::{self, Reports},
     held::{self, Found},
 };
 use crate::{
@@ -123,12 +123,12 @@ where
         progress: None,
     };
     // Boxed, as in `fetch`: the transfer's future is deep.
-    let fetched = Box::pin(fetch::from_holders(
+    let fetched = Box::pin(get::from_holders(
         node, cluster, &name, holders, feed, &mut *dest,
     ))
     .await;
     drop(slot);
-    if let fetch::Received::Whole(whole) = fetched? {
+    if let get::Received::Whole(whole) = fetched? {
         copy_in(&name, &whole, dest)?;
     }
     if receiving.wanted() {

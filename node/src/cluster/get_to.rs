@@ -11,7 +11,7 @@ use tb_proto::TensorName;
 use tracing::debug;
 
 use super::{
-    fetch,
+    get,
     held::{self, Found},
 };
 use crate::{
@@ -54,7 +54,7 @@ impl Node {
         };
         let v = holders.version;
         for holder in holders.holders.iter().filter(|h| h.node != cluster.me()) {
-            let Ok(peers) = fetch::peers_of(holder) else {
+            let Ok(peers) = get::peers_of(holder) else {
                 continue;
             };
             for peer in peers {

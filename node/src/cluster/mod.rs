@@ -7,10 +7,11 @@
 //!   `members` merges the membership tables of several brokers (`tb status`).
 //! - [`Cluster`]: what the API needs besides the data plane: the client, this node's id,
 //!   epoch, advertised addresses and the clock that stamps the registry ops it announces.
-//! - `fetch`, `swarm` and `resume`: a get of a version of at least 16 MiB takes it in pieces
-//!   from the broker's set of sources at once, each piece checked against the version's
-//!   outline (`swarm`); a smaller one (or one no source offers in pieces) is pulled from the
-//!   holders a broker names, best first, resuming at the byte it reached when a holder fails
+//! - `get` (`get/{mod,sources,pieces,one_stream}.rs`) and `resume`: a get of a version of at
+//!   least 16 MiB takes it in pieces from the broker's set of sources at once, each piece
+//!   checked against the version's outline (`get::pieces`); a smaller one (or one no source
+//!   offers in pieces) is pulled in one stream (`get::one_stream`) from the holders a broker
+//!   names, best first, resuming at the byte it reached when a holder fails
 //!   (`Pull { range }`), verified by hash; while it pulls it asks the broker again now and
 //!   then, and moves to the source the broker names or away from one that `pace` judges
 //!   slow. `get_into` does the same into the caller's buffer (`Node::get_into`). Every get
@@ -32,7 +33,7 @@ mod background;
 mod calls;
 mod ctl_client;
 mod failover;
-mod fetch;
+mod get;
 mod get_into;
 mod get_to;
 mod held;
@@ -42,7 +43,6 @@ mod race;
 mod resume;
 mod slot;
 mod subscribe;
-mod swarm;
 #[cfg(test)]
 mod tests;
 mod tries;

@@ -27,7 +27,7 @@ use tracing::debug;
 use super::Shared;
 use crate::{
     client,
-    cluster::{Cluster, fetch::peers_of},
+    cluster::{Cluster, get::peers_of},
     ctx::NodeCtx,
     error::{Error, Result},
     node::{Node, WeakNode},

@@ -1,216 +1,38 @@
-//! A get through the cluster: ask a broker where a version is (`held`: this node's own copy
-//! is returned only when its hash is the registry's), pull it from the holders it names (best
-//! first, resuming where a failed holder left off), keep it, and tell the broker this node
-//! holds it now.
-//!
-//! A holder that fails (unreachable, connection lost, too slow, wrong bytes) is dropped for
-//! this get and the next one is tried. A holder still receiving the version (`complete:
-//! false`) that has not started yet is skipped for now, not dropped. When the list runs out,
-//! the broker is asked once more and the holders not dropped are tried; after that the get
-//! fails with `NoHolder`.
-//!
-//! Too slow: the stream from a source must bring `Config::min_source_rate` bytes per second
-//! over each whole stall period (`Config::stall_timeout`), the first source's included; one
-//! that does not fails with `Timeout` (the stream's watchdog, see `wire`), and the get
-//! resumes from the next holder. A stream that ends within one period is never judged.
-//!
-//! Wrong bytes: the hash is checked over the whole buffer once every byte is in. When the
-//! bytes came from one source it is dropped; when they came from several (the get resumed),
-//! none is blamed for another's bytes: the buffer starts over and each of them is asked for
-//! the whole version in turn, and from then on the get takes the version whole from one
-//! source (see `tries`).
-//!
-//! While it receives, this node serves the version to its own pullers (cut-through, see
-//! `inflight`): the receive is registered before the look-up when the version is known (a
-//! puller the broker points here may arrive before the look-up's answer does), and its bytes
-//! are published as they land. Only the verified tensor reaches the store.
-//!
-//! While it pulls a version over QUIC, the get asks the broker again every [`REFRESH`]
-//! (which also keeps its fan-out slot fresh) and moves, resuming at the byte it reached, when
-//! the broker now names another source first (it moves slow fetchers off sources that fast
-//! ones need, onto a chain's tail) or when `pace` judges the current source slow: it
-//! delivered under a quarter of the best rate this get has seen. A slow source is dropped for
-//! the rest of the get and excluded from its look-ups. The source loses nothing: its stream is
-//! stopped as a finished one, and the abandoned pull counts as no transfer.
-//!
-//! When nothing of the version has arrived yet and the pair's channel is not QUIC, the holder
-//! hands it over whole on that channel (`by_channel`): on this host as its sealed memfd
-//! (shm: zero-copy), or over verified TCP sockets. A holder still receiving the version
-//! declines shm (Busy) and answers a TCP pull over QUIC on the ticket's stream, so QUIC
-//! carries it cut-through as between hosts.
-//!
-//! A get dropped part-way (a deadline, a caller that stopped waiting) stops its streams and
-//! its receive as it drops them, and hands its fan-out slot back (`slot`).
+//! A get in one stream: from the broker's holders, best first, resuming where a failed holder
+//! left off, moving to another source when the broker names one first or `pace` judges the
+//! current one slow (see the module above for the rules), then from the holders of one more
+//! look-up.
 
 use std::{
     collections::VecDeque,
-    net::SocketAddr,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::atomic::{AtomicU64, Ordering},
     time::{Duration, Instant},
 };
 
-use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{HolderAddr, MAX_LOOKUP_EXCLUDE, NodeId, TensorMeta, TensorName};
 use tracing::{debug, warn};
 
-use super::{
-    Cluster,
-    calls::Holders,
-    held::{self, Found},
-    pace::Pace,
-    resume, swarm,
-    tries::Tries,
-};
 use crate::{
-    channel::{self, Channel, HostBuf},
-    client::{self, Failure, Pulled},
+    client::{self, Failure},
+    cluster::{Cluster, calls::Holders, pace::Pace, resume, tries::Tries},
     endpoint::PeerAddr,
     error::{Error, Result},
     inflight::Receiving,
     node::Node,
     pool::LinkGuard,
     progress::TransferProgress,
-    store::{Inserted, Lookup},
-    tensor::{Outline, Tensor},
+    tensor::Tensor,
 };
+
+use super::sources::{REFRESH, Received, Reports, by_channel, peers_of};
 
 /// Rounds of holders: the broker's first answer, then one more look-up.
 const ROUNDS: usize = 2;
 /// Pause before the second look-up, so holders still receiving the version can finish.
 const RELOOKUP_DELAY: Duration = Duration::from_millis(100);
-/// How often a pull in progress asks the broker again.
-pub(crate) const REFRESH: Duration = Duration::from_millis(500);
 /// Most moves to another source in one get; after that it stays with the source it has.
 const MAX_MOVES: usize = 64;
-
-/// Gets `version` (the newest if `None`) of `name` through the cluster, recording the bytes
-/// received on `progress` as they land.
-pub(crate) async fn fetch(
-    node: &Node,
-    cluster: &Arc<Cluster>,
-    name: TensorName,
-    version: Option<u64>,
-    progress: Option<&TransferProgress>,
-) -> Result<Pulled<Tensor>> {
-    let store = &node.ctx().store;
-    cluster.ensure_joined().await?;
-    let inflight = &node.ctx().inflight;
-    // A version this node holds is served from its store meanwhile, not as a receive.
-    let early = version
-        .filter(|v| !matches!(store.get(&name, Some(*v)), Lookup::Found(..)))
-        .map(|v| inflight.start(&name, v, None));
-    let (holders, mut slot) = match held::look_up(node, cluster, &name, version).await? {
-        Found::Holders(holders, slot) => (holders, slot),
-        Found::Held(v, tensor) => {
-            if let Some(receiving) = early {
-                receiving.done(tensor.clone());
-            }
-            return Ok(pulled(name, v, tensor, progress));
-        }
-    };
-    let (v, meta) = (holders.version, holders.meta.clone());
-    if let Some(p) = progress {
-        p.set_total(meta.byte_len);
-    }
-    let mut receiving = match early {
-        Some(receiving) => {
-            receiving.set_meta(&meta);
-            receiving
-        }
-        None => inflight.start(&name, v, Some(meta.clone())),
-    };
-    let len = memory_len(&meta)?;
-    slot.announce_start();
-    let feed = Reports {
-        receiving: &mut receiving,
-        progress,
-    };
-    let mut dest = HostBuf::new(len)?;
-    // Boxed: the transfer's future is deep, and callers nest gets in futures of their own
-    // (the compiler's layout queries have a depth limit).
-    let fetched = Box::pin(from_holders(
-        node,
-        cluster,
-        &name,
-        holders,
-        feed,
-        dest.as_mut(),
-    ))
-    .await;
-    drop(slot);
-    let tensor = match fetched? {
-        Received::Whole(whole) => whole,
-        Received::Filled(outline) => {
-            let tensor = dest.into_tensor(meta.clone())?;
-            match outline {
-                Some(outline) => tensor.with_outline(outline),
-                None => tensor,
-            }
-        }
-    };
-    let inserted = store.insert_at(name.clone(), v, tensor.clone());
-    receiving.done(tensor.clone());
-    if inserted == Inserted::Stored && cluster.serves {
-        // From a task: the caller has its bytes now, not one broker round trip later (the op
-        // is stamped, so a later "dropped it" still wins however the two arrive).
-        let (op, cluster, cancel) = (
-            cluster.holder_op(&name, v, true),
-            cluster.clone(),
-            node.ctx().cancel.clone(),
-        );
-        let announced_name = name.clone();
-        node.ctx().tracker.spawn(async move {
-            tokio::select! {
-                _ = cancel.cancelled() => {}
-                sent = cluster.announce(vec![op]) => if let Err(e) = sent {
-                    warn!(name = %announced_name, v, %e, "fetched, but could not tell the broker this node holds it");
-                }
-            }
-        });
-    }
-    Ok(Pulled {
-        name,
-        version: v,
-        meta,
-        buffer: tensor,
-    })
-}
-
-/// The byte length of a tensor as an in-memory length.
-pub(super) fn memory_len(meta: &TensorMeta) -> Result<usize> {
-    usize::try_from(meta.byte_len)
-        .map_err(|_| Error::TooLarge(format!("{} bytes do not fit in memory", meta.byte_len)))
-}
-
-/// A version this node held already: all its bytes count as received.
-fn pulled(
-    name: TensorName,
-    version: u64,
-    tensor: Tensor,
-    progress: Option<&TransferProgress>,
-) -> Pulled<Tensor> {
-    if let Some(p) = progress {
-        p.set_total(tensor.byte_len());
-        p.reached(tensor.byte_len());
-    }
-    Pulled {
-        name,
-        version,
-        meta: tensor.meta().clone(),
-        buffer: tensor,
-    }
-}
-
-/// Where a get reports the bytes it receives: the cut-through feed for this node's own
-/// pullers, and the caller's progress.
-pub(super) struct Reports<'a> {
-    pub(super) receiving: &'a mut Receiving,
-    pub(super) progress: Option<&'a TransferProgress>,
-}
 
 /// The version one get is after.
 #[derive(Clone, Copy)]
@@ -235,43 +57,21 @@ enum Ended {
     },
 }
 
-/// How a get's bytes came in.
-pub(super) enum Received {
-    /// A holder handed the whole version over on the pair's channel.
-    Whole(Tensor),
-    /// Every byte is in the destination, verified: in pieces against this outline, or in
-    /// one stream (`None`).
-    Filled(Option<Outline>),
-}
-
-/// Receives the version `first` describes into `dest` (exactly its length): a large one in
-/// pieces from the broker's set of sources (`swarm`) unless the pair's channel with the first
-/// is not QUIC or no source offers pieces; otherwise in one stream from its holders, best
+/// Receives the version `first` describes into `dest` in one stream from its holders, best
 /// first, moving to another source when the broker names one or the current one is slow,
 /// then from the holders of one more look-up.
-pub(super) async fn from_holders(
+pub(super) async fn fetch(
     node: &Node,
     cluster: &Cluster,
     name: &TensorName,
     first: Holders,
-    feed: Reports<'_>,
+    reports: Reports<'_>,
     dest: &mut [u8],
 ) -> Result<Received> {
     let Reports {
         receiving,
         progress,
-    } = feed;
-    if first.meta.byte_len >= swarm::MIN_BYTES && !whole_by_channel(node, cluster, &first).await {
-        let feed = Reports {
-            receiving: &mut *receiving,
-            progress,
-        };
-        match swarm::fetch(node, cluster, name, &first, feed, &mut *dest).await? {
-            swarm::Swarmed::Filled(outline) => return Ok(Received::Filled(Some(outline))),
-            swarm::Swarmed::OneStream => {}
-        }
-    }
-    receiving.in_one_stream();
+    } = reports;
     let Holders {
         version,
         meta,
@@ -426,20 +226,6 @@ impl OneStream<'_> {
     }
 }
 
-/// The addresses of `holder` to dial, in the broker's order (those that do not parse are
-/// skipped); `PeerUnreachable` when its node id is not a valid key.
-pub(super) fn peers_of(holder: &HolderAddr) -> Result<Vec<PeerAddr>> {
-    let id = EndpointId::from_bytes(&holder.node.0).map_err(|e| Error::PeerUnreachable {
-        peer: format!("{:?}", holder.node),
-        reason: format!("not a valid node id: {e}"),
-    })?;
-    let addrs = holder
-        .addrs
-        .iter()
-        .filter_map(|a| a.parse::<SocketAddr>().ok());
-    Ok(addrs.map(|addr| PeerAddr { id, addr }).collect())
-}
-
 /// Pulls the rest of the version from one holder, at the first of its addresses that links:
 /// the whole version over the pair's channel (nothing of it received yet), or the bytes into
 /// `into.dest` over QUIC, unless `watch` moves the get elsewhere first.
@@ -566,56 +352,6 @@ impl Watch<'_> {
             }
         }
     }
-}
-
-/// Whether the first source of `holders` (not this node) would hand the whole version over
-/// on a channel other than QUIC (same-host shared memory, TCP): then a large version is not
-/// fetched in pieces.
-async fn whole_by_channel(node: &Node, cluster: &Cluster, holders: &Holders) -> bool {
-    let Some(first) = holders.holders.iter().find(|h| h.node != cluster.me()) else {
-        return false;
-    };
-    let Some(peer) = peers_of(first).ok().and_then(|p| p.into_iter().next()) else {
-        return false;
-    };
-    let links = || node.link(&peer);
-    matches!(
-        channel::route(node.ctx(), &peer.id, links).await,
-        Ok(Some(_))
-    )
-}
-
-/// Gets the whole version from `peer` over the pair's channel when that is not QUIC: shm
-/// maps the holder's sealed memfd (zero-copy; no hash pass, as the memfd cannot change after
-/// its holder verified it), tcp receives it over verified sockets. `None`: pull it over QUIC
-/// (the pair runs QUIC, the holder is still receiving the version, or the channel failed and
-/// the pair fell back).
-async fn by_channel(
-    node: &Node,
-    peer: &PeerAddr,
-    name: &TensorName,
-    version: u64,
-    expected: &TensorMeta,
-    progress: Option<&TransferProgress>,
-) -> Result<Option<Tensor>> {
-    let ctx = node.ctx();
-    let links = || node.link(peer);
-    let pull = async |route: &channel::Route| route.pull(ctx, name, Some(version)).await;
-    let Some(pulled) = channel::first(ctx, &peer.id, links, TransferKind::Pull, pull).await? else {
-        return Ok(None);
-    };
-    if pulled.version != version || pulled.meta != *expected {
-        return Err(Error::InvalidTensor(format!(
-            "tensor \"{name}\" v{version} at {}: the holder sent v{} with hash {}, the \
-             registry says hash {}",
-            peer.id.fmt_short(),
-            pulled.version,
-            pulled.meta.hash,
-            expected.hash
-        )));
-    }
-    crate::progress::reached(progress, pulled.meta.byte_len);
-    Ok(Some(pulled.buffer))
 }
 
 /// Pulls the rest of the version on `link`; when the holder closed the link gracefully before

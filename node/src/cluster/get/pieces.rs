@@ -48,11 +48,8 @@ use tb_proto::{
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::{
-    Cluster,
-    calls::Holders,
-    fetch::{REFRESH, Reports},
-};
+use super::sources::{REFRESH, Reports};
+use crate::cluster::{Cluster, calls::Holders};
 use crate::{
     channel::verify::Pieces,
     client,
@@ -64,7 +61,7 @@ use crate::{
 };
 
 /// Tensors of at least this many bytes are fetched in pieces (four or more).
-pub(crate) const MIN_BYTES: u64 = piece::MULTI_SOURCE_MIN_BYTES;
+pub(super) const MIN_BYTES: u64 = piece::MULTI_SOURCE_MIN_BYTES;
 /// Piece requests one source has outstanding at a time (two keep its link busy between
 /// requests).
 const DEPTH: usize = 2;
@@ -737,7 +734,7 @@ async fn open(
 ) -> (usize, Heard) {
     let heard = async {
         let mut last = None;
-        for peer in super::fetch::peers_of(&holder)? {
+        for peer in super::sources::peers_of(&holder)? {
             let link = match node.link(&peer).await {
                 Ok(link) => link,
                 Err(e) => {
