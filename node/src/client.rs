@@ -266,7 +266,7 @@ where
 {
     with_redial(links, |link| async move {
         let what = describe(name, version, &link);
-        match request_pull(ctx, &link, name, version, &what).await {
+        match request_pull(ctx, &link, name, version, None, &what).await {
             Ok((send, recv, meta, version)) => Ok(Started {
                 _link: link,
                 _send: send,
@@ -281,20 +281,23 @@ where
     .await
 }
 
-/// Sends a `Pull` on a new stream of `link` and reads the answer up to the payload: the
-/// streams, the validated metadata and the version.
-async fn request_pull(
+/// Sends a `Pull` (of `range` of the payload, or all of it) on a new stream of `link` and
+/// reads the answer up to the payload: the streams, the validated metadata and the version.
+/// The one way every QUIC pull starts (whole, striped, resumed); each checks the header
+/// against what it expects.
+pub(crate) async fn request_pull(
     ctx: &NodeCtx,
     link: &LinkGuard,
     name: &TensorName,
     version: Option<u64>,
+    range: Option<tb_proto::ByteRange>,
     what: &str,
 ) -> Result<(SendStream, RecvStream, TensorMeta, u64)> {
     let (mut send, mut recv) = open(ctx, link).await?;
     let request = DataRequest::Pull {
         name: name.clone(),
         version,
-        range: None,
+        range,
     };
     wire::write_frame(&mut send, &request).await?;
     let _ = send.finish();

@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use iroh::endpoint::{RecvStream, SendStream, VarInt};
 use tb_dashboard::Direction::In;
-use tb_proto::{
-    ByteRange, CloseCode, ContentHash, DataRequest, DataResponse, TensorMeta, TensorName,
-};
+use tb_proto::{ByteRange, CloseCode, ContentHash, TensorMeta, TensorName};
 
 use super::verify::{PieceHash, Pieces, RunHasher, VerifyError};
 use crate::{
@@ -187,26 +185,23 @@ async fn open_stripe(
     pull: &Striped<'_>,
     range: ByteRange,
 ) -> Result<(SendStream, RecvStream)> {
-    let (mut send, mut recv) = client::open(ctx, pull.link).await?;
-    let request = DataRequest::Pull {
-        name: pull.name.clone(),
-        version: Some(pull.version),
-        range: Some(range),
-    };
-    wire::write_frame(&mut send, &request).await?;
-    let _ = send.finish();
-    match client::read_response(ctx, &mut recv, pull.what).await? {
-        DataResponse::Header { meta, version } if version == pull.version && meta == *pull.meta => {
-            Ok((send, recv))
-        }
-        DataResponse::Error { code, message } => {
-            Err(client::remote_error(pull.link, code, message))
-        }
-        other => Err(Error::Io(format!(
-            "{}: unexpected answer to a striped Pull: {other:?}",
-            pull.what
-        ))),
+    let range = Some(range);
+    let opened = client::request_pull(
+        ctx,
+        pull.link,
+        pull.name,
+        Some(pull.version),
+        range,
+        pull.what,
+    );
+    let (send, recv, meta, version) = opened.await?;
+    if version != pull.version || meta != *pull.meta {
+        return Err(Error::Io(format!(
+            "{}: a stripe's header names v{version} with hash {}, not v{} with hash {}",
+            pull.what, meta.hash, pull.version, pull.meta.hash
+        )));
     }
+    Ok((send, recv))
 }
 
 /// Reads exactly `dest.len()` bytes of one stripe into `dest`, hashing them in batches as

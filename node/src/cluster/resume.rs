@@ -5,9 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tb_proto::{
-    ByteRange, ContentHash, ContentHasher, DataRequest, DataResponse, TensorMeta, TensorName,
-};
+use tb_proto::{ByteRange, ContentHash, ContentHasher, TensorMeta, TensorName};
 
 use crate::{
     client,
@@ -113,29 +111,14 @@ pub(crate) async fn pull_rest(
         link.peer().fmt_short()
     );
     let total = dest.len();
-    let (mut send, mut recv) = client::open(ctx, link).await?;
-    let request = DataRequest::Pull {
-        name: name.clone(),
-        version: Some(version),
-        range: resume.range(total),
-    };
-    wire::write_frame(&mut send, &request).await?;
-    let _ = send.finish();
-    match client::read_response(ctx, &mut recv, &what).await? {
-        DataResponse::Header { meta, version: v } if v == version && meta == *expected => {}
-        DataResponse::Header { meta, version: v } => {
-            return Err(Error::InvalidTensor(format!(
-                "{what}: the holder has v{v} with hash {}, the registry says hash {}",
-                meta.hash, expected.hash
-            )));
-        }
-        DataResponse::Error { code, message } => {
-            return Err(client::remote_error(link, code, message));
-        }
-        other => {
-            let answer = format!("{what}: unexpected answer to a Pull: {other:?}");
-            return Err(Error::Io(answer));
-        }
+    let range = resume.range(total);
+    let opened = client::request_pull(ctx, link, name, Some(version), range, &what);
+    let (_send, mut recv, meta, v) = opened.await?;
+    if v != version || meta != *expected {
+        return Err(Error::InvalidTensor(format!(
+            "{what}: the holder has v{v} with hash {}, the registry says hash {}",
+            meta.hash, expected.hash
+        )));
     }
     // Counts the bytes as they land (two relaxed atomics per read, which is tens of KiB).
     // This stream is all the source sends this get: it must keep up with the floor rate.
