@@ -58,20 +58,8 @@ impl Node {
                 if pause > 0 {
                     tokio::time::sleep(PUBLISH_BACKOFF * pause).await;
                 }
-                // One round trip where this node published the name before: it proposes the
-                // version after its own last one, which the broker accepts unless another
-                // publish came in between (then `Busy`, and the broker is asked). A broker
-                // that has not yet heard of this node's last publish (it went through a
-                // broker that died before gossiping it) would hand out a number this node
-                // already used: never reuse one, so held bytes never change.
-                let highest = store.highest_ever(&name);
-                let version = match (attempt, proposes) {
-                    (0, true) => highest.saturating_add(1),
-                    _ => cluster
-                        .next_version(&name)
-                        .await?
-                        .max(highest.saturating_add(1)),
-                };
+                let version = next_version(cluster, store, &name, attempt == 0 && proposes);
+                let version = version.await?;
                 if store.insert_at(name.clone(), version, tensor.clone()) == Inserted::TooOld {
                     return Err(Error::InvalidTensor(format!(
                         "tensor \"{name}\": the broker assigned v{version}, but this node holds \
@@ -104,12 +92,7 @@ impl Node {
                             ..
                         },
                     ) => {
-                        // Another publish won this version: drop ours (and any holder mark the
-                        // broker may have kept for it), and ask for the next one.
-                        debug!(%name, version, "lost the race for a version; asking again");
-                        store.remove(&name, version);
-                        let unmark = cluster.holder_op(&name, version, false);
-                        let _ = cluster.announce(vec![unmark]).await;
+                        lost_race(cluster, store, &name, version).await;
                         lost = Some(e);
                     }
                     Err(e) => return Err(e),
@@ -397,4 +380,37 @@ async fn set_member(
         }));
     }
     Ok(None)
+}
+
+/// The version a publish of `name` tries next. Proposed (no round trip) where this node
+/// published the name before: the one after its own last, which the broker accepts unless
+/// another publish came in between (then `Busy`, and the broker is asked). A broker that has
+/// not yet heard of this node's last publish (it went through a broker that died before
+/// gossiping it) would hand out a number this node already used: never reuse one, so held
+/// bytes never change.
+async fn next_version(
+    cluster: &super::Cluster,
+    store: &crate::store::Store,
+    name: &TensorName,
+    propose: bool,
+) -> Result<u64> {
+    let after_mine = store.highest_ever(name).saturating_add(1);
+    if propose {
+        return Ok(after_mine);
+    }
+    Ok(cluster.next_version(name).await?.max(after_mine))
+}
+
+/// Another publish won `version` of `name`: drops ours (and any holder mark the broker may
+/// have kept for it), so the publish asks for the next one.
+async fn lost_race(
+    cluster: &super::Cluster,
+    store: &crate::store::Store,
+    name: &TensorName,
+    version: u64,
+) {
+    debug!(%name, version, "lost the race for a version; asking again");
+    store.remove(name, version);
+    let unmark = cluster.holder_op(name, version, false);
+    let _ = cluster.announce(vec![unmark]).await;
 }

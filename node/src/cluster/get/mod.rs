@@ -141,22 +141,7 @@ pub(crate) async fn fetch(
     let inserted = store.insert_at(name.clone(), v, tensor.clone());
     receiving.done(tensor.clone());
     if inserted == Inserted::Stored && cluster.serves {
-        // From a task: the caller has its bytes now, not one broker round trip later (the op
-        // is stamped, so a later "dropped it" still wins however the two arrive).
-        let (op, cluster, cancel) = (
-            cluster.holder_op(&name, v, true),
-            cluster.clone(),
-            node.ctx().cancel.clone(),
-        );
-        let announced_name = name.clone();
-        node.ctx().tracker.spawn(async move {
-            tokio::select! {
-                _ = cancel.cancelled() => {}
-                sent = cluster.announce(vec![op]) => if let Err(e) = sent {
-                    warn!(name = %announced_name, v, %e, "fetched, but could not tell the broker this node holds it");
-                }
-            }
-        });
+        announce_held(node, cluster, &name, v);
     }
     Ok(Pulled {
         name,
@@ -164,6 +149,26 @@ pub(crate) async fn fetch(
         meta,
         buffer: tensor,
     })
+}
+
+/// Tells the broker this node holds `name` v`version` now, from a task: the caller has its
+/// bytes now, not one broker round trip later (the op is stamped, so a later "dropped it"
+/// still wins however the two arrive).
+fn announce_held(node: &Node, cluster: &Arc<Cluster>, name: &TensorName, version: u64) {
+    let (op, cluster, cancel) = (
+        cluster.holder_op(name, version, true),
+        cluster.clone(),
+        node.ctx().cancel.clone(),
+    );
+    let name = name.clone();
+    node.ctx().tracker.spawn(async move {
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            sent = cluster.announce(vec![op]) => if let Err(e) = sent {
+                warn!(%name, version, %e, "fetched, but could not tell the broker this node holds it");
+            }
+        }
+    });
 }
 
 /// The byte length of a tensor as an in-memory length.

@@ -254,19 +254,12 @@ impl<'a> Swarm<'a> {
         let cancel = self.node.ctx().cancel.clone();
         while self.done < self.state.len() {
             self.schedule(&mut requests);
-            if requests.is_empty() && streams.is_empty() && looking.is_none() {
-                // Nobody left to ask: no source offers pieces, or every one was dropped.
-                if !self.sources.iter().any(Source::usable) {
-                    if self.one_stream_only() {
-                        return Ok(Swarmed::OneStream);
-                    }
-                    rounds += 1;
-                    if rounds > ROUNDS {
-                        return Err(self.exhausted());
-                    }
-                    tokio::time::sleep(REFRESH / 5).await;
-                    looking = Some(self.look_up());
+            let idle = requests.is_empty() && streams.is_empty() && looking.is_none();
+            if idle && !self.sources.iter().any(Source::usable) {
+                if let Some(instead) = self.nobody_left(&mut rounds).await? {
+                    return Ok(instead);
                 }
+                looking = Some(self.look_up());
             }
             let look = async {
                 match looking.as_mut() {
@@ -298,12 +291,7 @@ impl<'a> Swarm<'a> {
                     self.found(found, &mut streams)?;
                 }
                 _ = refresh.tick() => {
-                    if last_piece.elapsed() > stall && self.outline.is_some() {
-                        return Err(Error::timeout(
-                            format!("pieces of tensor \"{}\" v{} ({} of {} in)", self.name, self.version, self.done, self.state.len()),
-                            stall,
-                        ));
-                    }
+                    self.check_stalled(last_piece.elapsed(), stall)?;
                     if looking.is_none() {
                         looking = Some(self.look_up());
                     }
@@ -317,6 +305,32 @@ impl<'a> Swarm<'a> {
             // Every piece verified against an outline: one was there.
             None => Err(Error::Io("pieces without an outline".into())),
         }
+    }
+
+    /// Nobody left to ask (no source offers pieces, or every one was dropped): the version in
+    /// one stream instead when that is what is left, an error once the rounds ran out, else
+    /// (`None`) a look-up after a pause.
+    async fn nobody_left(&mut self, rounds: &mut usize) -> Result<Option<Swarmed>> {
+        if self.one_stream_only() {
+            return Ok(Some(Swarmed::OneStream));
+        }
+        *rounds += 1;
+        if *rounds > ROUNDS {
+            return Err(self.exhausted());
+        }
+        tokio::time::sleep(REFRESH / 5).await;
+        Ok(None)
+    }
+
+    /// A fetch that had its outline but got no piece for a whole stall period gives up.
+    fn check_stalled(&self, quiet: Duration, stall: Duration) -> Result<()> {
+        if quiet <= stall || self.outline.is_none() {
+            return Ok(());
+        }
+        let (name, version) = (self.name, self.version);
+        let (done, all) = (self.done, self.state.len());
+        let what = format!("pieces of tensor \"{name}\" v{version} ({done} of {all} in)");
+        Err(Error::timeout(what, stall))
     }
 
     /// Whether the sources left could serve the version in one stream only: none is usable,
