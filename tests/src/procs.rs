@@ -16,8 +16,8 @@ use std::{
 /// build them there when missing. Moving a binary to another crate is one line here.
 const BINARIES: [(&str, &str); 3] = [
     ("tb", "tb-cli"),
-    ("tb-broker", "tb-broker"),
-    ("tb-worker", "tb-node"),
+    ("tb-broker", "tb-daemon"),
+    ("tb-worker", "tb-daemon"),
 ];
 
 /// The path of a workspace binary (`tb`, `tb-broker`, `tb-worker`) built in the same profile
