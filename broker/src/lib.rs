@@ -34,6 +34,12 @@
 //! [`Changes`] are carried out the same way. On start, the actor opens the store, bumps the
 //! epoch, loads the registry and builds [`BrokerState::new`] from it.
 //!
+//! The process around a broker (flags, logging, signals, the metrics HTTP server and the
+//! `tb-broker` binary) is the `tb-daemon` crate's, so a program that embeds a broker (the
+//! Python package's `LocalCluster`) compiles no clap, tracing-subscriber or axum, and this
+//! crate has no `anyhow` of its own. [`Broker::dashboard`] only says what that server would
+//! show, as a `tb_dashboard::AppState`.
+//!
 //! ```
 //! use tb_broker::{BrokerConfig, BrokerState};
 //! use tb_proto::{ContentHash, DType, NodeId, Registry, Role, TensorMeta, TensorName};

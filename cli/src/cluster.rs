@@ -13,11 +13,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use tb_node::{
-    Config, Node, SubEvent, Ticket,
-    daemon::{self},
-    proto::ClusterKey,
-};
+use tb_node::{Config, Node, SubEvent, Ticket, proto::ClusterKey};
 
 use crate::fmt::bytes;
 
@@ -56,7 +52,7 @@ pub async fn close(node: &Node) {
 
 /// The folder where `tb up` keeps its state, ticket and secret.
 pub fn up_dir() -> Result<PathBuf> {
-    Ok(daemon::data_dir(None, "up")?)
+    Ok(tb_daemon::data_dir(None, "up")?)
 }
 
 impl Join {
@@ -136,7 +132,7 @@ pub async fn watch(join: &Join, pattern: &str) -> Result<()> {
     eprintln!("watching {pattern:?} (Ctrl-C to stop)");
     loop {
         tokio::select! {
-            () = daemon::wait_for_signal() => break,
+            () = tb_daemon::wait_for_signal() => break,
             event = sub.next() => match event {
                 None => {
                     close(&node).await;
@@ -189,9 +185,9 @@ fn metrics_port(base: u16, brokers: usize, worker: bool, i: usize) -> Result<u16
 }
 
 /// Binds the metrics server of one cluster process on 127.0.0.1.
-async fn bind_metrics(port: u16) -> Result<daemon::MetricsServer> {
+async fn bind_metrics(port: u16) -> Result<tb_daemon::MetricsServer> {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    Ok(daemon::MetricsServer::bind(addr).await?)
+    Ok(tb_daemon::MetricsServer::bind(addr).await?)
 }
 
 /// `tb up`: a local cluster on 127.0.0.1 until Ctrl-C.
@@ -200,12 +196,12 @@ pub async fn up(args: UpArgs) -> Result<()> {
         bail!("tb up runs 1 to 16 brokers and 0 to 64 workers");
     }
     let dir = match args.data_dir {
-        Some(d) => daemon::data_dir(Some(d), "up")?,
+        Some(d) => tb_daemon::data_dir(Some(d), "up")?,
         None => up_dir()?,
     };
     let secret_file = dir.join("secret");
     ensure_secret(&secret_file)?;
-    let key = daemon::cluster_key(None, Some(&secret_file))?;
+    let key = tb_daemon::cluster_key(None, Some(&secret_file))?;
     let mut brokers: Vec<tb_broker::Broker> = Vec::new();
     let mut servers = Vec::new();
     for i in 0..args.brokers {
@@ -244,8 +240,8 @@ pub async fn up(args: UpArgs) -> Result<()> {
         let worker = Node::spawn(config)
             .await
             .with_context(|| format!("starting worker {i}"))?;
-        tokio::spawn(daemon::publish_pushes(worker.clone()));
-        server.start(worker.dashboard());
+        tokio::spawn(tb_daemon::publish_pushes(worker.clone()));
+        server.start(tb_daemon::node_dashboard(&worker));
         servers.push(server);
         workers.push(worker);
     }
@@ -271,7 +267,7 @@ pub async fn up(args: UpArgs) -> Result<()> {
         println!("dashboard: {}/", first.url());
     }
     println!("try: tb put demo/x some.npy   tb ls   tb get demo/x -o x.npy   (Ctrl-C stops)");
-    daemon::wait_for_signal().await;
+    tb_daemon::wait_for_signal().await;
     eprintln!("stopping the cluster");
     for server in servers {
         server.stop().await;

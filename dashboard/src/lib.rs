@@ -14,6 +14,9 @@
 //!   [`Metrics::run_sampler`]) and latency quantiles estimated from the duration histogram's
 //!   buckets.
 //! - [`api`]: the JSON shapes of `/api/v1/status` and `/api/v1/cluster` (paged: [`api::Page`]).
+//! - [`AppState`] and [`Source`] (`source.rs`): what a process hands its server, its metrics
+//!   and the figures only it knows. Outside the `server` feature, so a library (the broker's
+//!   `Broker::dashboard`) says what it would show without compiling axum.
 //! - [`HttpOptions`] (`access.rs`, feature `server`): the server's guards: a bearer token
 //!   ([`HttpToken`]) on `/api/v1/*`, and a concurrency limit beyond which requests are shed
 //!   with 503.
@@ -39,6 +42,7 @@ mod channel;
 mod metrics;
 #[cfg(feature = "server")]
 mod server;
+mod source;
 mod window;
 
 #[cfg(feature = "server")]
@@ -53,7 +57,8 @@ pub use metrics::{
 /// The counter and gauge types of [`Metrics`]' fields (processes keep clones of them).
 pub use prometheus::{IntCounter, IntGauge};
 #[cfg(feature = "server")]
-pub use server::{AppState, RefreshFuture, Source, bind, router, serve};
+pub use server::{bind, router, serve};
+pub use source::{AppState, RefreshFuture, Source};
 pub use window::{Rates, ThroughputWindow, WINDOW, quantile};
 
 /// Default `--metrics-addr` of `tb-broker`.

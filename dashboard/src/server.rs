@@ -3,7 +3,7 @@
 //! guards of [`HttpOptions`] (a concurrency limit with load shedding; a bearer token on
 //! `/api/v1/*` when one is set).
 
-use std::{future::Future, net::SocketAddr, pin::Pin, sync::Arc};
+use std::net::SocketAddr;
 
 use axum::{
     Json, Router,
@@ -22,67 +22,8 @@ use tower::{ServiceBuilder, limit::GlobalConcurrencyLimitLayer, load_shed::LoadS
 use crate::{
     access::{self, HttpOptions},
     api::{Cluster, ClusterData, DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT, Page},
-    metrics::Metrics,
+    source::AppState,
 };
-
-/// The future [`Source::refresh`] returns.
-pub type RefreshFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
-
-/// What only the process knows (the dashboard crate depends on neither node nor broker).
-/// Every answer comes from what the process already holds (a broker: the registry snapshot its
-/// actor publishes), never from a request to an actor: an HTTP request must not compete with
-/// the process's own work.
-pub trait Source: Send + Sync + 'static {
-    /// The node id in hex.
-    fn node_id(&self) -> String;
-    /// Where peers reach it.
-    fn addrs(&self) -> Vec<String>;
-    /// Whether it has joined (see `/readyz`).
-    fn ready(&self) -> bool;
-    /// Sets the gauges that mirror state (pool links, store, registry, cluster nodes); awaited
-    /// before every scrape and status answer.
-    fn refresh<'a>(&'a self, metrics: &'a Metrics) -> RefreshFuture<'a>;
-    /// Each pooled link's peer and negotiated data channel (none by default).
-    fn links(&self) -> Vec<crate::api::LinkView> {
-        Vec::new()
-    }
-    /// Members, registry totals and one `page` of registry entries: brokers only. `None` (the
-    /// default) answers 404.
-    fn cluster(&self, _page: &Page) -> Option<ClusterData> {
-        None
-    }
-}
-
-/// What the handlers share.
-#[derive(Clone)]
-pub struct AppState {
-    /// The process's metrics.
-    pub metrics: Arc<Metrics>,
-    /// The process's own figures.
-    pub source: Arc<dyn Source>,
-}
-
-impl std::fmt::Debug for AppState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AppState")
-            .field("role", &self.metrics.role())
-            .finish_non_exhaustive()
-    }
-}
-
-impl AppState {
-    /// The `/api/v1/status` object, gauges refreshed.
-    pub async fn status(&self) -> crate::api::Status {
-        self.source.refresh(&self.metrics).await;
-        let mut status = self.metrics.status(
-            self.source.node_id(),
-            self.source.addrs(),
-            self.source.ready(),
-        );
-        status.links = self.source.links();
-        status
-    }
-}
 
 /// The routes of the contract, guarded as `options` says: `/healthz` and `/readyz` are never
 /// limited nor guarded (an orchestrator's probes must not fail because the dashboard is
@@ -239,14 +180,20 @@ async fn cluster(State(state): State<AppState>, Query(query): Query<PageQuery>) 
 #[cfg(test)]
 mod tests {
     use std::{
-        sync::atomic::{AtomicBool, Ordering},
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
         time::Duration,
     };
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
-    use crate::metrics::Role;
+    use crate::{
+        metrics::{Metrics, Role},
+        source::Source,
+    };
 
     struct Fake {
         ready: AtomicBool,

@@ -75,12 +75,14 @@
 //! a fuzz corpus entry), then serving both on the pooled `tb/data/1` link and dropping the
 //! extra ALPN and its unpooled connection.
 //!
-//! ## The process around a node (feature `daemon`, on by default)
-//! `daemon` (flags shared by the daemons, logging set-up, signals, the metrics HTTP server),
-//! [`Node::dashboard`] and the `tb-worker` binary are process concerns. With default features
-//! off this crate is the data plane and the cluster client only, for a program that embeds a
-//! node: no clap, tracing-subscriber or HTTP server is compiled (CI checks it). [`rate`]'s
-//! size and rate parsers stay outside the feature: they are pure and have no dependencies.
+//! ## The process around a node: tb-daemon
+//! Flags, logging set-up, signals, the metrics HTTP server, the worker's dashboard source and
+//! the `tb-worker` binary are process concerns, and live in the `tb-daemon` crate above this
+//! one. This crate is the data plane and the cluster client only, for a program that embeds a
+//! node (the Python package): no clap, tracing-subscriber, axum or anyhow is compiled (CI
+//! checks the dependency tree). [`rate`]'s size and rate parsers, which the daemons' flags
+//! use, are here because they are pure and need nothing; so is [`Node::link_views`], which
+//! both the worker's and the broker's dashboards show.
 
 pub mod auth;
 pub mod budget;
@@ -89,8 +91,6 @@ mod client;
 mod cluster;
 mod config;
 mod ctx;
-#[cfg(feature = "daemon")]
-pub mod daemon;
 pub mod device;
 pub mod discover;
 mod endpoint;
@@ -99,7 +99,6 @@ mod inbox;
 mod inflight;
 mod node;
 mod node_actor;
-#[cfg(feature = "daemon")]
 mod observe;
 mod pool;
 mod private;

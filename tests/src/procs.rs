@@ -11,9 +11,23 @@ use std::{
     time::{Duration, Instant},
 };
 
-/// The path of a workspace binary built in the same profile as the running test, building it
-/// first if it is missing (`cargo test` builds only the binaries of the package under test).
-pub fn bin(name: &str, package: &str) -> PathBuf {
+/// Each binary the tests run and the package that builds it: `CARGO_BIN_EXE_*` only names
+/// binaries of the package under test, so the tests find the others in the target dir and
+/// build them there when missing. Moving a binary to another crate is one line here.
+const BINARIES: [(&str, &str); 3] = [
+    ("tb", "tb-cli"),
+    ("tb-broker", "tb-daemon"),
+    ("tb-worker", "tb-daemon"),
+];
+
+/// The path of a workspace binary (`tb`, `tb-broker`, `tb-worker`) built in the same profile
+/// as the running test, building it first if it is missing (`cargo test` builds only the
+/// binaries of the package under test).
+pub fn bin(name: &str) -> PathBuf {
+    let package = BINARIES
+        .iter()
+        .find_map(|&(bin, package)| (bin == name).then_some(package))
+        .unwrap_or_else(|| panic!("no package builds a binary named {name:?}"));
     static BUILT: OnceLock<Mutex<()>> = OnceLock::new();
     let _one_build_at_a_time = BUILT
         .get_or_init(Mutex::default)
@@ -165,7 +179,7 @@ pub fn free_udp_addr() -> SocketAddr {
 /// secret in `secret_file`, metrics on a free port (it prints `ticket:` and `metrics:` lines).
 /// Add flags to it before starting it with [`Proc::start`].
 pub fn broker_command(dir: &Path, name: &str, secret_file: &Path) -> Command {
-    let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+    let mut cmd = Command::new(bin("tb-broker"));
     cmd.arg("--data-dir")
         .arg(dir.join(name))
         .arg("--listen")
@@ -179,7 +193,7 @@ pub fn broker_command(dir: &Path, name: &str, secret_file: &Path) -> Command {
 /// A `tb-worker` command joining `ticket`, like [`broker_command`] (it prints `worker:` and
 /// `metrics:` lines).
 pub fn worker_command(dir: &Path, name: &str, secret_file: &Path, ticket: &str) -> Command {
-    let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+    let mut cmd = Command::new(bin("tb-worker"));
     cmd.arg("--join")
         .arg(ticket)
         .arg("--data-dir")

@@ -12,7 +12,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 /// Runs `tb bench ARGS --json` and returns its one JSON line.
 fn bench_json(args: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut cmd = Command::new(bin("tb", "tb-cli"));
+    let mut cmd = Command::new(bin("tb"));
     cmd.arg("bench").args(args).arg("--json");
     let mut p = Proc::start("tb bench", cmd, &dir.path().join("bench.log"));
     let line = p.wait_line("{", LIMIT);
@@ -223,7 +223,7 @@ fn bench_refuses_bad_sizes_and_rates() {
         &["broadcast", "--chain-min-size", "lots"],
         &["p2p", "--channels", "udp"],
     ] {
-        let out = Command::new(bin("tb", "tb-cli"))
+        let out = Command::new(bin("tb"))
             .arg("bench")
             .args(bad)
             .output()

@@ -23,7 +23,7 @@ const SECRET: &str = "broker-race-test-cluster-secret-32-bytes";
 /// and how long it took.
 fn tb(args: &[&str], ticket: &Ticket, secret: &Path, extra: &[&str]) -> (Output, Duration) {
     let started = Instant::now();
-    let out = Command::new(bin("tb", "tb-cli"))
+    let out = Command::new(bin("tb"))
         .args(args)
         .arg("--join")
         .arg(ticket.to_string())

@@ -106,7 +106,7 @@ async fn peers_in_two_network_namespaces_fall_back_to_quic() {
     let outer = ns.outer_ip.octets();
     let (broker, secret) = broker(dir.path(), outer).await;
     // The worker runs inside the namespace, as the same user as this test.
-    let mut cmd = ns.command(&bin("tb-worker", "tb-node"));
+    let mut cmd = ns.command(&bin("tb-worker"));
     cmd.arg("--join")
         .arg(ticket(&broker))
         .arg("--data-dir")

@@ -94,7 +94,7 @@ impl Chaos {
     }
 
     fn spawn_broker(&self, i: usize, listen: std::net::SocketAddr, join: Option<&str>) -> Proc {
-        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+        let mut cmd = Command::new(bin("tb-broker"));
         cmd.arg("--data-dir")
             .arg(self.path(&format!("broker-{i}")))
             .arg("--listen")
@@ -111,7 +111,7 @@ impl Chaos {
 
     /// Worker `i`: worker 0 takes the puts, workers 1 and 2 subscribe to everything put.
     fn spawn_worker(&self, i: usize) -> (Proc, PeerAddr) {
-        let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+        let mut cmd = Command::new(bin("tb-worker"));
         cmd.arg("--join")
             .arg(self.ticket.to_string())
             .arg("--data-dir")
@@ -150,7 +150,7 @@ impl Chaos {
         worker: usize,
         raw_len: Option<usize>,
     ) -> Command {
-        let mut cmd = Command::new(bin("tb", "tb-cli"));
+        let mut cmd = Command::new(bin("tb"));
         cmd.args(["put", name])
             .arg(file)
             .arg("--worker")

@@ -256,7 +256,7 @@ impl Cluster {
 
     /// Runs `tb` against this cluster; panics with its stderr if it fails.
     fn tb(&self, args: &[&str]) -> String {
-        let out = Command::new(bin("tb", "tb-cli"))
+        let out = Command::new(bin("tb"))
             .args(args)
             .arg("--join")
             .arg(&self.ticket)

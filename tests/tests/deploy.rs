@@ -122,7 +122,7 @@ impl Cluster {
 
     /// Runs the `tb` command against this cluster; panics with its output if it fails.
     fn tb(&self, args: &[&str]) -> String {
-        let out = Command::new(bin("tb", "tb-cli"))
+        let out = Command::new(bin("tb"))
             .args(args)
             .arg("--join")
             .arg(&self.ticket)
@@ -613,8 +613,8 @@ fn entrypoint_builds_tickets_from_brokers_status_api() {
     // (a base64 token: `+` and `/` must survive the header).
     let token_file = dir.path().join("http_token");
     std::fs::write(&token_file, "deploy+test/http+token==\n").expect("token");
-    let broker_bin = bin("tb-broker", "tb-broker");
-    let worker_bin = bin("tb-worker", "tb-node");
+    let broker_bin = bin("tb-broker");
+    let worker_bin = bin("tb-worker");
     let bin_dir = broker_bin.parent().expect("bin dir").to_path_buf();
     assert_eq!(worker_bin.parent(), Some(bin_dir.as_path()));
     let path = format!(

@@ -80,7 +80,7 @@ impl Cluster {
     }
 
     fn tb(&self, args: &[&str]) -> std::process::Output {
-        Command::new(bin("tb", "tb-cli"))
+        Command::new(bin("tb"))
             .args(args)
             .arg("--join")
             .arg(self.ticket.to_string())
@@ -386,7 +386,7 @@ fn every_contract_family_is_exported_at_zero_by_its_role() {
     let dir = tempfile::tempdir().expect("tempdir");
     let secret = dir.path().join("secret");
     std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
-    let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+    let mut cmd = Command::new(bin("tb-broker"));
     cmd.arg("--data-dir")
         .arg(dir.path().join("broker"))
         .arg("--listen")
@@ -397,7 +397,7 @@ fn every_contract_family_is_exported_at_zero_by_its_role() {
     let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
     let ticket = broker.wait_line("ticket:", START);
     let broker_url = broker.wait_line("metrics:", START);
-    let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+    let mut cmd = Command::new(bin("tb-worker"));
     cmd.arg("--join")
         .arg(&ticket)
         .arg("--data-dir")

@@ -27,7 +27,7 @@ const PARTITION: Duration = Duration::from_secs(33);
 /// Names `tb ls` lists, asked from inside the namespace of a broker named by `ticket` alone.
 fn listed_inside(ns: &Netns, ticket: &Ticket, secret: &Path) -> Option<String> {
     let out = ns
-        .command(&bin("tb", "tb-cli"))
+        .command(&bin("tb"))
         .arg("ls")
         .arg("--join")
         .arg(ticket.to_string())
@@ -57,7 +57,7 @@ async fn a_partitioned_broker_converges_after_the_partition_heals() {
 
     // Broker A on this side of the link, broker B inside the namespace, joined to A.
     let a_listen = SocketAddr::from((ns.outer_ip, free_udp_addr().port()));
-    let mut a_cmd = Command::new(bin("tb-broker", "tb-broker"));
+    let mut a_cmd = Command::new(bin("tb-broker"));
     a_cmd
         .arg("--data-dir")
         .arg(dir.path().join("a"))
@@ -70,7 +70,7 @@ async fn a_partitioned_broker_converges_after_the_partition_heals() {
     let a_ticket: Ticket = a.wait_line("ticket:", START).parse().expect("ticket");
 
     let b_listen = SocketAddr::from((ns.inner_ip, 7410));
-    let mut b_cmd = ns.command(&bin("tb-broker", "tb-broker"));
+    let mut b_cmd = ns.command(&bin("tb-broker"));
     b_cmd
         .arg("--data-dir")
         .arg(dir.path().join("b"))

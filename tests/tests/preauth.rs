@@ -94,11 +94,11 @@ impl Procs {
                 .args(["--metrics-addr", "127.0.0.1:0"]);
             cmd
         };
-        let cmd = daemon(Command::new(bin("tb-broker", "tb-broker")), "broker");
+        let cmd = daemon(Command::new(bin("tb-broker")), "broker");
         let mut broker = Proc::start("broker", cmd, &dir.path().join("broker.log"));
         let ticket: tb_node::Ticket = broker.wait_line("ticket:", START).parse().expect("ticket");
         let broker_metrics = broker.wait_line("metrics:", START);
-        let mut cmd = daemon(Command::new(bin("tb-worker", "tb-node")), "worker");
+        let mut cmd = daemon(Command::new(bin("tb-worker")), "worker");
         cmd.arg("--join").arg(ticket.to_string());
         let mut worker = Proc::start("worker", cmd, &dir.path().join("worker.log"));
         let worker_addr = worker.wait_line("worker:", START).parse().expect("addr");

@@ -74,7 +74,7 @@ impl Cluster {
     }
 
     fn spawn_broker(&self, i: usize, listen: std::net::SocketAddr, join: Option<&str>) -> Proc {
-        let mut cmd = Command::new(bin("tb-broker", "tb-broker"));
+        let mut cmd = Command::new(bin("tb-broker"));
         cmd.arg("--data-dir")
             .arg(self.data(&format!("broker-{i}")))
             .arg("--listen")
@@ -95,7 +95,7 @@ impl Cluster {
 
     /// Worker `i`, knowing only the brokers in `ticket`.
     fn spawn_worker_joining(&self, i: usize, subscribe: &[&str], ticket: &Ticket) -> Proc {
-        let mut cmd = Command::new(bin("tb-worker", "tb-node"));
+        let mut cmd = Command::new(bin("tb-worker"));
         cmd.arg("--join")
             .arg(ticket.to_string())
             .arg("--data-dir")
@@ -143,7 +143,7 @@ impl Cluster {
 }
 
 fn tb(args: &[&str], ticket: &Ticket, secret: &Path) -> std::process::Output {
-    Command::new(bin("tb", "tb-cli"))
+    Command::new(bin("tb"))
         .args(args)
         .arg("--join")
         .arg(ticket.to_string())
@@ -384,7 +384,7 @@ fn a_broker_hands_out_the_address_it_is_told_to_advertise() {
         &["--chain-min-size", "8MB/s"],
         &["--advertise", "not-an-address"],
     ] {
-        let out = Command::new(bin("tb-broker", "tb-broker"))
+        let out = Command::new(bin("tb-broker"))
             .args(bad)
             .output()
             .expect("run tb-broker");
@@ -829,7 +829,7 @@ async fn tb_status_asks_every_broker_and_names_the_ones_that_do_not_answer() {
 async fn tb_up_runs_a_cluster_whose_ticket_names_every_broker_and_stops_cleanly() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("up");
-    let mut cmd = Command::new(bin("tb", "tb-cli"));
+    let mut cmd = Command::new(bin("tb"));
     cmd.args(["up", "--brokers", "2", "--workers", "2"])
         .args(["--base-port", "0", "--metrics-port", "0"])
         .arg("--data-dir")

@@ -427,8 +427,8 @@ mod procs {
         );
     }
 
-    fn daemon(name: &str, package: &str, dir: &Path, ticket: &str) -> Command {
-        let mut cmd = Command::new(bin(name, package));
+    fn daemon(name: &str, dir: &Path, ticket: &str) -> Command {
+        let mut cmd = Command::new(bin(name));
         cmd.arg("--data-dir")
             .arg(dir.join(format!("{name}-data")))
             .arg("--listen")
@@ -477,8 +477,8 @@ mod procs {
         let placeholder = tb_node::proto::EXAMPLE_SECRETS[0];
         std::fs::write(&example, format!("{placeholder}\n")).expect("write");
         let recipe = "head -c 32 /dev/urandom | base64 > secret && chmod 600 secret";
-        for (name, package) in [("tb-broker", "tb-broker"), ("tb-worker", "tb-node")] {
-            let cmd = daemon(name, package, dir.path(), &ticket);
+        for name in ["tb-broker", "tb-worker"] {
+            let cmd = daemon(name, dir.path(), &ticket);
             let (code, stderr) = run_to_exit(cmd, dir.path(), &format!("{name}-none"));
             let expect = [recipe, "--cluster-secret-file", "--insecure-open"];
             assert_one_line_refusal(code, &stderr, &expect, &format!("{name} without a secret"));
@@ -486,7 +486,7 @@ mod procs {
                 (&short, "16 bytes, under the minimum of 32"),
                 (&example, "example"),
             ] {
-                let mut cmd = daemon(name, package, dir.path(), &ticket);
+                let mut cmd = daemon(name, dir.path(), &ticket);
                 cmd.arg("--cluster-secret-file").arg(file);
                 let (code, stderr) = run_to_exit(cmd, dir.path(), &format!("{name}-bad"));
                 assert_one_line_refusal(code, &stderr, &[why, recipe], &format!("{name}: {why}"));
@@ -511,12 +511,12 @@ mod procs {
     #[test]
     fn insecure_open_daemons_start_warn_and_report_it() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut cmd = daemon("tb-broker", "tb-broker", dir.path(), "");
+        let mut cmd = daemon("tb-broker", dir.path(), "");
         cmd.arg("--insecure-open");
         let broker_log = dir.path().join("broker.log");
         let mut broker = Proc::start("open broker", cmd, &broker_log);
         let ticket = broker.wait_line("ticket:", START);
-        let mut cmd = daemon("tb-worker", "tb-node", dir.path(), &ticket);
+        let mut cmd = daemon("tb-worker", dir.path(), &ticket);
         cmd.arg("--insecure-open");
         let mut worker = Proc::start("open worker", cmd, &dir.path().join("worker.log"));
         worker.wait_line("worker:", START);
@@ -535,7 +535,7 @@ mod procs {
     }
 
     fn tb(args: &[&str], ticket: &str, secret: &Path) -> Output {
-        Command::new(bin("tb", "tb-cli"))
+        Command::new(bin("tb"))
             .args(args)
             .arg("--join")
             .arg(ticket)
@@ -559,7 +559,7 @@ mod procs {
         let dir = tempfile::tempdir().expect("tempdir");
         let secret = dir.path().join("secret");
         std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
-        let out = Command::new(bin("tb", "tb-cli"))
+        let out = Command::new(bin("tb"))
             .args(["secret", "derive", "--read-only", "--cluster-secret-file"])
             .arg(&secret)
             .output()
@@ -673,7 +673,7 @@ mod procs {
         );
 
         // A broker needs the secret.
-        let mut cmd = daemon("tb-broker", "tb-broker", dir.path(), "");
+        let mut cmd = daemon("tb-broker", dir.path(), "");
         cmd.arg("--cluster-secret-file").arg(&ro);
         let (code, stderr) = run_to_exit(cmd, dir.path(), "ro-broker");
         let expect = ["acting as a broker needs the cluster secret (read-write)"];

@@ -1,12 +1,14 @@
-//! What the daemons (`tb-broker`, `tb-worker`) and the `tb` CLI share when they start: the
-//! data dir, the cluster secret, logging, the metrics server, and waiting for a stop signal.
+//! From a daemon's flags to what it starts with: the data dir, the cluster key (with the
+//! flags every daemon takes for it, and the refusal to run without a secret unless asked), the
+//! HTTP server's guards, and the one-line exit of a process that cannot start.
+//!
+//! Every error here is a [`SetupError`] whose message names the flag or file at fault, so a
+//! `main` can print it as it is ([`exit_with`]) and an operator knows what to fix.
 
-use std::{fmt, net::SocketAddr, path::Path, path::PathBuf, str::FromStr, time::Duration};
+use std::{fmt, net::SocketAddr, path::Path, path::PathBuf};
 
-use tb_dashboard::{AppState, HttpOptions, HttpToken};
+use tb_dashboard::{HttpOptions, HttpToken};
 use tb_proto::{AuthError, ClusterKey, HOW_TO_MAKE_A_SECRET};
-use tokio::{net::TcpListener, task::JoinHandle};
-use tokio_util::sync::CancellationToken;
 
 /// Why a process could not be set up from its flags.
 #[derive(Debug, thiserror::Error)]
@@ -53,84 +55,11 @@ pub enum SetupError {
     },
 }
 
-/// How long a stopping metrics server may finish the requests under way.
-const METRICS_STOP_GRACE: Duration = Duration::from_secs(2);
-
-/// A daemon's HTTP server for metrics, health, the JSON API and the dashboard (the routes are
-/// `tb_dashboard`'s). Bound first, so a worker can tell brokers its URL; serving once the
-/// process is up ([`MetricsServer::start`]); stopped with the process.
-#[derive(Debug)]
-pub struct MetricsServer {
-    listener: Option<TcpListener>,
-    addr: SocketAddr,
-    options: HttpOptions,
-    stop: CancellationToken,
-    task: Option<JoinHandle<std::io::Result<()>>>,
-}
-
-impl MetricsServer {
-    /// Binds `addr` (port 0: any free port), with the default guards (no token).
-    pub async fn bind(addr: SocketAddr) -> Result<MetricsServer, SetupError> {
-        Self::bind_with(addr, HttpOptions::default()).await
-    }
-
-    /// Binds `addr`; the server will be guarded as `options` say (token, concurrency limit).
-    pub async fn bind_with(
-        addr: SocketAddr,
-        options: HttpOptions,
-    ) -> Result<MetricsServer, SetupError> {
-        let bound = tb_dashboard::bind(addr)
-            .await
-            .and_then(|l| Ok((l.local_addr()?, l)));
-        let (addr, listener) = bound.map_err(|source| SetupError::MetricsAddr { addr, source })?;
-        Ok(MetricsServer {
-            listener: Some(listener),
-            addr,
-            options,
-            stop: CancellationToken::new(),
-            task: None,
-        })
-    }
-
-    /// `http://ip:port` as bound.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// Starts serving `state` and prints `metrics: <url>` on stdout (scripts and tests wait
-    /// for that line). A second call does nothing.
-    pub fn start(&mut self, state: AppState) {
-        let Some(listener) = self.listener.take() else {
-            return;
-        };
-        self.task = Some(tokio::spawn(tb_dashboard::serve(
-            listener,
-            state,
-            self.options.clone(),
-            self.stop.clone(),
-        )));
-        println!("metrics: {}", self.url());
-        tracing::info!(url = %self.url(), "metrics server listening");
-    }
-
-    /// Stops accepting, lets requests under way finish (briefly), and returns.
-    pub async fn stop(mut self) {
-        self.stop.cancel();
-        if let Some(task) = self.task.take() {
-            match tokio::time::timeout(METRICS_STOP_GRACE, task).await {
-                Ok(Ok(Err(e))) => tracing::warn!(%e, "metrics server failed"),
-                Ok(_) => {}
-                Err(_) => tracing::debug!("metrics server still busy at shutdown"),
-            }
-        }
-    }
-}
-
 /// `dir` if given, else `~/.local/share/tensor-broker/<role>`; created if missing.
 pub fn data_dir(dir: Option<PathBuf>, role: &str) -> Result<PathBuf, SetupError> {
     let path = match dir {
         Some(dir) => dir,
-        None => crate::discover::default_data_dir(role).ok_or(SetupError::NoHome)?,
+        None => tb_node::discover::default_data_dir(role).ok_or(SetupError::NoHome)?,
     };
     std::fs::create_dir_all(&path).map_err(|source| SetupError::DataDir {
         path: path.clone(),
@@ -143,9 +72,9 @@ pub fn data_dir(dir: Option<PathBuf>, role: &str) -> Result<PathBuf, SetupError>
 /// trailing newline ignored); the open cluster's key when neither is given (the `tb` CLI's
 /// choice: it reaches open clusters; daemons use [`SecretArgs::key`], which refuses that).
 pub fn cluster_key(secret: Option<&str>, file: Option<&Path>) -> Result<ClusterKey, SetupError> {
-    crate::discover::cluster_key(secret, file).map_err(|e| match e {
-        crate::SecretFileError::Read { path, source } => SetupError::SecretFile { path, source },
-        crate::SecretFileError::Invalid(e) => SetupError::Secret(e),
+    tb_node::discover::cluster_key(secret, file).map_err(|e| match e {
+        tb_node::SecretFileError::Read { path, source } => SetupError::SecretFile { path, source },
+        tb_node::SecretFileError::Invalid(e) => SetupError::Secret(e),
     })
 }
 
@@ -231,90 +160,6 @@ impl HttpArgs {
     }
 }
 
-/// How logs are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    /// Human-readable lines (the default).
-    Text,
-    /// One JSON object per line, for log collectors.
-    Json,
-}
-
-impl FromStr for LogFormat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "text" => Ok(LogFormat::Text),
-            "json" => Ok(LogFormat::Json),
-            other => Err(format!("unknown log format {other:?} (use text or json)")),
-        }
-    }
-}
-
-impl fmt::Display for LogFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LogFormat::Text => "text",
-            LogFormat::Json => "json",
-        })
-    }
-}
-
-/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
-pub fn init_logging(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    // A second init (tests, embedding) keeps the first subscriber.
-    let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
-    };
-}
-
-/// Waits for SIGINT (Ctrl-C) or SIGTERM.
-pub async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
-/// Publishes every tensor pushed to `node` under its name, until the node shuts down: what a
-/// worker does with what `tb put` sends it.
-pub async fn publish_pushes(node: crate::Node) {
-    while let Ok(pushed) = node.recv().await {
-        let name = pushed.name.as_str().to_string();
-        match node.publish(&name, pushed.tensor).await {
-            Ok(version) => tracing::info!(
-                tensor = %name,
-                version,
-                from = %pushed.from.fmt_short(),
-                "published a pushed tensor"
-            ),
-            Err(e) => tracing::warn!(tensor = %name, %e, "could not publish a pushed tensor"),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -388,11 +233,5 @@ mod tests {
         let key = secret_args(Some(&file), false).key().expect("credential");
         assert_eq!(key.access(), tb_proto::Access::ReadOnly);
         assert_eq!(key.read_only_credential().ok(), None);
-    }
-
-    #[test]
-    fn log_formats_parse() {
-        assert_eq!("json".parse(), Ok(LogFormat::Json));
-        assert!("xml".parse::<LogFormat>().is_err());
     }
 }

@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use anyhow::{Context, Result};
 use clap::Parser;
 use tb_broker::{Broker, BrokerOptions, Ticket};
-use tb_node::daemon::{self, LogFormat};
+use tb_daemon::LogFormat;
 
 /// Run a tensor-broker broker: it keeps the gossip-replicated registry of tensor names,
 /// versions and holders (persisted in its data dir), answers look-ups from workers, and
@@ -30,7 +30,7 @@ struct Args {
     #[arg(long, env = "TB_ADVERTISE")]
     advertise: Option<SocketAddr>,
     #[command(flatten)]
-    secret: daemon::SecretArgs,
+    secret: tb_daemon::SecretArgs,
     /// A cluster ticket (tbc1:...) naming brokers to join.
     #[arg(long, env = "TB_JOIN")]
     join: Option<Ticket>,
@@ -70,21 +70,21 @@ struct Args {
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
     #[command(flatten)]
-    http: daemon::HttpArgs,
+    http: tb_daemon::HttpArgs,
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    daemon::init_logging(args.log_format);
+    tb_daemon::init_logging(args.log_format);
     // First: without a secret (or --insecure-open) the broker starts nothing.
     let cluster_key = args.secret.key_or_exit();
     if let Err(e) = cluster_key.require_secret("acting as a broker") {
-        daemon::exit_with(e);
+        tb_daemon::exit_with(e);
     }
-    let data_dir = daemon::data_dir(args.data_dir, "broker")?;
+    let data_dir = tb_daemon::data_dir(args.data_dir, "broker")?;
     let mut metrics =
-        daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
+        tb_daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
     let mut opts = BrokerOptions::new(&data_dir);
     opts.node.bind_addr = args.listen;
     opts.node.advertise_addrs = args.advertise.into_iter().collect();
@@ -106,7 +106,7 @@ async fn main() -> Result<()> {
             .with_context(|| format!("writing the ticket to {}", path.display()))?;
     }
     metrics.start(broker.dashboard());
-    daemon::wait_for_signal().await;
+    tb_daemon::wait_for_signal().await;
     eprintln!("shutting down");
     metrics.stop().await;
     broker.shutdown().await;

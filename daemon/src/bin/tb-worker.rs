@@ -4,10 +4,8 @@ use std::{net::SocketAddr, path::PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use tb_node::{
-    Config, Node, SubEvent, Subscription, Ticket,
-    daemon::{self, LogFormat},
-};
+use tb_daemon::LogFormat;
+use tb_node::{Config, Node, SubEvent, Subscription, Ticket};
 use tracing::{info, warn};
 
 /// Run a tensor-broker worker: it holds tensors and serves them to peers over encrypted QUIC,
@@ -34,7 +32,7 @@ struct Args {
     #[arg(long, env = "TB_ADVERTISE")]
     advertise: Option<SocketAddr>,
     #[command(flatten)]
-    secret: daemon::SecretArgs,
+    secret: tb_daemon::SecretArgs,
     /// Versions of each name to keep; older ones are evicted and withdrawn.
     #[arg(long, env = "TB_KEEP_VERSIONS", default_value_t = 2)]
     keep_versions: usize,
@@ -64,7 +62,7 @@ struct Args {
     #[arg(long, env = "TB_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
     #[command(flatten)]
-    http: daemon::HttpArgs,
+    http: tb_daemon::HttpArgs,
 }
 
 /// A parsed `--channels` list (a newtype: clap would read a bare `Vec` as a repeated flag).
@@ -78,12 +76,12 @@ fn parse_channels(list: &str) -> Result<Channels, tb_node::proto::ChannelListErr
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    daemon::init_logging(args.log_format);
+    tb_daemon::init_logging(args.log_format);
     // First: without a secret (or --insecure-open) the worker starts nothing.
     let cluster_key = args.secret.key_or_exit();
-    let data_dir = daemon::data_dir(args.data_dir, "worker")?;
+    let data_dir = tb_daemon::data_dir(args.data_dir, "worker")?;
     let mut metrics =
-        daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
+        tb_daemon::MetricsServer::bind_with(args.metrics_addr, args.http.options()?).await?;
     let config = Config {
         metrics_url: Some(metrics.url()),
         bind_addr: args.listen,
@@ -111,7 +109,7 @@ async fn main() -> Result<()> {
         subs.push(sub);
     }
     println!("worker: {}", node.addr());
-    metrics.start(node.dashboard());
+    metrics.start(tb_daemon::node_dashboard(&node));
     if args.max_upload_rate > 0 {
         info!(
             rate = %tb_node::rate::format_rate(args.max_upload_rate),
@@ -124,8 +122,8 @@ async fn main() -> Result<()> {
     }
     let serving = node.clone();
     tokio::select! {
-        () = daemon::wait_for_signal() => {}
-        () = daemon::publish_pushes(serving) => {}
+        () = tb_daemon::wait_for_signal() => {}
+        () = tb_daemon::publish_pushes(serving) => {}
     }
     eprintln!("shutting down");
     metrics.stop().await;
