@@ -103,19 +103,24 @@ impl Watchers {
     }
 
     /// Adds a watcher of `name`, or says why not (the limits).
-    pub(crate) fn register(&self, name: &TensorName) -> Result<Watch<'_>, String> {
+    pub(crate) fn register(&self, name: &TensorName) -> Result<Watch<'_>, DataResponse> {
+        let busy = |message: String| {
+            debug!(%message, "refusing a watch");
+            DataResponse::Error {
+                code: ErrorCode::Busy,
+                message,
+            }
+        };
         let mut by_name = self.lock();
         let total: usize = by_name.values().map(Vec::len).sum();
         if total >= MAX_WATCHERS {
-            return Err(format!(
-                "this node serves {MAX_WATCHERS} watch streams already"
-            ));
+            let message = format!("this node serves {MAX_WATCHERS} watch streams already");
+            return Err(busy(message));
         }
         let list = by_name.entry(name.clone()).or_default();
         if list.len() >= MAX_WATCHERS_PER_NAME {
-            return Err(format!(
-                "\"{name}\" has {MAX_WATCHERS_PER_NAME} watchers already"
-            ));
+            let message = format!("\"{name}\" has {MAX_WATCHERS_PER_NAME} watchers already");
+            return Err(busy(message));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, offers) = mpsc::channel(QUEUE);
@@ -176,13 +181,8 @@ pub(crate) async fn serve(
     let stall = ctx.config.stall_timeout;
     let mut watch = match ctx.watchers.register(&name) {
         Ok(watch) => watch,
-        Err(message) => {
-            debug!(%message, "refusing a watch");
-            let answer = DataResponse::Error {
-                code: ErrorCode::Busy,
-                message,
-            };
-            let _ = wire::write_frame_within(&mut send, &answer, stall).await;
+        Err(refusal) => {
+            let _ = wire::write_frame_within(&mut send, &refusal, stall).await;
             let _ = send.finish();
             return;
         }

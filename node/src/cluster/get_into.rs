@@ -116,7 +116,7 @@ where
     };
     let (v, meta) = (holders.version, holders.meta.clone());
     fits(&name, &meta, dest, check)?;
-    slot.announce_start();
+    slot.announce_start(holders.meta.byte_len);
     let mut receiving = node.ctx().inflight.start(&name, v, Some(meta.clone()));
     let feed = Reports {
         receiving: &mut receiving,

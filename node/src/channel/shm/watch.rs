@@ -4,25 +4,21 @@
 //! when the watch ends; it is never pooled.
 
 use iroh::EndpointId;
-use tb_proto::{DataRequest, DataResponse, ErrorCode, TensorName, frame::MAX_CONTROL_FRAME};
+use tb_proto::{DataRequest, DataResponse, TensorName, frame::MAX_CONTROL_FRAME};
 use tracing::debug;
 
 use super::{ShmRoute, client::connection, socket::ShmStream, socket::within};
 use crate::{channel::ChannelError, client::remote_error_from, ctx::NodeCtx, error::Result};
 
 /// Serves a watch on a same-host connection until the watcher goes (a write fails) or the
-/// node stops; refused `Busy` past the limits. The connection is not used again after it.
+/// node stops; refused `Busy` past the limits (`Watchers::register` says why). The connection is
+/// not used again after it.
 pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName) {
     let stall = ctx.config.stall_timeout;
     let mut watch = match ctx.watchers.register(name) {
         Ok(watch) => watch,
-        Err(message) => {
-            debug!(%message, "refusing a same-host watch");
-            let answer = DataResponse::Error {
-                code: ErrorCode::Busy,
-                message,
-            };
-            let _ = within(stall, "a refusal", conn.write_frame(&answer)).await;
+        Err(refusal) => {
+            let _ = within(stall, "a refusal", conn.write_frame(&refusal)).await;
             return;
         }
     };

@@ -110,7 +110,7 @@ pub(crate) async fn fetch(
         None => inflight.start(&name, v, Some(meta.clone())),
     };
     let len = memory_len(&meta)?;
-    slot.announce_start();
+    slot.announce_start(meta.byte_len);
     let feed = Reports {
         receiving: &mut receiving,
         progress,
@@ -127,7 +127,6 @@ pub(crate) async fn fetch(
         dest.as_mut(),
     ))
     .await;
-    drop(slot);
     let tensor = match fetched? {
         Received::Whole(whole) => whole,
         Received::Filled(outline) => {
@@ -142,7 +141,9 @@ pub(crate) async fn fetch(
     receiving.done(tensor.clone());
     if inserted == Inserted::Stored && cluster.serves {
         announce_held(node, cluster, &name, v);
+        slot.ended_by_holding();
     }
+    drop(slot);
     Ok(Pulled {
         name,
         version: v,

@@ -128,18 +128,41 @@ async fn publish_then_get_from_another_worker() {
         c.get_version("m/w", 0).await,
         Err(Error::NotFound { .. })
     ));
-    // The getter holds v2 now, and said so; its fetches started and ended.
+    // The getter holds v2 now, and said so, which ended its fetch at the broker: for versions
+    // this small it sent no `Fetching` at all (the look-up recorded the fetch).
     let (n, me) = (name("m/w"), auth::node_id(&c.id()));
-    assert!(eventually(|| fake.state().fetching.iter().any(|f| f.2 == me && !f.3)).await);
-    {
+    let holds = |v: u64| {
         let st = fake.state();
-        let holders: Vec<_> = st.registry.entry(&n).expect("live").holders_of(2).collect();
-        assert!(holders.contains(&me), "{holders:?}");
-        assert!(st.fetching.iter().any(|f| f.2 == me && f.3));
-    }
+        let entry = st.registry.entry(&n).expect("live");
+        entry.holders_of(v).any(|h| h == me)
+    };
+    assert!(
+        eventually(|| holds(2)).await,
+        "the getter announced it holds v2"
+    );
+    assert!(fake.state().fetching.iter().all(|f| f.2 != me));
+    // A large version's fetch is announced as in flight; the holder announcement ends it.
+    let big = tensor(1 << 19, 3);
+    let v3 = within("publish", a.publish("m/w", big.clone()))
+        .await
+        .expect("v3");
+    let got = within("get", c.get("m/w")).await.expect("get");
+    assert_eq!((got.version, got.buffer.data()), (v3, big.data()));
+    assert!(
+        eventually(|| holds(v3)).await,
+        "the getter announced it holds v3"
+    );
+    let mine = |active| {
+        move |f: &(TensorName, u64, tb_proto::NodeId, bool)| f.1 == v3 && f.2 == me && f.3 == active
+    };
+    assert!(eventually(|| fake.state().fetching.iter().any(mine(true))).await);
+    assert!(
+        !fake.state().fetching.iter().any(mine(false)),
+        "ended by holding"
+    );
     let listed = within("list", c.list("m/")).await.expect("list");
     assert_eq!(listed.len(), 1);
-    assert_eq!((listed[0].version, listed[0].holders), (2, 2));
+    assert_eq!((listed[0].version, listed[0].holders), (v3, 2));
     let members = within("members", c.members()).await.expect("members");
     assert_eq!(members.len(), 2);
     for node in [a, c, broker] {
