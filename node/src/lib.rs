@@ -84,8 +84,6 @@
 //! use, are here because they are pure and need nothing; so is [`Node::link_views`], which
 //! both the worker's and the broker's dashboards show.
 
-pub mod auth;
-pub mod budget;
 mod channel;
 mod client;
 mod cluster;
@@ -93,14 +91,12 @@ mod config;
 mod ctx;
 pub mod device;
 pub mod discover;
-mod endpoint;
 mod error;
 mod inbox;
 mod inflight;
+mod links;
 mod node;
-mod node_actor;
 mod observe;
-mod pool;
 mod private;
 mod progress;
 pub mod rate;
@@ -108,15 +104,8 @@ mod serve;
 mod set;
 mod store;
 mod tensor;
-mod ticket;
 mod watch;
 mod wire;
-
-/// Length-prefixed postcard frames on QUIC streams, for protocols served beside `tb/data/1`
-/// (the broker's `tb/ctl/1`).
-pub mod framing {
-    pub use crate::wire::{ReadFrameError, read_frame, write_frame};
-}
 
 /// Test hook: makes every later mapping of a sealed memfd in this process fail, as on a
 /// kernel that refuses it (the shm channel then switches itself off).
@@ -126,10 +115,9 @@ pub use channel::force_map_failures_for_tests;
 pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
-    Config, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_PENDING_HANDSHAKES, DEFAULT_MAX_TENSOR_BYTES,
-    DEFAULT_MIN_SOURCE_RATE, FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY,
-    PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE, SecretFileError, default_max_push_memory,
-    parse_secret, read_secret_file,
+    Config, DEFAULT_MAX_TENSOR_BYTES, DEFAULT_MIN_SOURCE_RATE, FALLBACK_PUSH_DEVICE_MEMORY,
+    FALLBACK_PUSH_MEMORY, PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE, SecretFileError,
+    default_max_push_memory, parse_secret, read_secret_file,
 };
 /// The cudarc this crate is built against: [`DeviceBuffer::from_cuda_slice`] and
 /// [`DeviceBuffer::cuda_slice`] take and give its `CudaSlice`, so an embedder that hands
@@ -138,15 +126,9 @@ pub use config::{
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};
-pub use endpoint::{
-    KEY_FILE, LINK_PARALLEL_STREAMS, LINK_RECEIVE_WINDOW, OPEN_PROTOCOL_RECEIVE_WINDOW,
-    PREAUTH_RECEIVE_WINDOW, PREAUTH_STREAMS, PeerAddr, STREAM_RECEIVE_WINDOW, bind_endpoint,
-    load_or_create_key, open_link, transport_config,
-};
 pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
-pub use node::Node;
-pub use pool::{LinkGuard, MAX_LINKS_PER_PEER, PoolStats};
+pub use node::{Node, bind_endpoint};
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};
@@ -154,9 +136,17 @@ pub use set::TensorSet;
 pub use store::{Inserted, Lookup, Retention, Store};
 /// Why a peer was refused before authenticating (what `auth::server_hello` reports).
 pub use tb_dashboard::AuthFailure;
+/// The link layer this crate sits on, as its users name it: the hello and roles
+/// ([`auth`]), byte budgets ([`budget`]), frames on QUIC streams ([`framing`], for protocols
+/// served beside `tb/data/1`, such as the broker's `tb/ctl/1`), peer addresses, keys,
+/// tickets and the pool's guard and figures. The rest of it (flow-control constants, the
+/// ticket format's limits) is [`tb_link`]'s own.
+pub use tb_link::{
+    DEFAULT_HELLO_TIMEOUT, LinkConfig, LinkGuard, MAX_LINKS_PER_PEER, PeerAddr, PoolStats, Ticket,
+    TicketError, auth, budget, framing, load_or_create_key, open_link,
+};
 pub use tb_proto as proto;
 pub use tb_proto::{
     ContentHash, DType, ListedEntry, Member, NamePattern, Role, TensorMeta, TensorName,
 };
 pub use tensor::Tensor;
-pub use ticket::{MAX_TICKET_BROKERS, TICKET_PREFIX, Ticket, TicketError};
