@@ -64,6 +64,6 @@ pub use endpoint::{
 pub use error::{Error, Result};
 pub use pool::{
     EventFuture, Link, LinkEvents, LinkGuard, MAX_LINKS_PER_PEER, Pool, PoolArgs, PoolStats,
-    ReadyLinks, SUPERSEDED_IDLE,
+    ReadyLinks,
 };
 pub use ticket::{MAX_TICKET_BROKERS, TICKET_PREFIX, Ticket, TicketError};

@@ -1,7 +1,11 @@
 //! # tb-node: the tensor-broker data plane
 //!
 //! A [`Node`] holds tensors and moves them peer to peer over pooled, encrypted iroh QUIC
-//! connections. One node per process (several in tests).
+//! connections. One node per process (several in tests). The links themselves — the offline
+//! endpoint, the cluster-secret hello, byte budgets, tickets, framing and the pool — are the
+//! [`tb_link`] crate below this one, which knows nothing of tensors; this crate re-exports
+//! what its users name of it ([`PeerAddr`], [`Ticket`], [`auth`], [`budget`], [`framing`],
+//! [`LinkGuard`], [`PoolStats`]).
 //!
 //! ## Main types
 //! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
@@ -21,26 +25,25 @@
 //!
 //! ## Supervision tree
 //! ```text
-//! Node (handle) ── NodeActor            owns the pool: peer id -> PeerActor
-//!                   ├── PeerActor        one per QUIC link: pooled (dialed or adopted), or
-//!                   │                    superseded by another and closed once idle; at most
-//!                   │                    `MAX_LINKS_PER_PEER` per peer (a new one closes the
-//!                   │                    peer's oldest)
-//!                   └── PeerActor        stops on idle timeout, eviction, or link loss
-//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them (or
-//!                                       refuses a new peer's when the pool is full of busy
-//!                                       peers)
+//! Node (handle) ── tb_link::Pool        the pool's actor and one PeerActor per link (its
+//!                                       tree is drawn in tb-link); it hears of links
+//!                                       through `links::NodeLinks` (channel exchange on a
+//!                                       dialed link, serving it, forgetting a gone one)
+//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, runs the hello and
+//!                                       asks the pool to adopt them (or it refuses a new
+//!                                       peer's when the pool is full of busy peers)
 //! TaskTracker ──── dial / serve tasks   every spawned task, joined at shutdown
 //!              ├── heartbeats           to the current broker, every `heartbeat_interval`
 //!              ├── eviction announcer   `RemoveHolder` for versions retention dropped
 //!              ├── TTL sweep            with `Config::version_ttl`
 //!              └── per subscription     a reader (broker events) and a deliverer (fetches)
 //! ```
-//! Actors decide; tasks move bytes. The `NodeActor` never waits on a child: dials run in
-//! tasks that `cast` back, and a [`LinkGuard`]'s `Drop` only casts.
+//! Actors decide; tasks move bytes. The pool's actor never waits on a child or on this
+//! crate: dials run in tasks that `cast` back, a [`LinkGuard`]'s `Drop` only casts, and the
+//! node's link hooks return at once (the channel exchange runs in the dial's task).
 //!
 //! ## How a pull flows
-//! `Node::pull` asks the `NodeActor` for a link guard (reusing a pooled link, joining a dial in
+//! `Node::pull` asks the pool for a link guard (reusing a pooled link, joining a dial in
 //! flight, or starting one), opens a bi-stream, writes a `Pull` frame, reads the `Header`
 //! frame, lets the caller supply the destination buffer, reads the payload straight into it
 //! while hashing, and checks the BLAKE3 hash before returning. The serving side

@@ -52,7 +52,7 @@ pub const MAX_LINKS_PER_PEER: usize = 4;
 /// How long a superseded link (one a pair no longer pools) is kept once idle, at most (the
 /// idle timeout when shorter): long enough for the peer's first request on a link it just
 /// dialed to arrive, short enough that a peer's extra links do not linger.
-pub const SUPERSEDED_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const SUPERSEDED_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A read replica of the pool's ready links, written only by the `PoolActor`.
 ///
