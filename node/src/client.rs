@@ -17,11 +17,11 @@ use tb_proto::{
 use tracing::debug;
 
 use crate::{
+    LinkGuard,
     channel::quic,
     ctx::NodeCtx,
     device::{self, DeviceBuffer},
     error::{Error, Result},
-    pool::LinkGuard,
     progress::TransferProgress,
     tensor::Tensor,
     wire,
@@ -132,7 +132,7 @@ pub(crate) async fn read_response(
     let timeout = ctx.config.request_timeout;
     match tokio::time::timeout(timeout, wire::read_frame(recv)).await {
         Ok(Ok(resp)) => Ok(resp),
-        Ok(Err(e)) => Err(e.into_error(&format!("answer for {what}"))),
+        Ok(Err(e)) => Err(e.into_error(&format!("answer for {what}")).into()),
         Err(_) => Err(Error::timeout(format!("answer for {what}"), timeout)),
     }
 }

@@ -10,22 +10,16 @@ use std::{
 use tb_dashboard::Metrics;
 use tb_proto::{AuthError, ChannelKind, ClusterKey, NamePattern};
 
-use crate::{
-    device::{CudaConfig, Device},
-    endpoint::PeerAddr,
-};
+use tb_link::{LinkConfig, PeerAddr};
+
+use crate::device::{CudaConfig, Device};
 
 /// Default maximum tensor size: 64 GiB.
 pub const DEFAULT_MAX_TENSOR_BYTES: u64 = 64 << 30;
 
-/// Default [`Config::hello_timeout`]: a member's hello arrives within a round trip or two.
-pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// Default [`Config::min_source_rate`]: 1 MiB/s.
 pub const DEFAULT_MIN_SOURCE_RATE: u64 = 1 << 20;
 
-/// Default [`Config::max_pending_handshakes`].
-pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 64;
 /// The share of the machine's memory that pushes may hold by default: a quarter.
 pub const PUSH_MEMORY_SHARE: u64 = 4;
 /// The push budget where the machine's memory cannot be read: 4 GiB.
@@ -128,7 +122,7 @@ pub struct Config {
     pub max_upload_rate: u64,
     /// A peer whose hello has not arrived and been verified this long after its connection
     /// opened is refused (closed, counted as `timeout`). Until then it holds at most the
-    /// pre-auth window (see [`crate::endpoint`]).
+    /// pre-auth window (see [`tb_link::endpoint`]).
     pub hello_timeout: Duration,
     /// Most inbound connections waiting for their hello at once, per protocol (`tb/data/1`,
     /// `tb/ctl/1`); beyond it a new connection is closed at once with
@@ -157,13 +151,15 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
+        // The link layer's defaults are its own: one source for both crates.
+        let link = LinkConfig::default();
         Config {
             bind_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             data_dir: None,
-            idle_timeout: Duration::from_secs(300),
-            max_links: 64,
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(30),
+            idle_timeout: link.idle_timeout,
+            max_links: link.max_links,
+            connect_timeout: link.connect_timeout,
+            request_timeout: link.request_timeout,
             stall_timeout: Duration::from_secs(30),
             min_source_rate: DEFAULT_MIN_SOURCE_RATE,
             max_tensor_bytes: DEFAULT_MAX_TENSOR_BYTES,
@@ -171,10 +167,10 @@ impl Default for Config {
             keep_versions: 2,
             keep_versions_for: Vec::new(),
             version_ttl: None,
-            max_concurrent_streams: 1024,
+            max_concurrent_streams: link.max_concurrent_streams,
             push_placement: Device::Host,
             cuda: CudaConfig::default(),
-            cluster_key: ClusterKey::open(),
+            cluster_key: link.cluster_key,
             brokers: Vec::new(),
             heartbeat_interval: Duration::from_secs(2),
             heartbeats: true,
@@ -183,12 +179,34 @@ impl Default for Config {
             metrics: None,
             metrics_url: None,
             max_upload_rate: 0,
-            hello_timeout: DEFAULT_HELLO_TIMEOUT,
-            max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
+            hello_timeout: link.hello_timeout,
+            max_pending_handshakes: link.max_pending_handshakes,
             max_push_memory: default_max_push_memory(),
             max_push_device_memory: None,
             channels: ChannelKind::DEFAULT.to_vec(),
             quic_stripes: 0,
+        }
+    }
+}
+
+impl Config {
+    /// What the link layer reads of this config: the hello's and the pool's limits.
+    pub fn link(&self) -> LinkConfig {
+        LinkConfig::from(self)
+    }
+}
+
+impl From<&Config> for LinkConfig {
+    fn from(config: &Config) -> Self {
+        LinkConfig {
+            max_links: config.max_links,
+            idle_timeout: config.idle_timeout,
+            connect_timeout: config.connect_timeout,
+            request_timeout: config.request_timeout,
+            cluster_key: config.cluster_key.clone(),
+            max_concurrent_streams: config.max_concurrent_streams,
+            hello_timeout: config.hello_timeout,
+            max_pending_handshakes: config.max_pending_handshakes,
         }
     }
 }

@@ -6,11 +6,12 @@ use std::future::Future;
 
 use iroh::Endpoint;
 use tb_dashboard::{Metrics, TransferKind};
+use tb_link::ReadyLinks;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
     auth::Admission, budget::ByteBudget, channel::Channels, config::Config, error::Result,
-    inbox::Inbox, inflight::Inflight, pool::ReadyLinks, rate::RateLimiter, store::Store,
+    inbox::Inbox, inflight::Inflight, rate::RateLimiter, store::Store,
 };
 
 /// Shared, immutable-after-start context of one node.
@@ -30,8 +31,8 @@ pub(crate) struct NodeCtx {
     /// The process's metrics: pool, transfer and auth counters are its counters (the one
     /// source of truth; `Node::pool_stats` reads them).
     pub(crate) metrics: Arc<Metrics>,
-    /// Ready links, readable without asking the `NodeActor`.
-    pub(crate) ready: ReadyLinks,
+    /// The pool's ready links, readable without asking its actor (which writes them).
+    pub(crate) ready: Arc<ReadyLinks>,
     /// Payload bytes sent of versions this node was still receiving (cut-through).
     pub(crate) inflight_bytes_sent: AtomicU64,
     /// Cancelled once, at shutdown: every task and in-flight call watches it.

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use tb_proto::ClusterKey;
 
 use crate::{
+    Ticket,
     config::{SecretFileError, parse_secret, read_secret_file},
-    ticket::Ticket,
 };
 
 /// The environment variable holding a cluster ticket.
@@ -126,7 +126,7 @@ pub fn resolve_env(
 fn parse_ticket(text: &str, from: &str) -> Result<Ticket, DiscoverError> {
     text.trim()
         .parse()
-        .map_err(|e: crate::ticket::TicketError| DiscoverError::Ticket {
+        .map_err(|e: crate::TicketError| DiscoverError::Ticket {
             from: from.into(),
             reason: e.to_string(),
         })

@@ -179,6 +179,27 @@ fn too_many(peer: Option<&str>, max: Option<usize>) -> String {
     }
 }
 
+impl From<tb_link::Error> for Error {
+    /// The link layer's failures keep their variant: a caller acts on `PeerUnreachable`,
+    /// `Timeout`, `TooManyConnections` or `Unauthorized` alike whichever layer failed.
+    fn from(err: tb_link::Error) -> Self {
+        use tb_link::Error as Link;
+        match err {
+            Link::Timeout { what, after } => Error::Timeout { what, after },
+            Link::PeerUnreachable { peer, reason } => Error::PeerUnreachable { peer, reason },
+            Link::BadAddress { input, reason } => Error::BadAddress { input, reason },
+            Link::TooLarge(what) => Error::TooLarge(what),
+            Link::Unauthorized(why) => Error::Unauthorized(why),
+            Link::TooManyConnections { peer, max } => Error::TooManyConnections { peer, max },
+            Link::Shutdown => Error::Shutdown,
+            Link::Io(what) => Error::Io(what),
+            // `tb_link::Error` is non-exhaustive: a variant added there reads as I/O here
+            // until it gets its own.
+            other => Error::Io(other.to_string()),
+        }
+    }
+}
+
 impl From<MetaError> for Error {
     fn from(err: MetaError) -> Self {
         match err {

@@ -1,7 +1,11 @@
 //! # tb-node: the tensor-broker data plane
 //!
 //! A [`Node`] holds tensors and moves them peer to peer over pooled, encrypted iroh QUIC
-//! connections. One node per process (several in tests).
+//! connections. One node per process (several in tests). The links themselves — the offline
+//! endpoint, the cluster-secret hello, byte budgets, tickets, framing and the pool — are the
+//! [`tb_link`] crate below this one, which knows nothing of tensors; this crate re-exports
+//! what its users name of it ([`PeerAddr`], [`Ticket`], [`auth`], [`budget`], [`framing`],
+//! [`LinkGuard`], [`PoolStats`]).
 //!
 //! ## Main types
 //! - [`Node`]: the handle users hold — `push`, `publish_local`, `pull`, `pull_into`, `recv`,
@@ -21,26 +25,25 @@
 //!
 //! ## Supervision tree
 //! ```text
-//! Node (handle) ── NodeActor            owns the pool: peer id -> PeerActor
-//!                   ├── PeerActor        one per QUIC link: pooled (dialed or adopted), or
-//!                   │                    superseded by another and closed once idle; at most
-//!                   │                    `MAX_LINKS_PER_PEER` per peer (a new one closes the
-//!                   │                    peer's oldest)
-//!                   └── PeerActor        stops on idle timeout, eviction, or link loss
-//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, adopts them (or
-//!                                       refuses a new peer's when the pool is full of busy
-//!                                       peers)
+//! Node (handle) ── tb_link::Pool        the pool's actor and one PeerActor per link (its
+//!                                       tree is drawn in tb-link); it hears of links
+//!                                       through `links::NodeLinks` (channel exchange on a
+//!                                       dialed link, serving it, forgetting a gone one)
+//! iroh Router ──── DataProtocol         accepts tb/data/1 connections, runs the hello and
+//!                                       asks the pool to adopt them (or it refuses a new
+//!                                       peer's when the pool is full of busy peers)
 //! TaskTracker ──── dial / serve tasks   every spawned task, joined at shutdown
 //!              ├── heartbeats           to the current broker, every `heartbeat_interval`
 //!              ├── eviction announcer   `RemoveHolder` for versions retention dropped
 //!              ├── TTL sweep            with `Config::version_ttl`
 //!              └── per subscription     a reader (broker events) and a deliverer (fetches)
 //! ```
-//! Actors decide; tasks move bytes. The `NodeActor` never waits on a child: dials run in
-//! tasks that `cast` back, and a [`LinkGuard`]'s `Drop` only casts.
+//! Actors decide; tasks move bytes. The pool's actor never waits on a child or on this
+//! crate: dials run in tasks that `cast` back, a [`LinkGuard`]'s `Drop` only casts, and the
+//! node's link hooks return at once (the channel exchange runs in the dial's task).
 //!
 //! ## How a pull flows
-//! `Node::pull` asks the `NodeActor` for a link guard (reusing a pooled link, joining a dial in
+//! `Node::pull` asks the pool for a link guard (reusing a pooled link, joining a dial in
 //! flight, or starting one), opens a bi-stream, writes a `Pull` frame, reads the `Header`
 //! frame, lets the caller supply the destination buffer, reads the payload straight into it
 //! while hashing, and checks the BLAKE3 hash before returning. The serving side
@@ -84,8 +87,6 @@
 //! use, are here because they are pure and need nothing; so is [`Node::link_views`], which
 //! both the worker's and the broker's dashboards show.
 
-pub mod auth;
-pub mod budget;
 mod channel;
 mod client;
 mod cluster;
@@ -93,14 +94,12 @@ mod config;
 mod ctx;
 pub mod device;
 pub mod discover;
-mod endpoint;
 mod error;
 mod inbox;
 mod inflight;
+mod links;
 mod node;
-mod node_actor;
 mod observe;
-mod pool;
 mod private;
 mod progress;
 pub mod rate;
@@ -108,15 +107,8 @@ mod serve;
 mod set;
 mod store;
 mod tensor;
-mod ticket;
 mod watch;
 mod wire;
-
-/// Length-prefixed postcard frames on QUIC streams, for protocols served beside `tb/data/1`
-/// (the broker's `tb/ctl/1`).
-pub mod framing {
-    pub use crate::wire::{ReadFrameError, read_frame, write_frame};
-}
 
 /// Test hook: makes every later mapping of a sealed memfd in this process fail, as on a
 /// kernel that refuses it (the shm channel then switches itself off).
@@ -126,10 +118,9 @@ pub use channel::force_map_failures_for_tests;
 pub use client::Pulled;
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
-    Config, DEFAULT_HELLO_TIMEOUT, DEFAULT_MAX_PENDING_HANDSHAKES, DEFAULT_MAX_TENSOR_BYTES,
-    DEFAULT_MIN_SOURCE_RATE, FALLBACK_PUSH_DEVICE_MEMORY, FALLBACK_PUSH_MEMORY,
-    PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE, SecretFileError, default_max_push_memory,
-    parse_secret, read_secret_file,
+    Config, DEFAULT_MAX_TENSOR_BYTES, DEFAULT_MIN_SOURCE_RATE, FALLBACK_PUSH_DEVICE_MEMORY,
+    FALLBACK_PUSH_MEMORY, PUSH_DEVICE_MEMORY_SHARE, PUSH_MEMORY_SHARE, SecretFileError,
+    default_max_push_memory, parse_secret, read_secret_file,
 };
 /// The cudarc this crate is built against: [`DeviceBuffer::from_cuda_slice`] and
 /// [`DeviceBuffer::cuda_slice`] take and give its `CudaSlice`, so an embedder that hands
@@ -138,15 +129,9 @@ pub use config::{
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};
-pub use endpoint::{
-    KEY_FILE, LINK_PARALLEL_STREAMS, LINK_RECEIVE_WINDOW, OPEN_PROTOCOL_RECEIVE_WINDOW,
-    PREAUTH_RECEIVE_WINDOW, PREAUTH_STREAMS, PeerAddr, STREAM_RECEIVE_WINDOW, bind_endpoint,
-    load_or_create_key, open_link, transport_config,
-};
 pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
-pub use node::Node;
-pub use pool::{LinkGuard, MAX_LINKS_PER_PEER, PoolStats};
+pub use node::{Node, bind_endpoint};
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};
@@ -154,9 +139,17 @@ pub use set::TensorSet;
 pub use store::{Inserted, Lookup, Retention, Store};
 /// Why a peer was refused before authenticating (what `auth::server_hello` reports).
 pub use tb_dashboard::AuthFailure;
+/// The link layer this crate sits on, as its users name it: the hello and roles
+/// ([`auth`]), byte budgets ([`budget`]), frames on QUIC streams ([`framing`], for protocols
+/// served beside `tb/data/1`, such as the broker's `tb/ctl/1`), peer addresses, keys,
+/// tickets and the pool's guard and figures. The rest of it (flow-control constants, the
+/// ticket format's limits) is [`tb_link`]'s own.
+pub use tb_link::{
+    DEFAULT_HELLO_TIMEOUT, LinkConfig, LinkGuard, MAX_LINKS_PER_PEER, PeerAddr, PoolStats, Ticket,
+    TicketError, auth, budget, framing, load_or_create_key, open_link,
+};
 pub use tb_proto as proto;
 pub use tb_proto::{
     ContentHash, DType, ListedEntry, Member, NamePattern, Role, TensorMeta, TensorName,
 };
 pub use tensor::Tensor;
-pub use ticket::{MAX_TICKET_BROKERS, TICKET_PREFIX, Ticket, TicketError};

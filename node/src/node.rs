@@ -1,4 +1,4 @@
-//! [`Node`]: the embeddable handle. Starts the endpoint, the router and the `NodeActor`, and
+//! [`Node`]: the embeddable handle. Starts the endpoint, the router and the link pool, and
 //! offers the public async API: push, publish_local, pull, pull_to, pull_into,
 //! pull_into_device, recv, wait_for, shutdown. The cluster API (publish, get, list, subscribe)
 //! lives in `cluster`.
@@ -16,28 +16,26 @@ use iroh::{
     Endpoint, EndpointId,
     protocol::{DynProtocolHandler, Router},
 };
-use ractor::{Actor, ActorRef};
 use tb_dashboard::{Metrics, Role as MetricsRole, TransferKind};
+use tb_link::{
+    LinkGuard, PeerAddr, Pool, PoolArgs, PoolStats, ReadyLinks, auth, budget::ByteBudget,
+};
 use tb_proto::{DATA_ALPN, TensorMeta, TensorName};
 use tokio::sync::Mutex;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
 
 use crate::{
-    auth,
-    budget::ByteBudget,
     channel::{self, Channel, Channels},
     client::{self, Pulled},
     cluster::{self, Cluster},
     config::Config,
     ctx::NodeCtx,
     device::{self, Device, DeviceBuffer, route},
-    endpoint::{self, PeerAddr},
     error::{Error, Result},
     inbox::{Inbox, Received},
     inflight::Inflight,
-    node_actor::{NodeActor, NodeMsg},
-    pool::{self, LinkGuard, PoolStats, ReadyLinks},
+    links::NodeLinks,
     progress::TransferProgress,
     rate::RateLimiter,
     serve::DataProtocol,
@@ -71,7 +69,7 @@ struct Inner {
     ctx: Arc<NodeCtx>,
     /// The broker client; `None` on a standalone node.
     cluster: Option<Arc<Cluster>>,
-    actor: ActorRef<NodeMsg>,
+    pool: Pool,
     router: Router,
     addr: PeerAddr,
     stopped: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -84,7 +82,7 @@ impl Drop for Inner {
     /// on its own drop); only the graceful wait is skipped.
     fn drop(&mut self) {
         self.ctx.cancel.cancel();
-        self.actor.stop(None);
+        self.pool.stop(None);
     }
 }
 
@@ -100,10 +98,10 @@ impl Node {
     /// (a broker's `tb/ctl/1` and gossip need the endpoint before the node starts).
     pub async fn bind(config: &Config) -> Result<Endpoint> {
         let key = match &config.data_dir {
-            Some(dir) => endpoint::load_or_create_key(dir)?,
+            Some(dir) => tb_link::load_or_create_key(dir)?,
             None => iroh::SecretKey::generate(),
         };
-        endpoint::bind_endpoint(config, key).await
+        bind_endpoint(config, key).await
     }
 
     /// Starts a node on an endpoint from [`Node::bind`], serving `extra` protocols (ALPN,
@@ -114,7 +112,7 @@ impl Node {
         extra: Vec<(&'static [u8], Box<dyn DynProtocolHandler>)>,
     ) -> Result<Node> {
         raise_fd_limit();
-        let mut addr = endpoint::local_peer_addr(&endpoint)?;
+        let mut addr = tb_link::local_peer_addr(&endpoint)?;
         // Peers dial what the node advertises, when it says (bound to 0.0.0.0, behind a NAT).
         if let Some(advertised) = config.advertise_addrs.first() {
             addr.addr = *advertised;
@@ -138,7 +136,7 @@ impl Node {
             inbox: Inbox::new(config.inbox_capacity, config.max_push_memory),
             device_pushes: ByteBudget::new(config.push_device_budget()),
             metrics,
-            ready: ReadyLinks::default(),
+            ready: Arc::new(ReadyLinks::default()),
             inflight_bytes_sent: Default::default(),
             cancel: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -155,12 +153,19 @@ impl Node {
             }
         }
         Channels::start(&ctx)?;
-        let (actor, handle) = Actor::spawn(None, NodeActor, ctx.clone())
-            .await
-            .map_err(|e| Error::Io(format!("starting the node actor: {e}")))?;
+        let (pool, handle) = Pool::spawn(PoolArgs {
+            endpoint: endpoint.clone(),
+            config: ctx.config.link(),
+            metrics: ctx.metrics.clone(),
+            ready: ctx.ready.clone(),
+            events: Arc::new(NodeLinks::new(&ctx)),
+            tracker: ctx.tracker.clone(),
+            cancel: ctx.cancel.clone(),
+        })
+        .await?;
         let protocol = DataProtocol {
             ctx: ctx.clone(),
-            node: actor.clone(),
+            pool: pool.clone(),
         };
         let router = Router::builder(endpoint).accept(DATA_ALPN, protocol);
         #[cfg(feature = "cuda")]
@@ -179,7 +184,7 @@ impl Node {
             inner: Arc::new(Inner {
                 ctx,
                 cluster,
-                actor,
+                pool,
                 router,
                 addr,
                 stopped: Mutex::new(Some(handle)),
@@ -476,7 +481,7 @@ impl Node {
 
     /// Pool counters: links, dials, reuses, evictions, connect failures.
     pub fn pool_stats(&self) -> PoolStats {
-        pool::snapshot(&self.inner.ctx.metrics, &self.inner.ctx.ready)
+        self.inner.pool.stats()
     }
 
     /// The process's metrics (shared with a broker that runs this node).
@@ -540,7 +545,7 @@ impl Node {
         ctx.cancel.cancel();
         let handle = self.inner.stopped.lock().await.take();
         let Some(handle) = handle else { return };
-        self.inner.actor.stop(Some("shutdown".into()));
+        self.inner.pool.stop(Some("shutdown".into()));
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, handle).await;
         ctx.tracker.close();
         let _ = tokio::time::timeout(SHUTDOWN_GRACE, ctx.tracker.wait()).await;
@@ -600,27 +605,15 @@ impl Node {
 
     /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
     pub(crate) async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
-        if let Some(guard) = self.inner.ctx.ready.try_guard(&addr.id) {
-            self.inner.ctx.metrics.pool_reuses.inc();
-            return Ok(guard);
-        }
-        let bound = self.config().connect_timeout + Duration::from_secs(1);
-        let asked = self.inner.actor.call(
-            |reply| NodeMsg::Acquire {
-                peer: addr.clone(),
-                reply,
-            },
-            Some(bound),
-        );
-        match asked.await {
-            Ok(ractor::rpc::CallResult::Success(result)) => result,
-            Ok(ractor::rpc::CallResult::Timeout) => Err(Error::timeout(
-                format!("a link to {}", addr.id.fmt_short()),
-                bound,
-            )),
-            Ok(ractor::rpc::CallResult::SenderError) | Err(_) => Err(Error::Shutdown),
-        }
+        Ok(self.inner.pool.acquire(addr).await?)
     }
+}
+
+/// Binds the offline endpoint a node of `config` listens on (`Config::bind_addr`), with
+/// identity `key`: [`tb_link::bind_endpoint`], for callers that hold a node's config (tests,
+/// benchmarks' raw endpoints).
+pub async fn bind_endpoint(config: &Config, key: iroh::SecretKey) -> Result<Endpoint> {
+    Ok(tb_link::bind_endpoint(config.bind_addr, key).await?)
 }
 
 /// A verified device pull as a tensor.

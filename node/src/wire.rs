@@ -1,14 +1,17 @@
-//! Moving frames and payload bytes over one QUIC stream. The bytes' layout is defined in
-//! `tb_proto::frame`; this file only reads and writes them, with limits checked before any
-//! allocation and a stall timeout on every read and write.
+//! Moving payload bytes over one QUIC stream: a header frame and the tensor bytes after it,
+//! hashed as they land, under a stall watchdog on every read and write. The frames themselves
+//! are read and written by [`tb_link::framing`] (re-exported here, so the data path names one
+//! module for both); the payload half stays here because it deals in tensors, hashes and
+//! transfer progress, which the link layer knows nothing of.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use iroh::endpoint::{ReadError, ReadExactError, RecvStream, SendStream};
-use serde::{Serialize, de::DeserializeOwned};
+use iroh::endpoint::{ReadError, RecvStream, SendStream};
+use serde::Serialize;
 use tb_dashboard::Meter;
-use tb_proto::{CloseCode, ContentHash, ContentHasher, FrameError, frame};
+pub(crate) use tb_link::framing::{ReadFrameError, read_frame, read_frame_within};
+use tb_proto::{CloseCode, ContentHash, ContentHasher, frame};
 
 use crate::{
     error::{Error, Result},
@@ -22,75 +25,20 @@ const COALESCE_MAX: usize = 64 << 10;
 /// Received bytes are hashed in batches this large (BLAKE3 is fastest on big inputs).
 pub(crate) const HASH_BATCH: usize = 256 << 10;
 
-/// Why a frame could not be read.
-#[derive(Debug)]
-pub enum ReadFrameError {
-    /// The stream ended (or was reset) before a whole frame arrived.
-    Closed(String),
-    /// The bytes are not a valid frame (too large, malformed): a protocol violation.
-    Invalid(FrameError),
+/// Writes one length-prefixed frame ([`tb_link::framing::write_frame`], with this crate's
+/// error, which the data path's error enums carry).
+pub(crate) async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result<()> {
+    Ok(tb_link::framing::write_frame(send, msg).await?)
 }
 
-impl ReadFrameError {
-    /// The node error for this failure, with `context` naming what was being read.
-    pub fn into_error(self, context: &str) -> Error {
-        match self {
-            ReadFrameError::Closed(reason) => Error::Io(format!("{context}: {reason}")),
-            ReadFrameError::Invalid(FrameError::TooLarge { len, max }) => Error::TooLarge(format!(
-                "{context}: frame of {len} bytes, the limit is {max}"
-            )),
-            ReadFrameError::Invalid(e) => Error::Io(format!("{context}: {e}")),
-        }
-    }
-}
-
-/// Reads one length-prefixed frame. The length is checked against the control-frame cap
-/// before the body is allocated.
-pub async fn read_frame<T: DeserializeOwned>(recv: &mut RecvStream) -> Result<T, ReadFrameError> {
-    read_frame_within(recv, frame::MAX_CONTROL_FRAME).await
-}
-
-/// Reads one length-prefixed frame of at most `max` body bytes (a cap below the control-frame
-/// cap, such as the hello's), checked before the body is allocated.
-pub async fn read_frame_within<T: DeserializeOwned>(
-    recv: &mut RecvStream,
-    max: u32,
-) -> Result<T, ReadFrameError> {
-    let mut prefix = [0u8; frame::LEN_PREFIX];
-    recv.read_exact(&mut prefix).await.map_err(closed)?;
-    let len = frame::body_len_within(prefix, max).map_err(ReadFrameError::Invalid)?;
-    let mut body = vec![0u8; len];
-    recv.read_exact(&mut body).await.map_err(closed)?;
-    frame::decode_body(&body).map_err(ReadFrameError::Invalid)
-}
-
-fn closed(err: ReadExactError) -> ReadFrameError {
-    ReadFrameError::Closed(match err {
-        ReadExactError::FinishedEarly(n) => format!("stream ended after {n} bytes of a frame"),
-        ReadExactError::ReadError(e) => e.to_string(),
-    })
-}
-
-/// Writes one length-prefixed frame.
-pub async fn write_frame<T: Serialize>(send: &mut SendStream, msg: &T) -> Result<()> {
-    let bytes = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
-    send.write_all(&bytes)
-        .await
-        .map_err(|e| Error::io("sending a frame", e))
-}
-
-/// Writes one frame, failing with `Timeout` if the peer does not take it within `stall`: a
-/// server's every write is bounded, so a peer that grants a tiny stream window and stops
-/// reading cannot keep a stream (and so its link) in use.
+/// Writes one frame within `stall` ([`tb_link::framing::write_frame_within`], with this
+/// crate's error).
 pub(crate) async fn write_frame_within<T: Serialize>(
     send: &mut SendStream,
     msg: &T,
     stall: Duration,
 ) -> Result<()> {
-    match tokio::time::timeout(stall, write_frame(send, msg)).await {
-        Ok(written) => written,
-        Err(_) => Err(Error::timeout("a peer taking a frame", stall)),
-    }
+    Ok(tb_link::framing::write_frame_within(send, msg, stall).await?)
 }
 
 /// Writes `bytes` within `stall` (see [`write_frame_within`]).

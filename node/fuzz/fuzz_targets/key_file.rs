@@ -5,7 +5,7 @@
 use std::{path::PathBuf, sync::OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use tb_node::{KEY_FILE, load_or_create_key};
+use tb_link::{KEY_FILE, load_or_create_key};
 
 /// One data dir per fuzzing process, its key file rewritten for each input.
 fn dir() -> &'static PathBuf {

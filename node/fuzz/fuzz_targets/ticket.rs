@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tb_node::{MAX_TICKET_BROKERS, PeerAddr, Ticket};
+use tb_link::{MAX_TICKET_BROKERS, PeerAddr, Ticket};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(s) = std::str::from_utf8(data) else {

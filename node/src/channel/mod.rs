@@ -44,11 +44,11 @@ pub(crate) use shm::{Region, Shm, ShmCache, ShmRoute, ShmWatch, memfds_work};
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
 use crate::{
+    LinkGuard,
     client::Pulled,
     config::Config,
     ctx::NodeCtx,
     error::{Error, Result},
-    pool::LinkGuard,
     tensor::Tensor,
 };
 
@@ -255,7 +255,7 @@ pub(crate) struct ShmCache;
 /// What a peer offered on its latest link.
 #[derive(Debug)]
 struct Offered {
-    /// The link (`pool::link::next_link_id`) whose exchange this came from: the entry goes
+    /// The link (`tb_link::Link::id`) whose exchange this came from: the entry goes
     /// when the peer's last link does, and only the end of the link it is filed under can
     /// remove it, so a newer link's offers never go with an older link.
     link: u64,

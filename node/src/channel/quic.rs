@@ -13,15 +13,14 @@ use std::time::Duration;
 
 use iroh::endpoint::{RecvStream, SendStream, VarInt};
 use tb_dashboard::Direction::In;
+use tb_link::endpoint::{LINK_PARALLEL_STREAMS, STREAM_RECEIVE_WINDOW};
 use tb_proto::{ByteRange, CloseCode, ContentHash, TensorMeta, TensorName};
 
 use super::verify::{PieceHash, Pieces, RunHasher, VerifyError};
 use crate::{
-    client,
+    LinkGuard, client,
     ctx::NodeCtx,
-    endpoint::{LINK_PARALLEL_STREAMS, STREAM_RECEIVE_WINDOW},
     error::{Error, Result},
-    pool::LinkGuard,
     wire::{self, HASH_BATCH, Watchdog},
 };
 

@@ -9,8 +9,8 @@ use tracing::debug;
 
 use super::{MembersView, Subscription, ctl_client::short_addr, failover, get, members, subscribe};
 use crate::{
+    PeerAddr,
     client::Pulled,
-    endpoint::PeerAddr,
     error::{BrokerFailure, Error, Result},
     node::Node,
     progress::TransferProgress,

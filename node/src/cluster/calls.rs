@@ -9,7 +9,7 @@ use tb_proto::{
 
 use super::ctl_client::CtlClient;
 use crate::{
-    endpoint::PeerAddr,
+    PeerAddr,
     error::{Error, Result},
 };
 

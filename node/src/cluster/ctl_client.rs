@@ -36,9 +36,8 @@ use super::{
     race::{self, EACH_GRACE, Lost, STAGGER},
 };
 use crate::{
-    auth,
+    PeerAddr, auth,
     ctx::NodeCtx,
-    endpoint::PeerAddr,
     error::{BrokerFailure, Error, Result},
     wire,
 };
@@ -678,7 +677,7 @@ pub(crate) async fn read_response(
     let what = format!("an answer from broker {broker}");
     let response = match tokio::time::timeout(timeout, wire::read_frame(recv)).await {
         Ok(Ok(response)) => response,
-        Ok(Err(e)) => return Err(e.into_error(&what)),
+        Ok(Err(e)) => return Err(e.into_error(&what).into()),
         Err(_) => return Err(Error::timeout(what, timeout)),
     };
     check_response(response, broker, max_tensor_bytes)

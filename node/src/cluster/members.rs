@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use tb_proto::{MemberStatus, NodeId};
 
-use crate::{endpoint::PeerAddr, error::Error};
+use crate::{PeerAddr, error::Error};
 
 /// The cluster's members as every reachable broker told them, merged
 /// ([`Node::members_with_stats`](crate::Node::members_with_stats)).

@@ -65,10 +65,9 @@ pub use self::{
     subscribe::{SubEvent, Subscription},
 };
 use crate::{
-    auth,
+    PeerAddr, auth,
     config::Config,
     ctx::NodeCtx,
-    endpoint::PeerAddr,
     error::{Error, Result},
     store::{Evicted, Retention, Store},
 };

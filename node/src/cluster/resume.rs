@@ -8,11 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tb_proto::{ByteRange, ContentHash, ContentHasher, TensorMeta, TensorName};
 
 use crate::{
-    client,
+    LinkGuard, client,
     ctx::NodeCtx,
     error::{Error, Result},
     inflight::Receiving,
-    pool::LinkGuard,
     progress::{self, TransferProgress},
     wire::{self, HASH_BATCH},
 };

@@ -11,9 +11,9 @@ use tb_proto::TensorName;
 
 use super::{CudaConfig, DeviceInfo};
 use crate::{
+    PeerAddr,
     client::Pulled,
     ctx::NodeCtx,
-    endpoint::PeerAddr,
     error::{Error, Result},
 };
 

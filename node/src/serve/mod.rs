@@ -25,7 +25,7 @@ use iroh::{
     endpoint::{Connection, RecvStream, SendStream, VarInt},
     protocol::{AcceptError, ProtocolHandler},
 };
-use ractor::{ActorRef, rpc::CallResult};
+use tb_link::{Link, Pool, auth};
 use tb_proto::{Access, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode, FrameError};
 use tracing::{Instrument, debug, debug_span};
 
@@ -35,11 +35,8 @@ pub(crate) use self::{
     service::{ServeCtx, Services},
 };
 use crate::{
-    auth,
     ctx::NodeCtx,
     error::Error,
-    node_actor::NodeMsg,
-    pool::{self, link::Link},
     wire::{self, ReadFrameError},
 };
 
@@ -47,17 +44,7 @@ use crate::{
 #[derive(Debug, Clone)]
 pub(crate) struct DataProtocol {
     pub(crate) ctx: Arc<NodeCtx>,
-    pub(crate) node: ActorRef<NodeMsg>,
-}
-
-impl std::fmt::Debug for NodeMsg {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            NodeMsg::Acquire { .. } => "Acquire",
-            NodeMsg::Dialed { .. } => "Dialed",
-            NodeMsg::Adopt { .. } => "Adopt",
-        })
-    }
+    pub(crate) pool: Pool,
 }
 
 impl ProtocolHandler for DataProtocol {
@@ -82,17 +69,8 @@ impl ProtocolHandler for DataProtocol {
         // Pool the inbound link (if we have none to this peer) so replies to it reuse it; a
         // pool full of links in use refuses it (closed with `TooManyConnections`) before any
         // request on it is read.
-        let bound = ctx.config.connect_timeout;
-        let adopt = |reply| NodeMsg::Adopt {
-            conn: conn.clone(),
-            reply,
-        };
-        match self.node.call(adopt, Some(bound)).await {
-            Ok(CallResult::Success(Some(link))) => {
-                serve_connection(self.ctx.clone(), link, access).await
-            }
-            Ok(CallResult::Success(None)) => {}
-            _ => pool::peer::close(&conn, CloseCode::Shutdown),
+        if let Some(link) = self.pool.adopt(conn).await {
+            serve_connection(self.ctx.clone(), link, access).await;
         }
         Ok(())
     }
@@ -115,17 +93,17 @@ const CLOSING_WAIT: Duration = Duration::from_secs(1);
 /// it, as it does while we have one. A stream that sends no request holds nothing: a peer
 /// cannot keep a link (and its pool slot) in use with streams it leaves silent.
 async fn serve_connection(ctx: Arc<NodeCtx>, link: Link, access: Access) {
-    let peer = link.conn.remote_id();
+    let peer = link.connection().remote_id();
     loop {
         let accepted = tokio::select! {
             _ = ctx.cancel.cancelled() => break,
-            accepted = link.conn.accept_bi() => accepted,
+            accepted = link.connection().accept_bi() => accepted,
         };
         let Ok((send, recv)) = accepted else { break };
-        if !link.shared.is_usable() {
+        if !link.is_usable() {
             // Closing (idle, evicted, shut down), which it does only with no stream open: this
             // one is not served. It dies with the connection, whose close code tells the peer.
-            let _ = tokio::time::timeout(CLOSING_WAIT, link.conn.closed()).await;
+            let _ = tokio::time::timeout(CLOSING_WAIT, link.connection().closed()).await;
             drop((send, recv));
             break;
         }
@@ -168,12 +146,12 @@ async fn serve_stream(
     let Some(guard) = link.guard() else {
         // The link closed while the request arrived (closes happen only with no stream
         // held): not served; the close code tells the peer to send it again elsewhere.
-        let _ = tokio::time::timeout(CLOSING_WAIT, link.conn.closed()).await;
+        let _ = tokio::time::timeout(CLOSING_WAIT, link.connection().closed()).await;
         return;
     };
     let received = send.stopped();
-    let peer = link.conn.remote_id();
-    service::dispatch(node, link.id, peer, access, request, (send, recv)).await;
+    let peer = link.connection().remote_id();
+    service::dispatch(node, link.id(), peer, access, request, (send, recv)).await;
     let _ = tokio::time::timeout(ctx.config.stall_timeout, received).await;
     drop(guard);
 }

@@ -40,8 +40,8 @@ use tb_proto::{ByteRange, ChannelOffer, channel::MAX_TCP_SOCKETS};
 pub(crate) use serve::{serve_ticket, spawn_listener};
 
 use crate::{
+    LinkGuard,
     error::{Error, Result},
-    pool::LinkGuard,
     tensor::Tensor,
 };
 

@@ -14,13 +14,12 @@ use tb_proto::{HolderAddr, MAX_LOOKUP_EXCLUDE, NodeId, TensorMeta, TensorName};
 use tracing::{debug, warn};
 
 use crate::{
+    LinkGuard, PeerAddr,
     client::{self, Failure},
     cluster::{Cluster, calls::Holders, pace::Pace, resume, tries::Tries},
-    endpoint::PeerAddr,
     error::{Error, Result},
     inflight::Receiving,
     node::Node,
-    pool::LinkGuard,
     progress::TransferProgress,
     tensor::Tensor,
 };

@@ -51,9 +51,9 @@ use tracing::debug;
 use super::sources::{REFRESH, Reports};
 use crate::cluster::{Cluster, calls::Holders};
 use crate::{
+    PeerAddr,
     channel::verify::Pieces,
     client,
-    endpoint::PeerAddr,
     error::{Error, Result},
     node::Node,
     tensor::Outline,
@@ -781,7 +781,7 @@ async fn next_frame(i: usize, mut recv: RecvStream, send: SendStream) -> (usize,
     let heard = match wire::read_frame::<DataResponse>(&mut recv).await {
         Ok(frame) => Heard::Frame(recv, send, frame),
         Err(wire::ReadFrameError::Closed(_)) => Heard::Ended,
-        Err(e) => Heard::Failed(e.into_error("pieces of a tensor")),
+        Err(e) => Heard::Failed(e.into_error("pieces of a tensor").into()),
     };
     (i, heard)
 }

@@ -9,9 +9,9 @@ use tb_dashboard::TransferKind;
 use tb_proto::{HolderAddr, TensorMeta, TensorName};
 
 use crate::{
+    PeerAddr,
     channel::{self, Channel},
     cluster::{Cluster, calls::Holders},
-    endpoint::PeerAddr,
     error::{Error, Result},
     inflight::Receiving,
     node::Node,

@@ -215,7 +215,9 @@ async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
                 Error::timeout(what, timeout)
             }
             Ok(frame) => match frame
-                .map_err(|e| e.into_error(&format!("subscription stream from broker {label}")))
+                .map_err(|e| {
+                    Error::from(e.into_error(&format!("subscription stream from broker {label}")))
+                })
                 .and_then(|f| check_response(f, &label, cluster.ctl.max_tensor_bytes()))
             {
                 Ok(CtlResponse::Ok) => {
@@ -341,7 +343,9 @@ impl Reader {
             };
             quiet.reset();
             let frame = frame
-                .map_err(|e| e.into_error(&format!("subscription stream from broker {broker}")))
+                .map_err(|e| {
+                    Error::from(e.into_error(&format!("subscription stream from broker {broker}")))
+                })
                 .and_then(|f| check_response(f, &broker, self.max_tensor_bytes));
             match frame {
                 Err(e) => return Ended::Lost(e),

@@ -26,12 +26,11 @@ use tracing::debug;
 
 use super::Shared;
 use crate::{
-    client,
+    LinkGuard, client,
     cluster::{Cluster, get::peers_of},
     ctx::NodeCtx,
     error::{Error, Result},
     node::{Node, WeakNode},
-    pool::LinkGuard,
     wire,
 };
 
@@ -212,7 +211,7 @@ impl Watching {
         &self,
         name: &TensorName,
         publisher: NodeId,
-    ) -> Result<Vec<crate::endpoint::PeerAddr>> {
+    ) -> Result<Vec<crate::PeerAddr>> {
         let timeout = self.cluster.request_timeout;
         let members = self.cluster.ctl.members(timeout).await?;
         let Some(row) = members.into_iter().find(|m| m.member.node == publisher) else {
@@ -234,7 +233,7 @@ impl Watching {
     async fn same_host(
         &self,
         node: &Node,
-        addr: &crate::endpoint::PeerAddr,
+        addr: &crate::PeerAddr,
         name: &TensorName,
     ) -> Option<crate::channel::ShmWatch> {
         let ctx = node.ctx();
@@ -329,7 +328,7 @@ impl Watching {
         loop {
             let frame = match wire::read_frame::<DataResponse>(&mut recv).await {
                 Ok(frame) => frame,
-                Err(e) => return Err(e.into_error(&format!("a watch of \"{name}\""))),
+                Err(e) => return Err(e.into_error(&format!("a watch of \"{name}\"")).into()),
             };
             match frame {
                 DataResponse::Error { code, message } => {

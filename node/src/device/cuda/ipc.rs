@@ -30,10 +30,10 @@ use super::{
     transfer::{drain, transfer_stream},
 };
 use crate::{
+    PeerAddr,
     client::Pulled,
     ctx::NodeCtx,
     device::route,
-    endpoint::PeerAddr,
     error::{Error, Result},
     store::Lookup,
     tensor::Tensor,
@@ -389,4 +389,14 @@ async fn import(
     drain(&stream).await?;
     drop(mapping);
     Ok(Some(dest))
+}
+
+#[cfg(test)]
+mod tests {
+    /// The IPC exchange opens with the hello, so its connections must keep the pre-auth
+    /// limits until it is verified: the endpoint tells hello protocols by this prefix.
+    #[test]
+    fn ipc_keeps_the_pre_auth_limits() {
+        assert!(super::IPC_ALPN.starts_with(tb_link::endpoint::HELLO_ALPN_PREFIX));
+    }
 }

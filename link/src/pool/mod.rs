@@ -1,9 +1,19 @@
 //! The connection pool: one `PeerActor` per iroh QUIC link (pooled, or superseded and closed
-//! once idle; at most [`MAX_LINKS_PER_PEER`] per peer), supervised by the `NodeActor`, with
+//! once idle; at most [`MAX_LINKS_PER_PEER`] per peer), supervised by the `PoolActor`, with
 //! guards that make "in use" a fact of the type system — for the streams we open and for
 //! those we serve.
+//!
+//! - `book`: the bookkeeping as plain data (who is linked, who waits, what to evict), tested
+//!   without actors or sockets;
+//! - `actor`: the `PoolActor`, the shell over the book that dials, adopts and closes;
+//! - `peer`: the `PeerActor` of one link (idle clock, close codes, loss);
+//! - `link`: a link's shared use count and the [`LinkGuard`] that holds it;
+//! - `events`: [`LinkEvents`], how the owner hears of links;
+//! - this file: [`Pool`], the handle the owner holds, [`ReadyLinks`] and [`PoolStats`].
 
+mod actor;
 pub(crate) mod book;
+mod events;
 pub(crate) mod link;
 pub(crate) mod peer;
 
@@ -13,13 +23,25 @@ use std::{
         Arc, RwLock,
         atomic::{AtomicUsize, Ordering},
     },
+    time::Duration,
 };
 
-use iroh::EndpointId;
+use iroh::{EndpointId, endpoint::Connection};
+use ractor::{Actor, ActorRef, rpc::CallResult};
 use tb_dashboard::Metrics;
+use tb_proto::CloseCode;
+use tokio::task::JoinHandle;
 
-pub use link::LinkGuard;
-use link::{Link, LinkShared};
+pub use actor::PoolArgs;
+use actor::{PoolActor, PoolMsg};
+pub use events::{EventFuture, LinkEvents};
+use link::LinkShared;
+pub use link::{Link, LinkGuard};
+
+use crate::{
+    endpoint::PeerAddr,
+    error::{Error, Result},
+};
 
 /// Most live links one peer may hold to a node, pooled and superseded together: a new link
 /// past it closes that peer's oldest superseded ones (idle first), counted in
@@ -30,17 +52,17 @@ pub const MAX_LINKS_PER_PEER: usize = 4;
 /// How long a superseded link (one a pair no longer pools) is kept once idle, at most (the
 /// idle timeout when shorter): long enough for the peer's first request on a link it just
 /// dialed to arrive, short enough that a peer's extra links do not linger.
-pub const SUPERSEDED_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const SUPERSEDED_IDLE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// A read replica of the pool's ready links, written only by the `NodeActor`.
+/// A read replica of the pool's ready links, written only by the `PoolActor`.
 ///
 /// A request for a peer that already has a pooled link takes its guard here, without a
 /// round trip through the actor's mailbox (that hop is a sizeable part of a 4 KiB pull).
 /// Every other case — a miss, a closed or dead link — goes to the actor, which decides.
 #[derive(Debug, Default)]
-pub(crate) struct ReadyLinks(
+pub struct ReadyLinks(
     RwLock<HashMap<EndpointId, Link>>,
-    /// Superseded links held now (live, unpooled), as the `NodeActor` last counted them.
+    /// Superseded links held now (live, unpooled), as the `PoolActor` last counted them.
     AtomicUsize,
 );
 
@@ -72,7 +94,7 @@ impl ReadyLinks {
 
     /// Usable pooled links as (active, idle), read straight from the links' use counts, so
     /// it is exact the moment a guard is handed out or dropped.
-    pub(crate) fn counts(&self) -> (usize, usize) {
+    pub fn counts(&self) -> (usize, usize) {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
         map.values()
             .filter(|e| e.shared.is_usable())
@@ -83,7 +105,7 @@ impl ReadyLinks {
     }
 
     /// The peers with a usable pooled link, in id order.
-    pub(crate) fn peers(&self) -> Vec<EndpointId> {
+    pub fn peers(&self) -> Vec<EndpointId> {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
         let mut peers: Vec<EndpointId> = map
             .iter()
@@ -95,14 +117,99 @@ impl ReadyLinks {
     }
 
     /// A guard on `peer`'s pooled link, if it has a usable one.
-    pub(crate) fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
+    fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
         map.get(peer)?.guard()
     }
 }
 
+/// The pool of one node: the handle its owner holds on the `PoolActor`, and the read replica
+/// of ready links that lets a request reuse a pooled link without a trip through the actor.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    actor: ActorRef<PoolMsg>,
+    ready: Arc<ReadyLinks>,
+    metrics: Arc<Metrics>,
+    /// How long an adopt or an acquire may wait for the actor (an acquire one second more, for
+    /// the dial it may wait on).
+    connect_timeout: Duration,
+}
+
+impl Pool {
+    /// Starts the pool's actor (unsupervised: its owner stops it). The handle to join it is
+    /// the second value; the actor stops on [`Pool::stop`].
+    pub async fn spawn(args: PoolArgs) -> Result<(Pool, JoinHandle<()>)> {
+        let ready = args.ready.clone();
+        let metrics = args.metrics.clone();
+        let connect_timeout = args.config.connect_timeout;
+        let (actor, handle) = Actor::spawn(None, PoolActor, args)
+            .await
+            .map_err(|e| Error::Io(format!("starting the pool actor: {e}")))?;
+        let pool = Pool {
+            actor,
+            ready,
+            metrics,
+            connect_timeout,
+        };
+        Ok((pool, handle))
+    }
+
+    /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
+    pub async fn acquire(&self, addr: &PeerAddr) -> Result<LinkGuard> {
+        if let Some(guard) = self.ready.try_guard(&addr.id) {
+            self.metrics.pool_reuses.inc();
+            return Ok(guard);
+        }
+        let bound = self.connect_timeout + Duration::from_secs(1);
+        let asked = self.actor.call(
+            |reply| PoolMsg::Acquire {
+                peer: addr.clone(),
+                reply,
+            },
+            Some(bound),
+        );
+        match asked.await {
+            Ok(CallResult::Success(result)) => result,
+            Ok(CallResult::Timeout) => Err(Error::timeout(
+                format!("a link to {}", addr.id.fmt_short()),
+                bound,
+            )),
+            Ok(CallResult::SenderError) | Err(_) => Err(Error::Shutdown),
+        }
+    }
+
+    /// Pools a connection a peer opened to us once it passed the hello (or keeps it
+    /// superseded, unpooled, until unused). Returns the link to serve its streams under, or
+    /// `None` when it was refused (a new peer while the pool is full of peers in use, closed
+    /// with `TooManyConnections` before anything is served on it) or the pool is gone (closed
+    /// with `Shutdown`).
+    pub async fn adopt(&self, conn: Connection) -> Option<Link> {
+        let adopt = |reply| PoolMsg::Adopt {
+            conn: conn.clone(),
+            reply,
+        };
+        match self.actor.call(adopt, Some(self.connect_timeout)).await {
+            Ok(CallResult::Success(link)) => link,
+            _ => {
+                peer::close(&conn, CloseCode::Shutdown);
+                None
+            }
+        }
+    }
+
+    /// The pool's figures: link counts from the ready links, lifetime counts from the metrics.
+    pub fn stats(&self) -> PoolStats {
+        snapshot(&self.metrics, &self.ready)
+    }
+
+    /// Stops the actor: every link closes with `Shutdown`, waiters get `Shutdown`.
+    pub fn stop(&self, reason: Option<String>) {
+        self.actor.stop(reason);
+    }
+}
+
 /// The pool's figures: link counts from `ready`, lifetime counts from the metrics.
-pub(crate) fn snapshot(metrics: &Metrics, ready: &ReadyLinks) -> PoolStats {
+fn snapshot(metrics: &Metrics, ready: &ReadyLinks) -> PoolStats {
     let (links_active, links_idle) = ready.counts();
     PoolStats {
         links_active,

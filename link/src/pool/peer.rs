@@ -4,8 +4,9 @@
 //! It watches the connection and stops when it dies, closes it after the idle timeout once no
 //! guard is alive (no stream open in either direction: the streams we serve hold guards too),
 //! after [`SUPERSEDED_IDLE`] at most once it is superseded, and when the pool evicts it. Idle
-//! closes use [`CloseCode::IdleEvicted`], which the peer reads as "redial". Its parent `NodeActor` supervises it and drops it from the pool
-//! when it stops. It never waits on its parent.
+//! closes use [`CloseCode::IdleEvicted`], which the peer reads as "redial". Its parent
+//! `PoolActor` supervises it and drops it from the pool when it stops. It never waits on its
+//! parent.
 
 use std::{sync::Arc, time::Duration};
 
@@ -24,7 +25,7 @@ use super::{SUPERSEDED_IDLE, link::LinkShared};
 
 /// Messages a `PeerActor` handles.
 #[derive(Debug)]
-pub enum PeerMsg {
+pub(crate) enum PeerMsg {
     /// The last guard was dropped: start (or keep) the idle clock.
     Released,
     /// The pool prefers another link of this peer: close this one once idle, after
@@ -32,7 +33,7 @@ pub enum PeerMsg {
     Supersede,
     /// Time to check whether the link has been idle long enough to close.
     CheckIdle,
-    /// The pool evicted the link (or the node shuts down): close it with this code.
+    /// The pool evicted the link (or shuts down): close it with this code.
     Close(CloseCode),
     /// The connection died.
     Lost(String),

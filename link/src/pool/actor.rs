@@ -1,43 +1,46 @@
-//! `NodeActor`: one per process. Owns the pool — a map from peer node id to a `PeerActor` —
+//! `PoolActor`: one per node. Owns the pool — a map from peer node id to a `PeerActor` —
 //! and hands out link guards.
 //!
 //! Its handlers never wait on a peer: dials run in spawned tasks that `cast` their result
 //! back, and children report their end through supervision events. Bookkeeping is the pure
-//! [`PoolBook`]; this actor is the shell that talks to sockets and actors.
+//! [`PoolBook`]; this actor is the shell that talks to sockets and actors. What a link is used
+//! for is the owner's business: it hears of links through [`LinkEvents`], and this file names
+//! no protocol but the hello.
 
 use std::{sync::Arc, time::Instant};
 
-use iroh::{EndpointId, endpoint::Connection};
+use iroh::{Endpoint, EndpointId, endpoint::Connection};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
-use tb_proto::{Access, CloseCode, DATA_ALPN, DataRequest, DataResponse};
+use tb_dashboard::Metrics;
+use tb_proto::{Access, CloseCode, DATA_ALPN};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{debug, warn};
 
 use crate::{
     auth,
-    ctx::NodeCtx,
+    config::LinkConfig,
     endpoint::PeerAddr,
     error::{Error, Result},
     pool::{
-        self, LinkGuard,
+        self, LinkEvents, LinkGuard, ReadyLinks,
         book::{Acquire, Insert, Origin, PoolBook},
         link::{Link, LinkShared},
         peer::{self, PeerActor, PeerArgs, PeerMsg},
     },
-    serve, wire,
 };
 
 type Waiter = RpcReplyPort<Result<LinkGuard>>;
 
-/// Messages the `NodeActor` handles.
-pub(crate) enum NodeMsg {
+/// Messages the `PoolActor` handles.
+pub(crate) enum PoolMsg {
     /// A caller wants a link to `peer`.
     Acquire { peer: PeerAddr, reply: Waiter },
     /// A dial task finished.
     Dialed {
         peer: EndpointId,
         generation: u64,
-        /// The connection, the access its peer proved in its welcome, and the link id its
-        /// channel offers were filed under.
+        /// The connection, the access its peer proved in its welcome, and its link id (what
+        /// the owner learned in [`LinkEvents::dialed`] is filed under it).
         result: Result<(Connection, Access, u64)>,
     },
     /// A peer connected to us and passed the hello: pool the link (or keep it superseded,
@@ -50,8 +53,38 @@ pub(crate) enum NodeMsg {
     },
 }
 
-pub(crate) struct NodeState {
-    ctx: Arc<NodeCtx>,
+impl std::fmt::Debug for PoolMsg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PoolMsg::Acquire { .. } => "Acquire",
+            PoolMsg::Dialed { .. } => "Dialed",
+            PoolMsg::Adopt { .. } => "Adopt",
+        })
+    }
+}
+
+/// What the pool starts with: its endpoint and limits, where its figures go, and its owner's
+/// hooks, task tracker and shutdown token.
+pub struct PoolArgs {
+    /// The endpoint links are dialed from (and accepted on, by the owner's protocol handler).
+    pub endpoint: Endpoint,
+    /// The pool's and the hello's limits.
+    pub config: LinkConfig,
+    /// The process's metrics: the pool's counters (the source of [`PoolStats`](super::PoolStats)).
+    pub metrics: Arc<Metrics>,
+    /// The read replica of ready links this actor keeps (the owner reads it too).
+    pub ready: Arc<ReadyLinks>,
+    /// What the owner does with new and lost links.
+    pub events: Arc<dyn LinkEvents>,
+    /// Owns the dial tasks, so the owner's shutdown joins them.
+    pub tracker: TaskTracker,
+    /// Cancelled at the owner's shutdown: dials in flight end with `Shutdown`.
+    pub cancel: CancellationToken,
+}
+
+/// The `PoolActor`'s state: its arguments, the book and its children.
+pub(crate) struct PoolState {
+    args: PoolArgs,
     book: PoolBook<Waiter, Link>,
     /// Every link in the book (pooled or superseded) by actor id, to match a stopped child
     /// with its entry.
@@ -66,22 +99,22 @@ struct Child {
     link_id: u64,
 }
 
-/// The per-process actor owning the connection pool.
-pub(crate) struct NodeActor;
+/// The per-node actor owning the connection pool.
+pub(crate) struct PoolActor;
 
-impl Actor for NodeActor {
-    type Msg = NodeMsg;
-    type State = NodeState;
-    type Arguments = Arc<NodeCtx>;
+impl Actor for PoolActor {
+    type Msg = PoolMsg;
+    type State = PoolState;
+    type Arguments = PoolArgs;
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<NodeMsg>,
-        ctx: Arc<NodeCtx>,
-    ) -> Result<NodeState, ActorProcessingErr> {
-        let book = PoolBook::new(ctx.endpoint.id(), ctx.config.max_links);
-        Ok(NodeState {
-            ctx,
+        _myself: ActorRef<PoolMsg>,
+        args: PoolArgs,
+    ) -> Result<PoolState, ActorProcessingErr> {
+        let book = PoolBook::new(args.endpoint.id(), args.config.max_links);
+        Ok(PoolState {
+            args,
             book,
             children: Default::default(),
         })
@@ -89,18 +122,18 @@ impl Actor for NodeActor {
 
     async fn handle(
         &self,
-        myself: ActorRef<NodeMsg>,
-        msg: NodeMsg,
-        state: &mut NodeState,
+        myself: ActorRef<PoolMsg>,
+        msg: PoolMsg,
+        state: &mut PoolState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            NodeMsg::Acquire { peer, reply } => on_acquire(&myself, state, peer, reply),
-            NodeMsg::Dialed {
+            PoolMsg::Acquire { peer, reply } => on_acquire(&myself, state, peer, reply),
+            PoolMsg::Dialed {
                 peer,
                 generation,
                 result,
             } => on_dialed(&myself, state, peer, generation, result).await,
-            NodeMsg::Adopt { conn, reply } => {
+            PoolMsg::Adopt { conn, reply } => {
                 let peer = conn.remote_id();
                 let id = pool::link::next_link_id();
                 let link = insert_link(&myself, state, peer, Origin::Inbound, conn, id).await;
@@ -112,9 +145,9 @@ impl Actor for NodeActor {
 
     async fn handle_supervisor_evt(
         &self,
-        _myself: ActorRef<NodeMsg>,
+        _myself: ActorRef<PoolMsg>,
         event: SupervisionEvent,
-        state: &mut NodeState,
+        state: &mut PoolState,
     ) -> Result<(), ActorProcessingErr> {
         let cell = match event {
             SupervisionEvent::ActorTerminated(cell, _, _) => cell,
@@ -126,7 +159,7 @@ impl Actor for NodeActor {
         };
         if let Some(child) = state.children.remove(&cell.get_id()) {
             let peer = child.peer;
-            state.ctx.ready.remove(&peer, &child.link);
+            state.args.ready.remove(&peer, &child.link);
             state.book.link_gone(&peer, child.generation);
             link_gone(state, peer, child.link_id);
         }
@@ -135,10 +168,10 @@ impl Actor for NodeActor {
 
     async fn post_stop(
         &self,
-        myself: ActorRef<NodeMsg>,
-        state: &mut NodeState,
+        myself: ActorRef<PoolMsg>,
+        state: &mut PoolState,
     ) -> Result<(), ActorProcessingErr> {
-        state.ctx.ready.clear();
+        state.args.ready.clear();
         let (links, waiters) = state.book.drain();
         for link in links {
             let _ = link.actor.cast(PeerMsg::Close(CloseCode::Shutdown));
@@ -147,12 +180,12 @@ impl Actor for NodeActor {
             let _ = waiter.send(Err(Error::Shutdown));
         }
         // Superseded links are children outside the book: they close as they stop.
-        myself.stop_children(Some("node shut down".into()));
+        myself.stop_children(Some("pool shut down".into()));
         Ok(())
     }
 }
 
-fn on_acquire(myself: &ActorRef<NodeMsg>, state: &mut NodeState, peer: PeerAddr, reply: Waiter) {
+fn on_acquire(myself: &ActorRef<PoolMsg>, state: &mut PoolState, peer: PeerAddr, reply: Waiter) {
     let acquired = state.book.acquire(peer.id, reply);
     let Some(waiter) = answer_acquire(myself, state, &peer, acquired) else {
         return;
@@ -168,16 +201,16 @@ fn on_acquire(myself: &ActorRef<NodeMsg>, state: &mut NodeState, peer: PeerAddr,
 /// Acts on what the book decided; gives the waiter back when the ready link it was to reuse
 /// turned out closed (and marks that link dead).
 fn answer_acquire(
-    myself: &ActorRef<NodeMsg>,
-    state: &NodeState,
+    myself: &ActorRef<PoolMsg>,
+    state: &PoolState,
     peer: &PeerAddr,
     acquired: Acquire<Waiter, Link>,
 ) -> Option<Waiter> {
-    let ctx = &state.ctx;
+    let args = &state.args;
     match acquired {
         Acquire::Reuse { waiter, handle, .. } => match handle.guard() {
             Some(guard) => {
-                ctx.metrics.pool_reuses.inc();
+                args.metrics.pool_reuses.inc();
                 let _ = waiter.send(Ok(guard));
             }
             None => {
@@ -188,27 +221,29 @@ fn answer_acquire(
         Acquire::Full { waiter } => {
             let _ = waiter.send(Err(Error::TooManyConnections {
                 peer: None,
-                max: Some(ctx.config.max_links),
+                max: Some(args.config.max_links),
             }));
         }
         Acquire::Queued => {}
         Acquire::Dial { generation } => {
-            ctx.metrics.pool_dials.inc();
-            spawn_dial(myself.clone(), ctx, peer.clone(), generation);
+            args.metrics.pool_dials.inc();
+            spawn_dial(myself.clone(), args, peer.clone(), generation);
         }
     }
     None
 }
 
-/// Dials in a task, with the connect timeout, and casts the result back.
-fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, generation: u64) {
-    let endpoint = ctx.endpoint.clone();
-    let timeout = ctx.config.connect_timeout;
-    let cancel = ctx.cancel.clone();
-    let key = ctx.config.cluster_key.clone();
-    let max_streams = ctx.config.max_concurrent_streams;
-    let dial_ctx = ctx.clone();
-    ctx.tracker.spawn(async move {
+/// Dials in a task, with the connect timeout, lets the owner set the new link up
+/// ([`LinkEvents::dialed`], within the request timeout), and casts the result back.
+fn spawn_dial(myself: ActorRef<PoolMsg>, args: &PoolArgs, peer: PeerAddr, generation: u64) {
+    let endpoint = args.endpoint.clone();
+    let timeout = args.config.connect_timeout;
+    let limit = args.config.request_timeout;
+    let cancel = args.cancel.clone();
+    let key = args.config.cluster_key.clone();
+    let max_streams = args.config.max_concurrent_streams;
+    let events = args.events.clone();
+    args.tracker.spawn(async move {
         // The connect timeout bounds the dial and the hello together: a peer that accepts but
         // never answers is as unreachable as one that never accepts.
         let dial = async {
@@ -228,8 +263,9 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                     })?;
             Ok::<_, Error>((conn, welcomed.peer))
         };
-        // The link's first request, bounded like any request (a silent peer costs the
-        // request timeout here, then its requests time out over QUIC).
+        // The link's first request (the owner's), bounded like any request (a silent peer
+        // costs the request timeout here, then its requests time out over QUIC). It never
+        // fails the dial: the link is pooled whatever it learned.
         let dial = async {
             let link_id = pool::link::next_link_id();
             let (conn, access) = match tokio::time::timeout(timeout, dial).await {
@@ -239,10 +275,9 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
                     return Err(unreachable(&peer, why));
                 }
             };
-            let limit = dial_ctx.config.request_timeout;
-            let exchange = channel_exchange(&dial_ctx, &conn, access, link_id);
-            if tokio::time::timeout(limit, exchange).await.is_err() {
-                debug!(peer = %peer.id.fmt_short(), "no channel offers in time: QUIC only");
+            let first = events.dialed(&conn, access, link_id);
+            if tokio::time::timeout(limit, first).await.is_err() {
+                debug!(peer = %peer.id.fmt_short(), ?limit, "a new link's set-up did not finish in time");
             }
             Ok((conn, access, link_id))
         };
@@ -250,13 +285,13 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
             _ = cancel.cancelled() => Err(Error::Shutdown),
             r = dial => r,
         };
-        let sent = myself.cast(NodeMsg::Dialed {
+        let sent = myself.cast(PoolMsg::Dialed {
             peer: peer.id,
             generation,
             result,
         });
-        // If the node is gone, close what we opened.
-        if let Err(ractor::MessagingErr::SendErr(NodeMsg::Dialed {
+        // If the pool is gone, close what we opened.
+        if let Err(ractor::MessagingErr::SendErr(PoolMsg::Dialed {
             result: Ok((c, _, _)),
             ..
         })) = sent
@@ -264,35 +299,6 @@ fn spawn_dial(myself: ActorRef<NodeMsg>, ctx: &Arc<NodeCtx>, peer: PeerAddr, gen
             peer::close(&c, CloseCode::Shutdown);
         }
     });
-}
-
-/// Tells the peer of a new link the channels this node runs and learns its own (the first
-/// request on the link), filed under `link_id`. A peer that does not answer usefully keeps
-/// to QUIC on this link (what another link of it learned stays): the exchange never fails
-/// the dial.
-async fn channel_exchange(ctx: &NodeCtx, conn: &Connection, access: Access, link_id: u64) {
-    let peer = conn.remote_id();
-    let offers = ctx.channels.offers_for(peer, access);
-    let exchange = async {
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
-        let request = DataRequest::Channels { offers };
-        wire::write_frame(&mut send, &request)
-            .await
-            .map_err(|e| e.to_string())?;
-        let _ = send.finish();
-        match wire::read_frame::<DataResponse>(&mut recv).await {
-            Ok(DataResponse::Channels { offers }) => {
-                tb_proto::channel::validate_offers(&offers).map_err(|e| e.to_string())?;
-                Ok(offers)
-            }
-            Ok(other) => Err(format!("unexpected answer {other:?}")),
-            Err(e) => Err(format!("{e:?}")),
-        }
-    };
-    match exchange.await {
-        Ok(offers) => ctx.channels.learn(peer, link_id, access, offers),
-        Err(reason) => debug!(peer = %peer.fmt_short(), %reason, "no channel offers: QUIC only"),
-    }
 }
 
 fn unreachable(peer: &PeerAddr, reason: String) -> Error {
@@ -303,8 +309,8 @@ fn unreachable(peer: &PeerAddr, reason: String) -> Error {
 }
 
 async fn on_dialed(
-    myself: &ActorRef<NodeMsg>,
-    state: &mut NodeState,
+    myself: &ActorRef<PoolMsg>,
+    state: &mut PoolState,
     peer: EndpointId,
     generation: u64,
     result: Result<(Connection, Access, u64)>,
@@ -312,7 +318,7 @@ async fn on_dialed(
     let (conn, access, link_id) = match result {
         Ok(dialed) => dialed,
         Err(err) => {
-            state.ctx.metrics.pool_connect_failures.inc();
+            state.args.metrics.pool_connect_failures.inc();
             for waiter in state.book.dial_failed(&peer, generation) {
                 let _ = waiter.send(Err(err.clone()));
             }
@@ -323,17 +329,17 @@ async fn on_dialed(
     // as the access it proved in its welcome allows.
     let origin = Origin::Dial(generation);
     if let Some(link) = insert_link(myself, state, peer, origin, conn, link_id).await {
-        serve::spawn_serve(&state.ctx, link, access);
+        state.args.events.serve(link, access);
     }
 }
 
-/// One link of `peer` (`link_id`) is gone: what it taught this node of the peer goes with the
-/// peer's last link (a newer link's offers stay, see `Channels::link_gone`).
-fn link_gone(state: &NodeState, peer: EndpointId, link_id: u64) {
+/// One link of `peer` (`link_id`) is gone: the owner hears of it with the peer's pooled link
+/// now, if any (what the gone link taught it may stay with that one).
+fn link_gone(state: &PoolState, peer: EndpointId, link_id: u64) {
     let successor = state.book.link_of(&peer).map(|link| link.id);
-    state.ctx.channels.link_gone(&peer, link_id, successor);
+    state.args.events.link_gone(peer, link_id, successor);
     state
-        .ctx
+        .args
         .ready
         .set_superseded(state.book.superseded_count());
 }
@@ -344,8 +350,8 @@ fn link_gone(state: &NodeState, peer: EndpointId, link_id: u64) {
 /// while the pool is full of peers in use) or could not be set up — closed before anything
 /// was served on it.
 async fn insert_link(
-    myself: &ActorRef<NodeMsg>,
-    state: &mut NodeState,
+    myself: &ActorRef<PoolMsg>,
+    state: &mut PoolState,
     peer: EndpointId,
     origin: Origin,
     conn: Connection,
@@ -356,8 +362,8 @@ async fn insert_link(
         peer,
         conn: conn.clone(),
         link: shared.clone(),
-        idle_timeout: state.ctx.config.idle_timeout,
-        metrics: state.ctx.metrics.clone(),
+        idle_timeout: state.args.config.idle_timeout,
+        metrics: state.args.metrics.clone(),
     };
     let actor = match Actor::spawn_linked(None, PeerActor, args, myself.get_cell()).await {
         Ok((actor, _)) => actor,
@@ -391,7 +397,7 @@ async fn insert_link(
             over_cap,
         } => {
             adopt_child(state, peer, generation, &link);
-            state.ctx.ready.insert(peer, &link);
+            state.args.ready.insert(peer, &link);
             close_evicted(state, evicted);
             if let Some(old) = superseded {
                 let _ = old.actor.cast(PeerMsg::Supersede);
@@ -412,9 +418,9 @@ async fn insert_link(
             Some(link)
         }
         Insert::Full { waiters, evicted } => {
-            let max = state.ctx.config.max_links;
+            let max = state.args.config.max_links;
             debug!(peer = %peer.fmt_short(), max, "pool full of peers in use: refusing a link");
-            state.ctx.metrics.pool_refused_full.inc();
+            state.args.metrics.pool_refused_full.inc();
             close_evicted(state, evicted);
             let _ = link
                 .actor
@@ -430,14 +436,14 @@ async fn insert_link(
         }
     };
     state
-        .ctx
+        .args
         .ready
         .set_superseded(state.book.superseded_count());
     link
 }
 
 /// Files a link's actor under its place in the book, to forget it when it stops.
-fn adopt_child(state: &mut NodeState, peer: EndpointId, generation: u64, link: &Link) {
+fn adopt_child(state: &mut PoolState, peer: EndpointId, generation: u64, link: &Link) {
     let child = Child {
         peer,
         generation,
@@ -448,20 +454,20 @@ fn adopt_child(state: &mut NodeState, peer: EndpointId, generation: u64, link: &
 }
 
 /// Closes the links the LRU evicted to make room (idle ones, already closed for guards).
-fn close_evicted(state: &NodeState, evicted: Vec<(EndpointId, Link)>) {
+fn close_evicted(state: &PoolState, evicted: Vec<(EndpointId, Link)>) {
     for (old_peer, old) in evicted {
         debug!(peer = %old_peer.fmt_short(), "evicting least recently used idle link");
-        state.ctx.metrics.pool_evictions_lru.inc();
+        state.args.metrics.pool_evictions_lru.inc();
         let _ = old.actor.cast(PeerMsg::Close(CloseCode::LruEvicted));
     }
 }
 
 /// Closes `peer`'s oldest links past [`pool::MAX_LINKS_PER_PEER`], counted.
-fn close_over_cap(state: &NodeState, peer: EndpointId, over_cap: Vec<Link>) {
+fn close_over_cap(state: &PoolState, peer: EndpointId, over_cap: Vec<Link>) {
     for old in over_cap {
         let max = pool::MAX_LINKS_PER_PEER;
         debug!(peer = %peer.fmt_short(), max, "too many links from one peer: closing its oldest");
-        state.ctx.metrics.pool_evictions_peer_cap.inc();
+        state.args.metrics.pool_evictions_peer_cap.inc();
         let _ = old
             .actor
             .cast(PeerMsg::Close(CloseCode::TooManyConnections));

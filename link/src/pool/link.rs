@@ -90,8 +90,8 @@ impl LinkShared {
     }
 }
 
-/// A fresh link id, unique in this process: what a peer's channel offers are filed under
-/// ([`next_link_id`]), so that the end of one link never drops what another learned.
+/// A fresh link id, unique in this process: what the owner files what a link taught it under
+/// (see `LinkEvents`), so that the end of one link never drops what another learned.
 pub(crate) fn next_link_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -99,7 +99,7 @@ pub(crate) fn next_link_id() -> u64 {
 
 /// One link as the pool and the serving side hold it: its connection, use count and actor.
 #[derive(Debug, Clone)]
-pub(crate) struct Link {
+pub struct Link {
     /// Its [`next_link_id`].
     pub(crate) id: u64,
     pub(crate) conn: Connection,
@@ -109,8 +109,24 @@ pub(crate) struct Link {
 
 impl Link {
     /// A guard on this link, or `None` once it is closed or dead.
-    pub(crate) fn guard(&self) -> Option<LinkGuard> {
+    pub fn guard(&self) -> Option<LinkGuard> {
         LinkGuard::try_new(&self.conn, &self.shared, &self.actor)
+    }
+
+    /// Its id, unique in this process: what the owner files what it learned on it under.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The QUIC connection (to accept the peer's streams; open ours under a [`guard`](Self::guard)).
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Whether guards can still be taken: false once the pool closed it (idle, evicted, shut
+    /// down) or it died.
+    pub fn is_usable(&self) -> bool {
+        self.shared.is_usable()
     }
 }
 
@@ -152,7 +168,7 @@ impl LinkGuard {
     }
 
     /// The close code the peer closed the connection with, if it did with one of ours.
-    pub(crate) fn peer_close(&self) -> Option<CloseCode> {
+    pub fn peer_close(&self) -> Option<CloseCode> {
         peer_close(&self.conn)
     }
 }

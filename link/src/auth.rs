@@ -11,8 +11,8 @@
 //! passes and no node with a secret does.
 //!
 //! Until the hello is verified a peer is held to little (see [`Admission`]): the hello is
-//! read under [`MAX_HELLO_FRAME`], within [`Config::hello_timeout`], by at most
-//! [`Config::max_pending_handshakes`] connections at once, under the pre-auth flow-control
+//! read under [`MAX_HELLO_FRAME`], within [`LinkConfig::hello_timeout`], by at most
+//! [`LinkConfig::max_pending_handshakes`] connections at once, under the pre-auth flow-control
 //! limits of [`crate::endpoint`]; each side opens those limits only once it has verified the
 //! other ([`endpoint::open_link`]). Every refusal is counted by [`AuthFailure`] reason.
 
@@ -30,10 +30,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
 
 use crate::{
-    config::Config,
+    config::LinkConfig,
     endpoint,
     error::{Error, Result},
-    wire::{self, ReadFrameError},
+    framing::{self, ReadFrameError},
 };
 
 /// What a server grants connections before their hello is verified: a bounded number of
@@ -49,9 +49,11 @@ pub struct Admission {
 }
 
 impl Admission {
-    /// The limits of `config`: [`Config::max_pending_handshakes`],
-    /// [`Config::hello_timeout`], [`Config::max_concurrent_streams`].
-    pub fn new(config: &Config) -> Self {
+    /// The limits of `config`: [`LinkConfig::max_pending_handshakes`],
+    /// [`LinkConfig::hello_timeout`], [`LinkConfig::max_concurrent_streams`]. Takes anything
+    /// that gives a `LinkConfig`, such as tb-node's `&Config`.
+    pub fn new(config: impl Into<LinkConfig>) -> Self {
+        let config = config.into();
         Admission {
             waiting: Arc::new(Semaphore::new(
                 config
@@ -101,9 +103,9 @@ pub async fn client_hello(
         let hello = Hello {
             proof: key.prove(alpn, &me, &peer),
         };
-        wire::write_frame(&mut send, &hello).await?;
+        framing::write_frame(&mut send, &hello).await?;
         let _ = send.finish();
-        match wire::read_frame::<HelloReply>(&mut recv).await {
+        match framing::read_frame::<HelloReply>(&mut recv).await {
             Ok(reply) => Ok(reply),
             Err(ReadFrameError::Closed(reason)) => Err(match closing_reason(conn).await {
                 Some(e) => closed_error(conn, e),
@@ -184,7 +186,7 @@ pub async fn server_hello(
             .accept_bi()
             .await
             .map_err(|e| (None, closed_error(conn, e)))?;
-        let hello = wire::read_frame_within::<Hello>(&mut recv, MAX_HELLO_FRAME)
+        let hello = framing::read_frame_within::<Hello>(&mut recv, MAX_HELLO_FRAME)
             .await
             .map_err(|e| (hello_failure(conn, &e), e.into_error("hello")))?;
         let Some(access) = key.verify(alpn, &peer, &me, &hello.proof) else {
@@ -195,7 +197,7 @@ pub async fn server_hello(
             max_tensor_bytes,
             proof: key.prove(alpn, &me, &peer),
         };
-        wire::write_frame(&mut send, &reply)
+        framing::write_frame(&mut send, &reply)
             .await
             .map_err(|e| (None, e))?;
         let _ = send.finish();

@@ -1,5 +1,5 @@
 //! Pool bookkeeping as plain data: which peers are connecting or linked, who waits for a dial,
-//! which link of a pair is pooled, which idle peer to evict. The `NodeActor` is a thin shell
+//! which link of a pair is pooled, which idle peer to evict. The `PoolActor` is a thin shell
 //! over this; it is tested here without actors or sockets.
 //!
 //! Rules (learned by iroh's own pool): concurrent requests for a new peer share one dial
@@ -19,7 +19,7 @@
 //! one), of two dialed by different nodes the one the lower node id dialed wins. A peer holds
 //! at most [`MAX_LINKS_PER_PEER`] live links: a new one past that closes the peer's oldest
 //! superseded links (idle ones first), so the excess is always the peer's own, never another
-//! peer's, and an honest reconnect always gets in. The pool's cap (`Config::max_links`)
+//! peer's, and an honest reconnect always gets in. The pool's cap (`LinkConfig::max_links`)
 //! counts peers holding at least one live link, so a node holds at most `max_links x
 //! MAX_LINKS_PER_PEER` links.
 

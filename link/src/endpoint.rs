@@ -10,10 +10,12 @@
 //! streams. A peer that has not proved the cluster secret can therefore make the node buffer
 //! at most that many bytes, however many streams it tries to open (opening more is a QUIC
 //! protocol violation that closes its connection). Once the hello is verified both sides
-//! [`open_link`]: the peer may open [`Config::max_concurrent_streams`] streams and the
+//! [`open_link`]: the peer may open [`LinkConfig::max_concurrent_streams`] streams and the
 //! connection window becomes [`LINK_RECEIVE_WINDOW`]. Protocols without a hello (gossip)
 //! get [`OPEN_PROTOCOL_RECEIVE_WINDOW`] and a few unidirectional streams at the end of the
 //! QUIC handshake instead.
+//!
+//! [`LinkConfig::max_concurrent_streams`]: crate::LinkConfig::max_concurrent_streams
 
 use std::{
     fmt,
@@ -31,10 +33,7 @@ use iroh::{
     },
 };
 
-use crate::{
-    config::Config,
-    error::{Error, Result},
-};
+use crate::error::{Error, Result};
 
 /// File in the data dir holding the node's secret key (hex), created with mode 0600.
 pub const KEY_FILE: &str = "node.key";
@@ -177,7 +176,7 @@ pub const OPEN_PROTOCOL_UNI_STREAMS: u32 = 8;
 // once the QUIC stack checks that space.
 
 /// ALPNs that start with this open with the cluster-secret hello (`tb/data/1`, `tb/ctl/1`,
-/// `tb/cuda-ipc/1`) and keep the pre-auth limits until it is verified; any other protocol on
+/// tb-node's `tb/cuda-ipc/1`, which checks that it does) and keep the pre-auth limits until it is verified; any other protocol on
 /// the endpoint (gossip) gets the open-protocol limits when its QUIC handshake ends.
 pub const HELLO_ALPN_PREFIX: &[u8] = b"tb/";
 
@@ -234,9 +233,9 @@ impl EndpointHooks for OpenProtocolLimits {
 }
 
 /// Binds an offline endpoint: no relays, no address lookup, no port mapping, and one UDP
-/// socket on `config.bind_addr` only (iroh's default sockets on `0.0.0.0` and `[::]` are
-/// cleared, so the node listens on nothing it was not given).
-pub async fn bind_endpoint(config: &Config, key: SecretKey) -> Result<Endpoint> {
+/// socket on `bind_addr` only (iroh's default sockets on `0.0.0.0` and `[::]` are cleared,
+/// so the node listens on nothing it was not given).
+pub async fn bind_endpoint(bind_addr: SocketAddr, key: SecretKey) -> Result<Endpoint> {
     let builder = Endpoint::builder(presets::Minimal)
         .relay_mode(RelayMode::Disabled)
         .clear_address_lookup()
@@ -246,12 +245,12 @@ pub async fn bind_endpoint(config: &Config, key: SecretKey) -> Result<Endpoint> 
         .hooks(OpenProtocolLimits)
         .secret_key(key)
         .clear_ip_transports()
-        .bind_addr(config.bind_addr)
-        .map_err(|e| Error::io(&format!("bind address {}", config.bind_addr), e))?;
+        .bind_addr(bind_addr)
+        .map_err(|e| Error::io(&format!("bind address {bind_addr}"), e))?;
     builder
         .bind()
         .await
-        .map_err(|e| Error::io(&format!("binding endpoint on {}", config.bind_addr), e))
+        .map_err(|e| Error::io(&format!("binding endpoint on {bind_addr}"), e))
 }
 
 /// The address peers should dial: the first bound socket, with an unspecified IP replaced by
@@ -372,8 +371,6 @@ mod tests {
         for alpn in [tb_proto::DATA_ALPN, tb_proto::CTL_ALPN] {
             assert!(alpn.starts_with(HELLO_ALPN_PREFIX));
         }
-        #[cfg(feature = "cuda")]
-        assert!(crate::device::IPC_ALPN.starts_with(HELLO_ALPN_PREFIX));
         assert_eq!(LINK_RECEIVE_WINDOW, 10_000_000);
     }
 }
