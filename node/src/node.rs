@@ -118,35 +118,7 @@ impl Node {
             addr.addr = *advertised;
         }
         let (store, evictions) = cluster::store_for(&config);
-        let metrics = match &config.metrics {
-            Some(metrics) => metrics.clone(),
-            None => Metrics::new(MetricsRole::Worker)
-                .map_err(|e| Error::Io(format!("creating the metrics: {e}")))?,
-        };
-        // Shown in `tb_insecure_open` and the status JSON: a node with the open key admits
-        // anyone who can reach it.
-        metrics
-            .insecure_open
-            .set(i64::from(config.cluster_key.is_open()));
-        let ctx = Arc::new(NodeCtx {
-            endpoint: endpoint.clone(),
-            store,
-            inflight: Inflight::default(),
-            upload: RateLimiter::new(config.max_upload_rate),
-            inbox: Inbox::new(config.inbox_capacity, config.max_push_memory),
-            device_pushes: ByteBudget::new(config.push_device_budget()),
-            metrics,
-            ready: Arc::new(ReadyLinks::default()),
-            inflight_bytes_sent: Default::default(),
-            cancel: CancellationToken::new(),
-            tracker: TaskTracker::new(),
-            admission: auth::Admission::new(&config),
-            channels: Channels::new(&config),
-            outlines: Default::default(),
-            watchers: Default::default(),
-            services: crate::serve::Services::builtin(),
-            config,
-        });
+        let ctx = context(config, &endpoint, store)?;
         for &kind in &ctx.config.channels {
             if !ctx.channels.runs(kind) {
                 ctx.metrics.channels.set_unavailable(kind);
@@ -643,4 +615,37 @@ fn raise_fd_limit() {
             }
         }
     });
+}
+
+/// A node's shared context, before anything of it runs.
+fn context(config: Config, endpoint: &Endpoint, store: crate::Store) -> Result<Arc<NodeCtx>> {
+    let metrics = match &config.metrics {
+        Some(metrics) => metrics.clone(),
+        None => Metrics::new(MetricsRole::Worker)
+            .map_err(|e| Error::Io(format!("creating the metrics: {e}")))?,
+    };
+    // Shown in `tb_insecure_open` and the status JSON: a node with the open key admits
+    // anyone who can reach it.
+    metrics
+        .insecure_open
+        .set(i64::from(config.cluster_key.is_open()));
+    Ok(Arc::new(NodeCtx {
+        endpoint: endpoint.clone(),
+        store,
+        inflight: Inflight::default(),
+        upload: RateLimiter::new(config.max_upload_rate),
+        inbox: Inbox::new(config.inbox_capacity, config.max_push_memory),
+        device_pushes: ByteBudget::new(config.push_device_budget()),
+        metrics,
+        ready: Arc::new(ReadyLinks::default()),
+        inflight_bytes_sent: Default::default(),
+        cancel: CancellationToken::new(),
+        tracker: TaskTracker::new(),
+        admission: auth::Admission::new(&config),
+        channels: Channels::new(&config),
+        outlines: Default::default(),
+        watchers: Default::default(),
+        services: crate::serve::Services::builtin(),
+        config,
+    }))
 }

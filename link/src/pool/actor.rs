@@ -388,7 +388,25 @@ async fn insert_link(
     let inserted = state
         .book
         .insert_ready(peer, origin, link.clone(), link.shared.clone());
-    let link = match inserted {
+    let link = file_link(state, peer, link_id, link, inserted);
+    state
+        .args
+        .ready
+        .set_superseded(state.book.superseded_count());
+    link
+}
+
+/// Acts on where the book put a new link: pooled (it answers the waiters, and the links it
+/// displaced are closed), superseded (kept, unpooled, until unused), or refused (a full pool
+/// of peers in use: closed with `TooManyConnections`, the waiters told so).
+fn file_link(
+    state: &mut PoolState,
+    peer: EndpointId,
+    link_id: u64,
+    link: Link,
+    inserted: Insert<Waiter, Link>,
+) -> Option<Link> {
+    match inserted {
         Insert::Pooled {
             generation,
             waiters,
@@ -434,12 +452,7 @@ async fn insert_link(
             link_gone(state, peer, link_id);
             None
         }
-    };
-    state
-        .args
-        .ready
-        .set_superseded(state.book.superseded_count());
-    link
+    }
 }
 
 /// Files a link's actor under its place in the book, to forget it when it stops.
