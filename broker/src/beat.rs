@@ -10,7 +10,7 @@ use std::{collections::HashMap, sync::Mutex, time::Duration};
 
 use iroh::{Endpoint, EndpointId, endpoint::Connection};
 use ractor::ActorRef;
-use tb_node::{
+use tb_link::{
     PeerAddr,
     framing::{read_frame, write_frame},
 };

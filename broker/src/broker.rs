@@ -7,11 +7,12 @@ use iroh::{EndpointId, address_lookup::MemoryLookup};
 use iroh_gossip::{Gossip, TopicId, api::GossipSender};
 use ractor::{Actor, ActorRef};
 use tb_dashboard::{AppState, Metrics, Role as MetricsRole};
-use tb_node::{
-    Node, PeerAddr, Ticket,
+use tb_link::{
+    PeerAddr, Ticket,
     auth::{self, node_id},
     budget::ByteBudget,
 };
+use tb_node::Node;
 use tb_proto::{CTL_ALPN, Member, Role};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};

@@ -27,7 +27,7 @@ use iroh::{
     protocol::{AcceptError, ProtocolHandler},
 };
 use ractor::{ActorRef, rpc::CallResult};
-use tb_node::{
+use tb_link::{
     auth,
     framing::{ReadFrameError, read_frame, write_frame},
 };
@@ -58,7 +58,7 @@ pub(crate) struct CtlProtocol {
     pub(crate) admission: auth::Admission,
     pub(crate) max_tensor_bytes: u64,
     /// What anti-entropy conversations may buffer, all together.
-    pub(crate) sync_budget: tb_node::budget::ByteBudget,
+    pub(crate) sync_budget: tb_link::budget::ByteBudget,
     pub(crate) cancel: CancellationToken,
     pub(crate) tracker: TaskTracker,
     pub(crate) counters: Arc<BrokerCounters>,

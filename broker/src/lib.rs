@@ -84,4 +84,4 @@ pub use metrics::{BrokerCounters, Counter, MemberStatsBook, Refusal, Refusals};
 pub use persist::{FORMAT_VERSION, LOCK_WAIT, PersistError, RegistryStore};
 pub use state::{BrokerState, Changes, Holders, MAX_VERSION_SKIP};
 pub use sync::SyncStats;
-pub use tb_node::{Ticket, TicketError};
+pub use tb_link::{Ticket, TicketError};

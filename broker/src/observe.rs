@@ -15,7 +15,8 @@ use tb_dashboard::{
     Metrics, RefreshFuture, Source,
     api::{ClusterData, EntryView, MemberStats, MemberView, Page, RegistryTotals},
 };
-use tb_node::{Node, PeerAddr, auth::node_id};
+use tb_link::{PeerAddr, auth::node_id};
+use tb_node::Node;
 use tb_proto::{ClusterKey, NodeStats, Registry, Role};
 use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};

@@ -28,7 +28,7 @@ use iroh::{
 };
 use ractor::ActorRef;
 use serde::Serialize;
-use tb_node::{
+use tb_link::{
     PeerAddr, auth,
     budget::{BudgetError, ByteBudget, Reservation},
     framing::{read_frame, write_frame},
