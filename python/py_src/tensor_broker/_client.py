@@ -363,7 +363,10 @@ class Client:
 
     def subscribe(self, pattern: str) -> Subscription:
         """Watches ``pattern`` (a name, ``prefix/*`` or ``*``): every version published from
-        now on comes as an :class:`Update`, in order per name."""
+        now on comes as an :class:`Update`, in order per name. It returns once a broker has
+        registered the subscription, so a version published right after is never missed; a
+        broker that refuses it (this node holds too many subscriptions there) raises
+        ``Unavailable`` here."""
         return Subscription(self._node.subscribe(pattern), self)
 
     def push(self, peer_addr: str, name: str, array: Any) -> None:
