@@ -71,12 +71,10 @@
 //! driver is loaded at run time: a build with the feature runs everywhere, and a missing
 //! driver or device is [`Error::DeviceUnavailable`]. See [`device`] for the details.
 //!
-//! CUDA IPC runs on its own ALPN (`tb/cuda-ipc/1`) with two messages of its own, because
-//! `tb/data/1` has no message for it. Moving it into `tb-proto` means adding
-//! `DataRequest::OpenIpc { name, version, host, min_bytes }` and
-//! `DataResponse::IpcHandle { meta, version, handle: [u8; 64] }` (plus golden-byte tests and
-//! a fuzz corpus entry), then serving both on the pooled `tb/data/1` link and dropping the
-//! extra ALPN and its unpooled connection.
+//! CUDA IPC runs on its own ALPN (`tb/cuda-ipc/1`), its two messages in `tb_proto::ipc`
+//! (golden bytes, bounds checked before use). What is left is making it a channel beside shm
+//! and tcp: a request kind served through the table on the pooled `tb/data/1` link, so the
+//! extra ALPN, its unpooled connection and `device::route`'s second router go.
 //!
 //! ## The process around a node: tb-daemon
 //! Flags, logging set-up, signals, the metrics HTTP server, the worker's dashboard source and

@@ -52,6 +52,7 @@ mod dtype;
 pub mod frame;
 mod hash;
 mod hlc;
+pub mod ipc;
 mod meta;
 pub mod msg;
 mod name;

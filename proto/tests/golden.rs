@@ -648,3 +648,32 @@ fn the_largest_data_requests_fit_the_request_frame_cap() {
         );
     }
 }
+
+#[test]
+fn cuda_ipc_messages() {
+    use tb_proto::ipc::{IPC_HANDLE_LEN, IpcRequest, IpcResponse};
+    // Open (variant 0): "w", no version, host "h", min_bytes 1.
+    let open = IpcRequest::Open {
+        name: TensorName::new("w").expect("name"),
+        version: None,
+        host: "h".into(),
+        min_bytes: 1,
+    };
+    golden(&open, "07000000 00 0177 00 0168 01");
+    // Declined (variant 1): "no".
+    let declined = IpcResponse::Declined {
+        reason: "no".into(),
+    };
+    golden(&declined, "04000000 01 026e6f");
+    // Handle (variant 0): meta, version 2, then the 64-byte handle with its length 0x40.
+    let meta = TensorMeta::new(DType::BF16, vec![], ContentHash([0x11; 32])).expect("meta");
+    let handle = IpcResponse::Handle {
+        meta: meta.clone(),
+        version: 2,
+        handle: vec![0x22; IPC_HANDLE_LEN],
+    };
+    let meta_body = hex::encode(postcard::to_stdvec(&meta).expect("meta encodes"));
+    let body = format!("00{meta_body}0240{}", "22".repeat(IPC_HANDLE_LEN));
+    let len = hex::encode(u32::try_from(body.len() / 2).expect("small").to_le_bytes());
+    golden(&handle, &format!("{len}{body}"));
+}

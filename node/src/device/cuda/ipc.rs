@@ -2,9 +2,9 @@
 //! maps the sender's device memory, copies it device to device into its own buffer, unmaps
 //! it, and finishes its side of the stream; the server keeps the tensor alive until then.
 //!
-//! It runs on its own ALPN, `tb/cuda-ipc/1`, with its own two messages, because the
-//! `tb/data/1` messages in `tb-proto` have no variant for it yet (see the crate docs for what
-//! moving it there takes). Anything short of a mapped copy — a peer without the feature, a
+//! It runs on its own ALPN, `tb/cuda-ipc/1`, with its two messages in `tb_proto::ipc` (golden
+//! bytes, bounds checked before use); serving it on the pooled `tb/data/1` link as a channel
+//! beside shm and tcp is what is left (see the crate docs). Anything short of a mapped copy — a peer without the feature, a
 //! declined request, a handle that does not open — makes the caller fall back to the network.
 //! The bytes never leave device memory. From a server that proved read-write access no hash
 //! is checked on this path: the metadata (hash included) comes from the server, whose bytes
@@ -21,8 +21,10 @@ use iroh::{
     endpoint::{Connection, RecvStream, SendStream},
     protocol::{AcceptError, ProtocolHandler},
 };
-use serde::{Deserialize, Serialize};
-use tb_proto::{Access, TensorMeta, TensorName};
+use tb_proto::{
+    Access, TensorMeta, TensorName,
+    ipc::{IPC_HANDLE_LEN, IpcRequest, IpcResponse, MAX_IPC_REQUEST_FRAME},
+};
 use tracing::debug;
 
 use super::{
@@ -44,34 +46,7 @@ use crate::{
 pub const IPC_ALPN: &[u8] = b"tb/cuda-ipc/1";
 
 /// Bytes in a CUDA IPC memory handle.
-const HANDLE_LEN: usize = 64;
-
-/// What a puller sends on a `tb/cuda-ipc/1` stream.
-#[derive(Debug, Serialize, Deserialize)]
-enum IpcRequest {
-    /// Export this tensor's device memory to me.
-    Open {
-        name: TensorName,
-        version: Option<u64>,
-        /// The requester's boot id: the server exports only to its own machine.
-        host: String,
-        /// Below this size the requester prefers the network.
-        min_bytes: u64,
-    },
-}
-
-/// The server's answer.
-#[derive(Debug, Serialize, Deserialize)]
-enum IpcResponse {
-    /// Map this handle; finish your send side when done with it.
-    Handle {
-        meta: TensorMeta,
-        version: u64,
-        handle: Vec<u8>,
-    },
-    /// Use the network instead.
-    Declined { reason: String },
-}
+const HANDLE_LEN: usize = IPC_HANDLE_LEN;
 
 fn my_host() -> Option<&'static str> {
     static HOST: OnceLock<Option<String>> = OnceLock::new();
@@ -127,16 +102,20 @@ const IPC_ACTION: &str = "CUDA IPC (a writable mapping of this node's device mem
 
 async fn serve(ctx: &NodeCtx, access: Access, mut send: SendStream, mut recv: RecvStream) {
     let timeout = ctx.config.request_timeout;
-    let request = tokio::time::timeout(timeout, wire::read_frame::<IpcRequest>(&mut recv)).await;
-    let Ok(Ok(IpcRequest::Open {
+    let read = wire::read_frame_within::<IpcRequest>(&mut recv, MAX_IPC_REQUEST_FRAME);
+    let Ok(Ok(request)) = tokio::time::timeout(timeout, read).await else {
+        return;
+    };
+    if let Err(e) = request.validate() {
+        debug!(%e, "refusing a CUDA IPC request");
+        return;
+    }
+    let IpcRequest::Open {
         name,
         version,
         host,
         min_bytes,
-    })) = request
-    else {
-        return;
-    };
+    } = request;
     let allowed = tb_proto::authorize(ctx.config.cluster_key.access(), access, Some(IPC_ACTION));
     let (answer, hold) = match (allowed, ctx.store.get(&name, version)) {
         (Err(e), _) => (
@@ -310,19 +289,23 @@ async fn exchange(
     }
     let timeout = ctx.config.request_timeout;
     let answer = tokio::time::timeout(timeout, wire::read_frame::<IpcResponse>(&mut recv)).await;
+    let Ok(Ok(answer)) = answer else {
+        return Ok(None);
+    };
+    answer
+        .validate(ctx.config.max_tensor_bytes)
+        .map_err(|e| Error::InvalidTensor(format!("a CUDA IPC answer: {e}")))?;
     let (meta, version, handle) = match answer {
-        Ok(Ok(IpcResponse::Handle {
+        IpcResponse::Handle {
             meta,
             version,
             handle,
-        })) => (meta, version, handle),
-        Ok(Ok(IpcResponse::Declined { reason })) => {
+        } => (meta, version, handle),
+        IpcResponse::Declined { reason } => {
             debug!(%reason, "CUDA IPC declined by the peer");
             return Ok(None);
         }
-        _ => return Ok(None),
     };
-    meta.validate(ctx.config.max_tensor_bytes)?;
     let buffer = import(ctx, ordinal, &handle, &meta).await?;
     let _ = send.finish();
     Ok(buffer.map(|b| (version, meta, b)))
