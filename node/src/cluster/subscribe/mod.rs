@@ -39,7 +39,7 @@ use self::{
 };
 use super::{
     Cluster,
-    ctl_client::check_response,
+    ctl_client::{check_response, read_response},
     failover::{Failure, answer_error},
 };
 use crate::{
@@ -208,37 +208,24 @@ async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
         let (send, mut recv, conn) = cluster.ctl.open_stream(&request, timeout).await?;
         let broker = conn.remote_id();
         let label = broker.fmt_short().to_string();
-        let first = tokio::time::timeout(timeout, wire::read_frame::<CtlResponse>(&mut recv));
-        let failure = match first.await {
-            Err(_) => {
-                let what = format!("broker {label} to register a subscription");
-                Error::timeout(what, timeout)
+        let max = cluster.ctl.max_tensor_bytes();
+        let failure = match read_response(&mut recv, &label, timeout, max).await {
+            Ok(CtlResponse::Ok) => {
+                return Ok(Stream {
+                    _send: send,
+                    recv,
+                    broker,
+                    conn,
+                });
             }
-            Ok(frame) => match frame
-                .map_err(|e| {
-                    Error::from(e.into_error(&format!("subscription stream from broker {label}")))
-                })
-                .and_then(|f| check_response(f, &label, cluster.ctl.max_tensor_bytes()))
-            {
-                Ok(CtlResponse::Ok) => {
-                    return Ok(Stream {
-                        _send: send,
-                        recv,
-                        broker,
-                        conn,
-                    });
-                }
-                Ok(CtlResponse::Error { code, message }) => {
-                    match answer_error(label, code, message) {
-                        Failure::Answered(e) => return Err(e),
-                        Failure::Unusable(e) => e,
-                    }
-                }
-                Ok(_) => Error::Io(format!(
-                    "broker {label} answered a subscription with something other than Ok"
-                )),
-                Err(e) => e,
+            Ok(CtlResponse::Error { code, message }) => match answer_error(label, code, message) {
+                Failure::Answered(e) => return Err(e),
+                Failure::Unusable(e) => e,
             },
+            Ok(_) => Error::Io(format!(
+                "broker {label} answered a subscription with something other than Ok"
+            )),
+            Err(e) => e,
         };
         debug!(%failure, "subscription not registered; trying the next broker");
         cluster.ctl.avoid(&broker);
