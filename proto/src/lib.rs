@@ -46,6 +46,7 @@
 //! ```
 
 mod auth;
+pub mod call;
 pub mod channel;
 pub mod ctl;
 mod dtype;

@@ -94,6 +94,14 @@ pub enum DataRequest {
         /// The tensor.
         name: TensorName,
     },
+    /// Call this function (see [`crate::call`]): answered with
+    /// [`DataResponse::Accepted`] and [`CallFrame`](crate::call::CallFrame)s, or `Error`.
+    Call {
+        /// The function, by its served name.
+        function: TensorName,
+        /// The deadline, the arguments' size and whether a stream is expected.
+        head: crate::call::CallHead,
+    },
 }
 
 /// The kind of a [`DataRequest`]: what a node's table of request services is keyed by. A
@@ -113,17 +121,20 @@ pub enum RequestKind {
     Pieces,
     /// [`DataRequest::Watch`].
     Watch,
+    /// [`DataRequest::Call`].
+    Call,
 }
 
 impl RequestKind {
     /// Every kind.
-    pub const ALL: [RequestKind; 6] = [
+    pub const ALL: [RequestKind; 7] = [
         RequestKind::Pull,
         RequestKind::Push,
         RequestKind::Channels,
         RequestKind::TcpPull,
         RequestKind::Pieces,
         RequestKind::Watch,
+        RequestKind::Call,
     ];
 
     /// Its name in logs and refusals.
@@ -135,6 +146,7 @@ impl RequestKind {
             RequestKind::TcpPull => "tcp-pull",
             RequestKind::Pieces => "pieces",
             RequestKind::Watch => "watch",
+            RequestKind::Call => "call",
         }
     }
 }
@@ -155,6 +167,7 @@ impl DataRequest {
             DataRequest::TcpPull { .. } => RequestKind::TcpPull,
             DataRequest::Pieces { .. } => RequestKind::Pieces,
             DataRequest::Watch { .. } => RequestKind::Watch,
+            DataRequest::Call { .. } => RequestKind::Call,
         }
     }
 
@@ -166,7 +179,7 @@ impl DataRequest {
             | DataRequest::TcpPull { name, .. }
             | DataRequest::Pieces { name, .. }
             | DataRequest::Watch { name } => Some(name),
-            DataRequest::Channels { .. } => None,
+            DataRequest::Channels { .. } | DataRequest::Call { .. } => None,
         }
     }
 
@@ -180,6 +193,9 @@ impl DataRequest {
             | DataRequest::TcpPull { .. }
             | DataRequest::Pieces { .. }
             | DataRequest::Watch { .. } => None,
+            // Read-write by default, but a function may admit read-only callers: the call
+            // service checks it per function.
+            DataRequest::Call { .. } => None,
         }
     }
 
@@ -202,6 +218,8 @@ impl DataRequest {
             DataRequest::TcpPull { sockets, .. } => {
                 crate::channel::validate_tcp_sockets(*sockets).map_err(MetaError::from)
             }
+            // The arguments' size is the function's to limit (`CallHead::validate`).
+            DataRequest::Call { .. } => Ok(()),
         }
     }
 }
@@ -274,6 +292,12 @@ pub enum DataResponse {
         /// The bytes: `meta.byte_len` of them, at most
         /// [`MAX_INLINE_BYTES`](crate::MAX_INLINE_BYTES), hashing to `meta.hash`.
         bytes: Vec<u8>,
+    },
+    /// The answer to [`DataRequest::Call`] once the server took the call (before it reads
+    /// arguments that were not sent inline): [`CallFrame`](crate::call::CallFrame)s follow.
+    Accepted {
+        /// The function's load on this server, the call included.
+        load: crate::call::Load,
     },
 }
 

@@ -677,3 +677,124 @@ fn cuda_ipc_messages() {
     let len = hex::encode(u32::try_from(body.len() / 2).expect("small").to_le_bytes());
     golden(&handle, &format!("{len}{body}"));
 }
+
+#[test]
+fn call_messages() {
+    use tb_proto::call::{
+        Body, CallFrame, CallHead, CallUp, FailureKind, Load, RemoteFailure, TensorSlot, Value,
+    };
+    // len 9 | Call=6 | function "f" | deadline Some(300) | body_len 5 | unary | start 0
+    let call = DataRequest::Call {
+        function: name("f"),
+        head: CallHead {
+            deadline_ms: Some(300),
+            body_len: 5,
+            stream: false,
+            start: 0,
+        },
+    };
+    golden(&call, "09000000 06 0166 01ac02 05 00 00");
+    let load = Load {
+        running: 1,
+        queued: 0,
+        concurrency: 4,
+    };
+    // len 4 | Accepted=8 | running 1, queued 0, concurrency 4
+    golden(&DataResponse::Accepted { load }, "04000000 08 01 00 04");
+    // Item=0 | index 0 | body_len 300
+    let item = CallFrame::Item {
+        index: 0,
+        body_len: 300,
+    };
+    golden(&item, "04000000 00 00 ac02");
+    let done = CallFrame::Done {
+        load: Load {
+            running: 2,
+            queued: 1,
+            concurrency: 4,
+        },
+    };
+    golden(&done, "04000000 01 020104");
+    // Failed=2 | Raised=0 | type "E" | message "m" | traceback ""
+    let failed = CallFrame::Failed(RemoteFailure::new(FailureKind::Raised, "E", "m", ""));
+    golden(&failed, "07000000 02 00 0145 016d 00");
+    golden(&CallUp::Credit(2), "02000000 0002");
+    // List=6 of 3: Int=2 -1 (zigzag 01) | Tensor=8 U8=1 shape [2] | Map=7 of 1: "k" Str=4 "v"
+    let value = Value::List(vec![
+        Value::Int(-1),
+        Value::Tensor(TensorSlot {
+            dtype: DType::U8,
+            shape: vec![2],
+        }),
+        Value::Map(vec![("k".into(), Value::Str("v".into()))]),
+    ]);
+    golden(&value, "0f000000 0603 0201 08010102 0701016b040176");
+    // A body: the skeleton's u32 LE length, the skeleton, then the tensors' bytes.
+    let (head, shape) = Body::head(&value).expect("a small value");
+    assert_eq!(hex::encode(&head), "0f0000000603020108010102070101 6b040176".replace(' ', ""));
+    assert_eq!((shape.nodes, shape.tensors, shape.tensor_bytes), (5, 1, 2));
+    let body_len = head.len() as u64 + 2;
+    let skeleton_len = Body::skeleton_len(head[..4].try_into().expect("4"), body_len);
+    assert_eq!(skeleton_len, Ok(15));
+    let (back, _) = Body::skeleton(&head[4..], body_len).expect("decodes");
+    assert_eq!(back, value);
+    // Servers=11 | "f"; Functions=12 | prefix "a" | limit 2
+    golden(
+        &CtlRequest::Servers {
+            function: name("f"),
+        },
+        "03000000 0b 0166",
+    );
+    golden(
+        &CtlRequest::Functions {
+            prefix: "a".into(),
+            limit: 2,
+        },
+        "04000000 0c 0161 02",
+    );
+    // Servers=9 | "f" | [node 01.., addrs ["a"], complete]; Functions=10 | [("f", 3)]
+    let servers = CtlResponse::Servers {
+        function: name("f"),
+        servers: vec![HolderAddr {
+            node: id(1),
+            addrs: vec!["a".into()],
+            complete: true,
+        }],
+    };
+    golden(
+        &servers,
+        &format!("28000000 09 0166 01 {} 01 0161 01", "01".repeat(32)),
+    );
+    let functions = CtlResponse::Functions {
+        functions: vec![(name("f"), 3)],
+    };
+    golden(&functions, "05000000 0a 01 0166 03");
+}
+
+#[test]
+fn call_values_are_checked_before_any_tensor_byte_is_read() {
+    use tb_proto::call::{Body, CallError, MAX_VALUE_DEPTH, TensorSlot, Value};
+    let mut deep = Value::None;
+    for _ in 0..MAX_VALUE_DEPTH {
+        deep = Value::List(vec![deep]);
+    }
+    assert_eq!(deep.validate(), Err(CallError::TooDeep));
+    let huge = Value::Tensor(TensorSlot {
+        dtype: DType::F64,
+        shape: vec![u64::MAX, 2],
+    });
+    assert!(matches!(huge.validate(), Err(CallError::Meta(_))));
+    // A skeleton whose tensors need more bytes than the body has left is refused.
+    let value = Value::Tensor(TensorSlot {
+        dtype: DType::U8,
+        shape: vec![8],
+    });
+    let (head, _) = Body::head(&value).expect("encodes");
+    let short = head.len() as u64 + 7;
+    assert!(matches!(
+        Body::skeleton(&head[4..], short),
+        Err(CallError::Malformed(_))
+    ));
+    // A prefix claiming more than the body holds is refused on the prefix.
+    assert!(Body::skeleton_len(100u32.to_le_bytes(), 50).is_err());
+}

@@ -155,6 +155,22 @@ pub enum CtlRequest {
         /// BLAKE3 hash those of the publish's metadata.
         bytes: Vec<u8>,
     },
+    /// Which live nodes serve `function` now (answered by `Servers`): the members whose
+    /// current epoch holds a mark on the function's advertisement entry
+    /// ([`crate::call::advertised_as`]).
+    Servers {
+        /// The function.
+        function: TensorName,
+    },
+    /// The functions served now whose names start with `prefix`, with their server counts
+    /// (answered by `Functions`).
+    Functions {
+        /// Name characters only, at most [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes; empty
+        /// lists every function.
+        prefix: String,
+        /// Most functions to return, at most [`MAX_LIST_LIMIT`].
+        limit: u32,
+    },
 }
 
 impl CtlRequest {
@@ -172,6 +188,8 @@ impl CtlRequest {
             CtlRequest::SyncBuckets { .. } => "sync_buckets",
             CtlRequest::SyncNames { .. } => "sync_names",
             CtlRequest::Publish { .. } => "publish",
+            CtlRequest::Servers { .. } => "servers",
+            CtlRequest::Functions { .. } => "functions",
         }
     }
 
@@ -199,7 +217,9 @@ impl CtlRequest {
             | CtlRequest::Fetching { .. }
             | CtlRequest::List { .. }
             | CtlRequest::Subscribe { .. }
-            | CtlRequest::Members => None,
+            | CtlRequest::Members
+            | CtlRequest::Servers { .. }
+            | CtlRequest::Functions { .. } => None,
         }
     }
 
@@ -282,6 +302,18 @@ pub enum CtlResponse {
         /// A human-readable explanation naming the thing that failed.
         message: String,
     },
+    /// The answer to `Servers`: the live nodes serving the function now (possibly none).
+    Servers {
+        /// The function.
+        function: TensorName,
+        /// At most [`MAX_HOLDERS_REPLY`] servers, with their addresses.
+        servers: Vec<HolderAddr>,
+    },
+    /// The answer to `Functions`: each function served now, with how many live servers.
+    Functions {
+        /// At most [`MAX_LIST_LIMIT`] functions, in name order.
+        functions: Vec<(TensorName, u32)>,
+    },
 }
 
 impl CtlResponse {
@@ -297,6 +329,8 @@ impl CtlResponse {
             CtlResponse::Ok
             | CtlResponse::Version { .. }
             | CtlResponse::Holders { .. }
+            | CtlResponse::Servers { .. }
+            | CtlResponse::Functions { .. }
             | CtlResponse::Error { .. } => true,
         }
     }

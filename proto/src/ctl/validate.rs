@@ -145,7 +145,7 @@ impl CtlRequest {
                 }
             }
             CtlRequest::Fetching { name, version, .. } => Ok(check_version(name, *version)?),
-            CtlRequest::List { prefix, limit } => {
+            CtlRequest::List { prefix, limit } | CtlRequest::Functions { prefix, limit } => {
                 TensorName::validate_prefix(prefix).map_err(CtlError::Prefix)?;
                 at_most(
                     "entries asked of a listing",
@@ -164,7 +164,8 @@ impl CtlRequest {
             CtlRequest::NextVersion { .. }
             | CtlRequest::Subscribe { .. }
             | CtlRequest::Members
-            | CtlRequest::SyncNames { .. } => Ok(()),
+            | CtlRequest::SyncNames { .. }
+            | CtlRequest::Servers { .. } => Ok(()),
         }
     }
 }
@@ -194,6 +195,18 @@ impl CtlResponse {
                 }
                 Ok(())
             }
+            CtlResponse::Servers { servers, .. } => {
+                at_most("servers", servers.len(), MAX_HOLDERS_REPLY)?;
+                for HolderAddr { node, addrs, .. } in servers {
+                    check_addrs(node, addrs)?;
+                }
+                Ok(())
+            }
+            CtlResponse::Functions { functions } => at_most(
+                "listed functions",
+                functions.len(),
+                MAX_LIST_LIMIT as usize,
+            ),
             CtlResponse::Listing { entries, .. } => {
                 at_most("listed entries", entries.len(), MAX_LIST_LIMIT as usize)?;
                 for ListedEntry {
