@@ -131,6 +131,17 @@ pub enum BrokerMsg {
         reply: RpcReplyPort<Vec<ListedEntry>>,
     },
     /// The membership table.
+    /// `BrokerState::servers`.
+    Servers {
+        function: TensorName,
+        reply: RpcReplyPort<Vec<tb_proto::HolderAddr>>,
+    },
+    /// `BrokerState::functions`.
+    Functions {
+        prefix: String,
+        limit: usize,
+        reply: RpcReplyPort<Vec<(TensorName, u32)>>,
+    },
     Members {
         /// The answer.
         reply: RpcReplyPort<Vec<Member>>,
@@ -324,6 +335,16 @@ impl Actor for BrokerActor {
             }
             BrokerMsg::Members { reply } => {
                 let _ = reply.send(state.members());
+            }
+            BrokerMsg::Servers { function, reply } => {
+                let _ = reply.send(state.servers(&function));
+            }
+            BrokerMsg::Functions {
+                prefix,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(state.functions(&prefix, limit));
             }
             BrokerMsg::Subscribe {
                 pattern,

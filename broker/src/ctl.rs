@@ -439,6 +439,25 @@ impl CtlProtocol {
                     Err(e) => vec![e],
                 };
             }
+            CtlRequest::Servers { function } => {
+                let asked = function.clone();
+                ask(actor, t, |reply| BrokerMsg::Servers { function, reply })
+                    .await
+                    .map(|servers| CtlResponse::Servers {
+                        function: asked,
+                        servers,
+                    })
+            }
+            CtlRequest::Functions { prefix, limit } => {
+                let limit = limit as usize;
+                ask(actor, t, |reply| BrokerMsg::Functions {
+                    prefix,
+                    limit,
+                    reply,
+                })
+                .await
+                .map(|functions| CtlResponse::Functions { functions })
+            }
             CtlRequest::SyncNames { .. } => Ok(error(
                 ErrorCode::Malformed,
                 "SyncNames outside an anti-entropy conversation",

@@ -432,3 +432,58 @@ pub(crate) fn remote_error_from(peer: String, code: ErrorCode, message: String) 
         },
     }
 }
+
+/// A stream on a peer's pooled link with its request sent and the first answer read
+/// ([`Node::open_request`](crate::Node::open_request)): the link stays in use while it lives.
+#[derive(Debug)]
+pub struct RequestStream {
+    /// The rest of what the requester sends.
+    pub send: SendStream,
+    /// What the peer sends after its first answer.
+    pub recv: RecvStream,
+    /// The peer's first answer frame.
+    pub answer: DataResponse,
+    /// The link (held in use until the stream is dropped).
+    pub link: LinkGuard,
+}
+
+/// Opens a stream on a link from `links`, writes `request` then `preamble`, and reads the
+/// first answer; redials once when the peer closed the link gracefully before answering.
+pub(crate) async fn open_request<L, LF>(
+    ctx: &NodeCtx,
+    links: L,
+    request: &DataRequest,
+    preamble: &[&[u8]],
+) -> Result<RequestStream>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+{
+    let what = format!("a {} request", request.kind());
+    with_redial(links, |link| {
+        let what = &what;
+        async move {
+            let sent = async {
+                let (mut send, mut recv) = open(ctx, &link).await?;
+                wire::write_frame(&mut send, request).await?;
+                for part in preamble {
+                    send.write_all(part)
+                        .await
+                        .map_err(|e| Error::Io(format!("{what}: writing: {e}")))?;
+                }
+                let answer = read_response(ctx, &mut recv, what).await?;
+                Ok::<_, Error>((send, recv, answer))
+            };
+            match sent.await {
+                Ok((send, recv, answer)) => Ok(RequestStream {
+                    send,
+                    recv,
+                    answer,
+                    link,
+                }),
+                Err(err) => Err((link, err)),
+            }
+        }
+    })
+    .await
+}

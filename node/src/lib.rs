@@ -113,7 +113,7 @@ mod wire;
 #[cfg(target_os = "linux")]
 #[doc(hidden)]
 pub use channel::force_map_failures_for_tests;
-pub use client::Pulled;
+pub use client::{Pulled, RequestStream};
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{
     Config, DEFAULT_MAX_TENSOR_BYTES, DEFAULT_MIN_SOURCE_RATE, FALLBACK_PUSH_DEVICE_MEMORY,

@@ -731,7 +731,10 @@ fn call_messages() {
     golden(&value, "0f000000 0603 0201 08010102 0701016b040176");
     // A body: the skeleton's u32 LE length, the skeleton, then the tensors' bytes.
     let (head, shape) = Body::head(&value).expect("a small value");
-    assert_eq!(hex::encode(&head), "0f0000000603020108010102070101 6b040176".replace(' ', ""));
+    assert_eq!(
+        hex::encode(&head),
+        "0f0000000603020108010102070101 6b040176".replace(' ', "")
+    );
     assert_eq!((shape.nodes, shape.tensors, shape.tensor_bytes), (5, 1, 2));
     let body_len = head.len() as u64 + 2;
     let skeleton_len = Body::skeleton_len(head[..4].try_into().expect("4"), body_len);

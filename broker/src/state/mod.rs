@@ -438,6 +438,38 @@ impl BrokerState {
             .collect()
     }
 
+    /// The live nodes serving `function` now, with their addresses (at most
+    /// [`MAX_HOLDERS_REPLY`](tb_proto::MAX_HOLDERS_REPLY)).
+    pub fn servers(&self, function: &TensorName) -> Vec<tb_proto::HolderAddr> {
+        let Some(entry) = tb_proto::call::advertised_as(function) else {
+            return Vec::new();
+        };
+        self.registry
+            .advertisers(&entry)
+            .into_iter()
+            .take(tb_proto::MAX_HOLDERS_REPLY)
+            .map(|m| tb_proto::HolderAddr {
+                node: m.node,
+                addrs: m.addrs.clone(),
+                complete: true,
+            })
+            .collect()
+    }
+
+    /// The functions served now whose names start with `prefix`, with their server counts,
+    /// in name order.
+    pub fn functions(&self, prefix: &str, limit: usize) -> Vec<(TensorName, u32)> {
+        let prefix = format!("{}{prefix}", tb_proto::call::FUNCTION_PREFIX);
+        self.registry
+            .advertised(&prefix)
+            .filter_map(|(entry, count)| {
+                let function = tb_proto::call::function_of(entry)?;
+                Some((function, u32::try_from(count).unwrap_or(u32::MAX)))
+            })
+            .take(limit)
+            .collect()
+    }
+
     /// Every membership row, in node id order.
     pub fn members(&self) -> Vec<Member> {
         self.registry.members().cloned().collect()
@@ -527,6 +559,10 @@ impl BrokerState {
 
     /// Whether `node`'s mark says it holds `version` of live `name`.
     fn holds(&self, name: &TensorName, version: u64, node: NodeId) -> bool {
+        // A function's advertisement entry is never published: its marks count all the same.
+        if tb_proto::call::function_of(name).is_some() {
+            return self.registry.marked(name, version, node);
+        }
         self.registry
             .entry(name)
             .is_some_and(|e| e.holders_of(version).any(|n| n == node))

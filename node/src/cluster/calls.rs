@@ -36,6 +36,8 @@ fn kind(response: &CtlResponse) -> &'static str {
         CtlResponse::SyncDiff { .. } => "SyncDiff",
         CtlResponse::SyncEntries { .. } => "SyncEntries",
         CtlResponse::Error { .. } => "Error",
+        CtlResponse::Servers { .. } => "Servers",
+        CtlResponse::Functions { .. } => "Functions",
     }
 }
 
@@ -103,6 +105,41 @@ impl CtlClient {
     ) -> Result<()> {
         let request = CtlRequest::Publish { ops, bytes };
         self.expect_ok("Publish", &request, timeout).await
+    }
+
+    /// `Servers`: the live nodes serving `function` now.
+    pub(crate) async fn servers(
+        &self,
+        function: &TensorName,
+        timeout: Duration,
+    ) -> Result<Vec<HolderAddr>> {
+        let request = CtlRequest::Servers {
+            function: function.clone(),
+        };
+        match single("Servers", self.call(&request, timeout).await?)? {
+            CtlResponse::Servers {
+                function: answered,
+                servers,
+            } if answered == *function => Ok(servers),
+            other => Err(unexpected("Servers", &other)),
+        }
+    }
+
+    /// `Functions`: the functions served now under `prefix`, with their server counts.
+    pub(crate) async fn functions(
+        &self,
+        prefix: &str,
+        limit: u32,
+        timeout: Duration,
+    ) -> Result<Vec<(TensorName, u32)>> {
+        let request = CtlRequest::Functions {
+            prefix: prefix.to_owned(),
+            limit,
+        };
+        match single("Functions", self.call(&request, timeout).await?)? {
+            CtlResponse::Functions { functions } => Ok(functions),
+            other => Err(unexpected("Functions", &other)),
+        }
     }
 
     /// `NextVersion`: the version the broker assigns to this node's next publish of `name`.

@@ -33,6 +33,7 @@ mod background;
 mod calls;
 mod ctl_client;
 mod failover;
+mod functions;
 mod get;
 mod get_into;
 mod get_to;

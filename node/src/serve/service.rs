@@ -85,6 +85,16 @@ impl ServeCtx {
         self.ctx.config.stall_timeout
     }
 
+    /// The largest tensor this node takes (what a service bounds what it reads by).
+    pub fn max_tensor_bytes(&self) -> u64 {
+        self.ctx.config.max_tensor_bytes
+    }
+
+    /// How long a request may wait for its first answer (and a read for its next frame).
+    pub fn request_timeout(&self) -> Duration {
+        self.ctx.config.request_timeout
+    }
+
     /// Whether the node is shutting down (a service stops taking new work).
     pub fn is_stopping(&self) -> bool {
         self.ctx.cancel.is_cancelled()

@@ -202,11 +202,9 @@ impl CtlResponse {
                 }
                 Ok(())
             }
-            CtlResponse::Functions { functions } => at_most(
-                "listed functions",
-                functions.len(),
-                MAX_LIST_LIMIT as usize,
-            ),
+            CtlResponse::Functions { functions } => {
+                at_most("listed functions", functions.len(), MAX_LIST_LIMIT as usize)
+            }
             CtlResponse::Listing { entries, .. } => {
                 at_most("listed entries", entries.len(), MAX_LIST_LIMIT as usize)?;
                 for ListedEntry {

@@ -483,6 +483,47 @@ impl Registry {
             .filter(|(_, e)| e.is_live())
     }
 
+    /// Whether `node` has a present mark on `version` of `name`, published or not: function
+    /// advertisements are marks on entries nobody publishes (see [`crate::call`]).
+    pub fn marked(&self, name: &TensorName, version: u64, node: NodeId) -> bool {
+        self.entries
+            .get(name)
+            .is_some_and(|e| e.holders_of(version).any(|n| n == node))
+    }
+
+    /// The members that advertise under `name` now, in node id order: alive, reachable, and
+    /// holding a present mark at their current epoch. A node that died is not alive; one
+    /// that restarted has a new epoch, so its old marks stop counting with no message.
+    pub fn advertisers(&self, name: &TensorName) -> Vec<&Member> {
+        let Some(entry) = self.entries.get(name) else {
+            return Vec::new();
+        };
+        entry
+            .holders
+            .iter()
+            .filter(|(_, mark)| mark.present)
+            .filter_map(|((node, version), _)| {
+                self.members
+                    .get(node)
+                    .filter(|m| m.alive && !m.addrs.is_empty() && m.epoch == *version)
+            })
+            .collect()
+    }
+
+    /// Entries under `prefix` (published or not) with at least one
+    /// [advertiser](Self::advertisers), with how many, in name order.
+    pub fn advertised<'a>(
+        &'a self,
+        prefix: &'a str,
+    ) -> impl Iterator<Item = (&'a TensorName, usize)> + 'a {
+        self.entries
+            .iter()
+            .skip_while(move |(n, _)| n.as_str() < prefix)
+            .take_while(move |(n, _)| n.as_str().starts_with(prefix))
+            .map(|(name, _)| (name, self.advertisers(name).len()))
+            .filter(|(_, count)| *count > 0)
+    }
+
     /// The membership row for `node`.
     pub fn member(&self, node: &NodeId) -> Option<&Member> {
         self.members.get(node)

@@ -160,6 +160,8 @@ async fn serve_request(
         DataRequest::Channels { .. } | DataRequest::TcpPull { .. } | DataRequest::Pieces { .. } => {
             Err(Error::Io("a channel request on a same-host socket".into()))
         }
+        // Calls are served by the service table, on the pooled QUIC link.
+        DataRequest::Call { .. } => Err(Error::Io("a call on a same-host socket".into())),
     }
 }
 

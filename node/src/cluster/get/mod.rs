@@ -49,7 +49,7 @@
 
 mod one_stream;
 mod pieces;
-mod sources;
+pub(super) mod sources;
 
 use std::sync::Arc;
 

@@ -1,0 +1,363 @@
+//! The calling half: choosing a server, one attempt on it, and retrying where that is safe.
+//!
+//! Servers come from a broker's `Servers` answer, cached per function for [`STALE`]; a
+//! broker is asked again when the list is stale, empty after exclusions, or a server said it
+//! no longer serves the function. Each call picks the less loaded of two random servers by
+//! the load their last answers reported (power of two choices). A call is tried on another
+//! server only when it never started there (refused `Busy` or `NotFound`, or the link failed
+//! before the server accepted it), or when the function is declared idempotent.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use tb_node::{Node, PeerAddr, RequestStream, framing};
+use tb_proto::{
+    DataRequest, DataResponse, ErrorCode, TensorName,
+    call::{CallFrame, CallHead, CallUp, Load},
+};
+
+use crate::{
+    error::CallError,
+    metrics::CallMetrics,
+    value::{Encoded, Value, read_body},
+};
+
+/// How long a function's server list is trusted before a broker is asked again.
+pub const STALE: Duration = Duration::from_secs(5);
+
+/// Most servers one call is tried on.
+const MAX_TRIES: usize = 4;
+
+/// How long a server that answered `Busy` is passed over while others are free.
+const BUSY_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How a call is made.
+#[derive(Debug, Clone, Default)]
+pub struct CallOptions {
+    /// Give up after this long (the server is told the time left and stops too).
+    pub timeout: Option<Duration>,
+    /// The call may run twice: retried on another server even after one was lost mid-call.
+    pub idempotent: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Server {
+    addr: PeerAddr,
+    score: u64,
+    busy_until: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct List {
+    fetched: Instant,
+    servers: Vec<Server>,
+}
+
+/// The cached server lists.
+#[derive(Debug, Default)]
+pub(crate) struct Directory {
+    lists: Mutex<HashMap<TensorName, List>>,
+}
+
+impl Directory {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TensorName, List>> {
+        self.lists.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The cached list, unless stale.
+    fn fresh(&self, function: &TensorName) -> Option<Vec<Server>> {
+        let lists = self.lock();
+        let list = lists.get(function)?;
+        (list.fetched.elapsed() < STALE && !list.servers.is_empty()).then(|| list.servers.clone())
+    }
+
+    async fn servers(
+        &self,
+        node: &Node,
+        function: &TensorName,
+        refresh: bool,
+    ) -> Result<Vec<Server>, CallError> {
+        if !refresh && let Some(servers) = self.fresh(function) {
+            return Ok(servers);
+        }
+        let addrs = node.servers(function).await?;
+        let mut lists = self.lock();
+        let old = lists.remove(function);
+        let score_of = |addr: &PeerAddr| {
+            old.as_ref()
+                .and_then(|l| l.servers.iter().find(|s| s.addr.id == addr.id))
+                .map_or(0, |s| s.score)
+        };
+        let servers: Vec<Server> = addrs
+            .into_iter()
+            .map(|addr| Server {
+                score: score_of(&addr),
+                addr,
+                busy_until: None,
+            })
+            .collect();
+        lists.insert(
+            function.clone(),
+            List {
+                fetched: Instant::now(),
+                servers: servers.clone(),
+            },
+        );
+        Ok(servers)
+    }
+
+    fn update(&self, function: &TensorName, server: &PeerAddr, change: impl FnOnce(&mut Server)) {
+        let mut lists = self.lock();
+        if let Some(s) = lists
+            .get_mut(function)
+            .and_then(|l| l.servers.iter_mut().find(|s| s.addr.id == server.id))
+        {
+            change(s);
+        }
+    }
+
+    fn loaded(&self, function: &TensorName, server: &PeerAddr, load: Load) {
+        self.update(function, server, |s| {
+            s.score = load.score();
+            s.busy_until = None;
+        });
+    }
+
+    fn busy(&self, function: &TensorName, server: &PeerAddr) {
+        self.update(function, server, |s| {
+            s.busy_until = Some(Instant::now() + BUSY_BACKOFF);
+        });
+    }
+
+    fn forget(&self, function: &TensorName, server: &PeerAddr) {
+        let mut lists = self.lock();
+        if let Some(list) = lists.get_mut(function) {
+            list.servers.retain(|s| s.addr.id != server.id);
+        }
+    }
+}
+
+fn random_below(n: usize) -> usize {
+    let mut bytes = [0u8; 8];
+    // Falls back to the first server should the OS refuse randomness.
+    let _ = getrandom::fill(&mut bytes);
+    (u64::from_le_bytes(bytes) % n.max(1) as u64) as usize
+}
+
+/// The less loaded of two random servers not in `tried`, free ones first.
+fn pick(servers: &[Server], tried: &[PeerAddr]) -> Option<PeerAddr> {
+    let now = Instant::now();
+    let left: Vec<&Server> = servers
+        .iter()
+        .filter(|s| !tried.iter().any(|t| t.id == s.addr.id))
+        .collect();
+    let free: Vec<&Server> = left
+        .iter()
+        .copied()
+        .filter(|s| s.busy_until.is_none_or(|until| until <= now))
+        .collect();
+    let pool = if free.is_empty() { left } else { free };
+    match pool.len() {
+        0 => None,
+        1 => Some(pool[0].addr.clone()),
+        n => {
+            let a = random_below(n);
+            let b = (a + 1 + random_below(n - 1)) % n;
+            let best = if pool[a].score <= pool[b].score { a } else { b };
+            Some(pool[best].addr.clone())
+        }
+    }
+}
+
+/// What one attempt's first answer says.
+pub(crate) struct Started {
+    pub(crate) stream: RequestStream,
+    pub(crate) server: PeerAddr,
+}
+
+/// The caller's state shared by every call through one [`Calls`](crate::Calls).
+pub(crate) struct Caller {
+    pub(crate) node: Node,
+    pub(crate) directory: Directory,
+    pub(crate) metrics: Arc<CallMetrics>,
+}
+
+impl Caller {
+    /// Finds a server, sends the call, and hands back the stream once it is accepted (the
+    /// arguments written). Tries other servers while the call never started.
+    pub(crate) async fn start(
+        &self,
+        function: &TensorName,
+        args: &Encoded,
+        head: CallHead,
+        tried: &mut Vec<PeerAddr>,
+    ) -> Result<Started, CallError> {
+        let mut refresh = false;
+        let mut last = None;
+        while tried.len() < MAX_TRIES {
+            let servers = self
+                .directory
+                .servers(&self.node, function, refresh)
+                .await?;
+            let Some(server) = pick(&servers, tried) else {
+                if !refresh {
+                    refresh = true;
+                    continue;
+                }
+                break;
+            };
+            tried.push(server.clone());
+            match self.attempt(function, &server, args, head).await {
+                Ok(stream) => return Ok(Started { stream, server }),
+                Err(e) if e.never_started() || matches!(e, CallError::NoServer { .. }) => {
+                    if matches!(e, CallError::NoServer { .. }) {
+                        self.directory.forget(function, &server);
+                        refresh = true;
+                    }
+                    last = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| CallError::NoServer {
+            function: function.to_string(),
+        }))
+    }
+
+    /// One try on `server`, up to its acceptance (the arguments then written).
+    async fn attempt(
+        &self,
+        function: &TensorName,
+        server: &PeerAddr,
+        args: &Encoded,
+        head: CallHead,
+    ) -> Result<RequestStream, CallError> {
+        let lost = |reason: String, maybe_ran| CallError::ServerLost {
+            function: function.to_string(),
+            server: server.id.fmt_short().to_string(),
+            maybe_ran,
+            reason,
+        };
+        let request = DataRequest::Call {
+            function: function.clone(),
+            head,
+        };
+        let parts = args.parts();
+        let preamble: &[&[u8]] = if head.inline() { &parts } else { &[] };
+        let mut stream = match self.node.open_request(server, &request, preamble).await {
+            Ok(stream) => stream,
+            Err(tb_node::Error::Shutdown) => return Err(tb_node::Error::Shutdown.into()),
+            Err(e) => return Err(lost(e.to_string(), false)),
+        };
+        let refused = |detail: String| (function.to_string(), detail);
+        match std::mem::replace(&mut stream.answer, DataResponse::Ack) {
+            DataResponse::Accepted { load } => self.directory.loaded(function, server, load),
+            DataResponse::Error { code, message } => {
+                let (function_s, detail) = refused(message);
+                return Err(match code {
+                    ErrorCode::Busy => {
+                        self.directory.busy(function, server);
+                        CallError::Overloaded {
+                            function: function_s,
+                            detail,
+                        }
+                    }
+                    ErrorCode::NotFound | ErrorCode::Unsupported | ErrorCode::ShuttingDown => {
+                        CallError::NoServer {
+                            function: function_s,
+                        }
+                    }
+                    ErrorCode::Unauthorized => CallError::Unauthorized {
+                        function: function_s,
+                        detail,
+                    },
+                    ErrorCode::TooLarge => CallError::BadValue {
+                        function: function_s,
+                        detail,
+                    },
+                    _ => lost(format!("{code:?}: {detail}"), false),
+                });
+            }
+            other => return Err(lost(format!("unexpected answer {other:?}"), false)),
+        }
+        if !head.inline() {
+            args.write(&mut stream.send)
+                .await
+                .map_err(|e| lost(e, true))?;
+        }
+        self.metrics.bytes("out", args.len());
+        if !head.stream {
+            let _ = stream.send.finish();
+        }
+        Ok(stream)
+    }
+
+    /// Reads the next frame of a started call: an item's value (`Some`) or the end (`None`).
+    pub(crate) async fn next_item(
+        &self,
+        function: &TensorName,
+        started: &mut Started,
+    ) -> Result<Option<(u64, Value)>, CallError> {
+        let server = started.server.clone();
+        let lost = |reason: String| CallError::ServerLost {
+            function: function.to_string(),
+            server: server.id.fmt_short().to_string(),
+            maybe_ran: true,
+            reason,
+        };
+        let recv = &mut started.stream.recv;
+        let frame: CallFrame = framing::read_frame(recv)
+            .await
+            .map_err(|e| lost(e.into_error("the call's answer").to_string()))?;
+        match frame {
+            CallFrame::Item { index, body_len } => {
+                let max = self.node.config().max_tensor_bytes;
+                if body_len > max {
+                    return Err(CallError::BadValue {
+                        function: function.to_string(),
+                        detail: format!("a result of {body_len} bytes is over this node's {max}"),
+                    });
+                }
+                let value = read_body(recv, body_len).await.map_err(|e| match e {
+                    crate::value::ReadError::Closed(reason) => lost(reason),
+                    invalid => CallError::BadValue {
+                        function: function.to_string(),
+                        detail: invalid.to_string(),
+                    },
+                })?;
+                self.metrics.bytes("in", body_len);
+                Ok(Some((index, value)))
+            }
+            CallFrame::Done { load } => {
+                self.directory.loaded(function, &server, load);
+                Ok(None)
+            }
+            CallFrame::Failed(failure) => {
+                failure.validate().map_err(|e| CallError::BadValue {
+                    function: function.to_string(),
+                    detail: e.to_string(),
+                })?;
+                Err(CallError::Remote {
+                    function: function.to_string(),
+                    server: server.id.fmt_short().to_string(),
+                    failure,
+                })
+            }
+        }
+    }
+
+    /// Grants the server `n` more items of a streaming call.
+    pub(crate) async fn credit(&self, started: &mut Started, n: u32) -> Result<(), CallError> {
+        framing::write_frame(&mut started.stream.send, &CallUp::Credit(n))
+            .await
+            .map_err(|e| CallError::ServerLost {
+                function: String::new(),
+                server: started.server.id.fmt_short().to_string(),
+                maybe_ran: true,
+                reason: e.to_string(),
+            })
+    }
+}

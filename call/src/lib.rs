@@ -1,0 +1,356 @@
+//! tb-call: remote functions over tensors, served and called by name.
+//!
+//! A node serves functions under names ([`Calls::serve`]) and calls those of others
+//! ([`Calls::call`], [`Calls::stream`]). It sits on tb-node's extension point for request
+//! kinds: a [`Service`](tb_node::Service) for `RequestKind::Call` on the pooled data link,
+//! and [`Node::open_request`](tb_node::Node::open_request) to send one. The wire is
+//! tb-proto's (`tb_proto::call`: golden bytes, limits, a fuzz target).
+//!
+//! The parts:
+//! - [`value`]: what functions take and return ([`Value`]: numbers, strings, bytes, lists,
+//!   maps and tensors; nothing that runs code), and how it is written and read;
+//! - `server`: the table of served functions, their concurrency and queue limits, and the
+//!   service that answers calls;
+//! - `caller`: choosing a server (cached lists, the less loaded of two), one attempt, and
+//!   the retry rule;
+//! - [`metrics`]: calls by side and result, durations, in flight, bytes.
+//!
+//! How a call flows: the caller looks the function's servers up (a broker's `Servers`
+//! answer, cached for [`caller::STALE`]), picks one, opens a stream on the pooled link and
+//! sends `Call` with the deadline left and — when small — the arguments. The server refuses
+//! (`Busy`, `NotFound`, `Unauthorized`) or accepts before reading any large argument; then
+//! it runs the handler when a slot frees and sends the result items and `Done`. The caller
+//! dropping the stream (a timeout, a cancel) cancels the call on the server.
+//!
+//! Where calls are advertised: a server marks the function's registry entry at its epoch
+//! ([`Node::advertise`](tb_node::Node::advertise)); brokers answer with live members only,
+//! so dead and restarted servers drop out without an unregister message. Brokers never see
+//! arguments.
+
+pub mod caller;
+mod error;
+pub mod metrics;
+mod server;
+pub mod value;
+
+use std::{sync::Arc, time::Duration};
+
+use tb_node::Node;
+use tb_proto::{RequestKind, TensorName, call::CallHead};
+
+pub use caller::CallOptions;
+pub use error::CallError;
+pub use server::{CallContext, FunctionSpec, Handler, HandlerResult, Output};
+pub use tb_proto::call::{FailureKind, Load, RemoteFailure};
+pub use value::{HostTensor, Value};
+
+use caller::{Caller, Directory, Started};
+use metrics::CallMetrics;
+use server::{CallService, Served, Table};
+use value::Encoded;
+
+/// How long an unserved function waits for its calls to end before it stops waiting.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Remote functions on one node: what it serves, and calls to what others serve. Cheap to
+/// clone.
+#[derive(Clone)]
+pub struct Calls {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    table: Arc<Table>,
+    caller: Caller,
+}
+
+impl std::fmt::Debug for Calls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Calls")
+            .field("serving", &self.inner.table.names())
+            .finish()
+    }
+}
+
+impl Calls {
+    /// Serves calls on `node` (its `Call` requests) and makes calls from it. One per node:
+    /// a second is refused with `InUse`.
+    pub fn attach(node: &Node) -> Result<Calls, tb_node::Error> {
+        let table = Arc::new(Table::default());
+        let metrics = Arc::new(CallMetrics::new(node.metrics().registry()));
+        let service = CallService {
+            table: table.clone(),
+            metrics: metrics.clone(),
+        };
+        node.add_service(RequestKind::Call, Arc::new(service))?;
+        Ok(Calls {
+            inner: Arc::new(Inner {
+                table,
+                caller: Caller {
+                    node: node.clone(),
+                    directory: Directory::default(),
+                    metrics,
+                },
+            }),
+        })
+    }
+
+    /// The node.
+    pub fn node(&self) -> &Node {
+        &self.inner.caller.node
+    }
+
+    /// The call metrics.
+    pub fn metrics(&self) -> &CallMetrics {
+        &self.inner.caller.metrics
+    }
+
+    /// Serves `handler` as `spec.name` and advertises it to the cluster (needs read-write
+    /// access: brokers refuse a read-only node's advertisement). The handle unserves it when
+    /// dropped, after its calls end; [`Serving::stop`] does the same and waits.
+    pub async fn serve(
+        &self,
+        spec: FunctionSpec,
+        handler: impl Handler,
+    ) -> Result<Serving, tb_node::Error> {
+        let name = spec.name.clone();
+        let served = Arc::new(Served::new(spec, Arc::new(handler)));
+        if !self.inner.table.add(served.clone()) {
+            return Err(tb_node::Error::InUse(format!(
+                "function \"{name}\" is served by this node already"
+            )));
+        }
+        if let Err(e) = self.node().advertise(&name).await {
+            self.inner.table.remove(&name);
+            return Err(e);
+        }
+        Ok(Serving {
+            calls: self.clone(),
+            served: Some(served),
+        })
+    }
+
+    /// The functions this node serves, in name order.
+    pub fn serving(&self) -> Vec<TensorName> {
+        self.inner.table.names()
+    }
+
+    /// Calls `function` with `args` and returns its result.
+    pub async fn call(
+        &self,
+        function: &str,
+        args: &Value,
+        options: &CallOptions,
+    ) -> Result<Value, CallError> {
+        let function = TensorName::new(function).map_err(tb_node::Error::from)?;
+        let encoded = encode(&function, args)?;
+        let started = std::time::Instant::now();
+        let caller = &self.inner.caller;
+        caller.metrics.in_flight("caller", 1);
+        let call = self.call_retrying(&function, &encoded, options);
+        let result = match options.timeout {
+            Some(timeout) => tokio::time::timeout(timeout, call)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(CallError::Timeout {
+                        function: function.to_string(),
+                        timeout,
+                    })
+                }),
+            None => call.await,
+        };
+        caller.metrics.in_flight("caller", -1);
+        caller.metrics.called_in(started.elapsed());
+        caller.metrics.ended("caller", result_label(&result));
+        result
+    }
+
+    async fn call_retrying(
+        &self,
+        function: &TensorName,
+        args: &Encoded,
+        options: &CallOptions,
+    ) -> Result<Value, CallError> {
+        let caller = &self.inner.caller;
+        let deadline = options.timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut tried = Vec::new();
+        loop {
+            let head = CallHead {
+                deadline_ms: deadline.map(|d| {
+                    d.saturating_duration_since(tokio::time::Instant::now())
+                        .as_millis() as u64
+                }),
+                body_len: args.len(),
+                stream: false,
+                start: 0,
+            };
+            let mut started = caller.start(function, args, head, &mut tried).await?;
+            let result = async {
+                let (_, value) =
+                    caller
+                        .next_item(function, &mut started)
+                        .await?
+                        .ok_or_else(|| CallError::BadValue {
+                            function: function.to_string(),
+                            detail: "the server ended the call without a result".into(),
+                        })?;
+                // `Done` (or a late failure) follows the one result.
+                caller.next_item(function, &mut started).await?;
+                Ok(value)
+            }
+            .await;
+            match result {
+                Err(CallError::ServerLost { .. }) if options.idempotent && tried.len() < 4 => {
+                    continue;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Calls streaming `function` with `args`: the returned stream yields its items, with at
+    /// most `prefetch` (at least 1) requested ahead of what was taken.
+    pub async fn stream(
+        &self,
+        function: &str,
+        args: &Value,
+        prefetch: u32,
+    ) -> Result<CallStream, CallError> {
+        let function = TensorName::new(function).map_err(tb_node::Error::from)?;
+        let encoded = encode(&function, args)?;
+        let head = CallHead {
+            deadline_ms: None,
+            body_len: encoded.len(),
+            stream: true,
+            start: 0,
+        };
+        let caller = &self.inner.caller;
+        let mut started = caller
+            .start(&function, &encoded, head, &mut Vec::new())
+            .await?;
+        let prefetch = prefetch.max(1);
+        caller.credit(&mut started, prefetch).await?;
+        Ok(CallStream {
+            calls: self.clone(),
+            function,
+            started: Some(started),
+        })
+    }
+}
+
+fn encode(function: &TensorName, args: &Value) -> Result<Encoded, CallError> {
+    Encoded::new(args).map_err(|e| CallError::BadValue {
+        function: function.to_string(),
+        detail: e.to_string(),
+    })
+}
+
+fn result_label(result: &Result<Value, CallError>) -> &'static str {
+    match result {
+        Ok(_) => "ok",
+        Err(CallError::Remote { .. }) => "error",
+        Err(CallError::Overloaded { .. }) => "overloaded",
+        Err(CallError::Timeout { .. }) => "timeout",
+        Err(CallError::ServerLost { .. }) => "lost",
+        Err(_) => "failed",
+    }
+}
+
+/// The items of a streaming call, taken one at a time ([`CallStream::next`]). Dropping it
+/// cancels the call on its server.
+pub struct CallStream {
+    calls: Calls,
+    function: TensorName,
+    started: Option<Started>,
+}
+
+impl std::fmt::Debug for CallStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallStream")
+            .field("function", &self.function)
+            .field("ended", &self.started.is_none())
+            .finish()
+    }
+}
+
+impl CallStream {
+    /// The next item, `None` once the stream ended.
+    pub async fn next(&mut self) -> Option<Result<Value, CallError>> {
+        let started = self.started.as_mut()?;
+        let caller = &self.calls.inner.caller;
+        let item = caller.next_item(&self.function, started).await;
+        match item {
+            Ok(Some((_, value))) => {
+                if let Err(e) = caller.credit(started, 1).await {
+                    self.started = None;
+                    return Some(Err(e));
+                }
+                Some(Ok(value))
+            }
+            Ok(None) => {
+                self.started = None;
+                None
+            }
+            Err(e) => {
+                self.started = None;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+/// A function being served; dropping it unserves the function once its calls end.
+pub struct Serving {
+    calls: Calls,
+    served: Option<Arc<Served>>,
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = self.served.as_ref().map(|s| s.spec.name.to_string());
+        f.debug_struct("Serving").field("function", &name).finish()
+    }
+}
+
+impl Serving {
+    /// The function's name.
+    pub fn name(&self) -> Option<&TensorName> {
+        self.served.as_ref().map(|s| &s.spec.name)
+    }
+
+    /// Calls running or queued now.
+    pub fn outstanding(&self) -> u32 {
+        self.served.as_ref().map_or(0, |s| s.outstanding())
+    }
+
+    /// Unserves the function: withdraws it from the cluster, refuses new calls (callers try
+    /// another server), and waits for those admitted to end (at most [`DRAIN_TIMEOUT`]).
+    pub async fn stop(mut self) {
+        if let Some(served) = self.served.take() {
+            drain(self.calls.clone(), served).await;
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(served) = self.served.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(drain(self.calls.clone(), served));
+        }
+    }
+}
+
+async fn drain(calls: Calls, served: Arc<Served>) {
+    let name = served.spec.name.clone();
+    served.closing.cancel();
+    if let Err(e) = calls.node().withdraw(&name).await {
+        tracing::debug!(%name, %e, "withdrawing a function failed (its mark lapses with this node)");
+    }
+    let until = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+    while served.outstanding() > 0 && tokio::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    calls.inner.table.remove(&name);
+}

@@ -1,0 +1,512 @@
+//! The serving half: a table of functions by name, and the [`Service`] that answers
+//! `Call` requests on the node's data links with it.
+//!
+//! Per call, in order: the function is looked up (`NotFound`), the caller's access checked
+//! (`Unauthorized`: read-only callers, unless the function admits them), and a place taken
+//! within the function's concurrency plus queue (`Busy` beyond it) — all before any
+//! argument byte is read, so an overloaded server is sent nothing large. Then `Accepted`
+//! with the load, the arguments, a slot (queued calls wait), the handler, and its results.
+//! The caller stopping its side of the stream (its deadline, a cancel, Ctrl-C) cancels the
+//! call wherever it is: a queued call never runs, a running handler's future is dropped and
+//! its [`CallContext`] says so to code that polls it (a Python sync handler).
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use iroh::endpoint::SendStream;
+use tb_node::{ServeCtx, Service, ServiceFuture, ServiceStream, framing};
+use tb_proto::{
+    Access, DataRequest, DataResponse, ErrorCode, TensorName,
+    call::{CallFrame, CallHead, CallUp, FailureKind, Load, MAX_CREDIT, RemoteFailure},
+};
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::value::{Encoded, Value, read_body};
+
+/// What a handler's call ends with: a value, or a failure the caller gets as a remote error.
+pub type HandlerResult = Result<Value, RemoteFailure>;
+
+/// What a handler returns for one call.
+pub enum Output {
+    /// One result (a unary function).
+    Unary(Pin<Box<dyn Future<Output = HandlerResult> + Send>>),
+    /// A stream of results, ended by the sender's drop. The server takes an item from it
+    /// only when the caller has credit for one, so a producer feeding a bounded channel runs
+    /// at most the channel's capacity ahead of the caller's prefetch.
+    Stream(mpsc::Receiver<HandlerResult>),
+}
+
+/// What a call's handler knows about it.
+#[derive(Debug, Clone)]
+pub struct CallContext {
+    /// The caller's node.
+    pub caller: iroh::EndpointId,
+    /// The item index a resumed stream starts from.
+    pub start: u64,
+    /// Cancelled when the caller stops waiting, the deadline passes or the server stops.
+    pub cancel: CancellationToken,
+}
+
+/// A function's code.
+pub trait Handler: Send + Sync + 'static {
+    /// Starts one call with `args`.
+    fn call(&self, args: Value, cx: CallContext) -> Output;
+}
+
+impl<F> Handler for F
+where
+    F: Fn(Value, CallContext) -> Output + Send + Sync + 'static,
+{
+    fn call(&self, args: Value, cx: CallContext) -> Output {
+        self(args, cx)
+    }
+}
+
+/// How a function is served.
+#[derive(Debug, Clone)]
+pub struct FunctionSpec {
+    /// Its name.
+    pub name: TensorName,
+    /// Calls running at once.
+    pub concurrency: u32,
+    /// Calls waiting for a slot beyond those; further calls are refused `Busy`.
+    pub queue: u32,
+    /// Whether read-only callers may call it (a pure function on a read-only inference node's
+    /// path); read-write callers only otherwise.
+    pub read_only_callers: bool,
+    /// Whether a call may run twice (callers then retry it elsewhere after a lost server).
+    pub idempotent: bool,
+}
+
+impl FunctionSpec {
+    /// A function called `name`, one call at a time, 64 queued, read-write callers only.
+    pub fn new(name: &str) -> Result<Self, tb_proto::NameError> {
+        Ok(FunctionSpec {
+            name: TensorName::new(name)?,
+            concurrency: 1,
+            queue: 64,
+            read_only_callers: false,
+            idempotent: false,
+        })
+    }
+
+    /// With `n` calls running at once (at least 1).
+    pub fn concurrency(mut self, n: u32) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// With at most `n` calls waiting.
+    pub fn queue(mut self, n: u32) -> Self {
+        self.queue = n;
+        self
+    }
+}
+
+/// One served function.
+pub(crate) struct Served {
+    pub(crate) spec: FunctionSpec,
+    handler: Arc<dyn Handler>,
+    slots: Arc<Semaphore>,
+    running: AtomicU32,
+    queued: AtomicU32,
+    /// Cancelled when the function is being unserved: new calls are refused `NotFound`
+    /// (callers try another server), those admitted already run to their end.
+    pub(crate) closing: CancellationToken,
+}
+
+impl Served {
+    pub(crate) fn new(spec: FunctionSpec, handler: Arc<dyn Handler>) -> Self {
+        Served {
+            slots: Arc::new(Semaphore::new(spec.concurrency as usize)),
+            spec,
+            handler,
+            running: AtomicU32::new(0),
+            queued: AtomicU32::new(0),
+            closing: CancellationToken::new(),
+        }
+    }
+
+    pub(crate) fn load(&self) -> Load {
+        Load {
+            running: self.running.load(Ordering::Relaxed),
+            queued: self.queued.load(Ordering::Relaxed),
+            concurrency: self.spec.concurrency,
+        }
+    }
+
+    /// Calls running or waiting now.
+    pub(crate) fn outstanding(&self) -> u32 {
+        let load = self.load();
+        load.running + load.queued
+    }
+
+    /// Takes a place in the queue, or `None` when concurrency and queue are full.
+    fn admit(&self) -> Option<Place<'_>> {
+        let limit = self.spec.concurrency.saturating_add(self.spec.queue);
+        let taken = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                let running = self.running.load(Ordering::Acquire);
+                (q + running < limit).then_some(q + 1)
+            });
+        taken.ok().map(|_| Place {
+            served: self,
+            running: false,
+        })
+    }
+}
+
+/// A call's place: queued, then running; given back on drop.
+struct Place<'a> {
+    served: &'a Served,
+    running: bool,
+}
+
+impl Place<'_> {
+    fn start(&mut self) {
+        self.served.queued.fetch_sub(1, Ordering::AcqRel);
+        self.served.running.fetch_add(1, Ordering::AcqRel);
+        self.running = true;
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let counter = match self.running {
+            true => &self.served.running,
+            false => &self.served.queued,
+        };
+        counter.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The functions a node serves, by name.
+#[derive(Default)]
+pub(crate) struct Table {
+    functions: RwLock<HashMap<TensorName, Arc<Served>>>,
+}
+
+impl Table {
+    pub(crate) fn get(&self, name: &TensorName) -> Option<Arc<Served>> {
+        let table = self.functions.read().unwrap_or_else(|e| e.into_inner());
+        table.get(name).cloned()
+    }
+
+    /// Adds `served`; false when the name is served already.
+    pub(crate) fn add(&self, served: Arc<Served>) -> bool {
+        let mut table = self.functions.write().unwrap_or_else(|e| e.into_inner());
+        match table.contains_key(&served.spec.name) {
+            true => false,
+            false => {
+                table.insert(served.spec.name.clone(), served);
+                true
+            }
+        }
+    }
+
+    pub(crate) fn remove(&self, name: &TensorName) -> Option<Arc<Served>> {
+        let mut table = self.functions.write().unwrap_or_else(|e| e.into_inner());
+        table.remove(name)
+    }
+
+    pub(crate) fn names(&self) -> Vec<TensorName> {
+        let table = self.functions.read().unwrap_or_else(|e| e.into_inner());
+        let mut names: Vec<_> = table.keys().cloned().collect();
+        names.sort();
+        names
+    }
+}
+
+/// The `Call` request service.
+pub(crate) struct CallService {
+    pub(crate) table: Arc<Table>,
+    pub(crate) metrics: Arc<crate::metrics::CallMetrics>,
+}
+
+impl Service for CallService {
+    fn serve<'a>(&'a self, node: &'a ServeCtx, stream: ServiceStream) -> ServiceFuture<'a> {
+        Box::pin(self.serve_call(node, stream))
+    }
+}
+
+/// Answers a refusal as the call's first answer.
+async fn refuse(send: &mut SendStream, code: ErrorCode, message: String) {
+    let _ = framing::write_frame(send, &DataResponse::Error { code, message }).await;
+    let _ = send.finish();
+}
+
+impl CallService {
+    async fn serve_call(&self, node: &ServeCtx, stream: ServiceStream) {
+        let ServiceStream {
+            request,
+            peer,
+            access,
+            mut send,
+            mut recv,
+            ..
+        } = stream;
+        let DataRequest::Call { function, head } = request else {
+            return refuse(&mut send, ErrorCode::Internal, "not a call".into()).await;
+        };
+        if let Err(e) = head.validate(node.max_tensor_bytes()) {
+            return refuse(&mut send, ErrorCode::TooLarge, e.to_string()).await;
+        }
+        let Some(served) = self
+            .table
+            .get(&function)
+            .filter(|s| !s.closing.is_cancelled())
+        else {
+            let message = format!("function \"{function}\" is not served by this node");
+            return refuse(&mut send, ErrorCode::NotFound, message).await;
+        };
+        if access == Access::ReadOnly && !served.spec.read_only_callers {
+            let message = format!(
+                "function \"{function}\" takes read-write callers only (this caller proved read-only access)"
+            );
+            self.metrics.ended("server", "refused");
+            return refuse(&mut send, ErrorCode::Unauthorized, message).await;
+        }
+        let Some(mut place) = served.admit() else {
+            let load = served.load();
+            let message = format!(
+                "function \"{function}\" is overloaded here: {} running, {} queued (concurrency {}, queue {})",
+                load.running, load.queued, served.spec.concurrency, served.spec.queue
+            );
+            self.metrics.ended("server", "overloaded");
+            return refuse(&mut send, ErrorCode::Busy, message).await;
+        };
+        let accepted = DataResponse::Accepted {
+            load: served.load(),
+        };
+        if framing::write_frame(&mut send, &accepted).await.is_err() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        self.metrics.in_flight("server", 1);
+        let cancel = node_cancel(node, &served);
+        let deadline = head.deadline_ms.map(Duration::from_millis);
+        let call = Call {
+            served: &served,
+            head,
+            caller: peer,
+            cancel: cancel.clone(),
+            metrics: &self.metrics,
+        };
+        let run = call.run(&mut place, &mut send, &mut recv);
+        let outcome = tokio::select! {
+            outcome = run => outcome,
+            () = cancel.cancelled() => Outcome::Cancelled,
+            () = sleep_or_never(deadline) => Outcome::Deadline,
+        };
+        cancel.cancel();
+        drop(place);
+        self.metrics.served_in(started.elapsed());
+        self.metrics.in_flight("server", -1);
+        self.finish(node, &function, outcome, &mut send, &served)
+            .await;
+    }
+
+    /// Writes how a call ended, when the caller still listens.
+    async fn finish(
+        &self,
+        node: &ServeCtx,
+        function: &TensorName,
+        outcome: Outcome,
+        send: &mut SendStream,
+        served: &Served,
+    ) {
+        let failure = match outcome {
+            Outcome::Done => None,
+            Outcome::Failed(f) => Some(f),
+            Outcome::Deadline => Some(RemoteFailure::new(
+                FailureKind::DeadlineExceeded,
+                "TimeoutError",
+                format!("function \"{function}\": the caller's deadline passed on the server"),
+                "",
+            )),
+            Outcome::Cancelled | Outcome::Gone => {
+                self.metrics.ended("server", "cancelled");
+                debug!(%function, "the caller stopped waiting: the call was cancelled");
+                return;
+            }
+        };
+        let frame = match failure {
+            None => {
+                self.metrics.ended("server", "ok");
+                CallFrame::Done {
+                    load: served.load(),
+                }
+            }
+            Some(failure) => {
+                self.metrics.ended("server", "error");
+                CallFrame::Failed(failure)
+            }
+        };
+        let stall = node.stall_timeout();
+        let _ = framing::write_frame_within(send, &frame, stall).await;
+        let _ = send.finish();
+    }
+}
+
+/// The call's own token: cancelled by the node's shutdown too.
+fn node_cancel(node: &ServeCtx, served: &Served) -> CancellationToken {
+    let cancel = CancellationToken::new();
+    let (token, node) = (cancel.clone(), node.clone());
+    let _ = served;
+    tokio::spawn(async move {
+        tokio::select! {
+            () = node.stopping() => token.cancel(),
+            () = token.cancelled() => {},
+        }
+    });
+    cancel
+}
+
+async fn sleep_or_never(after: Option<Duration>) {
+    match after {
+        Some(after) => tokio::time::sleep(after).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// How a call ended on the server.
+enum Outcome {
+    Done,
+    Failed(RemoteFailure),
+    Deadline,
+    /// The caller stopped its side (cancel, timeout, Ctrl-C) or the server stopped.
+    Cancelled,
+    /// The stream failed under a write.
+    Gone,
+}
+
+struct Call<'a> {
+    served: &'a Served,
+    head: CallHead,
+    caller: iroh::EndpointId,
+    cancel: CancellationToken,
+    metrics: &'a crate::metrics::CallMetrics,
+}
+
+impl Call<'_> {
+    async fn run(
+        self,
+        place: &mut Place<'_>,
+        send: &mut SendStream,
+        recv: &mut iroh::endpoint::RecvStream,
+    ) -> Outcome {
+        let args = match read_body(recv, self.head.body_len).await {
+            Ok(args) => args,
+            Err(e) => {
+                return Outcome::Failed(RemoteFailure::new(
+                    FailureKind::BadArguments,
+                    "ValueError",
+                    format!("the arguments could not be read: {e}"),
+                    "",
+                ));
+            }
+        };
+        self.metrics.bytes("in", self.head.body_len);
+        // Wait for a slot, unless the caller goes or the function is unserved meanwhile.
+        let slots = self.served.slots.clone();
+        let permit = tokio::select! {
+            permit = slots.acquire_owned() => permit,
+            stop = send.stopped() => {
+                debug!(?stop, "the caller stopped while the call was queued");
+                return Outcome::Cancelled;
+            }
+        };
+        let Ok(_permit) = permit else {
+            return Outcome::Cancelled;
+        };
+        place.start();
+        let cx = CallContext {
+            caller: self.caller,
+            start: self.head.start,
+            cancel: self.cancel.clone(),
+        };
+        match self.served.handler.call(args, cx) {
+            Output::Unary(fut) => {
+                let result = tokio::select! {
+                    result = fut => result,
+                    _ = send.stopped() => return Outcome::Cancelled,
+                };
+                match result {
+                    Ok(value) => self.send_item(send, 0, &value).await,
+                    Err(failure) => Outcome::Failed(failure),
+                }
+            }
+            Output::Stream(items) => self.stream(items, send, recv).await,
+        }
+    }
+
+    /// Sends one result item; `Done` when it went out.
+    async fn send_item(&self, send: &mut SendStream, index: u64, value: &Value) -> Outcome {
+        let encoded = match Encoded::new(value) {
+            Ok(encoded) => encoded,
+            Err(e) => {
+                return Outcome::Failed(RemoteFailure::new(
+                    FailureKind::Raised,
+                    "ValueError",
+                    format!("the handler returned a value the wire cannot carry: {e}"),
+                    "",
+                ));
+            }
+        };
+        let item = CallFrame::Item {
+            index,
+            body_len: encoded.len(),
+        };
+        if framing::write_frame(send, &item).await.is_err() || encoded.write(send).await.is_err() {
+            return Outcome::Gone;
+        }
+        self.metrics.bytes("out", encoded.len());
+        Outcome::Done
+    }
+
+    /// Sends a stream's items as the caller grants credit.
+    async fn stream(
+        &self,
+        mut items: mpsc::Receiver<HandlerResult>,
+        send: &mut SendStream,
+        recv: &mut iroh::endpoint::RecvStream,
+    ) -> Outcome {
+        let mut credit: u64 = 0;
+        let mut index = self.head.start;
+        loop {
+            if credit == 0 {
+                match framing::read_frame::<CallUp>(recv).await {
+                    Ok(CallUp::Credit(n)) => credit += u64::from(n.min(MAX_CREDIT)),
+                    Err(_) => return Outcome::Cancelled,
+                }
+                continue;
+            }
+            let next = tokio::select! {
+                next = items.recv() => next,
+                _ = send.stopped() => return Outcome::Cancelled,
+            };
+            match next {
+                None => return Outcome::Done,
+                Some(Err(failure)) => return Outcome::Failed(failure),
+                Some(Ok(value)) => match self.send_item(send, index, &value).await {
+                    Outcome::Done => {
+                        credit -= 1;
+                        index += 1;
+                    }
+                    other => return other,
+                },
+            }
+        }
+    }
+}
