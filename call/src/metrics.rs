@@ -98,6 +98,11 @@ impl CallMetrics {
         self.in_flight.with_label_values(&[side]).add(delta);
     }
 
+    /// Body bytes moved `direction` so far.
+    pub fn bytes_moved(&self, direction: &str) -> u64 {
+        self.bytes.with_label_values(&[direction]).get()
+    }
+
     /// Calls that ended on `side` with `result` so far.
     pub fn count(&self, side: &str, result: &str) -> u64 {
         self.calls.with_label_values(&[side, result]).get()

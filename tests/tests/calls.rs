@@ -1,0 +1,368 @@
+//! Remote functions in one process: a broker and worker nodes on loopback, serving and
+//! calling by name. Results equal what the handler computed; a handler's error comes back
+//! typed with its message; a server over its limits refuses before any large argument
+//! moves; a caller's timeout cancels the handler on the server; read-only callers are
+//! refused unless the function admits them; an unserved or dead server is not offered.
+//! Every wait is bounded.
+
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use tb_broker::{Broker, BrokerOptions};
+use tb_call::{
+    CallError, CallOptions, Calls, FailureKind, FunctionSpec, HostTensor, Output, RemoteFailure,
+    Value,
+};
+use tb_node::{
+    Config, Node,
+    proto::{ChannelKind, ClusterKey, DType},
+};
+use tb_tests::{eventually_async, node, test_config, within};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const SECRET: &[u8] = b"call tests share this secret, 32+ bytes long";
+
+fn key() -> ClusterKey {
+    ClusterKey::from_secret(SECRET).expect("secret")
+}
+
+async fn broker(dir: &Path) -> Broker {
+    let mut opts = BrokerOptions::new(dir);
+    opts.node = test_config();
+    opts.node.cluster_key = key();
+    opts.tick = Duration::from_millis(200);
+    opts.state.liveness_timeout_ms = 2_000;
+    within(LIMIT, "broker start", Broker::spawn(opts))
+        .await
+        .expect("broker starts")
+}
+
+fn worker(broker: &Broker) -> Config {
+    Config {
+        brokers: vec![broker.addr().clone()],
+        cluster_key: key(),
+        heartbeat_interval: Duration::from_millis(300),
+        channels: vec![ChannelKind::Quic],
+        ..test_config()
+    }
+}
+
+async fn calls(config: Config) -> (Node, Calls) {
+    let node = node(config).await;
+    let calls = Calls::attach(&node).expect("attach");
+    (node, calls)
+}
+
+fn f32s(values: &[f32]) -> Value {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Value::Tensor(HostTensor::new(DType::F32, vec![values.len() as u64], bytes).expect("tensor"))
+}
+
+fn floats(value: &Value) -> Vec<f32> {
+    let tensor = value.as_tensor().expect("a tensor");
+    tensor
+        .data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+
+/// `x + 1` for an f32 tensor; a `ValueError` for anything else.
+fn add_one(args: Value, _cx: tb_call::CallContext) -> Output {
+    Output::Unary(Box::pin(async move {
+        match &args {
+            Value::Tensor(t) if t.dtype == DType::F32 => {
+                let plus: Vec<f32> = floats(&args).iter().map(|v| v + 1.0).collect();
+                let mut out = f32s(&plus);
+                if let Value::Tensor(o) = &mut out {
+                    o.shape = t.shape.clone();
+                }
+                Ok(out)
+            }
+            other => Err(RemoteFailure::new(
+                FailureKind::Raised,
+                "ValueError",
+                format!("add_one takes an f32 tensor, not {other:?}"),
+                "in add_one",
+            )),
+        }
+    }))
+}
+
+async fn call(calls: &Calls, name: &str, args: &Value) -> Result<Value, CallError> {
+    let options = CallOptions {
+        timeout: Some(Duration::from_secs(20)),
+        idempotent: false,
+    };
+    within(LIMIT, "call", calls.call(name, args, &options)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_function_is_called_by_name_and_its_errors_come_back_typed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_server_node, server) = calls(worker(&broker)).await;
+    let (_caller_node, caller) = calls(worker(&broker)).await;
+    let spec = FunctionSpec::new("math/add_one")
+        .expect("name")
+        .concurrency(4);
+    let _serving = within(LIMIT, "serve", server.serve(spec, add_one))
+        .await
+        .expect("serves");
+
+    let args = f32s(&[1.0, 2.5, -3.0]);
+    let result = call(&caller, "math/add_one", &args)
+        .await
+        .expect("the call");
+    assert_eq!(floats(&result), vec![2.0, 3.5, -2.0]);
+
+    // A larger argument than goes inline (pulled once accepted): 4 MiB.
+    let big: Vec<f32> = (0..(1 << 20)).map(|i| i as f32).collect();
+    let result = call(&caller, "math/add_one", &f32s(&big))
+        .await
+        .expect("a 4 MiB call");
+    let want: Vec<f32> = big.iter().map(|v| v + 1.0).collect();
+    assert!(floats(&result) == want, "4 MiB result differs");
+
+    // The handler's own error: its type, message and traceback, and the server.
+    let err = call(&caller, "math/add_one", &Value::Str("x".into()))
+        .await
+        .expect_err("a str is refused");
+    match err {
+        CallError::Remote { failure, .. } => {
+            assert_eq!(failure.kind, FailureKind::Raised);
+            assert_eq!(failure.remote_type, "ValueError");
+            assert!(
+                failure.message.contains("takes an f32 tensor"),
+                "{failure:?}"
+            );
+            assert_eq!(failure.traceback, "in add_one");
+        }
+        other => panic!("expected a remote error, got {other:?}"),
+    }
+
+    // Nobody serves this one.
+    let err = call(&caller, "math/nothing", &args)
+        .await
+        .expect_err("no server");
+    assert!(matches!(err, CallError::NoServer { .. }), "{err:?}");
+
+    // The broker lists the function with its one server.
+    let listed = caller.node().functions("math/").await.expect("functions");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!((listed[0].0.as_str(), listed[0].1), ("math/add_one", 1));
+}
+
+/// Holds every call until `gate` is released.
+fn gated(gate: Arc<tokio::sync::Semaphore>, ran: Arc<AtomicU32>) -> impl tb_call::Handler {
+    move |args: Value, cx: tb_call::CallContext| {
+        let (gate, ran) = (gate.clone(), ran.clone());
+        Output::Unary(Box::pin(async move {
+            ran.fetch_add(1, Ordering::SeqCst);
+            tokio::select! {
+                _ = gate.acquire() => Ok(args),
+                () = cx.cancel.cancelled() => Err(RemoteFailure::new(FailureKind::Stopped, "Cancelled", "", "")),
+            }
+        }))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_server_refuses_before_a_large_argument_moves_and_a_timeout_cancels_the_handler() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_server_node, server) = calls(worker(&broker)).await;
+    let (_caller_node, caller) = calls(worker(&broker)).await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let ran = Arc::new(AtomicU32::new(0));
+    let spec = FunctionSpec::new("slow")
+        .expect("name")
+        .concurrency(1)
+        .queue(0);
+    let serving = within(
+        LIMIT,
+        "serve",
+        server.serve(spec, gated(gate.clone(), ran.clone())),
+    )
+    .await
+    .expect("serves");
+
+    // One call takes the only slot and times out: the handler is cancelled on the server.
+    let short = CallOptions {
+        timeout: Some(Duration::from_millis(500)),
+        idempotent: false,
+    };
+    let first = caller.call("slow", &Value::Int(1), &short).await;
+    assert!(matches!(first, Err(CallError::Timeout { .. })), "{first:?}");
+    assert!(
+        eventually_async(LIMIT, || async { serving.outstanding() == 0 }).await,
+        "the cancelled call still holds its slot"
+    );
+
+    // Hold the slot with a call that waits on the gate, then offer 64 MiB: refused as
+    // overloaded with no argument byte received by the server.
+    let holder = {
+        let caller = caller.clone();
+        tokio::spawn(async move {
+            caller
+                .call("slow", &Value::Int(2), &CallOptions::default())
+                .await
+        })
+    };
+    assert!(eventually_async(LIMIT, || async { serving.outstanding() == 1 }).await);
+    let before = server.metrics().count("server", "overloaded");
+    let bytes_in = server.metrics().bytes_moved("in");
+    let big =
+        Value::Tensor(HostTensor::new(DType::U8, vec![64 << 20], vec![7u8; 64 << 20]).expect("t"));
+    let refused = call(&caller, "slow", &big).await;
+    assert!(
+        matches!(refused, Err(CallError::Overloaded { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(server.metrics().count("server", "overloaded"), before + 1);
+    assert_eq!(
+        server.metrics().bytes_moved("in"),
+        bytes_in,
+        "the refused argument moved"
+    );
+
+    gate.add_permits(1);
+    let held = within(LIMIT, "held call", holder).await.expect("joins");
+    assert_eq!(held.expect("the held call ends"), Value::Int(2));
+    assert_eq!(ran.load(Ordering::SeqCst), 2, "the refused call never ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_spread_over_servers_and_an_unserved_or_dead_server_is_not_offered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_a_node, a) = calls(worker(&broker)).await;
+    let (b_node, b) = calls(worker(&broker)).await;
+    let (_caller_node, caller) = calls(worker(&broker)).await;
+    let spec = || FunctionSpec::new("echo").expect("name").concurrency(8);
+    let echo =
+        |args: Value, _cx: tb_call::CallContext| Output::Unary(Box::pin(async move { Ok(args) }));
+    let serving_a = a.serve(spec(), echo).await.expect("a serves");
+    let _serving_b = b.serve(spec(), echo).await.expect("b serves");
+    let servers = caller
+        .node()
+        .servers(&"echo".parse().expect("name"))
+        .await
+        .expect("servers");
+    assert_eq!(servers.len(), 2);
+
+    for i in 0..200 {
+        let got = call(&caller, "echo", &Value::Int(i)).await.expect("echo");
+        assert_eq!(got, Value::Int(i));
+    }
+    let served = |c: &Calls| c.metrics().count("server", "ok");
+    assert_eq!(served(&a) + served(&b), 200);
+    assert!(
+        served(&a) > 0 && served(&b) > 0,
+        "{} / {}",
+        served(&a),
+        served(&b)
+    );
+
+    // Unserved on a: the broker stops offering it, and calls keep working through b.
+    serving_a.stop().await;
+    let servers = caller
+        .node()
+        .servers(&"echo".parse().expect("name"))
+        .await
+        .expect("servers");
+    assert_eq!(servers.len(), 1);
+    for i in 0..20 {
+        assert_eq!(
+            call(&caller, "echo", &Value::Int(i)).await.expect("echo"),
+            Value::Int(i)
+        );
+    }
+
+    // b dies: once its liveness lapses nobody serves echo.
+    b_node.shutdown().await;
+    let gone = eventually_async(LIMIT, || async {
+        caller
+            .node()
+            .servers(&"echo".parse().expect("name"))
+            .await
+            .is_ok_and(|s| s.is_empty())
+    })
+    .await;
+    assert!(gone, "a dead server is still offered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_calls_yield_every_item_in_order() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_s, server) = calls(worker(&broker)).await;
+    let (_c, caller) = calls(worker(&broker)).await;
+    let count = |args: Value, _cx: tb_call::CallContext| {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            let Value::Int(n) = args else { return };
+            for i in 0..n {
+                if tx.send(Ok(Value::Int(i))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Output::Stream(rx)
+    };
+    let _serving = server
+        .serve(FunctionSpec::new("count").expect("name"), count)
+        .await
+        .expect("serves");
+    let mut stream = within(LIMIT, "stream", caller.stream("count", &Value::Int(50), 2))
+        .await
+        .expect("starts");
+    let mut got = Vec::new();
+    while let Some(item) = within(LIMIT, "item", stream.next()).await {
+        got.push(item.expect("an item"));
+    }
+    assert_eq!(got, (0..50).map(Value::Int).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_callers_are_refused_unless_the_function_admits_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_s, server) = calls(worker(&broker)).await;
+    let read_only = Config {
+        cluster_key: key().read_only(),
+        ..worker(&broker)
+    };
+    let (_r, reader) = calls(read_only.clone()).await;
+    let echo =
+        |args: Value, _cx: tb_call::CallContext| Output::Unary(Box::pin(async move { Ok(args) }));
+    let _rw = server
+        .serve(FunctionSpec::new("rw").expect("name"), echo)
+        .await
+        .expect("serves");
+    let mut pure = FunctionSpec::new("pure").expect("name");
+    pure.read_only_callers = true;
+    let _ro = server.serve(pure, echo).await.expect("serves");
+
+    let refused = call(&reader, "rw", &Value::Int(1)).await;
+    assert!(
+        matches!(refused, Err(CallError::Unauthorized { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(
+        call(&reader, "pure", &Value::Int(1)).await.expect("pure"),
+        Value::Int(1)
+    );
+
+    // A read-only node cannot serve: the broker refuses its advertisement.
+    let served = reader
+        .serve(FunctionSpec::new("mine").expect("name"), echo)
+        .await;
+    assert!(served.is_err(), "a read-only node served a function");
+}
