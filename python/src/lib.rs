@@ -12,11 +12,14 @@
 //!   and torch (DLPack), never copied.
 //! - `array`: reading and writing numpy arrays' bytes (checked contiguous).
 //! - `subscription`: versions of matching names as `Event`s, skips folded in.
+//! - `calls`: remote functions (serve Python callables, call by name), Python values to and
+//!   from `tb_call::Value`.
 //! - `cluster`: [`cluster::LocalCluster`], a broker (and workers) in this process.
 //! - `errors`: `tb_node::Error` as the package's exception classes.
 
 mod array;
 mod buffer;
+mod calls;
 mod cluster;
 mod errors;
 mod node;
@@ -35,6 +38,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<subscription::Subscription>()?;
     m.add_class::<subscription::Event>()?;
     m.add_class::<cluster::LocalCluster>()?;
+    m.add_class::<calls::CallsHandle>()?;
+    m.add_class::<calls::ServingHandle>()?;
+    m.add_class::<calls::CallStreamHandle>()?;
+    m.add_class::<calls::TensorArg>()?;
+    m.add_class::<calls::TensorOut>()?;
+    m.add_class::<calls::CancelFlag>()?;
     m.add("CUDA_COMPILED", tb_node::CUDA_COMPILED)?;
     Ok(())
 }

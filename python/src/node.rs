@@ -821,6 +821,11 @@ impl NodeHandle {
         start(py, self.close_work()?)
     }
 
+    /// Remote functions on this node (attached once: the client keeps the handle).
+    fn calls(&self) -> PyResult<crate::calls::CallsHandle> {
+        crate::calls::CallsHandle::attach(self.node()?)
+    }
+
     /// Whether `close` was called.
     #[getter]
     fn closed(&self) -> PyResult<bool> {

@@ -24,11 +24,15 @@ from ._client import Client, LocalCluster, Received, Subscription, Update, conne
 from ._errors import (
     InvalidArgument,
     NotFound,
+    Overloaded,
+    RemoteError,
+    ServerLost,
     TensorBrokerError,
     Timeout,
     Unauthorized,
     Unavailable,
 )
+from ._functions import Function, cancelled
 from ._native import CUDA_COMPILED, Buffer, Entry
 
 __all__ = [
@@ -46,5 +50,10 @@ __all__ = [
     "Timeout",
     "Unavailable",
     "InvalidArgument",
+    "RemoteError",
+    "Overloaded",
+    "ServerLost",
+    "Function",
+    "cancelled",
     "CUDA_COMPILED",
 ]

@@ -6,8 +6,11 @@ can be interrupted with Ctrl-C; copies of tensor bytes also run without the GIL.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
-from typing import Any, AsyncIterator, Iterator, Mapping
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -232,6 +235,116 @@ class Client:
 
     def __init__(self, node: _native.NodeHandle) -> None:
         self._node = node
+        self._calls_handle: Any = None
+        self._shared: list[Any] = []
+        self._serving: list[tuple[Any, Any]] = []
+        self._pool: Any = None
+        self._lock = threading.Lock()
+
+    # Remote functions (see tensor_broker._functions).
+
+    def _calls(self) -> Any:
+        with self._lock:
+            if self._calls_handle is None:
+                self._calls_handle = self._node.calls()
+            return self._calls_handle
+
+    def _executor(self) -> Any:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=64, thread_name_prefix="tb-call"
+                )
+            return self._pool
+
+    def share(
+        self,
+        name: str,
+        *,
+        concurrency: int = 1,
+        queue: int = 64,
+        read_only_callers: bool = False,
+        idempotent: bool = False,
+        torch: bool = False,
+    ) -> Callable[[Callable], Callable]:
+        """Decorates a handler to serve as function ``name`` while this client serves
+        (``with client.serving():`` or ``client.serve()``). ``concurrency`` calls run at once
+        (in as many threads), ``queue`` more wait; beyond that callers get ``Overloaded``. A
+        generator (sync or async) streams its items; a coroutine function runs on an event
+        loop of its own. ``read_only_callers`` admits callers with a read-only credential;
+        ``idempotent`` lets callers retry a call whose server was lost. ``torch`` hands the
+        handler torch tensors instead of numpy arrays. Returns the handler unchanged."""
+        from ._functions import Shared
+
+        def register(func: Callable) -> Callable:
+            shared = Shared(name, func, concurrency, queue, read_only_callers, idempotent, torch)
+            self._shared.append(shared)
+            if self._serving:
+                self._serve_one(shared)
+            return func
+
+        return register
+
+    def _serve_one(self, shared: Any) -> None:
+        handle = self._calls().serve(
+            shared.name,
+            shared.native_handler(),
+            shared.concurrency,
+            shared.queue,
+            shared.read_only_callers,
+            shared.idempotent,
+            shared.streaming,
+        )
+        self._serving.append((shared, handle))
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Client]:
+        """Serves every shared function until the block ends, then unserves them: new calls go
+        to other servers, and those admitted here finish first (a drain)."""
+        if not self._shared:
+            raise ValueError("nothing to serve: decorate a handler with @client.share(name) first")
+        try:
+            for shared in self._shared:
+                self._serve_one(shared)
+            yield self
+        finally:
+            self._unserve()
+
+    def _unserve(self) -> None:
+        serving, self._serving = self._serving, []
+        for shared, handle in serving:
+            handle.stop()
+            shared.stop()
+
+    def serve(self) -> None:
+        """Serves every shared function until Ctrl-C (or SIGTERM), then drains and returns."""
+        import signal
+
+        stop = threading.Event()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            with self.serving():
+                while not stop.wait(0.2):
+                    pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def function(self, name: str, *, idempotent: bool = False) -> Any:
+        """A handle to call function ``name`` wherever the cluster serves it (see
+        :class:`tensor_broker.Function`). ``idempotent`` lets a call whose server was lost be
+        retried on another server."""
+        from ._functions import Function
+
+        return Function(self, name, idempotent)
+
+    def functions(self, prefix: str = "") -> list[tuple[str, int]]:
+        """The functions served in the cluster under ``prefix``: ``(name, servers)`` pairs."""
+        return self._calls().functions(prefix)
 
     @property
     def id(self) -> str:
@@ -418,6 +531,10 @@ class Client:
 
     def close(self) -> None:
         """Stops this node: what it published is no longer served from here. Idempotent."""
+        if self._serving:
+            self._unserve()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         self._node.close()
 
     @property

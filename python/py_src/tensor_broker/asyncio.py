@@ -134,6 +134,20 @@ class AsyncClient:
 
     def __init__(self, node: _native.NodeHandle) -> None:
         self._node = node
+        self._calls_handle: Any = None
+
+    def _calls(self) -> Any:
+        if self._calls_handle is None:
+            self._calls_handle = self._node.calls()
+        return self._calls_handle
+
+    def function(self, name: str, *, idempotent: bool = False) -> Any:
+        """A handle to call function ``name``: ``await f(...)`` and
+        ``async for x in f.stream(...)``. Cancelling the awaiting task cancels the call on its
+        server."""
+        from ._functions import AsyncFunction
+
+        return AsyncFunction(self, name, idempotent)
 
     @property
     def id(self) -> str:

@@ -1,0 +1,266 @@
+"""Remote functions: serve Python callables by name (``@client.share``) and call the
+functions other nodes serve (``client.function(name)``).
+
+Arguments and results are numbers, strings, bytes, lists, tuples (received as lists), dicts
+with ``str`` keys, numpy arrays and torch tensors, nested up to 32 levels. Nothing is
+pickled: nothing received can run code. A call's positional and keyword arguments travel as
+``{"args": [...], "kwargs": {...}}``; a handler receives them unpacked. A value that is not
+in that form (a call from ``tb call`` or Rust) is passed as the single positional argument.
+
+Arrays arrive as writable numpy arrays (or torch tensors, where the arguments were torch
+tensors and torch is loaded) that own their memory: in-place ops on them are safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import sys
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from . import _dtypes
+from ._convert import to_bytes
+from ._native import TensorArg, TensorOut
+
+_local = threading.local()
+
+
+def cancelled() -> bool:
+    """Whether the call this handler thread serves was cancelled (its caller went or its
+    deadline passed): a long sync handler may check it and stop early. Its result is
+    discarded either way. False outside a handler."""
+    flag = getattr(_local, "flag", None)
+    return bool(flag is not None and flag.is_set())
+
+
+def _encode(obj: Any, depth: int = 0) -> Any:
+    """``obj`` as the native layer takes it: tensors as ``TensorArg``s."""
+    if depth > 32:
+        raise ValueError("a value nested deeper than 32 levels")
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _encode(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    data, dtype, shape = to_bytes(obj)
+    flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
+    return TensorArg(flat, dtype, list(shape))
+
+
+def _decode(obj: Any, torch: bool) -> Any:
+    """A received value with its tensors as numpy arrays (torch tensors with ``torch``)."""
+    if isinstance(obj, TensorOut):
+        arr = obj.data.view(_dtypes.numpy_dtype(obj.dtype)).reshape(tuple(obj.shape))
+        if torch:
+            import torch as _torch
+
+            return _torch.from_numpy(arr)
+        return arr
+    if isinstance(obj, list):
+        return [_decode(v, torch) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _decode(v, torch) for k, v in obj.items()}
+    return obj
+
+
+def _uses_torch(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_uses_torch(v) for v in obj)
+    if isinstance(obj, dict):
+        return any(_uses_torch(v) for v in obj.values())
+    return False
+
+
+def _pack(args: tuple, kwargs: dict) -> Any:
+    return {"args": _encode(list(args)), "kwargs": _encode(kwargs)}
+
+
+def _unpack(value: Any) -> tuple[list, dict]:
+    if isinstance(value, dict) and set(value) == {"args", "kwargs"}:
+        args, kwargs = value["args"], value["kwargs"]
+        if isinstance(args, list) and isinstance(kwargs, dict):
+            return args, kwargs
+    return [value], {}
+
+
+class Shared:
+    """A function shared by a client (``@client.share``), served while the client serves."""
+
+    def __init__(
+        self,
+        name: str,
+        func: Callable,
+        concurrency: int,
+        queue: int,
+        read_only_callers: bool,
+        idempotent: bool,
+        torch: bool,
+    ) -> None:
+        self.name = name
+        self.func = func
+        self.concurrency = concurrency
+        self.queue = queue
+        self.read_only_callers = read_only_callers
+        self.idempotent = idempotent
+        self.torch = torch
+        self.streaming = inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop async handlers run on: one thread per shared function, made on need."""
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name=f"tb-share-{self.name}", daemon=True
+                ).start()
+                self._loop = loop
+            return self._loop
+
+    def _run_async(self, coro: Any, flag: Any) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._event_loop())
+        while True:
+            try:
+                return fut.result(timeout=0.05)
+            except concurrent.futures.TimeoutError:
+                if flag.is_set():
+                    fut.cancel()
+                    raise asyncio.CancelledError("the call was cancelled by its caller")
+
+    def native_handler(self) -> Callable:
+        """What the native layer calls: ``(value, flag)`` to a result (or an iterator)."""
+
+        def handle(value: Any, flag: Any) -> Any:
+            args, kwargs = _unpack(value)
+            args = [_decode(a, self.torch) for a in args]
+            kwargs = {k: _decode(v, self.torch) for k, v in kwargs.items()}
+            _local.flag = flag
+            try:
+                out = self.func(*args, **kwargs)
+                if inspect.iscoroutine(out):
+                    out = self._run_async(out, flag)
+                if inspect.isasyncgen(out):
+                    return self._async_items(out, flag)
+                if self.streaming:
+                    return (_encode(item) for item in out)
+                return _encode(out)
+            finally:
+                _local.flag = None
+
+        return handle
+
+    def _async_items(self, agen: Any, flag: Any) -> Iterator[Any]:
+        while True:
+            try:
+                item = self._run_async(agen.__anext__(), flag)
+            except StopAsyncIteration:
+                return
+            yield _encode(item)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
+
+
+class Function:
+    """A function served somewhere in the cluster, called by name.
+
+    ``f(*args, timeout=None, **kwargs)`` returns its result; ``f.submit(...)`` returns a
+    ``concurrent.futures.Future``; ``f.map(xs, parallel=16)`` yields results in order;
+    ``f.stream(...)`` iterates a streaming function's items.
+    """
+
+    def __init__(self, client: Any, name: str, idempotent: bool = False) -> None:
+        self._client = client
+        self.name = name
+        self.idempotent = idempotent
+
+    def __repr__(self) -> str:
+        return f"Function({self.name!r})"
+
+    def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        torch = _uses_torch(args) or _uses_torch(kwargs)
+        out = self._client._calls().call(
+            self.name, _pack(args, kwargs), timeout, self.idempotent
+        )
+        return _decode(out, torch)
+
+    async def acall(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The call as a coroutine on the running event loop (no thread): cancelling the
+        awaiting task cancels the call on its server."""
+        torch = _uses_torch(args) or _uses_torch(kwargs)
+        out = await self._client._calls().call_async(
+            self.name, _pack(args, kwargs), timeout, self.idempotent
+        )
+        return _decode(out, torch)
+
+    def submit(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> concurrent.futures.Future:
+        """Starts the call and returns a future of its result."""
+        return self._client._executor().submit(self, *args, timeout=timeout, **kwargs)
+
+    def map(self, iterable: Iterable[Any], parallel: int = 16, timeout: float | None = None) -> Iterator[Any]:
+        """Calls the function on each item, ``parallel`` at a time (spread over every server),
+        and yields the results in the items' order."""
+        if parallel < 1:
+            raise ValueError("parallel must be at least 1")
+        pending: list[concurrent.futures.Future] = []
+        it = iter(iterable)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+            for item in it:
+                pending.append(pool.submit(self, item, timeout=timeout))
+                if len(pending) >= parallel:
+                    yield pending.pop(0).result()
+            for fut in pending:
+                yield fut.result()
+
+    def stream(self, *args: Any, prefetch: int = 2, **kwargs: Any) -> Iterator[Any]:
+        """Iterates a streaming function's items, at most ``prefetch`` requested ahead (the
+        server runs no further ahead than that)."""
+        torch = _uses_torch(args) or _uses_torch(kwargs)
+        handle = self._client._calls().stream(self.name, _pack(args, kwargs), max(1, prefetch))
+        while True:
+            item = handle.next()
+            if item is None:
+                return
+            yield _decode(item, torch)
+
+
+class AsyncFunction:
+    """A :class:`Function` for asyncio: ``await f(...)`` and ``async for x in f.stream(...)``.
+    Cancelling the awaiting task cancels the call on its server."""
+
+    def __init__(self, client: Any, name: str, idempotent: bool = False) -> None:
+        self._client = client
+        self.name = name
+        self.idempotent = idempotent
+
+    async def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        torch = _uses_torch(args) or _uses_torch(kwargs)
+        out = await self._client._calls().call_async(
+            self.name, _pack(args, kwargs), timeout, self.idempotent
+        )
+        return _decode(out, torch)
+
+    async def stream(self, *args: Any, prefetch: int = 2, **kwargs: Any):
+        torch = _uses_torch(args) or _uses_torch(kwargs)
+        handle = self._client._calls().stream(self.name, _pack(args, kwargs), max(1, prefetch))
+        while True:
+            item = await handle.next_async()
+            if item is None:
+                return
+            yield _decode(item, torch)

@@ -1,0 +1,503 @@
+//! Remote functions from Python: `tb_call::Calls` for a client's node, Python values to and
+//! from `tb_call::Value`, and Python callables as handlers.
+//!
+//! Values cross as plain Python objects: `None`, `bool`, `int` (64-bit), `float`, `str`,
+//! `bytes`, lists and tuples (as lists), dicts with `str` keys, and [`TensorArg`]s (an
+//! array's bytes with a dtype name and shape; `tensor_broker._functions` makes them from
+//! numpy arrays and torch tensors, and turns [`TensorOut`]s back into them). Nothing is
+//! pickled: anything else is a `TypeError` before a byte moves.
+//!
+//! A handler runs on the runtime's blocking pool with the GIL taken per call, so `concurrency`
+//! calls of one function run at once in as many threads (numpy and torch release the GIL in
+//! their kernels). Its exception comes back to the caller as a `RemoteFailure` with the
+//! exception's type, message and formatted traceback.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use numpy::{PyArray1, PyUntypedArray};
+use pyo3::{
+    exceptions::{PyTypeError, PyValueError},
+    prelude::*,
+    types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple},
+};
+use tb_call::{
+    CallContext, CallError, CallOptions, Calls, FailureKind, FunctionSpec, HostTensor, Output,
+    RemoteFailure, Serving, Value,
+};
+use tb_node::DType;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    array::RawBytes,
+    errors,
+    runtime::{self, start, wait},
+};
+
+/// Deepest a Python value may nest (the wire's own limit).
+const MAX_DEPTH: usize = tb_node::proto::call::MAX_VALUE_DEPTH;
+
+/// A tensor argument: a C-contiguous array's bytes (`data`, any dtype; read as bytes), the
+/// tensor's dtype name and shape.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct TensorArg {
+    data: Py<PyUntypedArray>,
+    dtype: String,
+    shape: Vec<u64>,
+}
+
+#[pymethods]
+impl TensorArg {
+    #[new]
+    fn new(data: Bound<'_, PyUntypedArray>, dtype: String, shape: Vec<u64>) -> Self {
+        TensorArg {
+            data: data.unbind(),
+            dtype,
+            shape,
+        }
+    }
+}
+
+/// A tensor result: its bytes as a writable 1-D `uint8` numpy array the receiver owns (no
+/// copy was made after receiving), its dtype name and shape.
+#[pyclass(frozen, module = "tensor_broker._native", get_all)]
+pub struct TensorOut {
+    data: Py<PyAny>,
+    dtype: String,
+    shape: Vec<u64>,
+}
+
+fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
+    if depth > MAX_DEPTH {
+        return Err(PyValueError::new_err(format!(
+            "a value nested deeper than {MAX_DEPTH} levels"
+        )));
+    }
+    if obj.is_none() {
+        return Ok(Value::None);
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        let i: i64 = obj
+            .extract()
+            .map_err(|_| PyValueError::new_err("integers must fit in 64 bits"))?;
+        return Ok(Value::Int(i));
+    }
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(Value::Float(f.value()));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Value::Str(s.to_str()?.to_owned()));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Value::Bytes(b.as_bytes().to_vec()));
+    }
+    if let Ok(t) = obj.cast::<TensorArg>() {
+        let t = t.get();
+        let py = obj.py();
+        let dtype: DType = t
+            .dtype
+            .parse()
+            .map_err(|e: tb_node::proto::UnknownDType| PyValueError::new_err(e.to_string()))?;
+        let data = t.data.bind(py);
+        let raw = RawBytes::of(data)?;
+        let bytes = Bytes::copy_from_slice(raw.as_slice());
+        let tensor = HostTensor::new(dtype, t.shape.clone(), bytes)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        return Ok(Value::Tensor(tensor));
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        let items = list.iter().map(|v| to_value(&v, depth + 1));
+        return Ok(Value::List(items.collect::<PyResult<_>>()?));
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        let items = tuple.iter().map(|v| to_value(&v, depth + 1));
+        return Ok(Value::List(items.collect::<PyResult<_>>()?));
+    }
+    if let Ok(dict) = obj.cast::<PyDict>() {
+        let mut items = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            let key: String = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err("dict keys must be str to be sent"))?;
+            items.push((key, to_value(&v, depth + 1)?));
+        }
+        return Ok(Value::Map(items));
+    }
+    Err(PyTypeError::new_err(format!(
+        "cannot send a {}: pass numbers, str, bytes, lists, dicts with str keys, numpy arrays or \
+         torch tensors (nothing is pickled)",
+        obj.get_type().name()?
+    )))
+}
+
+fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
+    Ok(match value {
+        Value::None => py.None(),
+        Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
+        Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+        Value::Float(f) => f.into_pyobject(py)?.into_any().unbind(),
+        Value::Str(s) => s.into_pyobject(py)?.into_any().unbind(),
+        Value::Bytes(b) => PyBytes::new(py, &b).into_any().unbind(),
+        Value::List(items) => {
+            let items: Vec<Py<PyAny>> = items
+                .into_iter()
+                .map(|v| from_value(py, v))
+                .collect::<PyResult<_>>()?;
+            PyList::new(py, items)?.into_any().unbind()
+        }
+        Value::Map(items) => {
+            let dict = PyDict::new(py);
+            for (k, v) in items {
+                dict.set_item(k, from_value(py, v)?)?;
+            }
+            dict.into_any().unbind()
+        }
+        Value::Tensor(t) => {
+            // Unique after a receive: taken as the array's own memory, no copy.
+            let vec: Vec<u8> = Vec::from(t.data);
+            let data = PyArray1::from_vec(py, vec).into_any().unbind();
+            let out = TensorOut {
+                data,
+                dtype: t.dtype.name().to_owned(),
+                shape: t.shape,
+            };
+            Py::new(py, out)?.into_any()
+        }
+    })
+}
+
+/// Whether the call a handler runs for was cancelled (the caller went, or its deadline
+/// passed): a sync handler may check it and stop early; its result is discarded anyway.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct CancelFlag(CancellationToken);
+
+#[pymethods]
+impl CancelFlag {
+    fn is_set(&self) -> bool {
+        self.0.is_cancelled()
+    }
+}
+
+/// A handler's exception as the caller gets it: type (qualified unless a builtin),
+/// message, formatted traceback.
+fn failure_of(py: Python<'_>, err: PyErr) -> RemoteFailure {
+    let ty = err.get_type(py);
+    let name = ty.qualname().map(|n| n.to_string()).unwrap_or_default();
+    let module = ty.module().map(|m| m.to_string()).unwrap_or_default();
+    let remote_type = match module.as_str() {
+        "builtins" | "" => name,
+        module => format!("{module}.{name}"),
+    };
+    let message = err
+        .value(py)
+        .str()
+        .map(|s| s.to_string())
+        .unwrap_or_default();
+    let traceback = err
+        .traceback(py)
+        .and_then(|tb| tb.format().ok())
+        .unwrap_or_default();
+    RemoteFailure::new(FailureKind::Raised, remote_type, message, traceback)
+}
+
+/// A Python callable as a handler: `func(args, cancel_flag)` returns the result (a unary
+/// function) or an iterator of items (`streaming`).
+struct PyHandler {
+    func: Arc<Py<PyAny>>,
+    streaming: bool,
+}
+
+impl tb_call::Handler for PyHandler {
+    fn call(&self, args: Value, cx: CallContext) -> Output {
+        let func = self.func.clone();
+        let flag = cx.cancel.clone();
+        if self.streaming {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tokio::task::spawn_blocking(move || stream_items(&func, args, flag, tx));
+            return Output::Stream(rx);
+        }
+        Output::Unary(Box::pin(async move {
+            let ran = tokio::task::spawn_blocking(move || {
+                Python::attach(|py| {
+                    let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
+                    let out = func
+                        .call1(py, (args, CancelFlag(flag)))
+                        .map_err(|e| failure_of(py, e))?;
+                    to_value(out.bind(py), 0).map_err(|e| failure_of(py, e))
+                })
+            })
+            .await;
+            ran.unwrap_or_else(|e| {
+                Err(RemoteFailure::new(
+                    FailureKind::Raised,
+                    "RuntimeError",
+                    format!("the handler's thread failed: {e}"),
+                    "",
+                ))
+            })
+        }))
+    }
+}
+
+/// Runs a streaming handler's iterator on this (blocking) thread, one item per send.
+fn stream_items(
+    func: &Py<PyAny>,
+    args: Value,
+    flag: CancellationToken,
+    tx: tokio::sync::mpsc::Sender<tb_call::HandlerResult>,
+) {
+    let iter = Python::attach(|py| -> Result<Py<PyAny>, RemoteFailure> {
+        let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
+        let out = func
+            .call1(py, (args, CancelFlag(flag.clone())))
+            .map_err(|e| failure_of(py, e))?;
+        out.bind(py)
+            .try_iter()
+            .map(|i| i.into_any().unbind())
+            .map_err(|e| failure_of(py, e))
+    });
+    let iter = match iter {
+        Ok(iter) => iter,
+        Err(failure) => {
+            let _ = tx.blocking_send(Err(failure));
+            return;
+        }
+    };
+    while !flag.is_cancelled() {
+        let next = Python::attach(|py| {
+            let it = iter.bind(py);
+            match it.call_method0("__next__") {
+                Ok(item) => Some(to_value(&item, 0).map_err(|e| failure_of(py, e))),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyStopIteration>(py) => None,
+                Err(e) => Some(Err(failure_of(py, e))),
+            }
+        });
+        let Some(item) = next else { return };
+        let failed = item.is_err();
+        if tx.blocking_send(item).is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// The exception a call error is (classes in `tensor_broker._errors`).
+fn call_error(e: CallError) -> PyErr {
+    Python::attach(|py| {
+        let made = (|| -> PyResult<PyErr> {
+            let module = py.import("tensor_broker._errors")?;
+            let err = match &e {
+                CallError::Remote {
+                    function,
+                    server,
+                    failure,
+                } => module.getattr("_remote_error")?.call1((
+                    function,
+                    server,
+                    &failure.remote_type,
+                    &failure.message,
+                    &failure.traceback,
+                ))?,
+                CallError::Overloaded { .. } => {
+                    module.getattr("Overloaded")?.call1((e.to_string(),))?
+                }
+                CallError::ServerLost { maybe_ran, .. } => module
+                    .getattr("ServerLost")?
+                    .call1((e.to_string(), *maybe_ran))?,
+                CallError::Timeout { .. } => module.getattr("Timeout")?.call1((e.to_string(),))?,
+                CallError::NoServer { .. } => {
+                    module.getattr("NotFound")?.call1((e.to_string(),))?
+                }
+                CallError::Unauthorized { .. } => {
+                    module.getattr("Unauthorized")?.call1((e.to_string(),))?
+                }
+                CallError::BadValue { .. } => {
+                    module.getattr("InvalidArgument")?.call1((e.to_string(),))?
+                }
+                CallError::Node(_) => return Ok(errors::base(e.to_string())),
+            };
+            Ok(PyErr::from_value(err))
+        })();
+        made.unwrap_or_else(|err| err)
+    })
+}
+
+/// Remote functions on a client's node: what it serves and calls to what others serve.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct CallsHandle {
+    calls: Calls,
+}
+
+impl CallsHandle {
+    pub(crate) fn attach(node: &tb_node::Node) -> PyResult<Self> {
+        let calls = Calls::attach(node).map_err(errors::to_py)?;
+        Ok(CallsHandle { calls })
+    }
+}
+
+/// A function being served; `stop()` unserves it once its calls end.
+#[pyclass(module = "tensor_broker._native")]
+pub struct ServingHandle {
+    serving: Option<Serving>,
+}
+
+#[pymethods]
+impl ServingHandle {
+    /// Withdraws the function, refuses new calls, and waits for those admitted to end.
+    fn stop(&mut self, py: Python<'_>) -> PyResult<()> {
+        match self.serving.take() {
+            Some(serving) => wait(py, serving.stop()),
+            None => Ok(()),
+        }
+    }
+
+    /// Calls running or queued.
+    fn outstanding(&self) -> u32 {
+        self.serving.as_ref().map_or(0, Serving::outstanding)
+    }
+}
+
+/// The items of a streaming call.
+#[pyclass(module = "tensor_broker._native")]
+pub struct CallStreamHandle {
+    stream: Arc<tokio::sync::Mutex<tb_call::CallStream>>,
+}
+
+#[pymethods]
+impl CallStreamHandle {
+    /// The next item, or `None` at the end.
+    fn next(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let stream = self.stream.clone();
+        let item = wait(py, async move { stream.lock().await.next().await })?;
+        match item {
+            None => Ok(None),
+            Some(Ok(v)) => Ok(Some(from_value(py, v)?)),
+            Some(Err(e)) => Err(call_error(e)),
+        }
+    }
+
+    /// [`next`](Self::next) as an awaitable.
+    fn next_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let stream = self.stream.clone();
+        start(py, async move {
+            let item = stream.lock().await.next().await;
+            Python::attach(|py| match item {
+                None => Ok(None),
+                Some(Ok(v)) => Ok(Some(from_value(py, v)?)),
+                Some(Err(e)) => Err(call_error(e)),
+            })
+        })
+    }
+}
+
+#[pymethods]
+impl CallsHandle {
+    /// Serves `func` as `name`: `func(args, cancel_flag)` returns the result, or (with
+    /// `streaming`) an iterator of items.
+    #[pyo3(signature = (name, func, concurrency=1, queue=64, read_only_callers=false, idempotent=false, streaming=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn serve(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        func: Py<PyAny>,
+        concurrency: u32,
+        queue: u32,
+        read_only_callers: bool,
+        idempotent: bool,
+        streaming: bool,
+    ) -> PyResult<ServingHandle> {
+        let mut spec = FunctionSpec::new(name)
+            .map_err(|e| errors::invalid(e.to_string()))?
+            .concurrency(concurrency)
+            .queue(queue);
+        spec.read_only_callers = read_only_callers;
+        spec.idempotent = idempotent;
+        let handler = PyHandler {
+            func: Arc::new(func),
+            streaming,
+        };
+        let calls = self.calls.clone();
+        let serving = wait(py, async move { calls.serve(spec, handler).await })?;
+        Ok(ServingHandle {
+            serving: Some(serving.map_err(errors::to_py)?),
+        })
+    }
+
+    /// Calls `name` with `args` (a value tree) and returns its result.
+    #[pyo3(signature = (name, args, timeout=None, idempotent=false))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        name: String,
+        args: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        idempotent: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let value = to_value(args, 0)?;
+        let options = CallOptions {
+            timeout: runtime::seconds(timeout)?,
+            idempotent,
+        };
+        let calls = self.calls.clone();
+        let out = wait(py, async move { calls.call(&name, &value, &options).await })?;
+        from_value(py, out.map_err(call_error)?)
+    }
+
+    /// [`call`](Self::call) as an awaitable (cancelling it cancels the call on its server).
+    #[pyo3(signature = (name, args, timeout=None, idempotent=false))]
+    fn call_async<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        args: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        idempotent: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let value = to_value(args, 0)?;
+        let options = CallOptions {
+            timeout: runtime::seconds(timeout)?,
+            idempotent,
+        };
+        let calls = self.calls.clone();
+        start(py, async move {
+            let out = calls.call(&name, &value, &options).await;
+            Python::attach(|py| from_value(py, out.map_err(call_error)?))
+        })
+    }
+
+    /// Starts streaming function `name` with `args`, `prefetch` items requested ahead.
+    #[pyo3(signature = (name, args, prefetch=2))]
+    fn stream(
+        &self,
+        py: Python<'_>,
+        name: String,
+        args: &Bound<'_, PyAny>,
+        prefetch: u32,
+    ) -> PyResult<CallStreamHandle> {
+        let value = to_value(args, 0)?;
+        let calls = self.calls.clone();
+        let stream = wait(
+            py,
+            async move { calls.stream(&name, &value, prefetch).await },
+        )?;
+        Ok(CallStreamHandle {
+            stream: Arc::new(tokio::sync::Mutex::new(stream.map_err(call_error)?)),
+        })
+    }
+
+    /// The functions served in the cluster under `prefix`: `(name, servers)` pairs.
+    #[pyo3(signature = (prefix=""))]
+    fn functions(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<(String, u32)>> {
+        let calls = self.calls.clone();
+        let prefix = prefix.to_owned();
+        let listed = wait(py, async move { calls.node().functions(&prefix).await })?;
+        Ok(listed
+            .map_err(errors::to_py)?
+            .into_iter()
+            .map(|(n, c)| (n.to_string(), c))
+            .collect())
+    }
+}

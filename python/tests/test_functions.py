@@ -1,0 +1,196 @@
+"""Remote functions from Python: ``@client.share`` / ``client.serving()`` on one side,
+``client.function(name)`` on the other, in one process and across processes. Results equal
+what the handler computed; errors keep their type; cancellation reaches the handler; an
+overloaded server says so."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensor_broker as tb
+import tensor_broker.asyncio as tba
+
+LIMIT_S = 30
+
+
+def test_a_shared_function_is_called_by_name_with_arrays_and_plain_values(
+    cluster: tb.LocalCluster,
+) -> None:
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("math/affine", concurrency=4)
+        def affine(x: np.ndarray, scale: float = 1.0, *, bias: np.ndarray | None = None) -> dict:
+            # In-place on what arrived: the argument is the handler's own memory.
+            x *= scale
+            if bias is not None:
+                x += bias
+            return {"y": x, "n": int(x.size), "tag": "ok", "shape": list(x.shape)}
+
+        with server.serving():
+            f = caller.function("math/affine")
+            x = np.arange(12, dtype=np.float32).reshape(3, 4)
+            bias = np.ones(4, dtype=np.float32)
+            out = f(x, 2.0, bias=bias, timeout=LIMIT_S)
+            np.testing.assert_array_equal(out["y"], x * 2 + 1)
+            assert out["y"].dtype == np.float32 and out["y"].shape == (3, 4)
+            assert (out["n"], out["tag"], out["shape"]) == (12, "ok", [3, 4])
+            # The caller's own array is untouched; the result is writable, owned memory.
+            np.testing.assert_array_equal(x, np.arange(12, dtype=np.float32).reshape(3, 4))
+            out["y"] += 1
+
+            # A 16 MiB argument (pulled once accepted) comes back byte for byte.
+            big = np.random.default_rng(1).integers(0, 255, 16 << 20, dtype=np.uint8)
+            same = f(big, 1, timeout=LIMIT_S)["y"]
+            assert same.tobytes() == big.tobytes()
+
+            # submit and map, results in order.
+            futures = [f.submit(np.full(3, i, np.float32), timeout=LIMIT_S) for i in range(8)]
+            assert [int(fu.result(LIMIT_S)["y"][0]) for fu in futures] == list(range(8))
+            mapped = list(f.map((np.full(2, i, np.float64) for i in range(20)), parallel=4))
+            assert [int(m["y"][1]) for m in mapped] == list(range(20))
+
+            assert ("math/affine", 1) in caller.functions("math/")
+
+
+def test_remote_exceptions_keep_their_type_message_and_traceback(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("fails")
+        def fails(kind: str) -> None:
+            if kind == "value":
+                raise ValueError("no such value")
+            raise KeyError("custom")
+
+        with server.serving():
+            f = caller.function("fails")
+            with pytest.raises(ValueError) as info:
+                f("value", timeout=LIMIT_S)
+            err = info.value
+            assert isinstance(err, tb.RemoteError)
+            assert err.remote_type == "ValueError"
+            assert "no such value" in str(err)
+            assert "raise ValueError" in err.remote_traceback
+            assert err.server and server.id.startswith(err.server), (err.server, server.id)
+            with pytest.raises(KeyError):
+                f("key", timeout=LIMIT_S)
+            # Nobody serves this one.
+            with pytest.raises(tb.NotFound):
+                caller.function("nobody/serves/this")(1, timeout=LIMIT_S)
+            # Values that cannot be sent fail before a byte moves.
+            with pytest.raises(TypeError):
+                f(object(), timeout=LIMIT_S)
+
+
+def test_a_timeout_cancels_the_running_handler_and_overload_is_typed(
+    cluster: tb.LocalCluster,
+) -> None:
+    started = threading.Event()
+    saw_cancel = threading.Event()
+    release = threading.Event()
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("slow", concurrency=1, queue=0)
+        def slow(mode: str) -> str:
+            started.set()
+            deadline = time.monotonic() + LIMIT_S
+            while time.monotonic() < deadline:
+                if mode == "poll" and tb.cancelled():
+                    saw_cancel.set()
+                    return "cancelled"
+                if mode == "hold" and release.is_set():
+                    return "released"
+                time.sleep(0.01)
+            return "never"
+
+        with server.serving():
+            f = caller.function("slow")
+            with pytest.raises(tb.Timeout):
+                f("poll", timeout=0.5)
+            assert saw_cancel.wait(LIMIT_S), "the handler never saw its call cancelled"
+
+            # One call holds the only slot: the next is refused as overloaded.
+            started.clear()
+            holder = f.submit("hold", timeout=LIMIT_S)
+            assert started.wait(LIMIT_S)
+            with pytest.raises(tb.Overloaded):
+                f("hold", timeout=LIMIT_S)
+            release.set()
+            assert holder.result(LIMIT_S) == "released"
+
+
+def test_streaming_functions_and_asyncio_calls(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("count")
+        def count(n: int):
+            for i in range(n):
+                yield np.full(4, i, dtype=np.int32)
+
+        @server.share("double", concurrency=2)
+        async def double(x: np.ndarray) -> np.ndarray:
+            await asyncio.sleep(0)
+            return x * 2
+
+        with server.serving():
+            items = list(caller.function("count").stream(20, prefetch=2))
+            assert [int(a[0]) for a in items] == list(range(20))
+            assert all(a.dtype == np.int32 and a.shape == (4,) for a in items)
+
+            async def main() -> None:
+                async with await tba.connect(cluster.ticket, secret_file=cluster.secret_file) as client:
+                    f = client.function("double")
+                    out = await asyncio.wait_for(f(np.arange(5)), LIMIT_S)
+                    np.testing.assert_array_equal(out, np.arange(5) * 2)
+                    got = [int(a[0]) async for a in client.function("count").stream(5)]
+                    assert got == list(range(5))
+
+            asyncio.run(main())
+
+
+def test_torch_tensors_in_and_out(cluster: tb.LocalCluster) -> None:
+    torch = pytest.importorskip("torch")
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("torch/add_one", torch=True)
+        def add_one(x):
+            assert isinstance(x, torch.Tensor)
+            x.add_(1)  # in place, on the handler's own copy
+            return x
+
+        with server.serving():
+            x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+            out = caller.function("torch/add_one")(x, timeout=LIMIT_S)
+            assert isinstance(out, torch.Tensor)
+            assert torch.equal(out, x + 1)
+            assert torch.equal(x, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+
+def test_a_function_served_by_another_process(cluster: tb.LocalCluster, spawn) -> None:
+    child = spawn(
+        """
+        client = tb.connect(TICKET, secret_file=SECRET_FILE)
+
+        @client.share("proc/add_one", concurrency=2)
+        def add_one(x):
+            return x + 1
+
+        with client.serving():
+            say("serving")
+            wait_for_parent()
+        client.close()
+        """
+    )
+    assert child.line() == "serving"
+    with cluster.connect() as caller:
+        f = caller.function("proc/add_one")
+        x = np.random.default_rng(3).standard_normal(1024).astype(np.float32)
+        for _ in range(50):
+            np.testing.assert_array_equal(f(x, timeout=LIMIT_S), x + 1)
+        child.send()
+        child.finish()
