@@ -16,7 +16,7 @@ use std::{
 use tb_node::{Node, PeerAddr, RequestStream, framing};
 use tb_proto::{
     DataRequest, DataResponse, ErrorCode, TensorName,
-    call::{CallFrame, CallHead, CallUp, Load},
+    call::{CallFrame, CallHead, CallUp, LIVENESS_TIMEOUT_MS, Load},
 };
 
 use crate::{
@@ -56,10 +56,16 @@ struct List {
     servers: Vec<Server>,
 }
 
+/// How long a server that failed to answer is passed over (longer than a broker takes to
+/// count a killed node dead, so a refreshed list does not bring it straight back).
+const SUSPECT_FOR: Duration = Duration::from_secs(15);
+
 /// The cached server lists.
 #[derive(Debug, Default)]
 pub(crate) struct Directory {
     lists: Mutex<HashMap<TensorName, List>>,
+    /// Servers that failed to answer, until when they are passed over (any function).
+    suspects: Mutex<HashMap<iroh::EndpointId, Instant>>,
 }
 
 impl Directory {
@@ -132,6 +138,25 @@ impl Directory {
         });
     }
 
+    /// Passes `server` over for [`SUSPECT_FOR`] (unless nothing else is left).
+    fn suspect(&self, server: &PeerAddr) {
+        let mut suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        suspects.retain(|_, until| *until > now);
+        suspects.insert(server.id, now + SUSPECT_FOR);
+    }
+
+    /// The servers suspected now.
+    fn suspected(&self) -> Vec<iroh::EndpointId> {
+        let suspects = self.suspects.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        suspects
+            .iter()
+            .filter(|(_, until)| **until > now)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     fn forget(&self, function: &TensorName, server: &PeerAddr) {
         let mut lists = self.lock();
         if let Some(list) = lists.get_mut(function) {
@@ -147,13 +172,19 @@ fn random_below(n: usize) -> usize {
     (u64::from_le_bytes(bytes) % n.max(1) as u64) as usize
 }
 
-/// The less loaded of two random servers not in `tried`, free ones first.
-fn pick(servers: &[Server], tried: &[PeerAddr]) -> Option<PeerAddr> {
+/// The less loaded of two random servers not in `tried`, free ones first, suspects last.
+fn pick(servers: &[Server], tried: &[PeerAddr], suspects: &[iroh::EndpointId]) -> Option<PeerAddr> {
     let now = Instant::now();
-    let left: Vec<&Server> = servers
+    let untried: Vec<&Server> = servers
         .iter()
         .filter(|s| !tried.iter().any(|t| t.id == s.addr.id))
         .collect();
+    let trusted: Vec<&Server> = untried
+        .iter()
+        .copied()
+        .filter(|s| !suspects.contains(&s.addr.id))
+        .collect();
+    let left = if trusted.is_empty() { untried } else { trusted };
     let free: Vec<&Server> = left
         .iter()
         .copied()
@@ -202,7 +233,8 @@ impl Caller {
                 .directory
                 .servers(&self.node, function, refresh)
                 .await?;
-            let Some(server) = pick(&servers, tried) else {
+            let suspects = self.directory.suspected();
+            let Some(server) = pick(&servers, tried, &suspects) else {
                 if !refresh {
                     refresh = true;
                     continue;
@@ -247,10 +279,19 @@ impl Caller {
         };
         let parts = args.parts();
         let preamble: &[&[u8]] = if head.inline() { &parts } else { &[] };
-        let mut stream = match self.node.open_request(server, &request, preamble).await {
+        // A server answers at once (before reading arguments or queueing): one that says
+        // nothing within the liveness timeout is lost, and the call never started there.
+        let answer_within = Duration::from_millis(LIVENESS_TIMEOUT_MS);
+        let opened = self
+            .node
+            .open_request(server, &request, preamble, answer_within);
+        let mut stream = match opened.await {
             Ok(stream) => stream,
             Err(tb_node::Error::Shutdown) => return Err(tb_node::Error::Shutdown.into()),
-            Err(e) => return Err(lost(e.to_string(), false)),
+            Err(e) => {
+                self.directory.suspect(server);
+                return Err(lost(e.to_string(), false));
+            }
         };
         let refused = |detail: String| (function.to_string(), detail);
         match std::mem::replace(&mut stream.answer, DataResponse::Ack) {
@@ -309,9 +350,18 @@ impl Caller {
             reason,
         };
         let recv = &mut started.stream.recv;
-        let frame: CallFrame = framing::read_frame(recv)
-            .await
-            .map_err(|e| lost(e.into_error("the call's answer").to_string()))?;
+        let liveness = Duration::from_millis(LIVENESS_TIMEOUT_MS);
+        let frame = loop {
+            let frame = match tokio::time::timeout(liveness, framing::read_frame(recv)).await {
+                Ok(frame) => {
+                    frame.map_err(|e| lost(e.into_error("the call's answer").to_string()))?
+                }
+                Err(_) => return Err(lost(format!("no word from the server for {liveness:?}"))),
+            };
+            if frame != CallFrame::Alive {
+                break frame;
+            }
+        };
         match frame {
             CallFrame::Item { index, body_len } => {
                 let max = self.node.config().max_tensor_bytes;
@@ -321,16 +371,19 @@ impl Caller {
                         detail: format!("a result of {body_len} bytes is over this node's {max}"),
                     });
                 }
-                let value = read_body(recv, body_len).await.map_err(|e| match e {
-                    crate::value::ReadError::Closed(reason) => lost(reason),
-                    invalid => CallError::BadValue {
-                        function: function.to_string(),
-                        detail: invalid.to_string(),
-                    },
-                })?;
+                let value = read_body(recv, body_len, liveness)
+                    .await
+                    .map_err(|e| match e {
+                        crate::value::ReadError::Closed(reason) => lost(reason),
+                        invalid => CallError::BadValue {
+                            function: function.to_string(),
+                            detail: invalid.to_string(),
+                        },
+                    })?;
                 self.metrics.bytes("in", body_len);
                 Ok(Some((index, value)))
             }
+            CallFrame::Alive => Ok(None),
             CallFrame::Done { load } => {
                 self.directory.loaded(function, &server, load);
                 Ok(None)

@@ -281,10 +281,9 @@ impl CallStream {
         let item = caller.next_item(&self.function, started).await;
         match item {
             Ok(Some((_, value))) => {
-                if let Err(e) = caller.credit(started, 1).await {
-                    self.started = None;
-                    return Some(Err(e));
-                }
+                // A server that sent its last item stops reading credit: what the stream
+                // says next (the end, or a loss) is read from it, not from this write.
+                let _ = caller.credit(started, 1).await;
                 Some(Ok(value))
             }
             Ok(None) => {

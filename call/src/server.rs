@@ -25,7 +25,10 @@ use iroh::endpoint::SendStream;
 use tb_node::{ServeCtx, Service, ServiceFuture, ServiceStream, framing};
 use tb_proto::{
     Access, DataRequest, DataResponse, ErrorCode, TensorName,
-    call::{CallFrame, CallHead, CallUp, FailureKind, Load, MAX_CREDIT, RemoteFailure},
+    call::{
+        ALIVE_INTERVAL_MS, CallFrame, CallHead, CallUp, FailureKind, Load, MAX_CREDIT,
+        RemoteFailure,
+    },
 };
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -298,6 +301,7 @@ impl CallService {
         let deadline = head.deadline_ms.map(Duration::from_millis);
         let call = Call {
             served: &served,
+            stall: node.stall_timeout(),
             head,
             caller: peer,
             cancel: cancel.clone(),
@@ -393,6 +397,7 @@ enum Outcome {
 
 struct Call<'a> {
     served: &'a Served,
+    stall: Duration,
     head: CallHead,
     caller: iroh::EndpointId,
     cancel: CancellationToken,
@@ -406,7 +411,7 @@ impl Call<'_> {
         send: &mut SendStream,
         recv: &mut iroh::endpoint::RecvStream,
     ) -> Outcome {
-        let args = match read_body(recv, self.head.body_len).await {
+        let args = match read_body(recv, self.head.body_len, self.stall).await {
             Ok(args) => args,
             Err(e) => {
                 return Outcome::Failed(RemoteFailure::new(
@@ -420,11 +425,11 @@ impl Call<'_> {
         self.metrics.bytes("in", self.head.body_len);
         // Wait for a slot, unless the caller goes or the function is unserved meanwhile.
         let slots = self.served.slots.clone();
-        let permit = tokio::select! {
-            permit = slots.acquire_owned() => permit,
-            stop = send.stopped() => {
-                debug!(?stop, "the caller stopped while the call was queued");
-                return Outcome::Cancelled;
+        let permit = match self.alive_while(send, slots.acquire_owned()).await {
+            Ok(permit) => permit,
+            Err(outcome) => {
+                debug!("the caller stopped while the call was queued");
+                return outcome;
             }
         };
         let Ok(_permit) = permit else {
@@ -438,9 +443,9 @@ impl Call<'_> {
         };
         match self.served.handler.call(args, cx) {
             Output::Unary(fut) => {
-                let result = tokio::select! {
-                    result = fut => result,
-                    _ = send.stopped() => return Outcome::Cancelled,
+                let result = match self.alive_while(send, fut).await {
+                    Ok(result) => result,
+                    Err(outcome) => return outcome,
                 };
                 match result {
                     Ok(value) => self.send_item(send, 0, &value).await,
@@ -448,6 +453,31 @@ impl Call<'_> {
                 }
             }
             Output::Stream(items) => self.stream(items, send, recv).await,
+        }
+    }
+
+    /// Waits for `work`, telling the caller every [`ALIVE_INTERVAL_MS`] that the call lives;
+    /// `Err` when the caller stopped its side (`Cancelled`) or a frame could not be sent.
+    async fn alive_while<T>(
+        &self,
+        send: &mut SendStream,
+        work: impl Future<Output = T>,
+    ) -> Result<T, Outcome> {
+        let every = Duration::from_millis(ALIVE_INTERVAL_MS);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let stopped = send.stopped();
+        tokio::pin!(work, stopped);
+        loop {
+            tokio::select! {
+                out = &mut work => return Ok(out),
+                _ = &mut stopped => return Err(Outcome::Cancelled),
+                _ = tick.tick() => {
+                    let alive = framing::write_frame_within(send, &CallFrame::Alive, self.stall);
+                    if alive.await.is_err() {
+                        return Err(Outcome::Gone);
+                    }
+                }
+            }
         }
     }
 
@@ -492,9 +522,9 @@ impl Call<'_> {
                 }
                 continue;
             }
-            let next = tokio::select! {
-                next = items.recv() => next,
-                _ = send.stopped() => return Outcome::Cancelled,
+            let next = match self.alive_while(send, items.recv()).await {
+                Ok(next) => next,
+                Err(outcome) => return outcome,
             };
             match next {
                 None => return Outcome::Done,

@@ -168,25 +168,53 @@ pub enum ReadError {
     Closed(String),
 }
 
+/// How much of a tensor one read takes: each read is bounded by the stall limit, so a peer
+/// that stops sending mid-body is noticed within it, whatever the body's size.
+const READ_CHUNK: usize = 1 << 20;
+
+/// Fills `buf` from `recv`, each [`READ_CHUNK`] within `stall`.
+async fn read_within(
+    recv: &mut RecvStream,
+    buf: &mut [u8],
+    stall: std::time::Duration,
+) -> Result<(), ReadError> {
+    for chunk in buf.chunks_mut(READ_CHUNK) {
+        match tokio::time::timeout(stall, recv.read_exact(chunk)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(ReadError::Closed(e.to_string())),
+            Err(_) => {
+                return Err(ReadError::Closed(format!(
+                    "no byte for {stall:?} (the peer is lost)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Reads a body of `body_len` bytes from `recv`: the skeleton (checked before any tensor byte
-/// is allocated), then each tensor into a buffer of its own.
-pub async fn read_body(recv: &mut RecvStream, body_len: u64) -> Result<Value, ReadError> {
-    let closed = |e: iroh::endpoint::ReadExactError| ReadError::Closed(e.to_string());
+/// is allocated), then each tensor into a buffer of its own. A peer that sends nothing for
+/// `stall` fails the read.
+pub async fn read_body(
+    recv: &mut RecvStream,
+    body_len: u64,
+    stall: std::time::Duration,
+) -> Result<Value, ReadError> {
     if body_len < Body::PREFIX as u64 {
         return Err(WireError::Malformed(format!("a body of {body_len} bytes")).into());
     }
     let mut prefix = [0u8; Body::PREFIX];
-    recv.read_exact(&mut prefix).await.map_err(closed)?;
+    read_within(recv, &mut prefix, stall).await?;
     let len = Body::skeleton_len(prefix, body_len)?;
     let mut skeleton = vec![0u8; len];
-    recv.read_exact(&mut skeleton).await.map_err(closed)?;
+    read_within(recv, &mut skeleton, stall).await?;
     let (skeleton, _) = Body::skeleton(&skeleton, body_len)?;
     let mut buffers = Vec::new();
     for slot in skeleton.tensors() {
         // Checked by `Body::skeleton`: the sizes fit in what the body has left.
         let len = byte_len_for(slot.dtype, &slot.shape).map_err(WireError::from)? as usize;
         let mut buf = BytesMut::zeroed(len);
-        recv.read_exact(&mut buf).await.map_err(closed)?;
+        read_within(recv, &mut buf, stall).await?;
         buffers.push(buf.freeze());
     }
     let mut buffers = buffers.into_iter();

@@ -448,12 +448,14 @@ pub struct RequestStream {
 }
 
 /// Opens a stream on a link from `links`, writes `request` then `preamble`, and reads the
-/// first answer; redials once when the peer closed the link gracefully before answering.
+/// first answer within `timeout`; redials once when the peer closed the link gracefully
+/// before answering.
 pub(crate) async fn open_request<L, LF>(
     ctx: &NodeCtx,
     links: L,
     request: &DataRequest,
     preamble: &[&[u8]],
+    timeout: std::time::Duration,
 ) -> Result<RequestStream>
 where
     L: Fn() -> LF,
@@ -471,7 +473,12 @@ where
                         .await
                         .map_err(|e| Error::Io(format!("{what}: writing: {e}")))?;
                 }
-                let answer = read_response(ctx, &mut recv, what).await?;
+                let answer = match tokio::time::timeout(timeout, wire::read_frame(&mut recv)).await
+                {
+                    Ok(Ok(answer)) => answer,
+                    Ok(Err(e)) => return Err(e.into_error(&format!("answer for {what}")).into()),
+                    Err(_) => return Err(Error::timeout(format!("answer for {what}"), timeout)),
+                };
                 Ok::<_, Error>((send, recv, answer))
             };
             match sent.await {

@@ -437,7 +437,8 @@ impl Node {
     /// Opens a stream to the peer at `addr` on its pooled link (dialing it on first
     /// contact), writes `request` and then `preamble` (what its service reads right after
     /// the request, such as a call's inline arguments), and reads the first answer frame
-    /// within the request timeout. Redials once when the peer closed the link gracefully
+    /// within `timeout` (a service that answers at once can be held to less than the node's
+    /// request timeout, so a peer killed under the link is noticed sooner). Redials once when the peer closed the link gracefully
     /// before answering (it never served the request). The extension point's client half: a
     /// crate that adds a request kind ([`add_service`](Self::add_service)) calls it with its
     /// own messages; what follows the first answer is the service's protocol.
@@ -446,11 +447,12 @@ impl Node {
         addr: &PeerAddr,
         request: &tb_proto::DataRequest,
         preamble: &[&[u8]],
+        timeout: Duration,
     ) -> Result<crate::RequestStream> {
         let links = || self.link(addr);
         let ctx = &self.inner.ctx;
-        self.guarded(client::open_request(ctx, links, request, preamble))
-            .await
+        let open = client::open_request(ctx, links, request, preamble, timeout);
+        self.guarded(open).await
     }
 
     /// Each peer with a usable pooled link and the data channel negotiated with it.

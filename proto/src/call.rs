@@ -10,7 +10,7 @@
 //!    **before it reads any argument byte**; a caller with a larger body writes it only once
 //!    accepted, so a busy server is sent nothing large;
 //! 3. the server sends [`CallFrame`]s: an `Item` (its body follows) per result, then `Done`,
-//!    or `Failed`. A unary call has one item; a streaming call as many as it produces, each
+//!    or `Failed`; `Alive` every [`ALIVE_INTERVAL_MS`] while the call waits or runs. A unary call has one item; a streaming call as many as it produces, each
 //!    only while the caller has granted [credit](CallUp::Credit) for it.
 //!
 //! The caller cancels by stopping its receive side (QUIC `STOP_SENDING`): the server drops a
@@ -143,7 +143,18 @@ pub enum CallFrame {
     },
     /// The call failed on the server; nothing follows.
     Failed(RemoteFailure),
+    /// The server is alive and the call still queued or running: sent every
+    /// [`ALIVE_INTERVAL_MS`] while the caller waits, so a caller that hears nothing for a few
+    /// intervals knows the server is lost (a killed process says nothing; QUIC's own idle
+    /// timeout is far longer).
+    Alive,
 }
+
+/// How often a server tells a waiting caller it is alive ([`CallFrame::Alive`]).
+pub const ALIVE_INTERVAL_MS: u64 = 500;
+
+/// How long a caller waits for any frame of a call before it counts the server as lost.
+pub const LIVENESS_TIMEOUT_MS: u64 = 4 * ALIVE_INTERVAL_MS;
 
 /// What a caller sends after the arguments of a streaming call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
