@@ -371,7 +371,14 @@ impl Caller {
                         detail: format!("a result of {body_len} bytes is over this node's {max}"),
                     });
                 }
-                let value = read_body(recv, body_len, liveness)
+                let conn = started.stream.link.connection().clone();
+                let heard = move || conn.stats().udp_rx.bytes;
+                let stall = crate::value::Stall {
+                    after: liveness,
+                    progress: Some(&heard),
+                };
+                let recv = &mut started.stream.recv;
+                let value = read_body(recv, body_len, stall)
                     .await
                     .map_err(|e| match e {
                         crate::value::ReadError::Closed(reason) => lost(reason),
@@ -403,11 +410,16 @@ impl Caller {
     }
 
     /// Grants the server `n` more items of a streaming call.
-    pub(crate) async fn credit(&self, started: &mut Started, n: u32) -> Result<(), CallError> {
+    pub(crate) async fn credit(
+        &self,
+        function: &TensorName,
+        started: &mut Started,
+        n: u32,
+    ) -> Result<(), CallError> {
         framing::write_frame(&mut started.stream.send, &CallUp::Credit(n))
             .await
             .map_err(|e| CallError::ServerLost {
-                function: String::new(),
+                function: function.to_string(),
                 server: started.server.id.fmt_short().to_string(),
                 maybe_ran: true,
                 reason: e.to_string(),

@@ -80,6 +80,7 @@ impl Calls {
         let metrics = Arc::new(CallMetrics::new(node.metrics().registry()));
         let service = CallService {
             table: table.clone(),
+            node: node.downgrade(),
             metrics: metrics.clone(),
         };
         node.add_service(RequestKind::Call, Arc::new(service))?;
@@ -229,7 +230,7 @@ impl Calls {
             .start(&function, &encoded, head, &mut Vec::new())
             .await?;
         let prefetch = prefetch.max(1);
-        caller.credit(&mut started, prefetch).await?;
+        caller.credit(&function, &mut started, prefetch).await?;
         Ok(CallStream {
             calls: self.clone(),
             function,
@@ -283,7 +284,7 @@ impl CallStream {
             Ok(Some((_, value))) => {
                 // A server that sent its last item stops reading credit: what the stream
                 // says next (the end, or a loss) is read from it, not from this write.
-                let _ = caller.credit(started, 1).await;
+                let _ = caller.credit(&self.function, started, 1).await;
                 Some(Ok(value))
             }
             Ok(None) => {

@@ -234,6 +234,8 @@ impl Table {
 /// The `Call` request service.
 pub(crate) struct CallService {
     pub(crate) table: Arc<Table>,
+    /// The node, to get tensors passed by name (weak: the node owns this service).
+    pub(crate) node: tb_node::WeakNode,
     pub(crate) metrics: Arc<crate::metrics::CallMetrics>,
 }
 
@@ -300,6 +302,7 @@ impl CallService {
         let cancel = node_cancel(node, &served);
         let deadline = head.deadline_ms.map(Duration::from_millis);
         let call = Call {
+            node: &self.node,
             served: &served,
             stall: node.stall_timeout(),
             head,
@@ -396,6 +399,7 @@ enum Outcome {
 }
 
 struct Call<'a> {
+    node: &'a tb_node::WeakNode,
     served: &'a Served,
     stall: Duration,
     head: CallHead,
@@ -411,7 +415,11 @@ impl Call<'_> {
         send: &mut SendStream,
         recv: &mut iroh::endpoint::RecvStream,
     ) -> Outcome {
-        let args = match read_body(recv, self.head.body_len, self.stall).await {
+        let stall = crate::value::Stall {
+            after: self.stall,
+            progress: None,
+        };
+        let args = match read_body(recv, self.head.body_len, stall).await {
             Ok(args) => args,
             Err(e) => {
                 return Outcome::Failed(RemoteFailure::new(
@@ -423,6 +431,28 @@ impl Call<'_> {
             }
         };
         self.metrics.bytes("in", self.head.body_len);
+        let Some(node) = self.node.upgrade() else {
+            return Outcome::Cancelled;
+        };
+        let resolving = self.alive_while(send, crate::value::resolve(&node, args));
+        let args = match resolving.await {
+            Err(outcome) => return outcome,
+            Ok(Ok(args)) => args,
+            Ok(Err(e)) => {
+                let remote_type = match e {
+                    tb_node::Error::NotFound { .. } | tb_node::Error::NoHolder { .. } => {
+                        "LookupError"
+                    }
+                    _ => "RuntimeError",
+                };
+                return Outcome::Failed(RemoteFailure::new(
+                    FailureKind::BadArguments,
+                    remote_type,
+                    format!("a tensor passed by name could not be got: {e}"),
+                    "",
+                ));
+            }
+        };
         // Wait for a slot, unless the caller goes or the function is unserved meanwhile.
         let slots = self.served.slots.clone();
         let permit = match self.alive_while(send, slots.acquire_owned()).await {

@@ -9,7 +9,7 @@
 use bytes::{Bytes, BytesMut};
 use iroh::endpoint::RecvStream;
 use tb_proto::{
-    DType, byte_len_for,
+    DType, TensorName, byte_len_for,
     call::{Body, CallError as WireError, TensorSlot, Value as Skeleton},
 };
 
@@ -61,6 +61,14 @@ pub enum Value {
     Map(Vec<(String, Value)>),
     /// A tensor.
     Tensor(HostTensor),
+    /// A tensor in the cluster by name and version (the newest when `None`): a server gets
+    /// it before its handler runs, which sees a [`Value::Tensor`].
+    Named {
+        /// The tensor's name.
+        name: TensorName,
+        /// Its version, or the newest.
+        version: Option<u64>,
+    },
 }
 
 impl From<HostTensor> for Value {
@@ -100,6 +108,10 @@ impl Value {
                     .map(|(k, v)| (k.clone(), v.skeleton(parts)))
                     .collect(),
             ),
+            Value::Named { name, version } => Skeleton::Named {
+                name: name.clone(),
+                version: *version,
+            },
             Value::Tensor(t) => {
                 parts.push(t.data.clone());
                 Skeleton::Tensor(TensorSlot {
@@ -168,24 +180,43 @@ pub enum ReadError {
     Closed(String),
 }
 
-/// How much of a tensor one read takes: each read is bounded by the stall limit, so a peer
-/// that stops sending mid-body is noticed within it, whatever the body's size.
-const READ_CHUNK: usize = 1 << 20;
+/// How long a read may see no byte, and how to tell a busy link from a lost peer: when
+/// `stall` passes with nothing for this stream, the read goes on if the link as a whole
+/// received something meanwhile (`progress`, e.g. the connection's received bytes: many
+/// results share one link, and one may wait while others move), and fails otherwise.
+#[derive(Clone, Copy)]
+pub struct Stall<'a> {
+    /// The longest wait without a byte for this stream.
+    pub after: std::time::Duration,
+    /// A counter that grows while the peer is heard from; `None`: none, the first stall
+    /// fails the read.
+    pub progress: Option<&'a (dyn Fn() -> u64 + Sync)>,
+}
 
-/// Fills `buf` from `recv`, each [`READ_CHUNK`] within `stall`.
+/// Fills `buf` from `recv` within `stall`.
 async fn read_within(
     recv: &mut RecvStream,
     buf: &mut [u8],
-    stall: std::time::Duration,
+    stall: Stall<'_>,
 ) -> Result<(), ReadError> {
-    for chunk in buf.chunks_mut(READ_CHUNK) {
-        match tokio::time::timeout(stall, recv.read_exact(chunk)).await {
-            Ok(Ok(())) => {}
+    let heard = || stall.progress.map(|p| p());
+    let mut seen = heard();
+    let mut off = 0;
+    while off < buf.len() {
+        // `read` is cancel-safe: a timeout loses no byte.
+        match tokio::time::timeout(stall.after, recv.read(&mut buf[off..])).await {
+            Ok(Ok(Some(n))) => off += n,
+            Ok(Ok(None)) => return Err(ReadError::Closed("the stream ended mid-body".into())),
             Ok(Err(e)) => return Err(ReadError::Closed(e.to_string())),
             Err(_) => {
-                return Err(ReadError::Closed(format!(
-                    "no byte for {stall:?} (the peer is lost)"
-                )));
+                let now = heard();
+                if now.is_none() || now == seen {
+                    return Err(ReadError::Closed(format!(
+                        "nothing heard from the peer for {:?} (it is lost)",
+                        stall.after
+                    )));
+                }
+                seen = now;
             }
         }
     }
@@ -193,12 +224,12 @@ async fn read_within(
 }
 
 /// Reads a body of `body_len` bytes from `recv`: the skeleton (checked before any tensor byte
-/// is allocated), then each tensor into a buffer of its own. A peer that sends nothing for
+/// is allocated), then each tensor into a buffer of its own. A peer not heard from within
 /// `stall` fails the read.
 pub async fn read_body(
     recv: &mut RecvStream,
     body_len: u64,
-    stall: std::time::Duration,
+    stall: Stall<'_>,
 ) -> Result<Value, ReadError> {
     if body_len < Body::PREFIX as u64 {
         return Err(WireError::Malformed(format!("a body of {body_len} bytes")).into());
@@ -237,11 +268,50 @@ fn fill(skeleton: Skeleton, buffers: &mut impl Iterator<Item = Bytes>) -> Value 
                 .map(|(k, v)| (k, fill(v, buffers)))
                 .collect(),
         ),
+        Skeleton::Named { name, version } => Value::Named { name, version },
         Skeleton::Tensor(TensorSlot { dtype, shape }) => Value::Tensor(HostTensor {
             dtype,
             shape,
             // One buffer per slot was read above.
             data: buffers.next().unwrap_or_default(),
         }),
+    }
+}
+
+/// `value` with every [`Value::Named`] replaced by the tensor it names, got from the cluster
+/// through `node` (host tensors only).
+pub async fn resolve(node: &tb_node::Node, value: Value) -> Result<Value, tb_node::Error> {
+    let mut value = value;
+    let mut named = Vec::new();
+    collect_named(&mut value, &mut named);
+    for slot in named {
+        let Value::Named { name, version } = std::mem::replace(slot, Value::None) else {
+            continue;
+        };
+        let pulled = match version {
+            Some(v) => node.get_version(name.as_str(), v).await?,
+            None => node.get(name.as_str()).await?,
+        };
+        let tensor = pulled.buffer;
+        let data = tensor.host_data().cloned().ok_or_else(|| {
+            tb_node::Error::InvalidTensor(format!(
+                "\"{name}\" is a device tensor: calls carry host tensors"
+            ))
+        })?;
+        *slot = Value::Tensor(HostTensor {
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+            data,
+        });
+    }
+    Ok(value)
+}
+
+fn collect_named<'a>(value: &'a mut Value, out: &mut Vec<&'a mut Value>) {
+    match value {
+        Value::Named { .. } => out.push(value),
+        Value::List(items) => items.iter_mut().for_each(|v| collect_named(v, out)),
+        Value::Map(items) => items.iter_mut().for_each(|(_, v)| collect_named(v, out)),
+        _ => {}
     }
 }

@@ -468,15 +468,22 @@ where
             let sent = async {
                 let (mut send, mut recv) = open(ctx, &link).await?;
                 wire::write_frame(&mut send, request).await?;
+                // A service may refuse at once and stop reading: the refusal is still the
+                // answer, so a failed write is reported only if no answer comes.
+                let mut unwritten = None;
                 for part in preamble {
-                    send.write_all(part)
-                        .await
-                        .map_err(|e| Error::Io(format!("{what}: writing: {e}")))?;
+                    if let Err(e) = send.write_all(part).await {
+                        unwritten = Some(Error::Io(format!("{what}: writing: {e}")));
+                        break;
+                    }
                 }
-                let answer = match tokio::time::timeout(timeout, wire::read_frame(&mut recv)).await
-                {
+                let read = tokio::time::timeout(timeout, wire::read_frame(&mut recv));
+                let answer = match read.await {
                     Ok(Ok(answer)) => answer,
-                    Ok(Err(e)) => return Err(e.into_error(&format!("answer for {what}")).into()),
+                    Ok(Err(e)) => {
+                        let unread = e.into_error(&format!("answer for {what}")).into();
+                        return Err(unwritten.unwrap_or(unread));
+                    }
                     Err(_) => return Err(Error::timeout(format!("answer for {what}"), timeout)),
                 };
                 Ok::<_, Error>((send, recv, answer))

@@ -129,7 +129,7 @@ pub use cudarc;
 pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};
 pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
-pub use node::{Node, bind_endpoint};
+pub use node::{Node, WeakNode, bind_endpoint};
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};

@@ -53,13 +53,14 @@ pub struct Node {
     inner: Arc<Inner>,
 }
 
-/// A handle that does not keep the node alive (for tasks the node owns).
+/// A handle that does not keep the node alive (for tasks the node owns, and services
+/// registered in its table that need the node back).
 #[derive(Debug, Clone)]
-pub(crate) struct WeakNode(Weak<Inner>);
+pub struct WeakNode(Weak<Inner>);
 
 impl WeakNode {
     /// The node, unless it is gone.
-    pub(crate) fn upgrade(&self) -> Option<Node> {
+    pub fn upgrade(&self) -> Option<Node> {
         self.0.upgrade().map(|inner| Node { inner })
     }
 }
@@ -567,7 +568,7 @@ impl Node {
     }
 
     /// A handle that does not keep the node alive.
-    pub(crate) fn downgrade(&self) -> WeakNode {
+    pub fn downgrade(&self) -> WeakNode {
         WeakNode(Arc::downgrade(&self.inner))
     }
 

@@ -264,6 +264,15 @@ pub enum Value {
     Map(Vec<(String, Value)>),
     /// A tensor, whose bytes follow the skeleton.
     Tensor(TensorSlot),
+    /// A tensor already in the cluster, by name (and version; the newest when `None`): the
+    /// server gets it from any holder before its handler runs. Nothing follows the skeleton
+    /// for it.
+    Named {
+        /// The tensor's name.
+        name: TensorName,
+        /// Its version (at least 1), or the newest.
+        version: Option<u64>,
+    },
 }
 
 /// What a body's skeleton holds, once checked.
@@ -316,7 +325,13 @@ impl Value {
                         .checked_add(len)
                         .ok_or(CallError::Meta(MetaError::Overflow))?;
                 }
-                Value::None
+                Value::Named {
+                    version: Some(0), ..
+                } => {
+                    return Err(CallError::Malformed("version 0 does not exist".into()));
+                }
+                Value::Named { .. }
+                | Value::None
                 | Value::Bool(_)
                 | Value::Int(_)
                 | Value::Float(_)

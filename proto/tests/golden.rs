@@ -720,6 +720,12 @@ fn call_messages() {
     golden(&failed, "07000000 02 00 0145 016d 00");
     golden(&CallUp::Credit(2), "02000000 0002");
     golden(&CallFrame::Alive, "01000000 03");
+    // Named=9 | name "w" | version Some(2)
+    let named = Value::Named {
+        name: name("w"),
+        version: Some(2),
+    };
+    golden(&named, "05000000 09 0177 0102");
     // List=6 of 3: Int=2 -1 (zigzag 01) | Tensor=8 U8=1 shape [2] | Map=7 of 1: "k" Str=4 "v"
     let value = Value::List(vec![
         Value::Int(-1),

@@ -58,6 +58,27 @@ impl TensorArg {
     }
 }
 
+/// A tensor in the cluster passed by name (and version; the newest when `None`): the server
+/// gets it from any holder before its handler runs.
+#[pyclass(frozen, module = "tensor_broker._native", get_all)]
+pub struct RefArg {
+    name: String,
+    version: Option<u64>,
+}
+
+#[pymethods]
+impl RefArg {
+    #[new]
+    #[pyo3(signature = (name, version=None))]
+    fn new(name: String, version: Option<u64>) -> PyResult<Self> {
+        tb_node::TensorName::new(name.as_str()).map_err(|e| errors::invalid(e.to_string()))?;
+        if version == Some(0) {
+            return Err(errors::invalid("versions start at 1".into()));
+        }
+        Ok(RefArg { name, version })
+    }
+}
+
 /// A tensor result: its bytes as a writable 1-D `uint8` numpy array the receiver owns (no
 /// copy was made after receiving), its dtype name and shape.
 #[pyclass(frozen, module = "tensor_broker._native", get_all)]
@@ -108,6 +129,15 @@ fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         return Ok(Value::Tensor(tensor));
     }
+    if let Ok(r) = obj.cast::<RefArg>() {
+        let r = r.get();
+        let name = tb_node::TensorName::new(r.name.as_str())
+            .map_err(|e| errors::invalid(e.to_string()))?;
+        return Ok(Value::Named {
+            name,
+            version: r.version,
+        });
+    }
     if let Ok(list) = obj.cast::<PyList>() {
         let items = list.iter().map(|v| to_value(&v, depth + 1));
         return Ok(Value::List(items.collect::<PyResult<_>>()?));
@@ -155,6 +185,14 @@ fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
             }
             dict.into_any().unbind()
         }
+        Value::Named { name, version } => Py::new(
+            py,
+            RefArg {
+                name: name.to_string(),
+                version,
+            },
+        )?
+        .into_any(),
         Value::Tensor(t) => {
             // Unique after a receive: taken as the array's own memory, no copy.
             let vec: Vec<u8> = Vec::from(t.data);

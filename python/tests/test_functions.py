@@ -57,6 +57,16 @@ def test_a_shared_function_is_called_by_name_with_arrays_and_plain_values(
 
             assert ("math/affine", 1) in caller.functions("math/")
 
+            # A tensor already in the cluster, passed by name: the server gets it itself.
+            w = np.arange(6, dtype=np.float32)
+            version = caller.put("shared/w", w)
+            out = f(tb.Ref("shared/w", version), 3.0, timeout=LIMIT_S)
+            np.testing.assert_array_equal(out["y"], w * 3)
+            out = f(tb.Ref("shared/w"), 1.0, timeout=LIMIT_S)
+            np.testing.assert_array_equal(out["y"], w)
+            with pytest.raises(LookupError):
+                f(tb.Ref("shared/missing"), timeout=LIMIT_S)
+
 
 def test_remote_exceptions_keep_their_type_message_and_traceback(cluster: tb.LocalCluster) -> None:
     with cluster.connect() as server, cluster.connect() as caller:

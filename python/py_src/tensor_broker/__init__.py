@@ -32,7 +32,7 @@ from ._errors import (
     Unauthorized,
     Unavailable,
 )
-from ._functions import Function, cancelled
+from ._functions import Function, Ref, cancelled
 from ._native import CUDA_COMPILED, Buffer, Entry
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "Overloaded",
     "ServerLost",
     "Function",
+    "Ref",
     "cancelled",
     "CUDA_COMPILED",
 ]

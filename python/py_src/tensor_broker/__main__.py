@@ -1,4 +1,5 @@
-"""``python -m tensor_broker``: ``bench`` (and the benchmark's internal steps)."""
+"""``python -m tensor_broker``: ``bench``, ``bench call`` (and the benchmarks' internal
+steps)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,26 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "call"] or argv[:1] in (["_bench-call-server"],
+                                                      ["_bench-call-caller"]):
+        # Remote calls vs gRPC and ZeroMQ (its own parser: ``bench``'s options are unchanged).
+        from . import _bench_call
+
+        if argv[:1] == ["_bench-call-server"]:
+            return _bench_call.serve(argv[1:])
+        if argv[:1] == ["_bench-call-caller"]:
+            return _bench_call.caller(argv[1:])
+        return _bench_call.main(argv[2:])
     from . import _bench
 
     if argv[:1] == ["_bench-send"]:
         return _bench.bench_send(argv[1:])
     if argv[:1] == ["_bench-recv"]:
         return _bench.bench_recv(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m tensor_broker")
+    parser = argparse.ArgumentParser(
+        prog="python -m tensor_broker",
+        epilog="python -m tensor_broker bench call [--json] [--quick] [--no-install]: remote "
+        "calls (echo, add_one, streaming) vs gRPC and ZeroMQ between processes")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",

@@ -24,7 +24,12 @@ import numpy as np
 
 from . import _dtypes
 from ._convert import to_bytes
-from ._native import TensorArg, TensorOut
+from ._native import RefArg, TensorArg, TensorOut
+
+#: A tensor in the cluster passed to a function by name (and version; the newest when
+#: omitted): ``f(tb.Ref("model/w", 3))``. The server gets it from any holder before its
+#: handler runs, which receives the array; no byte of it goes through the caller.
+Ref = RefArg
 
 _local = threading.local()
 
@@ -49,6 +54,8 @@ def _encode(obj: Any, depth: int = 0) -> Any:
         return {k: _encode(v, depth + 1) for k, v in obj.items()}
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, RefArg):
+        return obj
     data, dtype, shape = to_bytes(obj)
     flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
     return TensorArg(flat, dtype, list(shape))
