@@ -207,6 +207,10 @@ fn pick(servers: &[Server], tried: &[PeerAddr], suspects: &[iroh::EndpointId]) -
 pub(crate) struct Started {
     pub(crate) stream: RequestStream,
     pub(crate) server: PeerAddr,
+    /// What the server declared: the function may run twice.
+    pub(crate) idempotent: bool,
+    /// What the server declared: the stream restarts from any item.
+    pub(crate) resumable: bool,
 }
 
 /// The caller's state shared by every call through one [`Calls`](crate::Calls).
@@ -243,7 +247,14 @@ impl Caller {
             };
             tried.push(server.clone());
             match self.attempt(function, &server, args, head).await {
-                Ok(stream) => return Ok(Started { stream, server }),
+                Ok((stream, idempotent, resumable)) => {
+                    return Ok(Started {
+                        stream,
+                        server,
+                        idempotent,
+                        resumable,
+                    });
+                }
                 Err(e) if e.never_started() || matches!(e, CallError::NoServer { .. }) => {
                     if matches!(e, CallError::NoServer { .. }) {
                         self.directory.forget(function, &server);
@@ -266,7 +277,7 @@ impl Caller {
         server: &PeerAddr,
         args: &Encoded,
         head: CallHead,
-    ) -> Result<RequestStream, CallError> {
+    ) -> Result<(RequestStream, bool, bool), CallError> {
         let lost = |reason: String, maybe_ran| CallError::ServerLost {
             function: function.to_string(),
             server: server.id.fmt_short().to_string(),
@@ -294,8 +305,15 @@ impl Caller {
             }
         };
         let refused = |detail: String| (function.to_string(), detail);
-        match std::mem::replace(&mut stream.answer, DataResponse::Ack) {
-            DataResponse::Accepted { load } => self.directory.loaded(function, server, load),
+        let declared = match std::mem::replace(&mut stream.answer, DataResponse::Ack) {
+            DataResponse::Accepted {
+                load,
+                idempotent,
+                resumable,
+            } => {
+                self.directory.loaded(function, server, load);
+                (idempotent, resumable)
+            }
             DataResponse::Error { code, message } => {
                 let (function_s, detail) = refused(message);
                 return Err(match code {
@@ -323,7 +341,7 @@ impl Caller {
                 });
             }
             other => return Err(lost(format!("unexpected answer {other:?}"), false)),
-        }
+        };
         if !head.inline() {
             args.write(&mut stream.send)
                 .await
@@ -333,7 +351,7 @@ impl Caller {
         if !head.stream {
             let _ = stream.send.finish();
         }
-        Ok(stream)
+        Ok((stream, declared.0, declared.1))
     }
 
     /// Reads the next frame of a started call: an item's value (`Some`) or the end (`None`).

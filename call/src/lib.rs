@@ -49,6 +49,9 @@ use metrics::CallMetrics;
 use server::{CallService, Served, Table};
 use value::Encoded;
 
+/// Most servers a call (or a resumable stream) is started on before its error is returned.
+const MAX_RETRIES: usize = 4;
+
 /// How long an unserved function waits for its calls to end before it stops waiting.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -186,6 +189,7 @@ impl Calls {
                 start: 0,
             };
             let mut started = caller.start(function, args, head, &mut tried).await?;
+            let idempotent = options.idempotent || started.idempotent;
             let result = async {
                 let (_, value) =
                     caller
@@ -201,7 +205,7 @@ impl Calls {
             }
             .await;
             match result {
-                Err(CallError::ServerLost { .. }) if options.idempotent && tried.len() < 4 => {
+                Err(CallError::ServerLost { .. }) if idempotent && tried.len() < MAX_RETRIES => {
                     continue;
                 }
                 other => return other,
@@ -225,17 +229,18 @@ impl Calls {
             stream: true,
             start: 0,
         };
-        let caller = &self.inner.caller;
-        let mut started = caller
-            .start(&function, &encoded, head, &mut Vec::new())
-            .await?;
-        let prefetch = prefetch.max(1);
-        caller.credit(&function, &mut started, prefetch).await?;
-        Ok(CallStream {
+        let mut stream = CallStream {
             calls: self.clone(),
             function,
-            started: Some(started),
-        })
+            started: None,
+            args: encoded,
+            head,
+            prefetch: prefetch.max(1),
+            next: 0,
+            tried: Vec::new(),
+        };
+        stream.begin().await?;
+        Ok(stream)
     }
 }
 
@@ -263,6 +268,14 @@ pub struct CallStream {
     calls: Calls,
     function: TensorName,
     started: Option<Started>,
+    /// What a restart sends again.
+    args: Encoded,
+    head: CallHead,
+    prefetch: u32,
+    /// The index of the next item to yield.
+    next: u64,
+    /// Servers the stream was started on.
+    tried: Vec<tb_node::PeerAddr>,
 }
 
 impl std::fmt::Debug for CallStream {
@@ -275,13 +288,56 @@ impl std::fmt::Debug for CallStream {
 }
 
 impl CallStream {
-    /// The next item, `None` once the stream ended.
-    pub async fn next(&mut self) -> Option<Result<Value, CallError>> {
-        let started = self.started.as_mut()?;
+    /// Starts (or restarts, from item `self.next`) the call on a server not tried yet.
+    async fn begin(&mut self) -> Result<(), CallError> {
         let caller = &self.calls.inner.caller;
-        let item = caller.next_item(&self.function, started).await;
+        let head = CallHead {
+            start: self.next,
+            ..self.head
+        };
+        let mut started = caller
+            .start(&self.function, &self.args, head, &mut self.tried)
+            .await?;
+        caller
+            .credit(&self.function, &mut started, self.prefetch)
+            .await?;
+        self.started = Some(started);
+        Ok(())
+    }
+
+    /// The next item, `None` once the stream ended. When the server is lost mid-stream and
+    /// declared the function resumable, the call starts again on another server from the
+    /// next item's index (no item is lost or repeated if production is deterministic).
+    pub async fn next(&mut self) -> Option<Result<Value, CallError>> {
+        loop {
+            let started = self.started.as_mut()?;
+            let caller = &self.calls.inner.caller;
+            let item = caller.next_item(&self.function, started).await;
+            let resumable = started.resumable;
+            match item {
+                Err(CallError::ServerLost { .. })
+                    if resumable && self.tried.len() < MAX_RETRIES =>
+                {
+                    self.started = None;
+                    tracing::debug!(function = %self.function, next = self.next, "stream server lost: resuming elsewhere");
+                    if let Err(e) = self.begin().await {
+                        return Some(Err(e));
+                    }
+                }
+                other => return self.took(other).await,
+            }
+        }
+    }
+
+    async fn took(
+        &mut self,
+        item: Result<Option<(u64, Value)>, CallError>,
+    ) -> Option<Result<Value, CallError>> {
+        let caller = &self.calls.inner.caller;
+        let started = self.started.as_mut()?;
         match item {
-            Ok(Some((_, value))) => {
+            Ok(Some((index, value))) => {
+                self.next = index + 1;
                 // A server that sent its last item stops reading credit: what the stream
                 // says next (the end, or a loss) is read from it, not from this write.
                 let _ = caller.credit(&self.function, started, 1).await;

@@ -89,6 +89,9 @@ pub struct FunctionSpec {
     pub read_only_callers: bool,
     /// Whether a call may run twice (callers then retry it elsewhere after a lost server).
     pub idempotent: bool,
+    /// Whether a streaming function restarts from any item index ([`CallContext::start`]):
+    /// callers that lose its server mid-stream start it again elsewhere from the next item.
+    pub resumable: bool,
 }
 
 impl FunctionSpec {
@@ -100,6 +103,7 @@ impl FunctionSpec {
             queue: 64,
             read_only_callers: false,
             idempotent: false,
+            resumable: false,
         })
     }
 
@@ -293,6 +297,8 @@ impl CallService {
         };
         let accepted = DataResponse::Accepted {
             load: served.load(),
+            idempotent: served.spec.idempotent,
+            resumable: served.spec.resumable,
         };
         if framing::write_frame(&mut send, &accepted).await.is_err() {
             return;

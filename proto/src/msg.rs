@@ -298,6 +298,12 @@ pub enum DataResponse {
     Accepted {
         /// The function's load on this server, the call included.
         load: crate::call::Load,
+        /// The function may run twice: a caller may retry it elsewhere after losing this
+        /// server mid-call.
+        idempotent: bool,
+        /// A streaming function that restarts from any item index: a caller that loses this
+        /// server mid-stream starts it again elsewhere from the next item.
+        resumable: bool,
     },
 }
 

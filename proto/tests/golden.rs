@@ -699,8 +699,13 @@ fn call_messages() {
         queued: 0,
         concurrency: 4,
     };
-    // len 4 | Accepted=8 | running 1, queued 0, concurrency 4
-    golden(&DataResponse::Accepted { load }, "04000000 08 01 00 04");
+    // len 6 | Accepted=8 | running 1, queued 0, concurrency 4 | idempotent | not resumable
+    let accepted = DataResponse::Accepted {
+        load,
+        idempotent: true,
+        resumable: false,
+    };
+    golden(&accepted, "06000000 08 01 00 04 01 00");
     // Item=0 | index 0 | body_len 300
     let item = CallFrame::Item {
         index: 0,

@@ -241,8 +241,8 @@ fn failure_of(py: Python<'_>, err: PyErr) -> RemoteFailure {
     RemoteFailure::new(FailureKind::Raised, remote_type, message, traceback)
 }
 
-/// A Python callable as a handler: `func(args, cancel_flag)` returns the result (a unary
-/// function) or an iterator of items (`streaming`).
+/// A Python callable as a handler: `func(args, cancel_flag, start)` returns the result (a
+/// unary function) or an iterator of items from item `start` on (`streaming`).
 struct PyHandler {
     func: Arc<Py<PyAny>>,
     streaming: bool,
@@ -252,9 +252,10 @@ impl tb_call::Handler for PyHandler {
     fn call(&self, args: Value, cx: CallContext) -> Output {
         let func = self.func.clone();
         let flag = cx.cancel.clone();
+        let start = cx.start;
         if self.streaming {
             let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tokio::task::spawn_blocking(move || stream_items(&func, args, flag, tx));
+            tokio::task::spawn_blocking(move || stream_items(&func, args, start, flag, tx));
             return Output::Stream(rx);
         }
         Output::Unary(Box::pin(async move {
@@ -262,7 +263,7 @@ impl tb_call::Handler for PyHandler {
                 Python::attach(|py| {
                     let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
                     let out = func
-                        .call1(py, (args, CancelFlag(flag)))
+                        .call1(py, (args, CancelFlag(flag), start))
                         .map_err(|e| failure_of(py, e))?;
                     to_value(out.bind(py), 0).map_err(|e| failure_of(py, e))
                 })
@@ -284,13 +285,14 @@ impl tb_call::Handler for PyHandler {
 fn stream_items(
     func: &Py<PyAny>,
     args: Value,
+    start: u64,
     flag: CancellationToken,
     tx: tokio::sync::mpsc::Sender<tb_call::HandlerResult>,
 ) {
     let iter = Python::attach(|py| -> Result<Py<PyAny>, RemoteFailure> {
         let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
         let out = func
-            .call1(py, (args, CancelFlag(flag.clone())))
+            .call1(py, (args, CancelFlag(flag.clone()), start))
             .map_err(|e| failure_of(py, e))?;
         out.bind(py)
             .try_iter()
@@ -432,9 +434,9 @@ impl CallStreamHandle {
 
 #[pymethods]
 impl CallsHandle {
-    /// Serves `func` as `name`: `func(args, cancel_flag)` returns the result, or (with
-    /// `streaming`) an iterator of items.
-    #[pyo3(signature = (name, func, concurrency=1, queue=64, read_only_callers=false, idempotent=false, streaming=false))]
+    /// Serves `func` as `name`: `func(args, cancel_flag, start)` returns the result, or (with
+    /// `streaming`) an iterator of items from item `start` on.
+    #[pyo3(signature = (name, func, concurrency=1, queue=64, read_only_callers=false, idempotent=false, streaming=false, resumable=false))]
     #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
@@ -446,6 +448,7 @@ impl CallsHandle {
         read_only_callers: bool,
         idempotent: bool,
         streaming: bool,
+        resumable: bool,
     ) -> PyResult<ServingHandle> {
         let mut spec = FunctionSpec::new(name)
             .map_err(|e| errors::invalid(e.to_string()))?
@@ -453,6 +456,7 @@ impl CallsHandle {
             .queue(queue);
         spec.read_only_callers = read_only_callers;
         spec.idempotent = idempotent;
+        spec.resumable = resumable;
         let handler = PyHandler {
             func: Arc::new(func),
             streaming,

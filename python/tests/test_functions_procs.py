@@ -208,3 +208,38 @@ def test_a_stalled_consumer_keeps_the_producers_memory_flat(cluster: tb.LocalClu
         stream.close()
     producer.send("stop")
     producer.finish()
+
+
+def test_a_resumable_stream_survives_its_servers_death_with_items_exactly_once(
+    cluster: tb.LocalCluster, spawn
+) -> None:
+    code = """
+    client = tb.connect(TICKET, secret_file=SECRET_FILE)
+
+    @client.share("procs/ticks", resumable=True)
+    def ticks(n, *, start=0):
+        for i in range(start, n):
+            time.sleep(0.005)
+            yield {"i": i, "pid": os.getpid()}
+
+    import time
+    say("serving", os.getpid())
+    client.serve()
+    """
+    servers = [spawn(code) for _ in range(2)]
+    for s in servers:
+        assert s.line().startswith("serving")
+    with cluster.connect() as caller:
+        deadline = time.monotonic() + LIMIT_S
+        while ("procs/ticks", 2) not in caller.functions("procs/"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        got, pids = [], set()
+        for item in caller.function("procs/ticks").stream(300, prefetch=4):
+            got.append(item["i"])
+            pids.add(item["pid"])
+            if len(got) == 100:
+                # Kill the server producing this stream, mid-stream.
+                os.kill(item["pid"], signal.SIGKILL)
+        assert got == list(range(300)), [g for g in got if got.count(g) > 1][:5]
+        assert len(pids) == 2, pids

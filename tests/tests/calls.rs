@@ -366,4 +366,3 @@ async fn read_only_callers_are_refused_unless_the_function_admits_them() {
         .await;
     assert!(served.is_err(), "a read-only node served a function");
 }
-

@@ -265,6 +265,7 @@ class Client:
         queue: int = 64,
         read_only_callers: bool = False,
         idempotent: bool = False,
+        resumable: bool = False,
         torch: bool = False,
     ) -> Callable[[Callable], Callable]:
         """Decorates a handler to serve as function ``name`` while this client serves
@@ -272,12 +273,17 @@ class Client:
         (in as many threads), ``queue`` more wait; beyond that callers get ``Overloaded``. A
         generator (sync or async) streams its items; a coroutine function runs on an event
         loop of its own. ``read_only_callers`` admits callers with a read-only credential;
-        ``idempotent`` lets callers retry a call whose server was lost. ``torch`` hands the
-        handler torch tensors instead of numpy arrays. Returns the handler unchanged."""
+        ``idempotent`` lets callers retry a call whose server was lost. ``resumable`` (a
+        generator taking a ``start=`` keyword, the index of its first item) lets a caller
+        whose server died mid-stream start it again elsewhere from the next item. ``torch``
+        hands the handler torch tensors instead of numpy arrays. Returns the handler
+        unchanged."""
         from ._functions import Shared
 
         def register(func: Callable) -> Callable:
-            shared = Shared(name, func, concurrency, queue, read_only_callers, idempotent, torch)
+            shared = Shared(
+                name, func, concurrency, queue, read_only_callers, idempotent, torch, resumable
+            )
             self._shared.append(shared)
             if self._serving:
                 self._serve_one(shared)
@@ -294,6 +300,7 @@ class Client:
             shared.read_only_callers,
             shared.idempotent,
             shared.streaming,
+            shared.resumable,
         )
         self._serving.append((shared, handle))
 

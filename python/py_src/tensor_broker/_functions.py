@@ -114,8 +114,10 @@ class Shared:
         read_only_callers: bool,
         idempotent: bool,
         torch: bool,
+        resumable: bool = False,
     ) -> None:
         self.name = name
+        self.resumable = resumable
         self.func = func
         self.concurrency = concurrency
         self.queue = queue
@@ -150,10 +152,12 @@ class Shared:
     def native_handler(self) -> Callable:
         """What the native layer calls: ``(value, flag)`` to a result (or an iterator)."""
 
-        def handle(value: Any, flag: Any) -> Any:
+        def handle(value: Any, flag: Any, start: int) -> Any:
             args, kwargs = _unpack(value)
             args = [_decode(a, self.torch) for a in args]
             kwargs = {k: _decode(v, self.torch) for k, v in kwargs.items()}
+            if self.resumable:
+                kwargs["start"] = start
             _local.flag = flag
             try:
                 out = self.func(*args, **kwargs)
