@@ -3,7 +3,8 @@
 //! - `tb up`: a local cluster (brokers and workers) on 127.0.0.1 until Ctrl-C.
 //! - `tb put`, `tb get`: send a tensor file to a worker to publish; fetch one into a file
 //!   (with a progress bar on a terminal).
-//! - `tb call`: call a function the cluster serves (tb-call) with tensor files as arguments.
+//! - `tb call`: call a function the cluster serves (tb-call) with tensor files as arguments;
+//!   `tb ls --functions` lists the functions served.
 //! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
 //!   members with their pool, store and throughput figures.
 //! - `tb secret derive --read-only`: the read-only credential derived from the cluster secret.
@@ -58,11 +59,15 @@ enum Command {
         #[command(flatten)]
         join: cluster::Join,
     },
-    /// List the tensors a cluster holds: name, version, dtype, shape, size, holders.
+    /// List the tensors a cluster holds: name, version, dtype, shape, size, holders (with
+    /// --functions: the functions served and how many live nodes serve each).
     Ls {
         /// Only names starting with this.
         #[arg(default_value = "")]
         prefix: String,
+        /// List the functions served (`tb call` calls them) instead of tensors.
+        #[arg(long)]
+        functions: bool,
         #[command(flatten)]
         join: cluster::Join,
     },
@@ -151,7 +156,16 @@ fn main() -> std::process::ExitCode {
             Command::Up(args) => cluster::up(args).await,
             Command::Put { args, join } => transfer::put(&join, args).await,
             Command::Get { args, join } => transfer::get(&join, args).await,
-            Command::Ls { prefix, join } => cluster::ls(&join, &prefix).await,
+            Command::Ls {
+                prefix,
+                functions: false,
+                join,
+            } => cluster::ls(&join, &prefix).await,
+            Command::Ls {
+                prefix,
+                functions: true,
+                join,
+            } => cluster::ls_functions(&join, &prefix).await,
             Command::Call { args, join } => call::call(&join, args).await,
             Command::Watch { pattern, join } => cluster::watch(&join, &pattern).await,
             Command::Status { args, join } => status::status(&join, &args).await,
