@@ -12,9 +12,11 @@
 //! - `tb bench p2p`: point-to-point pull, get and push throughput and latency on each channel,
 //!   against a bare iroh connection, one TCP stream and memcpy;
 //!   `tb bench broadcast`: one version to many receivers (fan-out tree, cut-through, upload
-//!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up.
+//!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up;
+//!   `tb bench call`: remote calls per second and their latency against 1 and 4 servers.
 
 mod bench;
+mod bench_call;
 mod bench_client;
 mod bench_cluster;
 mod bench_recv;
