@@ -65,10 +65,16 @@ pub async fn call(join: &Join, args: CallArgs) -> Result<()> {
                 timeout: Some(timeout),
                 idempotent: args.idempotent,
             };
-            calls
-                .call(&args.name, &value, &options)
-                .await
-                .map_err(|e| call_error(&args.name, e))
+            // Ctrl-C (or SIGTERM) drops the call: the server cancels it once this node's
+            // links close, instead of running it until the link times out.
+            tokio::select! {
+                result = calls.call(&args.name, &value, &options) => {
+                    result.map_err(|e| call_error(&args.name, e))
+                }
+                () = tb_daemon::wait_for_signal() => {
+                    Err(anyhow::anyhow!("interrupted: the call to {:?} was cancelled", args.name))
+                }
+            }
         }
         Err(e) => Err(anyhow::Error::new(e).context("attaching remote calls to the node")),
     };
@@ -144,10 +150,15 @@ fn call_error(function: &str, e: CallError) -> anyhow::Error {
             }
             anyhow::anyhow!(msg)
         }
-        CallError::Overloaded { detail, .. } => anyhow::anyhow!(
-            "function {function:?} is overloaded: every server tried refused the call ({detail}); \
-             try again later"
-        ),
+        CallError::Overloaded { detail, .. } => {
+            // The server's refusal names the function already.
+            let here = format!("function \"{function}\" is overloaded here: ");
+            let detail = detail.strip_prefix(&here).unwrap_or(&detail);
+            anyhow::anyhow!(
+                "function {function:?} is overloaded: every server tried refused the call (the \
+                 last: {detail}); try again later"
+            )
+        }
         CallError::NoServer { .. } => anyhow::anyhow!(
             "no live node serves function {function:?} (`tb ls --functions` lists those served)"
         ),

@@ -125,7 +125,8 @@ summarized one tensor a line and written to a .safetensors -o; any other value i
 as a Python-like literal.
 
 --timeout bounds joining the cluster and the call itself (the server is told the time left \
-and stops the handler when it passes): raise it for slow functions.
+and stops the handler when it passes): raise it for slow functions. Ctrl-C cancels the call \
+on its server.
 
 Errors end the command with a non-zero exit and one line on stderr: the function's own \
 error (its remote type and message, then the remote traceback when there is one), no live \

@@ -68,9 +68,27 @@ impl Cluster {
 
     async fn serve(&self, name: &str, handler: impl tb_call::Handler) -> Serving {
         let spec = FunctionSpec::new(name).expect("name").concurrency(4);
+        self.serve_spec(spec, handler).await
+    }
+
+    async fn serve_spec(&self, spec: FunctionSpec, handler: impl tb_call::Handler) -> Serving {
         within(LIMIT, "serve", self.calls.serve(spec, handler))
             .await
             .expect("serves")
+    }
+
+    /// `tb ARGS ...` like [`tb`](Self::tb), started and left running.
+    fn tb_started(&self, args: &[&str]) -> Reaped {
+        let mut cmd = Command::new(bin("tb"));
+        cmd.args(args)
+            .arg("--join")
+            .arg(self.ticket.to_string())
+            .arg("--cluster-secret-file")
+            .arg(&self.secret_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        Reaped(cmd.spawn().expect("starting tb"))
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -363,6 +381,50 @@ async fn tb_call_reports_remote_errors_timeouts_and_plain_values() {
     assert!(
         eventually_async(LIMIT, || async { stalled.outstanding() == 0 }).await,
         "the stalled call still runs on the server"
+    );
+
+    // One call at a time and none waiting: while a call holds the slot, another is refused.
+    let one = FunctionSpec::new("one_at_a_time")
+        .expect("name")
+        .concurrency(1)
+        .queue(0);
+    let one = c.serve_spec(one, stall).await;
+    let mut holder = c.tb_started(&["call", "one_at_a_time", "--timeout", "50"]);
+    assert!(
+        eventually_async(LIMIT, || async { one.outstanding() == 1 }).await,
+        "the first call never reached the server"
+    );
+    let ran = c.tb(&["call", "one_at_a_time"]);
+    assert!(matches!(ran.code, Some(c) if c != 0), "exit {:?}", ran.code);
+    assert!(
+        ran.stderr.contains("one_at_a_time")
+            && ran.stderr.contains("overloaded")
+            && ran.stderr.contains("1 running, 0 queued"),
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(ran.stderr.trim().lines().count(), 1, "{}", ran.stderr);
+
+    // SIGTERM (as Ctrl-C) to the holder: it exits with an error, and its call is cancelled
+    // on the server well before its link would time out (QUIC's idle timeout, 30 s).
+    let pid = holder.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status();
+    assert!(killed.is_ok_and(|s| s.success()), "kill -TERM {pid}");
+    let start = Instant::now();
+    let held = loop {
+        if let Some(status) = holder.0.try_wait().expect("waiting for tb") {
+            break status;
+        }
+        assert!(
+            start.elapsed() < LIMIT,
+            "the holding tb call ignored SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!held.success(), "the interrupted call: {held}");
+    assert!(
+        eventually_async(Duration::from_secs(10), || async { one.outstanding() == 0 }).await,
+        "the interrupted call still runs on the server"
     );
 
     c.node.shutdown().await;
