@@ -53,6 +53,12 @@ pub enum BenchCommand {
     /// Registry replication: publish-to-visible latency on every broker, and a new broker's
     /// catch-up time.
     Registry(crate::bench_cluster::RegistryArgs),
+    /// Remote calls (tb-call): calls/s and p50/p99 latency of `echo` and `add_one` by
+    /// argument size and calls in flight, against 1 and 4 server processes.
+    Call(crate::bench_call::CallBenchArgs),
+    /// (internal) serve `echo` and `add_one` for `tb bench call`; prints a ready line.
+    #[command(hide = true)]
+    CallServe(crate::bench_call::CallServeArgs),
     /// (internal) serve the benchmark tensors; prints addresses as JSON on stdout.
     #[command(hide = true)]
     P2pServe(crate::bench_serve::ServeArgs),
@@ -383,6 +389,8 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         // Boxed: inline, its future's layout exceeds the compiler's query depth limit.
         BenchCommand::Broadcast(args) => Box::pin(crate::bench_cluster::broadcast(args)).await,
         BenchCommand::Registry(args) => crate::bench_cluster::registry(args).await,
+        BenchCommand::Call(args) => crate::bench_call::bench(args).await,
+        BenchCommand::CallServe(args) => crate::bench_call::serve(args).await,
         BenchCommand::P2pServe(args) => crate::bench_serve::serve(args).await,
         BenchCommand::ClientSend(args) => crate::bench_client::send(&args).await,
         BenchCommand::ClientRecv(args) => crate::bench_client::recv(&args).await,

@@ -115,6 +115,23 @@ pub async fn ls(join: &Join, prefix: &str) -> Result<()> {
     Ok(())
 }
 
+/// `tb ls --functions`: the functions served under `prefix` and their live server counts.
+pub async fn ls_functions(join: &Join, prefix: &str) -> Result<()> {
+    let node = join.node().await?;
+    let listed = node.functions(prefix).await;
+    close(&node).await;
+    let functions = listed.context("listing the functions")?;
+    if functions.is_empty() {
+        println!("no functions served{}", in_prefix(prefix));
+        return Ok(());
+    }
+    println!("{:<40} {:>7}", "FUNCTION", "SERVERS");
+    for (name, servers) in functions {
+        println!("{:<40} {:>7}", name.as_str(), servers);
+    }
+    Ok(())
+}
+
 fn in_prefix(prefix: &str) -> String {
     match prefix {
         "" => String::new(),

@@ -3,6 +3,8 @@
 //! - `tb up`: a local cluster (brokers and workers) on 127.0.0.1 until Ctrl-C.
 //! - `tb put`, `tb get`: send a tensor file to a worker to publish; fetch one into a file
 //!   (with a progress bar on a terminal).
+//! - `tb call`: call a function the cluster serves (tb-call) with tensor files as arguments;
+//!   `tb ls --functions` lists the functions served.
 //! - `tb ls`, `tb watch`, `tb status`: what a cluster holds, new versions as they come, its
 //!   members with their pool, store and throughput figures.
 //! - `tb secret derive --read-only`: the read-only credential derived from the cluster secret.
@@ -10,14 +12,17 @@
 //! - `tb bench p2p`: point-to-point pull, get and push throughput and latency on each channel,
 //!   against a bare iroh connection, one TCP stream and memcpy;
 //!   `tb bench broadcast`: one version to many receivers (fan-out tree, cut-through, upload
-//!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up.
+//!   limit); `tb bench registry`: registry replication latency and a new broker's catch-up;
+//!   `tb bench call`: remote calls per second and their latency against 1 and 4 servers.
 
 mod bench;
+mod bench_call;
 mod bench_client;
 mod bench_cluster;
 mod bench_recv;
 mod bench_serve;
 mod bench_table;
+mod call;
 mod cluster;
 mod demo;
 mod files;
@@ -56,11 +61,27 @@ enum Command {
         #[command(flatten)]
         join: cluster::Join,
     },
-    /// List the tensors a cluster holds: name, version, dtype, shape, size, holders.
+    /// List the tensors a cluster holds: name, version, dtype, shape, size, holders (with
+    /// --functions: the functions served and how many live nodes serve each).
     Ls {
         /// Only names starting with this.
         #[arg(default_value = "")]
         prefix: String,
+        /// List the functions served (`tb call` calls them) instead of tensors.
+        #[arg(long)]
+        functions: bool,
+        #[command(flatten)]
+        join: cluster::Join,
+    },
+    /// Call a function the cluster serves, with tensor files as its arguments, and print the
+    /// result (or write it with -o).
+    #[command(
+        long_about = CALL_ABOUT,
+        mut_arg("timeout", |a| a.help("Seconds to wait for the cluster and for the call's result"))
+    )]
+    Call {
+        #[command(flatten)]
+        args: call::CallArgs,
         #[command(flatten)]
         join: cluster::Join,
     },
@@ -90,6 +111,30 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
+/// `tb call --help`.
+const CALL_ABOUT: &str = "\
+Call a function the cluster serves (by a node that serves it with tb-call, e.g. Python's \
+`serve`), with tensor files as its arguments, and print the result.
+
+Arguments: none (the function gets None); one .npy file (a tensor); one .safetensors file \
+(a map of its tensors by name); several files (a list of those, in order).
+
+Result: a tensor is summarized on stdout (dtype, shape, size, BLAKE3 of its bytes) and \
+written to -o when given (.npy, .safetensors, or raw bytes); a map or list of tensors is \
+summarized one tensor a line and written to a .safetensors -o; any other value is printed \
+as a Python-like literal.
+
+--timeout bounds joining the cluster and the call itself (the server is told the time left \
+and stops the handler when it passes): raise it for slow functions. Ctrl-C cancels the call \
+on its server.
+
+Errors end the command with a non-zero exit and one line on stderr: the function's own \
+error (its remote type and message, then the remote traceback when there is one), no live \
+server for the function, every server overloaded, no result within --timeout, or the \
+server lost mid-call.
+
+Example: tb call math/add_one x.npy -o y.npy --timeout 60";
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -114,7 +159,17 @@ fn main() -> std::process::ExitCode {
             Command::Up(args) => cluster::up(args).await,
             Command::Put { args, join } => transfer::put(&join, args).await,
             Command::Get { args, join } => transfer::get(&join, args).await,
-            Command::Ls { prefix, join } => cluster::ls(&join, &prefix).await,
+            Command::Ls {
+                prefix,
+                functions: false,
+                join,
+            } => cluster::ls(&join, &prefix).await,
+            Command::Ls {
+                prefix,
+                functions: true,
+                join,
+            } => cluster::ls_functions(&join, &prefix).await,
+            Command::Call { args, join } => call::call(&join, args).await,
             Command::Watch { pattern, join } => cluster::watch(&join, &pattern).await,
             Command::Status { args, join } => status::status(&join, &args).await,
             Command::Demo(args) => demo::run(args).await,

@@ -1,7 +1,9 @@
-//! `tb bench p2p`, `tb bench broadcast` and `tb bench registry` as a user runs them: one JSON object each, in
-//! the format the benchmarks promise, with sane values (never timings checked against limits:
-//! speed is for the benchmark to report, not for tests to assert). Each run is a small
-//! cluster in one `tb` process on loopback; the process is killed by PID if it hangs.
+//! `tb bench p2p`, `tb bench broadcast`, `tb bench registry` and `tb bench call` as a user
+//! runs them: one JSON object each, in the format the benchmarks promise, with sane values
+//! (never timings checked against limits: speed is for the benchmark to report, not for tests
+//! to assert). Each run is a small cluster in one `tb` process on loopback (`tb bench call`
+//! adds server processes of its own, which exit when its pipe to them closes); the process
+//! is killed by PID if it hangs.
 
 use std::{process::Command, time::Duration};
 
@@ -91,6 +93,49 @@ fn bench_registry_prints_the_promised_json() {
     assert!(p50 <= p99, "{v}");
     seconds(&v, "catch_up_s");
     assert_eq!(v.as_object().map(|o| o.len()), Some(5), "{v}");
+}
+
+#[test]
+fn bench_call_prints_the_promised_json() {
+    let v = bench_json(&[
+        "call",
+        "--servers",
+        "1,2",
+        "--sizes",
+        "4KiB,64KiB",
+        "--concurrency",
+        "1,4",
+        "--seconds",
+        "0.2",
+    ]);
+    assert_eq!(v.as_object().map(|o| o.len()), Some(1), "{v}");
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 2 * 2 * 2 * 2, "{v}");
+    for servers in [1, 2] {
+        for op in ["echo", "add_one"] {
+            for size in [4096, 65536] {
+                for concurrency in [1, 4] {
+                    let found: Vec<_> = cases
+                        .iter()
+                        .filter(|c| {
+                            c["servers"] == servers
+                                && c["op"] == op
+                                && c["size_bytes"] == size
+                                && c["concurrency"] == concurrency
+                        })
+                        .collect();
+                    assert_eq!(found.len(), 1, "{servers} {op} {size} {concurrency}: {v}");
+                    let case = found[0];
+                    assert_eq!(case["system"], "tensor-broker-quic");
+                    positive(&case["calls_per_s"], "calls_per_s");
+                    let p50 = positive(&case["p50_us"], "p50_us");
+                    let p99 = positive(&case["p99_us"], "p99_us");
+                    assert!(p50 <= p99, "{case}");
+                    assert_eq!(case.as_object().map(|o| o.len()), Some(8), "{case}");
+                }
+            }
+        }
+    }
 }
 
 /// The tensor-broker systems `tb bench p2p` measures with every channel named.
@@ -222,6 +267,7 @@ fn bench_refuses_bad_sizes_and_rates() {
         &["broadcast", "--max-upload-rate", "100Mbit/s"],
         &["broadcast", "--chain-min-size", "lots"],
         &["p2p", "--channels", "udp"],
+        &["call", "--sizes", "6"],
     ] {
         let out = Command::new(bin("tb"))
             .arg("bench")
