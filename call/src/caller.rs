@@ -421,7 +421,7 @@ impl Caller {
                 Err(CallError::Remote {
                     function: function.to_string(),
                     server: server.id.fmt_short().to_string(),
-                    failure,
+                    failure: Box::new(failure),
                 })
             }
         }

@@ -15,8 +15,8 @@ pub enum CallError {
         function: String,
         /// The server (node id).
         server: String,
-        /// What the server said.
-        failure: RemoteFailure,
+        /// What the server said (boxed: it is the largest variant by far).
+        failure: Box<RemoteFailure>,
     },
     /// Every server tried was over its concurrency and queue limits.
     #[error("function \"{function}\" is overloaded: {detail}")]

@@ -292,6 +292,7 @@ fn kind_of(value: &Value) -> &'static str {
         Value::List(_) => "a list holding more than tensors",
         Value::Map(_) => "a map holding more than tensors",
         Value::Tensor(_) => "a tensor",
+        Value::Named { .. } => "a tensor by name",
     }
 }
 
@@ -305,6 +306,12 @@ pub fn render(value: &Value) -> String {
 fn render_into(value: &Value, out: &mut String) {
     match value {
         Value::None => out.push_str("None"),
+        Value::Named { name, version } => {
+            let _ = match version {
+                Some(v) => write!(out, "tb.Ref({:?}, {v})", name.as_str()),
+                None => write!(out, "tb.Ref({:?})", name.as_str()),
+            };
+        }
         Value::Bool(true) => out.push_str("True"),
         Value::Bool(false) => out.push_str("False"),
         Value::Int(i) => {

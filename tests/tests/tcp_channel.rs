@@ -246,8 +246,8 @@ impl FakeHolder {
                     .write_all(&reply(&DataResponse::Channels { offers }))
                     .await;
             }
-            DataRequest::Pieces { .. } | DataRequest::Watch { .. } => {
-                // This holder serves in one stream only, and nobody subscribes.
+            DataRequest::Pieces { .. } | DataRequest::Watch { .. } | DataRequest::Call { .. } => {
+                // This holder serves in one stream only, nobody subscribes and nobody calls.
                 let no = DataResponse::Error {
                     code: tb_node::proto::ErrorCode::NotFound,
                     message: "no pieces here".into(),

@@ -337,7 +337,12 @@ impl ProtocolHandler for IdleRacingServer {
                     frame::encode(&none).expect("encode")
                 }
                 // Pulled directly, never asked for pieces; nobody subscribes.
-                Ok(DataRequest::Pieces { .. } | DataRequest::Watch { .. }) | Err(_) => break,
+                Ok(
+                    DataRequest::Pieces { .. }
+                    | DataRequest::Watch { .. }
+                    | DataRequest::Call { .. },
+                )
+                | Err(_) => break,
             };
             let _ = send.write_all(&answer).await;
             let _ = send.finish();
