@@ -304,7 +304,6 @@ impl Caller {
                 return Err(lost(e.to_string(), false));
             }
         };
-        let refused = |detail: String| (function.to_string(), detail);
         let declared = match std::mem::replace(&mut stream.answer, DataResponse::Ack) {
             DataResponse::Accepted {
                 load,
@@ -315,30 +314,10 @@ impl Caller {
                 (idempotent, resumable)
             }
             DataResponse::Error { code, message } => {
-                let (function_s, detail) = refused(message);
-                return Err(match code {
-                    ErrorCode::Busy => {
-                        self.directory.busy(function, server);
-                        CallError::Overloaded {
-                            function: function_s,
-                            detail,
-                        }
-                    }
-                    ErrorCode::NotFound | ErrorCode::Unsupported | ErrorCode::ShuttingDown => {
-                        CallError::NoServer {
-                            function: function_s,
-                        }
-                    }
-                    ErrorCode::Unauthorized => CallError::Unauthorized {
-                        function: function_s,
-                        detail,
-                    },
-                    ErrorCode::TooLarge => CallError::BadValue {
-                        function: function_s,
-                        detail,
-                    },
-                    _ => lost(format!("{code:?}: {detail}"), false),
-                });
+                if code == ErrorCode::Busy {
+                    self.directory.busy(function, server);
+                }
+                return Err(refusal(function, server, code, message));
             }
             other => return Err(lost(format!("unexpected answer {other:?}"), false)),
         };
@@ -442,5 +421,24 @@ impl Caller {
                 maybe_ran: true,
                 reason: e.to_string(),
             })
+    }
+}
+
+/// The error a server's refusal of a call is (it never started there).
+fn refusal(function: &TensorName, server: &PeerAddr, code: ErrorCode, detail: String) -> CallError {
+    let function = function.to_string();
+    match code {
+        ErrorCode::Busy => CallError::Overloaded { function, detail },
+        ErrorCode::NotFound | ErrorCode::Unsupported | ErrorCode::ShuttingDown => {
+            CallError::NoServer { function }
+        }
+        ErrorCode::Unauthorized => CallError::Unauthorized { function, detail },
+        ErrorCode::TooLarge => CallError::BadValue { function, detail },
+        _ => CallError::ServerLost {
+            function,
+            server: server.id.fmt_short().to_string(),
+            maybe_ran: false,
+            reason: format!("{code:?}: {detail}"),
+        },
     }
 }

@@ -390,10 +390,20 @@ impl Serving {
 
 impl Drop for Serving {
     fn drop(&mut self) {
-        if let Some(served) = self.served.take()
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            runtime.spawn(drain(self.calls.clone(), served));
+        let Some(served) = self.served.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(drain(self.calls.clone(), served));
+            }
+            // Dropped outside the runtime (a Python object collected): no drain can be
+            // awaited here, so new calls are refused and the function leaves the table at
+            // once; its broker mark lapses with this node's epoch.
+            Err(_) => {
+                served.closing.cancel();
+                self.calls.inner.table.remove(&served.spec.name);
+            }
         }
     }
 }
