@@ -88,8 +88,11 @@ pub enum BrokerError {
     /// secret; the message names what needs it.
     #[error(transparent)]
     Access(#[from] AccessError),
-    /// A heartbeat from an earlier life of a node than the membership table knows.
-    #[error("heartbeat from node {node:?} at epoch {epoch}, before its known epoch {known}")]
+    /// A heartbeat from an earlier life of a node than the membership table knows, or from
+    /// the life it left (a heartbeat sent just before it closed, arriving after the leave).
+    #[error(
+        "heartbeat from node {node:?} at epoch {epoch}, a life that ended (its known epoch is {known})"
+    )]
     StaleEpoch {
         /// The node.
         node: NodeId,

@@ -105,7 +105,11 @@ impl BrokerState {
         };
         row.validate()?;
         let known = self.registry.member(&node);
-        if let Some(known) = known.filter(|k| k.epoch > epoch) {
+        // A node that left at this epoch does not come back in it: a heartbeat it sent just
+        // before closing can reach the actor after the leave, and would otherwise make the
+        // row alive again, to be marked dead (not left) and kept for a day.
+        if let Some(known) = known.filter(|k| k.epoch > epoch || (k.epoch == epoch && k.has_left()))
+        {
             return Err(BrokerError::StaleEpoch {
                 node,
                 epoch,

@@ -508,6 +508,20 @@ fn a_clean_leave_writes_the_row_left_and_it_goes_soon() {
         other => panic!("expected one member op, got {other:?}"),
     }
     assert!(b.leave(id(1), 7, 1_100).is_empty(), "once");
+    // A heartbeat of the life that left, arriving after the leave, does not revive the row.
+    let late = b.heartbeat(id(1), Role::Worker, vec!["10.0.0.1:4433".into()], 7, 1_200);
+    assert!(
+        matches!(
+            late,
+            Err(BrokerError::StaleEpoch {
+                epoch: 7,
+                known: 7,
+                ..
+            })
+        ),
+        "{late:?}"
+    );
+    assert!(b.registry().member(&id(1)).is_some_and(|m| m.has_left()));
     // Not judged again: no dead row on top of the left one.
     let judged = b.expire(20_000);
     assert!(!judged.members.contains(&id(1)), "{judged:?}");
