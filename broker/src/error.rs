@@ -91,7 +91,7 @@ pub enum BrokerError {
     /// A heartbeat from an earlier life of a node than the membership table knows, or from
     /// the life it left (a heartbeat sent just before it closed, arriving after the leave).
     #[error(
-        "heartbeat from node {node:?} at epoch {epoch}, a life that ended (its known epoch is {known})"
+        "heartbeat from node {node:?} at epoch {epoch}, before its known epoch {known} or of a life that left"
     )]
     StaleEpoch {
         /// The node.
