@@ -349,49 +349,56 @@ impl Caller {
         let recv = &mut started.stream.recv;
         let liveness = Duration::from_millis(LIVENESS_TIMEOUT_MS);
         let frame = loop {
-            let frame = match tokio::time::timeout(liveness, framing::read_frame(recv)).await {
+            let read = tokio::time::timeout(liveness, framing::read_frame(recv)).await;
+            let frame = match read {
                 Ok(frame) => {
                     frame.map_err(|e| lost(e.into_error("the call's answer").to_string()))?
                 }
                 Err(_) => return Err(lost(format!("no word from the server for {liveness:?}"))),
             };
+            // `Alive` only says the server still works on the call.
             if frame != CallFrame::Alive {
                 break frame;
             }
         };
+        let CallFrame::Item { index, body_len } = frame else {
+            return self.ended(function, &server, frame);
+        };
+        let max = self.node.config().max_tensor_bytes;
+        if body_len > max {
+            return Err(CallError::BadValue {
+                function: function.to_string(),
+                detail: format!("a result of {body_len} bytes is over this node's {max}"),
+            });
+        }
+        let conn = started.stream.link.connection().clone();
+        let heard = move || conn.stats().udp_rx.bytes;
+        let stall = crate::value::Stall {
+            after: liveness,
+            progress: Some(&heard),
+        };
+        let recv = &mut started.stream.recv;
+        let value = read_body(recv, body_len, stall)
+            .await
+            .map_err(|e| match e {
+                crate::value::ReadError::Closed(reason) => lost(reason),
+                invalid => CallError::BadValue {
+                    function: function.to_string(),
+                    detail: invalid.to_string(),
+                },
+            })?;
+        self.metrics.bytes("in", body_len);
+        Ok(Some((index, value)))
+    }
+
+    /// What a call's last frame (`Done` or `Failed`) says.
+    fn ended(
+        &self,
+        function: &TensorName,
+        server: &PeerAddr,
+        frame: CallFrame,
+    ) -> Result<Option<(u64, Value)>, CallError> {
         match frame {
-            CallFrame::Item { index, body_len } => {
-                let max = self.node.config().max_tensor_bytes;
-                if body_len > max {
-                    return Err(CallError::BadValue {
-                        function: function.to_string(),
-                        detail: format!("a result of {body_len} bytes is over this node's {max}"),
-                    });
-                }
-                let conn = started.stream.link.connection().clone();
-                let heard = move || conn.stats().udp_rx.bytes;
-                let stall = crate::value::Stall {
-                    after: liveness,
-                    progress: Some(&heard),
-                };
-                let recv = &mut started.stream.recv;
-                let value = read_body(recv, body_len, stall)
-                    .await
-                    .map_err(|e| match e {
-                        crate::value::ReadError::Closed(reason) => lost(reason),
-                        invalid => CallError::BadValue {
-                            function: function.to_string(),
-                            detail: invalid.to_string(),
-                        },
-                    })?;
-                self.metrics.bytes("in", body_len);
-                Ok(Some((index, value)))
-            }
-            CallFrame::Alive => Ok(None),
-            CallFrame::Done { load } => {
-                self.directory.loaded(function, &server, load);
-                Ok(None)
-            }
             CallFrame::Failed(failure) => {
                 failure.validate().map_err(|e| CallError::BadValue {
                     function: function.to_string(),
@@ -403,6 +410,12 @@ impl Caller {
                     failure: Box::new(failure),
                 })
             }
+            CallFrame::Done { load } => {
+                self.directory.loaded(function, server, load);
+                Ok(None)
+            }
+            // Items and `Alive` are read by `next_item` before it gets here.
+            CallFrame::Item { .. } | CallFrame::Alive => Ok(None),
         }
     }
 

@@ -163,6 +163,18 @@ impl Calls {
                 }),
             None => call.await,
         };
+        // The deadline is one: whichever side saw it pass first, the call timed out.
+        let result = match (result, options.timeout) {
+            (Err(CallError::Remote { failure, .. }), Some(timeout))
+                if failure.kind == FailureKind::DeadlineExceeded =>
+            {
+                Err(CallError::Timeout {
+                    function: function.to_string(),
+                    timeout,
+                })
+            }
+            (result, _) => result,
+        };
         caller.metrics.in_flight("caller", -1);
         caller.metrics.called_in(started.elapsed());
         caller.metrics.ended("caller", result_label(&result));

@@ -305,7 +305,10 @@ impl CallService {
         }
         let started = std::time::Instant::now();
         self.metrics.in_flight("server", 1);
-        let cancel = node_cancel(node, &served);
+        // Cancelled when the call ends however it ends, this future's drop at node shutdown
+        // included: a handler still running (a sync Python one) sees it.
+        let cancel = CancellationToken::new();
+        let _cancel_on_drop = cancel.clone().drop_guard();
         let deadline = head.deadline_ms.map(Duration::from_millis);
         let call = Call {
             node: &self.node,
@@ -319,7 +322,7 @@ impl CallService {
         let run = call.run(&mut place, &mut send, &mut recv);
         let outcome = tokio::select! {
             outcome = run => outcome,
-            () = cancel.cancelled() => Outcome::Cancelled,
+            () = node.stopping() => Outcome::Cancelled,
             () = sleep_or_never(deadline) => Outcome::Deadline,
         };
         cancel.cancel();
@@ -370,20 +373,6 @@ impl CallService {
         let _ = framing::write_frame_within(send, &frame, stall).await;
         let _ = send.finish();
     }
-}
-
-/// The call's own token: cancelled by the node's shutdown too.
-fn node_cancel(node: &ServeCtx, served: &Served) -> CancellationToken {
-    let cancel = CancellationToken::new();
-    let (token, node) = (cancel.clone(), node.clone());
-    let _ = served;
-    tokio::spawn(async move {
-        tokio::select! {
-            () = node.stopping() => token.cancel(),
-            () = token.cancelled() => {},
-        }
-    });
-    cancel
 }
 
 async fn sleep_or_never(after: Option<Duration>) {

@@ -364,6 +364,14 @@ fn call_error(e: CallError) -> PyErr {
     })
 }
 
+/// A call's options from Python's `timeout` (seconds) and `idempotent`.
+fn call_options(timeout: Option<f64>, idempotent: bool) -> PyResult<CallOptions> {
+    Ok(CallOptions {
+        timeout: runtime::seconds(timeout)?,
+        idempotent,
+    })
+}
+
 /// Remote functions on a client's node: what it serves and calls to what others serve.
 #[pyclass(frozen, module = "tensor_broker._native")]
 pub struct CallsHandle {
@@ -479,10 +487,7 @@ impl CallsHandle {
         idempotent: bool,
     ) -> PyResult<Py<PyAny>> {
         let value = to_value(args, 0)?;
-        let options = CallOptions {
-            timeout: runtime::seconds(timeout)?,
-            idempotent,
-        };
+        let options = call_options(timeout, idempotent)?;
         let calls = self.calls.clone();
         let out = wait(py, async move { calls.call(&name, &value, &options).await })?;
         from_value(py, out.map_err(call_error)?)
@@ -499,10 +504,7 @@ impl CallsHandle {
         idempotent: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let value = to_value(args, 0)?;
-        let options = CallOptions {
-            timeout: runtime::seconds(timeout)?,
-            idempotent,
-        };
+        let options = call_options(timeout, idempotent)?;
         let calls = self.calls.clone();
         start(py, async move {
             let out = calls.call(&name, &value, &options).await;

@@ -204,3 +204,33 @@ def test_a_function_served_by_another_process(cluster: tb.LocalCluster, spawn) -
             np.testing.assert_array_equal(f(x, timeout=LIMIT_S), x + 1)
         child.send()
         child.finish()
+
+
+def test_cancelling_the_awaiting_task_cancels_the_handler(cluster: tb.LocalCluster) -> None:
+    started = threading.Event()
+    saw_cancel = threading.Event()
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("slow/async")
+        def slow() -> str:
+            started.set()
+            deadline = time.monotonic() + LIMIT_S
+            while time.monotonic() < deadline:
+                if tb.cancelled():
+                    saw_cancel.set()
+                    return "cancelled"
+                time.sleep(0.01)
+            return "never"
+
+        with server.serving():
+
+            async def main() -> None:
+                task = asyncio.ensure_future(caller.function("slow/async").acall())
+                while not started.is_set():
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+            asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+            assert saw_cancel.wait(LIMIT_S), "an asyncio cancel did not reach the handler"
