@@ -297,8 +297,10 @@ impl Actor for BrokerActor {
                         .map(|e| e.with_inline((name, *version), bytes))
                         .collect();
                 }
-                carry_out(st, changes);
+                // Answered first: the registry has the ops already, and the publisher's put
+                // need not wait for the events, the write to sled or gossip.
                 let _ = reply.send(refused.map_or(Ok(()), Err));
+                carry_out(st, changes);
             }
             BrokerMsg::NextVersion { name, reply } => {
                 let _ = reply.send(state.next_version(&name));

@@ -5,7 +5,11 @@
 //! on, each small version (its bytes inline, at most [`MAX_INLINE_BYTES`]) the publisher
 //! publishes goes down that stream as an `Offer` as soon as it is stored, beside the publish
 //! to the broker rather than after it: one QUIC hop from publisher to subscriber instead of
-//! two through the broker. The broker's event still comes and is a duplicate the
+//! two through the broker. A watcher on the same host (the watch came over the shm channel's
+//! socket) is offered every host version, however large: a large one goes as its sealed
+//! memfd (a pull's `Header` and `ShmPayload::Memfd`), so the subscriber maps it without a
+//! look-up or a pull; such an offer is queued only to a watcher with none pending, so a slow
+//! watcher pins at most one large version. The broker's event still comes and is a duplicate the
 //! subscription drops; offers are a shortcut, never the only news, so an offer that is late,
 //! dropped (a watcher whose queue is full) or never sent (the stream is down) costs latency,
 //! never a version.
@@ -22,13 +26,12 @@ use std::{
     },
 };
 
-use bytes::Bytes;
 use iroh::endpoint::{RecvStream, SendStream};
-use tb_proto::{DataResponse, ErrorCode, MAX_INLINE_BYTES, TensorMeta, TensorName};
+use tb_proto::{DataResponse, ErrorCode, MAX_INLINE_BYTES, TensorName};
 use tokio::sync::mpsc;
 use tracing::debug;
 
-use crate::{ctx::NodeCtx, wire};
+use crate::{ctx::NodeCtx, tensor::Tensor, wire};
 
 /// Most `Watch` streams one node serves at once.
 pub(crate) const MAX_WATCHERS: usize = 1024;
@@ -38,18 +41,40 @@ pub(crate) const MAX_WATCHERS_PER_NAME: usize = 256;
 /// watcher (its subscription hears of the version from the broker).
 const QUEUE: usize = 8;
 
-/// One version offered to the watchers of its name.
+/// One version offered to the watchers of its name (a clone of the stored tensor: its bytes
+/// are shared, not copied).
 #[derive(Debug, Clone)]
-struct Offer {
-    version: u64,
-    meta: TensorMeta,
-    bytes: Bytes,
+pub(crate) struct Offer {
+    pub(crate) version: u64,
+    pub(crate) tensor: Tensor,
+}
+
+impl Offer {
+    /// Whether its bytes ride inline in an `Offer` frame (the only kind a QUIC watcher gets).
+    pub(crate) fn inline(&self) -> bool {
+        self.tensor.byte_len() <= MAX_INLINE_BYTES && self.tensor.host_data().is_some()
+    }
+
+    /// The `Offer` frame carrying its bytes (for an [`inline`](Self::inline) offer).
+    pub(crate) fn frame(&self) -> DataResponse {
+        DataResponse::Offer {
+            version: self.version,
+            meta: self.tensor.meta().clone(),
+            bytes: self
+                .tensor
+                .host_data()
+                .map(|b| b.to_vec())
+                .unwrap_or_default(),
+        }
+    }
 }
 
 #[derive(Debug)]
 struct Watcher {
     id: u64,
     tx: mpsc::Sender<Offer>,
+    /// Watching over the same-host socket: offered large versions too.
+    same_host: bool,
 }
 
 /// The watchers of each name this node publishes.
@@ -67,14 +92,9 @@ pub(crate) struct Watch<'a> {
 }
 
 impl Watch<'_> {
-    /// The next offer as the frame that carries it; `None` if the watchers were dropped.
-    pub(crate) async fn next_frame(&mut self) -> Option<DataResponse> {
-        let offer = self.offers.recv().await?;
-        Some(DataResponse::Offer {
-            version: offer.version,
-            meta: offer.meta,
-            bytes: offer.bytes.to_vec(),
-        })
+    /// The next offer; `None` if the watchers were dropped.
+    pub(crate) async fn next(&mut self) -> Option<Offer> {
+        self.offers.recv().await
     }
 }
 
@@ -102,8 +122,13 @@ impl Watchers {
         self.by_name.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Adds a watcher of `name`, or says why not (the limits).
-    pub(crate) fn register(&self, name: &TensorName) -> Result<Watch<'_>, DataResponse> {
+    /// Adds a watcher of `name` (`same_host`: over the same-host socket, which takes large
+    /// versions too), or says why not (the limits).
+    pub(crate) fn register(
+        &self,
+        name: &TensorName,
+        same_host: bool,
+    ) -> Result<Watch<'_>, DataResponse> {
         let busy = |message: String| {
             debug!(%message, "refusing a watch");
             DataResponse::Error {
@@ -124,7 +149,7 @@ impl Watchers {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, offers) = mpsc::channel(QUEUE);
-        list.push(Watcher { id, tx });
+        list.push(Watcher { id, tx, same_host });
         let registered = Registered {
             watchers: self,
             name: name.clone(),
@@ -136,16 +161,11 @@ impl Watchers {
         })
     }
 
-    /// Offers `version` of `name` to its watchers, when its bytes are small enough to ride
-    /// inline; returns how many watchers it was queued for. Never waits.
-    pub(crate) fn offer(
-        &self,
-        name: &TensorName,
-        version: u64,
-        meta: &TensorMeta,
-        bytes: &[u8],
-    ) -> usize {
-        if bytes.len() as u64 > MAX_INLINE_BYTES {
+    /// Offers `version` of `name` (`tensor`, as stored) to its watchers: a small host
+    /// version to each, a larger one to same-host watchers with no offer pending; returns how
+    /// many watchers it was queued for. Never waits.
+    pub(crate) fn offer(&self, name: &TensorName, version: u64, tensor: &Tensor) -> usize {
+        if tensor.host_data().is_none() {
             return 0;
         }
         let by_name = self.lock();
@@ -154,10 +174,11 @@ impl Watchers {
         };
         let offer = Offer {
             version,
-            meta: meta.clone(),
-            bytes: Bytes::copy_from_slice(bytes),
+            tensor: tensor.clone(),
         };
+        let inline = offer.inline();
         list.iter()
+            .filter(|w| inline || (w.same_host && w.tx.capacity() == QUEUE))
             .filter(|w| w.tx.try_send(offer.clone()).is_ok())
             .count()
     }
@@ -179,7 +200,7 @@ pub(crate) async fn serve(
     name: TensorName,
 ) {
     let stall = ctx.config.stall_timeout;
-    let mut watch = match ctx.watchers.register(&name) {
+    let mut watch = match ctx.watchers.register(&name, false) {
         Ok(watch) => watch,
         Err(refusal) => {
             let _ = wire::write_frame_within(&mut send, &refusal, stall).await;
@@ -197,8 +218,9 @@ pub(crate) async fn serve(
         let frame = tokio::select! {
             () = &mut gone => break,
             _ = ctx.cancel.cancelled() => break,
-            frame = watch.next_frame() => match frame {
-                Some(frame) => frame,
+            offer = watch.next() => match offer {
+                // Only inline offers are queued for a QUIC watcher.
+                Some(offer) => offer.frame(),
                 None => break,
             },
         };
@@ -216,13 +238,8 @@ pub(crate) async fn serve(
 mod tests {
     use super::*;
 
-    fn meta(bytes: &[u8]) -> TensorMeta {
-        TensorMeta::new(
-            tb_proto::DType::U8,
-            vec![bytes.len() as u64],
-            tb_proto::ContentHash::of(bytes),
-        )
-        .expect("meta")
+    fn tensor(bytes: &[u8]) -> Tensor {
+        Tensor::from_bytes(bytes.to_vec())
     }
 
     #[tokio::test]
@@ -230,13 +247,13 @@ mod tests {
         let watchers = Watchers::default();
         let w = TensorName::new("w").expect("name");
         let other = TensorName::new("other").expect("name");
-        let mut one = watchers.register(&w).expect("first");
-        let mut two = watchers.register(&w).expect("second");
+        let mut one = watchers.register(&w, false).expect("first");
+        let mut two = watchers.register(&w, true).expect("second");
         let bytes = [7u8; 100];
-        assert_eq!(watchers.offer(&w, 3, &meta(&bytes), &bytes), 2);
-        assert_eq!(watchers.offer(&other, 1, &meta(&bytes), &bytes), 0);
+        assert_eq!(watchers.offer(&w, 3, &tensor(&bytes)), 2);
+        assert_eq!(watchers.offer(&other, 1, &tensor(&bytes)), 0);
         for watch in [&mut one, &mut two] {
-            let got = watch.next_frame().await.expect("an offer");
+            let got = watch.next().await.expect("an offer").frame();
             let DataResponse::Offer {
                 version,
                 bytes: got,
@@ -249,22 +266,41 @@ mod tests {
         }
         drop(one);
         assert_eq!(watchers.len(), 1);
-        assert_eq!(watchers.offer(&w, 4, &meta(&bytes), &bytes), 1);
+        assert_eq!(watchers.offer(&w, 4, &tensor(&bytes)), 1);
+    }
+
+    #[tokio::test]
+    async fn large_versions_go_to_same_host_watchers_one_at_a_time() {
+        let watchers = Watchers::default();
+        let w = TensorName::new("w").expect("name");
+        let _quic = watchers.register(&w, false).expect("watch");
+        let mut local = watchers.register(&w, true).expect("watch");
+        let big = vec![3u8; MAX_INLINE_BYTES as usize + 1];
+        assert_eq!(
+            watchers.offer(&w, 1, &tensor(&big)),
+            1,
+            "the same-host watcher only"
+        );
+        // One pending already: the next large one waits for the broker's event.
+        assert_eq!(watchers.offer(&w, 2, &tensor(&big)), 0);
+        let got = local.next().await.expect("an offer");
+        assert!(!got.inline());
+        assert_eq!(got.version, 1);
+        assert_eq!(got.tensor.host_data().map(|b| &b[..]), Some(&big[..]));
+        assert_eq!(watchers.offer(&w, 3, &tensor(&big)), 1);
     }
 
     #[test]
-    fn large_versions_are_not_offered_and_full_queues_skip() {
+    fn full_queues_skip() {
         let watchers = Watchers::default();
         let w = TensorName::new("w").expect("name");
-        let _watch = watchers.register(&w).expect("watch");
-        let big = vec![0u8; MAX_INLINE_BYTES as usize + 1];
-        assert_eq!(watchers.offer(&w, 1, &meta(&big), &big), 0);
+        let _watch = watchers.register(&w, false).expect("watch");
         let small = [1u8; 8];
         for v in 0..QUEUE as u64 {
-            assert_eq!(watchers.offer(&w, v + 2, &meta(&small), &small), 1);
+            assert_eq!(watchers.offer(&w, v + 2, &tensor(&small)), 1);
         }
         // Nobody reads: the queue is full, the next offer is skipped, nothing blocks.
-        assert_eq!(watchers.offer(&w, 100, &meta(&small), &small), 0);
+        assert_eq!(watchers.offer(&w, 100, &tensor(&small)), 0);
     }
 
     #[test]
@@ -272,12 +308,12 @@ mod tests {
         let watchers = Watchers::default();
         let w = TensorName::new("w").expect("name");
         let held: Vec<_> = (0..MAX_WATCHERS_PER_NAME)
-            .map(|_| watchers.register(&w).expect("under the cap"))
+            .map(|_| watchers.register(&w, false).expect("under the cap"))
             .collect();
-        assert!(watchers.register(&w).is_err());
+        assert!(watchers.register(&w, true).is_err());
         let other = TensorName::new("x").expect("name");
-        assert!(watchers.register(&other).is_ok());
+        assert!(watchers.register(&other, false).is_ok());
         drop(held);
-        assert!(watchers.register(&w).is_ok());
+        assert!(watchers.register(&w, false).is_ok());
     }
 }

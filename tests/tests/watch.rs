@@ -1,5 +1,6 @@
-//! Small versions in one hop: a subscriber that heard of a name's publisher watches it, and
-//! the publisher's next small versions come straight down that stream (the broker's event
+//! Versions in one hop: a subscriber that heard of a name's publisher watches it, and the
+//! publisher's next small versions (and, on the same-host socket, large ones as their memfd)
+//! come straight down that stream (the broker's event
 //! for each is a duplicate the subscription drops). Checks that every offered version is
 //! told once, in order, with its bytes, and that the counters on both sides agree, on the
 //! same-host socket (the default between two nodes of one host) and over QUIC.
@@ -46,9 +47,20 @@ fn worker_on(broker: &PeerAddr, channels: &[ChannelKind]) -> Config {
 /// Publishes `version` of "w" (4 KiB, its bytes a function of the version) and waits for the
 /// subscriber to be told it; panics on anything else (a duplicate or a gap included).
 async fn publish_and_receive(publisher: &Node, sub: &mut Subscription, version: u64) {
-    let tensor = f32_tensor(1024, version as u8);
+    publish_and_receive_of(publisher, sub, "w", 1024, version).await;
+}
+
+/// [`publish_and_receive`] of `name`, `floats` f32s long.
+async fn publish_and_receive_of(
+    publisher: &Node,
+    sub: &mut Subscription,
+    name: &str,
+    floats: usize,
+    version: u64,
+) {
+    let tensor = f32_tensor(floats, version as u8);
     let published = publisher
-        .publish("w", tensor.clone())
+        .publish(name, tensor.clone())
         .await
         .expect("publish");
     assert_eq!(published, version, "versions follow one another");
@@ -127,11 +139,58 @@ async fn small_versions_come_straight_from_their_publisher(channels: &[ChannelKi
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_versions_and_a_nodes_own_versions_are_not_offered() {
+async fn large_versions_come_as_their_memfd_on_the_same_host_socket() {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path()).await;
     let publisher = node(worker_config(broker.addr())).await;
     let subscriber = node(worker_config(broker.addr())).await;
+    let mut sub = subscriber.subscribe("big").await.expect("subscribe");
+    // 1 MiB: over the inline limit. The first versions come through the broker (and are
+    // pulled) until the watch is up; bounded: 200 versions.
+    const FLOATS: usize = 256 << 10;
+    let mut version = 0;
+    while subscriber.metrics().watch_offers_in.get() == 0 {
+        version += 1;
+        assert!(
+            version <= 200,
+            "no large version came straight from the publisher"
+        );
+        publish_and_receive_of(&publisher, &mut sub, "big", FLOATS, version).await;
+    }
+    let taken = subscriber.metrics().watch_offers_in.get();
+    let pulled = subscriber.metrics().bytes_in.get();
+    const MORE: u64 = 10;
+    for _ in 0..MORE {
+        version += 1;
+        publish_and_receive_of(&publisher, &mut sub, "big", FLOATS, version).await;
+    }
+    let counted = tb_tests::eventually(Duration::from_secs(10), || {
+        subscriber.metrics().watch_offers_in.get() - taken == MORE
+    })
+    .await;
+    assert!(
+        counted,
+        "every version was offered as its memfd and taken once"
+    );
+    assert_eq!(subscriber.metrics().watch_offers_refused.get(), 0);
+    assert_eq!(
+        subscriber.metrics().bytes_in.get(),
+        pulled,
+        "nothing was pulled: the versions were mapped"
+    );
+    drop(sub);
+    subscriber.shutdown().await;
+    publisher.shutdown().await;
+    broker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_versions_over_quic_and_a_nodes_own_versions_are_not_offered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let quic = [ChannelKind::Quic];
+    let publisher = node(worker_on(broker.addr(), &quic)).await;
+    let subscriber = node(worker_on(broker.addr(), &quic)).await;
     let mut theirs = subscriber.subscribe("big").await.expect("subscribe");
     let mut mine = publisher.subscribe("w").await.expect("subscribe");
     for v in 1..=5u8 {

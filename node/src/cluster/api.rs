@@ -66,18 +66,15 @@ impl Node {
                          newer versions of it (published with publish_local?)"
                     )));
                 }
-                // The subscribers watching this node get a small version straight away,
+                // The subscribers watching this node get the version straight away (a
+                // small one inline, a larger one to same-host watchers as its memfd),
                 // beside the publish (only a version this node proposed: one the broker
                 // assigned after a lost race goes through the broker). Should the broker
                 // refuse it (another publisher won it meanwhile, a rare race), watchers
                 // were told a version the registry gives to another tensor, as when two
                 // brokers each accept one before gossip settles which wins.
-                if let Some(bytes) = &inline
-                    && attempt == 0
-                    && proposes
-                {
-                    let watchers = &self.ctx().watchers;
-                    watchers.offer(&name, version, tensor.meta(), bytes);
+                if attempt == 0 && proposes {
+                    self.ctx().watchers.offer(&name, version, &tensor);
                 }
                 let ops = cluster.publish_ops(&name, version, tensor.meta());
                 let announced = match &inline {

@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 pub use self::{
     stats::{LinkChannel, MAX_METRICS_URL_LEN, MAX_STATS_LINKS, NodeStats},
     status::{LastHeartbeat, MemberStatus},
-    validate::{CtlError, check_offer},
+    validate::{CtlError, check_offer, check_offered_meta},
 };
 use crate::{
     Entry, ErrorCode, MAX_CONTROL_FRAME, Member, NamePattern, NodeId, RegistryOp, Role, TensorMeta,

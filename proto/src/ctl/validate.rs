@@ -279,9 +279,21 @@ pub fn check_offer(
     bytes: &[u8],
     max_tensor_bytes: u64,
 ) -> Result<(), CtlError> {
-    check_version(name, version)?;
-    check_meta(name, version, meta, max_tensor_bytes)?;
+    check_offered_meta(name, version, meta, max_tensor_bytes)?;
     check_inline(meta, bytes)
+}
+
+/// Checks the version and metadata of an offer whose bytes do not ride inline (a same-host
+/// watch passes a large version's sealed memfd): a valid version and metadata within
+/// `max_tensor_bytes`. Whoever maps the bytes checks them against `meta`.
+pub fn check_offered_meta(
+    name: &TensorName,
+    version: u64,
+    meta: &TensorMeta,
+    max_tensor_bytes: u64,
+) -> Result<(), CtlError> {
+    check_version(name, version)?;
+    Ok(check_meta(name, version, meta, max_tensor_bytes)?)
 }
 
 fn check_inline(meta: &TensorMeta, bytes: &[u8]) -> Result<(), CtlError> {

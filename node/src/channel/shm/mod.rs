@@ -50,7 +50,7 @@ pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionWriter};
 pub(crate) use serve::spawn_listener;
 use socket::ShmStream;
-pub(crate) use watch::ShmWatch;
+pub(crate) use watch::{ShmWatch, WatchOffer};
 
 use super::{HostBuf, verify};
 use crate::{

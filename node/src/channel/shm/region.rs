@@ -116,7 +116,10 @@ impl Region {
     /// only way the fd leaves the process. A sealed region never goes back to the pool.
     pub(crate) fn shared_fd(&self) -> Result<BorrowedFd<'_>> {
         let sealed = self.sealed.get_or_init(|| {
-            fs::fcntl_add_seals(&*self.fd, SEALS).map_err(|e| format!("sealing a memfd: {e}"))
+            fs::fcntl_add_seals(&*self.fd, SEALS).map_err(|e| format!("sealing a memfd: {e}"))?;
+            // This memfd will not come back: the next version of its size gets a spare.
+            pool::spare(self.len);
+            Ok(())
         });
         match sealed {
             Ok(()) => Ok(self.fd.as_fd()),

@@ -1,21 +1,32 @@
 //! `Watch` on the same-host socket: a subscriber on the same host as the publisher it
 //! watches takes offers over the shm channel's unix socket, which costs a fraction of a QUIC
-//! hop (see [`crate::watch`] for what watching is). One socket connection per watch, closed
-//! when the watch ends; it is never pooled.
+//! hop (see [`crate::watch`] for what watching is); versions too large to ride inline come as
+//! the publisher's sealed memfd, mapped without a look-up or a pull. One socket connection per
+//! watch, closed when the watch ends; it is never pooled.
 
 use iroh::EndpointId;
-use tb_proto::{DataRequest, DataResponse, TensorName, frame::MAX_CONTROL_FRAME};
+use tb_proto::{
+    Access, DataRequest, DataResponse, ShmPayload, TensorMeta, TensorName, frame::MAX_CONTROL_FRAME,
+};
 use tracing::debug;
 
 use super::{ShmRoute, client::connection, socket::ShmStream, socket::within};
-use crate::{channel::ChannelError, client::remote_error_from, ctx::NodeCtx, error::Result};
+use crate::{
+    channel::{ChannelError, verify},
+    client::remote_error_from,
+    ctx::NodeCtx,
+    error::{Error, Result},
+    tensor::Tensor,
+    watch::Offer,
+};
 
 /// Serves a watch on a same-host connection until the watcher goes (a write fails) or the
-/// node stops; refused `Busy` past the limits (`Watchers::register` says why). The connection is
-/// not used again after it.
+/// node stops; refused `Busy` past the limits (`Watchers::register` says why). A small version
+/// goes as an `Offer` with its bytes, a larger one as a pull's `Header` and its sealed memfd
+/// (`ShmPayload::Memfd`). The connection is not used again after it.
 pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName) {
     let stall = ctx.config.stall_timeout;
-    let mut watch = match ctx.watchers.register(name) {
+    let mut watch = match ctx.watchers.register(name, true) {
         Ok(watch) => watch,
         Err(refusal) => {
             let _ = within(stall, "a refusal", conn.write_frame(&refusal)).await;
@@ -23,15 +34,15 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
         }
     };
     loop {
-        let frame = tokio::select! {
+        let offer = tokio::select! {
             _ = ctx.cancel.cancelled() => return,
-            frame = watch.next_frame() => match frame {
-                Some(frame) => frame,
+            offer = watch.next() => match offer {
+                Some(offer) => offer,
                 None => return,
             },
         };
         // A watcher that went shows here: the write fails (its socket is closed).
-        if let Err(e) = within(stall, "an offer", conn.write_frame(&frame)).await {
+        if let Err(e) = within(stall, "an offer", write_offer(conn, &offer)).await {
             debug!(%e, %name, "a same-host watch ended");
             return;
         }
@@ -39,10 +50,39 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
     }
 }
 
+/// Writes one offer: inline, or as its memfd.
+async fn write_offer(conn: &mut ShmStream, offer: &Offer) -> Result<()> {
+    if offer.inline() {
+        return conn.write_frame(&offer.frame()).await;
+    }
+    let header = DataResponse::Header {
+        meta: offer.tensor.meta().clone(),
+        version: offer.version,
+    };
+    let region = offer.tensor.shm_region()?;
+    conn.write_frame(&header).await?;
+    let memfd = ShmPayload::Memfd { offset: 0 };
+    conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
+        .await
+}
+
+/// What a same-host watch brings.
+pub(crate) enum WatchOffer {
+    /// An `Offer` frame with the bytes inline, to be checked as any offer is.
+    Inline(DataResponse),
+    /// A version passed as the publisher's sealed memfd, mapped: its metadata checked, its
+    /// bytes verified unless the publisher proved read-write access (the trust a pull of a
+    /// memfd gives).
+    Mapped { version: u64, tensor: Tensor },
+}
+
 /// A watch open on a same-host connection.
 pub(crate) struct ShmWatch {
     conn: ShmStream,
     peer: EndpointId,
+    name: TensorName,
+    /// Hash mapped versions before handing them out (the publisher proved read-only access).
+    verify: bool,
 }
 
 impl ShmWatch {
@@ -62,6 +102,8 @@ impl ShmWatch {
         Ok(ShmWatch {
             conn,
             peer: route.peer,
+            name: name.clone(),
+            verify: route.access != Access::ReadWrite,
         })
     }
 
@@ -70,15 +112,46 @@ impl ShmWatch {
         self.peer
     }
 
-    /// The next frame the publisher sends (an `Error` answer as an error).
-    pub(crate) async fn next(&mut self) -> Result<DataResponse> {
+    /// The next version the publisher sends (an `Error` answer as an error; a mapped version
+    /// that does not check out is `Corrupt`).
+    pub(crate) async fn next(&mut self, ctx: &NodeCtx) -> Result<WatchOffer> {
         match self.conn.read_frame(MAX_CONTROL_FRAME).await? {
             DataResponse::Error { code, message } => Err(remote_error_from(
                 self.peer.fmt_short().to_string(),
                 code,
                 message,
             )),
-            frame => Ok(frame),
+            DataResponse::Header { meta, version } => self.mapped(ctx, version, meta).await,
+            frame => Ok(WatchOffer::Inline(frame)),
         }
+    }
+
+    /// The memfd after a `Header`, mapped as a version of `meta`.
+    async fn mapped(
+        &mut self,
+        ctx: &NodeCtx,
+        version: u64,
+        meta: TensorMeta,
+    ) -> Result<WatchOffer> {
+        let (name, peer) = (&self.name, self.peer.fmt_short());
+        let what = || format!("an offer of \"{name}\" v{version} from {peer}");
+        let max = ctx.config.max_tensor_bytes;
+        if let Err(e) = tb_proto::check_offered_meta(name, version, &meta, max) {
+            return Err(Error::Corrupt(format!("{}: {e}", what())));
+        }
+        let stall = ctx.config.stall_timeout;
+        let payload = within(stall, "an offered memfd", async {
+            self.conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await
+        })
+        .await?;
+        if payload != (ShmPayload::Memfd { offset: 0 }) || meta.byte_len == 0 {
+            return Err(Error::Io(format!("{} sent as {payload:?}", what())));
+        }
+        let tensor = super::tensor_from_memfd(self.conn.take_fd()?, 0, meta)?;
+        if self.verify {
+            verify::check_all(tensor.data(), tensor.hash(), &what())?;
+            super::region::release_resident(tensor.data());
+        }
+        Ok(WatchOffer::Mapped { version, tensor })
     }
 }

@@ -11,10 +11,9 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use bytes::Bytes;
 use tb_proto::{TensorMeta, TensorName};
 
-use crate::error::Error;
+use crate::{error::Error, tensor::Tensor};
 
 /// Most items one name keeps waiting (alternating versions and deletes); beyond it the oldest
 /// goes (a version that goes is still reported as skipped).
@@ -26,8 +25,9 @@ enum Item {
     Version {
         version: u64,
         meta: TensorMeta,
-        /// The bytes, when they came with the event (verified against `meta` on decode).
-        inline: Option<Bytes>,
+        /// The version itself, when it came with the event or a watch (verified against
+        /// `meta`, or mapped from a trusted publisher's memfd).
+        inline: Option<Tensor>,
     },
     Deleted,
 }
@@ -85,8 +85,8 @@ pub(crate) enum Next {
         version: u64,
         meta: TensorMeta,
         skipped: Option<(u64, u64)>,
-        /// The bytes, when they came with the event.
-        inline: Option<Bytes>,
+        /// The version itself, when it came with the event or a watch.
+        inline: Option<Tensor>,
     },
     /// The name was deleted.
     Deleted { name: TensorName },
@@ -119,13 +119,13 @@ impl Feed {
         self.published_with(name, version, meta, None)
     }
 
-    /// [`published`](Self::published), with the version's bytes when its event carried them.
+    /// [`published`](Self::published), with the version itself when it came with the news.
     pub(crate) fn published_with(
         &mut self,
         name: &TensorName,
         version: u64,
         meta: TensorMeta,
-        inline: Option<Bytes>,
+        inline: Option<Tensor>,
     ) -> bool {
         let feed = self.names.entry(name.clone()).or_default();
         if feed.heard.is_some_and(|h| h >= version) {

@@ -35,7 +35,7 @@ use tracing::{debug, warn};
 
 use self::{
     feed::{Feed, Next},
-    watch::Watching,
+    watch::{Reach, Watching},
 };
 use super::{
     Cluster,
@@ -340,9 +340,11 @@ impl Reader {
                     name,
                     version,
                     meta,
-                    ..
+                    publisher,
                 })) if self.pattern.matches(&name) => {
                     self.shared.update(|f| f.published(&name, version, meta));
+                    // Its next large versions can come straight from a publisher on this host.
+                    self.watching.heard(&name, publisher, Reach::SameHost);
                 }
                 Ok(CtlResponse::Event(Event::PublishedInline {
                     name,
@@ -352,11 +354,11 @@ impl Reader {
                     publisher,
                 })) if self.pattern.matches(&name) => {
                     // Checked against `meta` (length and hash) by `check_response`.
-                    let inline = Some(Bytes::from(bytes));
+                    let inline = Some(Tensor::from_verified(meta.clone(), Bytes::from(bytes)));
                     self.shared
                         .update(|f| f.published_with(&name, version, meta, inline));
                     // Its next small versions can come straight from their publisher.
-                    self.watching.heard(&name, publisher);
+                    self.watching.heard(&name, publisher, Reach::Any);
                 }
                 Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
                     self.shared.update(|f| f.deleted(&name));
@@ -478,13 +480,14 @@ impl Deliverer {
         version: u64,
         meta: TensorMeta,
         skipped: Option<(u64, u64)>,
-        inline: Option<Bytes>,
+        inline: Option<Tensor>,
     ) -> Option<Vec<SubEvent>> {
         let tensor = match (self.auto_fetch, inline) {
             (false, _) => None,
-            // The bytes came with the event, checked against its metadata: no look-up, no
-            // pull (and this node does not become a holder of a copy it did not ask for).
-            (true, Some(bytes)) => Some(Tensor::from_verified(meta.clone(), bytes)),
+            // The version came with the event or a watch, checked against its metadata: no
+            // look-up, no pull (and this node does not become a holder of a copy it did not
+            // ask for).
+            (true, Some(tensor)) => Some(tensor),
             (true, None) => match fetch(&self.node, &self.stop, &name, version).await {
                 Fetched::Tensor(t) => Some(t),
                 Fetched::Stopped => return None,

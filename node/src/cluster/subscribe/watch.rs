@@ -2,6 +2,9 @@
 //! so that their small versions come in one hop (see [`crate::watch`] for the publisher's
 //! side).
 //!
+//! A watch over the same-host socket also brings larger versions, as the publisher's sealed
+//! memfd mapped here (see [`crate::channel::ShmWatch`]).
+//!
 //! Each broker event names the version's publisher. The first event of a name from a
 //! publisher other than this node starts a watch task: it asks a broker for the publisher's
 //! addresses (its membership table, once), opens a `Watch { name }` stream on the pooled
@@ -31,6 +34,7 @@ use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
     node::{Node, WeakNode},
+    tensor::Tensor,
     wire,
 };
 
@@ -43,6 +47,16 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Most (name, publisher) pairs remembered for their backoff.
 const MAX_REMEMBERED: usize = 1024;
+
+/// Where a watch is worth having: small versions (inline offers) come over either way; large
+/// ones only on the same-host socket, so news of a large version starts no QUIC watch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Reach {
+    /// The same-host socket or QUIC.
+    Any,
+    /// The same-host socket only.
+    SameHost,
+}
 
 /// One watch running: whom it watches, and the guard that stops it when dropped.
 struct Running {
@@ -95,9 +109,10 @@ impl Watching {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A broker said `publisher` published a version of `name`: watch it, unless this
-    /// subscription does already, it is this node, or a backoff or the cap says not now.
-    pub(super) fn heard(self: &Arc<Self>, name: &TensorName, publisher: NodeId) {
+    /// A broker said `publisher` published a version of `name`: watch it (over what `reach`
+    /// allows), unless this subscription does already, it is this node, or a backoff or the
+    /// cap says not now.
+    pub(super) fn heard(self: &Arc<Self>, name: &TensorName, publisher: NodeId, reach: Reach) {
         if publisher == self.me || self.stop.is_cancelled() {
             return;
         }
@@ -141,7 +156,7 @@ impl Watching {
         tracker.spawn(async move {
             let ended = tokio::select! {
                 _ = stop.cancelled() => return,
-                ended = this.watch(&name, publisher) => ended,
+                ended = this.watch(&name, publisher, reach) => ended,
             };
             debug!(%name, publisher = ?publisher, %ended, "a watch ended");
             this.ended(name, publisher, generation);
@@ -172,7 +187,7 @@ impl Watching {
     }
 
     /// Watches `name` at `publisher` until the stream ends; returns why it ended.
-    async fn watch(&self, name: &TensorName, publisher: NodeId) -> Error {
+    async fn watch(&self, name: &TensorName, publisher: NodeId, reach: Reach) -> Error {
         let addrs = match self.addresses(name, publisher).await {
             Ok(addrs) => addrs,
             Err(e) => return e,
@@ -198,6 +213,9 @@ impl Watching {
                 return self.watch_same_host(&ctx, watch, name).await;
             }
             match linked {
+                Ok(_) if reach == Reach::SameHost => {
+                    last = Error::Io(format!("{publisher:?} is not on this host"));
+                }
                 Ok(link) => return self.watch_on(&ctx, link, name).await,
                 Err(e) => last = e,
             }
@@ -261,8 +279,22 @@ impl Watching {
         name: &TensorName,
     ) -> Error {
         loop {
-            let taken = match watch.next().await {
-                Ok(frame) => self.take(ctx, name, watch.peer(), frame),
+            let taken = match watch.next(ctx).await {
+                Ok(crate::channel::WatchOffer::Inline(frame)) => {
+                    self.take(ctx, name, watch.peer(), frame)
+                }
+                Ok(crate::channel::WatchOffer::Mapped { version, tensor }) => {
+                    ctx.metrics.watch_offers_in.inc();
+                    let meta = tensor.meta().clone();
+                    self.shared
+                        .update(|f| f.published_with(name, version, meta, Some(tensor)));
+                    Ok(())
+                }
+                Err(e @ Error::Corrupt(_)) => {
+                    ctx.metrics.watch_offers_refused.inc();
+                    tracing::warn!(%name, peer = %watch.peer().fmt_short(), %e, "refused an offer");
+                    Err(e)
+                }
                 Err(e) => Err(e),
             };
             if let Err(e) = taken {
@@ -301,9 +333,9 @@ impl Watching {
             )));
         }
         ctx.metrics.watch_offers_in.inc();
-        let bytes = Some(Bytes::from(bytes));
+        let tensor = Some(Tensor::from_verified(meta.clone(), Bytes::from(bytes)));
         self.shared
-            .update(|f| f.published_with(name, version, meta, bytes));
+            .update(|f| f.published_with(name, version, meta, tensor));
         Ok(())
     }
 

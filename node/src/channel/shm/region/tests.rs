@@ -136,3 +136,36 @@ fn a_peer_fd_must_be_sealed_and_long_enough() {
     let file = std::fs::File::open("/proc/self/status").expect("file");
     assert!(Region::from_peer(OwnedFd::from(file), 1).is_err());
 }
+
+#[test]
+fn sealing_a_large_region_pools_a_spare_of_its_size_with_its_pages_allocated() {
+    // A size no other test uses (the pool is the process's).
+    const LEN: usize = pool::SPARE_MIN + 3 * 4096 + 17;
+    let region = Region::copy_of(&[5u8; LEN]).expect("region");
+    let sealed = inode(region.fd.as_fd());
+    assert!(!pool::holds(LEN));
+    region.shared_fd().expect("sealed");
+    // Made on the spare thread: wait for it, bounded (100 x 20 ms).
+    let made = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        pool::holds(LEN)
+    });
+    assert!(made, "a spare of the sealed region's size was pooled");
+    let mut writer = RegionWriter::new(LEN).expect("writer");
+    let spare = inode(writer.fd.as_fd());
+    assert_ne!(spare, sealed, "the spare is a new memfd");
+    let blocks = fs::fstat(&writer.fd).expect("fstat").st_blocks as usize;
+    assert!(
+        blocks * 512 >= LEN,
+        "its pages are allocated ({blocks} blocks)"
+    );
+    // Written like any pooled buffer: every byte is the writer's.
+    writer.as_mut().fill(8);
+    let next = writer.finish().expect("finish");
+    assert!(next.bytes().iter().all(|&b| b == 8));
+    // A small region gets no spare.
+    let small = Region::copy_of(&[1u8; 3 * 4096 + 1]).expect("region");
+    small.shared_fd().expect("sealed");
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!pool::holds(3 * 4096 + 1));
+}
