@@ -158,6 +158,18 @@ impl Tensor {
                 src.len()
             )));
         }
+        // Large ones into a memfd written without a writable mapping (no page-table work).
+        #[cfg(target_os = "linux")]
+        if src.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
+            match crate::channel::Region::copy_hashed(src) {
+                Ok((region, hash)) => {
+                    let meta = TensorMeta::new(dtype, shape, hash)?;
+                    return Ok(Tensor::from_region(meta, region));
+                }
+                // Out of descriptors or memory: plain memory still holds the bytes.
+                Err(err) => tracing::debug!(%err, "no memfd for a copy: plain memory"),
+            }
+        }
         let mut buf = crate::channel::HostBuf::new(src.len())?;
         // One pass, on every core: the hash of the copy, not of `src` (`src` may change
         // meanwhile: another thread writing the array; the copy cannot).

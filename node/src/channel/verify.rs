@@ -113,6 +113,85 @@ fn copy_hash_subtree(src: &[u8], dst: &mut [u8], offset: u64) -> ChainingValue {
     merge_subtrees_non_root(&l, &r, Mode::Hash)
 }
 
+/// Copies `src` into the file `fd` from offset 0 with `pwrite` and returns the BLAKE3 hash of
+/// what was written, in one pass on every core, split as [`copy_and_hash`] splits: each leaf
+/// is copied into a cache-resident buffer of its thread, hashed there, and written from there,
+/// so what is hashed is what was written even if `src` changes meanwhile. Nothing is mapped:
+/// a memfd filled this way costs no page-table work in this process (mapping 64 MiB of a
+/// memfd writable with its pages populated took ~25 ms on the development VM, and unmapping it
+/// ~6 ms, more than the copy and the hash together).
+#[cfg(target_os = "linux")]
+pub(crate) fn copy_and_hash_to_fd(
+    src: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> std::io::Result<ContentHash> {
+    if src.len() <= COPY_LEAF {
+        return write_leaf(src, fd, 0, |leaf| ContentHash::of(leaf));
+    }
+    let left = left_subtree_len(src.len() as u64) as usize;
+    let (src_l, src_r) = src.split_at(left);
+    let (l, r) = rayon_core::join(
+        || fd_subtree(src_l, fd, 0),
+        || fd_subtree(src_r, fd, left as u64),
+    );
+    Ok(merge_subtrees_root(&l?, &r?, Mode::Hash).into())
+}
+
+/// The chaining value of the subtree of `src` written at `offset` of `fd` (see
+/// [`copy_and_hash_to_fd`]).
+#[cfg(target_os = "linux")]
+fn fd_subtree(
+    src: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+    offset: u64,
+) -> std::io::Result<ChainingValue> {
+    if src.len() <= COPY_LEAF {
+        return write_leaf(src, fd, offset, |leaf| {
+            let mut hasher = blake3::Hasher::new();
+            hasher.set_input_offset(offset);
+            hasher.update(leaf);
+            hasher.finalize_non_root()
+        });
+    }
+    let left = left_subtree_len(src.len() as u64) as usize;
+    let (src_l, src_r) = src.split_at(left);
+    let (l, r) = rayon_core::join(
+        || fd_subtree(src_l, fd, offset),
+        || fd_subtree(src_r, fd, offset + left as u64),
+    );
+    Ok(merge_subtrees_non_root(&l?, &r?, Mode::Hash))
+}
+
+/// Copies one leaf (at most [`COPY_LEAF`] bytes) into this thread's buffer, hashes it with
+/// `hash` and writes it at `offset` of `fd`.
+#[cfg(target_os = "linux")]
+fn write_leaf<T>(
+    src: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+    offset: u64,
+    hash: impl FnOnce(&[u8]) -> T,
+) -> std::io::Result<T> {
+    thread_local! {
+        static LEAF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; COPY_LEAF]);
+    }
+    LEAF.with_borrow_mut(|buf| {
+        let leaf = &mut buf[..src.len()];
+        leaf.copy_from_slice(src);
+        let hashed = hash(leaf);
+        let mut written = 0;
+        while written < leaf.len() {
+            let at = offset + written as u64;
+            match rustix::io::pwrite(fd, &leaf[written..], at) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => written += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(hashed)
+    })
+}
+
 /// Runs `work` (a long hash) on this thread, telling a multi-thread tokio runtime first so
 /// it moves its other tasks elsewhere meanwhile (`block_in_place`); elsewhere it just runs.
 pub(crate) fn blocking<T>(work: impl FnOnce() -> T) -> T {
@@ -683,6 +762,20 @@ mod tests {
             let hash = copy_and_hash(&src, &mut dst);
             assert!(dst == src, "len {len}: copy differs");
             assert_eq!(hash, ContentHash::of(&src), "len {len}: hash differs");
+            #[cfg(target_os = "linux")]
+            {
+                // The same into a file, written with pwrite: the file holds `src`, hashed.
+                let fd =
+                    rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
+                rustix::fs::ftruncate(&fd, len as u64).expect("size");
+                let hash =
+                    copy_and_hash_to_fd(&src, std::os::fd::AsFd::as_fd(&fd)).expect("written");
+                assert_eq!(hash, ContentHash::of(&src), "len {len}: file hash differs");
+                let mut back = vec![0u8; len];
+                let read = rustix::io::pread(&fd, &mut back, 0).expect("read back");
+                assert_eq!(read, len, "len {len}: file length");
+                assert!(back == src, "len {len}: file bytes differ");
+            }
         }
     }
 }

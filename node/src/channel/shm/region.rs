@@ -39,6 +39,7 @@ use rustix::{
     fs::{self, MemfdFlags, SealFlags},
     mm::{self, MapFlags, ProtFlags},
 };
+use tb_proto::ContentHash;
 
 use super::pool;
 use crate::{
@@ -110,6 +111,32 @@ impl Region {
         let mut writer = RegionWriter::new(data.len())?;
         writer.as_mut().copy_from_slice(data);
         writer.finish()
+    }
+
+    /// Copies `src` (not empty) into a memfd, a pooled one of its size when there is one,
+    /// without mapping it writable ([`verify::copy_and_hash_to_fd`]: written with `pwrite`,
+    /// hashed on the way, on every core); returns the region (mapped read-only, pages mapped
+    /// on first read) and the hash of what was written.
+    pub(crate) fn copy_hashed(src: &[u8]) -> Result<(Region, ContentHash)> {
+        let len = src.len();
+        if len == 0 {
+            return Err(Error::Io("an empty memfd cannot be mapped".into()));
+        }
+        let fd = match pool::take(len) {
+            Some(fd) => fd,
+            None => {
+                let fd = fs::memfd_create(
+                    "tensor-broker",
+                    MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+                )
+                .map_err(|e| io("creating a memfd", e))?;
+                fs::ftruncate(&fd, len as u64).map_err(|e| io("sizing a memfd", e))?;
+                fd
+            }
+        };
+        let hash = crate::channel::verify::copy_and_hash_to_fd(src, fd.as_fd())
+            .map_err(|e| Error::io("writing a memfd", e))?;
+        Ok((Region::map(fd, len)?, hash))
     }
 
     /// The memfd, sealed first (once) so that nobody can change the bytes a peer maps: the
