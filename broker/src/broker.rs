@@ -181,11 +181,14 @@ impl Broker {
             stats: stats.clone(),
             per_peer: Default::default(),
         };
+        let on_socket = Arc::new(ctl.clone());
         let extra: Vec<(&'static [u8], Box<dyn iroh::protocol::DynProtocolHandler>)> = vec![
             (CTL_ALPN, Box::new(ctl)),
             (iroh_gossip::ALPN, Box::new(gossip.clone())),
         ];
         let node = Node::spawn_on(opts.node.clone(), endpoint.clone(), extra).await?;
+        // Nodes on this host send most requests on the same-host socket instead.
+        node.serve_ctl_on_socket(on_socket)?;
 
         let topic = TopicId::from_bytes(opts.node.cluster_key.gossip_topic());
         let bootstrap: Vec<EndpointId> = peers.iter().map(|p| p.id).collect();

@@ -235,7 +235,57 @@ fn refused(e: BrokerError) -> CtlResponse {
     error(e.code(), e.to_string())
 }
 
+impl tb_node::SocketCtl for CtlProtocol {
+    /// A request a node on this host sent on the same-host socket (`DataRequest::Ctl`):
+    /// admitted and answered as on the ctl link, except heartbeats, subscriptions and
+    /// anti-entropy, which belong to the link (`Unsupported` here).
+    fn answer(
+        &self,
+        peer: tb_proto::NodeId,
+        access: Access,
+        request: CtlRequest,
+    ) -> tb_node::CtlAnswer {
+        let this = self.clone();
+        Box::pin(async move {
+            if matches!(
+                request,
+                CtlRequest::Heartbeat { .. }
+                    | CtlRequest::Subscribe { .. }
+                    | CtlRequest::SyncBuckets { .. }
+                    | CtlRequest::SyncNames { .. }
+            ) {
+                let message = format!("{} is sent on the ctl link", request.kind());
+                return vec![error(ErrorCode::Unsupported, message)];
+            }
+            if let Err(refusal) = this.admit(access, &request) {
+                return vec![refusal];
+            }
+            this.counters.socket_requests.inc();
+            // No heartbeat comes this way, so no life to record.
+            let life = AtomicU64::new(0);
+            this.answer(peer, access, &life, request).await
+        })
+    }
+}
+
 impl CtlProtocol {
+    /// Authorizes `request` for a peer that proved `access` and validates it, counting it;
+    /// the refusal to send otherwise (counted too).
+    fn admit(&self, access: Access, request: &CtlRequest) -> Result<(), CtlResponse> {
+        let allowed = tb_proto::authorize(self.key.access(), access, request.write_action());
+        if let Err(e) = allowed {
+            debug!(%e, request = request.kind(), "refusing a request the peer's access does not allow");
+            self.counters.refused.inc(Refusal::Unauthorized);
+            return Err(error(ErrorCode::Unauthorized, e.to_string()));
+        }
+        if let Err(e) = request.validate(self.max_tensor_bytes) {
+            self.counters.refused.inc(Refusal::Malformed);
+            return Err(error(ErrorCode::Malformed, e.to_string()));
+        }
+        self.counters.requests.inc();
+        Ok(())
+    }
+
     async fn serve_stream(
         &self,
         peer: tb_proto::NodeId,
@@ -259,21 +309,11 @@ impl CtlProtocol {
                 }
                 Err(_) => return,
             };
-        let allowed = tb_proto::authorize(self.key.access(), access, request.write_action());
-        if let Err(e) = allowed {
-            debug!(%e, request = request.kind(), "refusing a request the peer's access does not allow");
-            self.counters.refused.inc(Refusal::Unauthorized);
-            let _ = write_frame(&mut send, &error(ErrorCode::Unauthorized, e.to_string())).await;
+        if let Err(refusal) = self.admit(access, &request) {
+            let _ = write_frame(&mut send, &refusal).await;
             let _ = send.finish();
             return;
         }
-        if let Err(e) = request.validate(self.max_tensor_bytes) {
-            self.counters.refused.inc(Refusal::Malformed);
-            let _ = write_frame(&mut send, &error(ErrorCode::Malformed, e.to_string())).await;
-            let _ = send.finish();
-            return;
-        }
-        self.counters.requests.inc();
         let span = tracing::Span::current();
         span.record("request", request.kind());
         if let Some(name) = request.tensor() {

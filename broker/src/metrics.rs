@@ -39,8 +39,10 @@ impl Counter {
 /// What a broker has done since it started.
 #[derive(Debug)]
 pub struct BrokerCounters {
-    /// `tb/ctl/1` requests served.
+    /// `tb/ctl/1` requests served (on the link or the same-host socket).
     pub requests: Counter,
+    /// Of them, those that came on the same-host socket (`DataRequest::Ctl`).
+    pub socket_requests: Counter,
     /// Peers refused before authenticating, by reason (`tb_auth_failures_total{reason}`,
     /// shared with the broker's data plane).
     pub auth_failures: AuthFailures,
@@ -66,6 +68,7 @@ impl BrokerCounters {
         Ok(BrokerCounters {
             refused: Refusals::new(metrics)?,
             requests: Counter::default(),
+            socket_requests: Counter::default(),
             auth_failures: metrics.auth_failures.clone(),
             gossip_sent: metrics.gossip_out.clone(),
             gossip_received: metrics.gossip_in.clone(),

@@ -50,6 +50,9 @@ pub(crate) struct NodeCtx {
     pub(crate) watchers: crate::watch::Watchers,
     /// What answers each kind of request on `tb/data/1` (see [`crate::serve::service`]).
     pub(crate) services: crate::serve::Services,
+    /// What answers control requests on the same-host socket: a broker's (see
+    /// [`crate::SocketCtl`]); none on a node that runs no broker.
+    pub(crate) socket_ctl: crate::socket_ctl::SocketCtlSlot,
 }
 
 impl NodeCtx {

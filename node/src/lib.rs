@@ -103,6 +103,7 @@ mod progress;
 pub mod rate;
 mod serve;
 mod set;
+mod socket_ctl;
 mod store;
 mod tensor;
 mod watch;
@@ -134,6 +135,7 @@ pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};
 pub use set::TensorSet;
+pub use socket_ctl::{CtlAnswer, SocketCtl};
 pub use store::{Inserted, Lookup, Retention, Store};
 /// Why a peer was refused before authenticating (what `auth::server_hello` reports).
 pub use tb_dashboard::AuthFailure;

@@ -153,7 +153,7 @@ impl Node {
             .spawn(ctx.metrics.clone().run_sampler(ctx.cancel.clone()));
         let cluster = cluster::start(&ctx, &addr, evictions);
         debug!(node = %addr, brokers = ctx.config.brokers.len(), "node started");
-        Ok(Node {
+        let node = Node {
             inner: Arc::new(Inner {
                 ctx,
                 cluster,
@@ -163,7 +163,12 @@ impl Node {
                 stopped: Mutex::new(Some(handle)),
                 ipc_pulls: AtomicU64::new(0),
             }),
-        })
+        };
+        // Its requests to a broker on this host can take the same-host socket.
+        if let Some(cluster) = &node.inner.cluster {
+            cluster.ctl.attach(node.downgrade());
+        }
+        Ok(node)
     }
 
     /// This node's id (its iroh public key).
@@ -428,6 +433,19 @@ impl Node {
         self.inner.ctx.services.add(kind, service)
     }
 
+    /// Answers the control requests that nodes on this host send on the same-host socket
+    /// ([`tb_proto::DataRequest::Ctl`]) with `handler`: what a broker registers on the node
+    /// it runs, so that a publish or look-up from its host skips a QUIC round trip. Once per
+    /// node: a second handler is refused with [`Error::InUse`].
+    pub fn serve_ctl_on_socket(&self, handler: Arc<dyn crate::SocketCtl>) -> Result<()> {
+        match self.inner.ctx.socket_ctl.set(handler) {
+            true => Ok(()),
+            false => Err(Error::InUse(
+                "this node answers same-host control requests already".into(),
+            )),
+        }
+    }
+
     /// Stops serving `kind` requests: later ones are answered `Unsupported` (streams being
     /// served finish). Returns the service taken out, which [`Node::add_service`] can put
     /// back; `None` when nothing served the kind.
@@ -668,6 +686,7 @@ fn context(config: Config, endpoint: &Endpoint, store: crate::Store) -> Result<A
         outlines: Default::default(),
         watchers: Default::default(),
         services: crate::serve::Services::builtin(),
+        socket_ctl: Default::default(),
         config,
     }))
 }

@@ -12,6 +12,8 @@
 //! - `Watch { name }` -> an `Offer { version, meta, bytes }` frame for each small version of
 //!   `name` the server publishes from then on, until either side closes the stream, or
 //!   `Error`: how a small version reaches a subscriber in one hop (see [`DataRequest::Watch`]).
+//! - `Ctl`, then a [`CtlRequest`](crate::CtlRequest) frame -> its `CtlResponse` frames: a
+//!   broker's answers on the same-host socket only (see [`DataRequest::Ctl`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -102,6 +104,14 @@ pub enum DataRequest {
         /// The deadline, the arguments' size and whether a stream is expected.
         head: crate::call::CallHead,
     },
+    /// A control request for the broker this node runs follows, as a
+    /// [`CtlRequest`](crate::CtlRequest) frame of at most
+    /// [`MAX_CONTROL_FRAME`](crate::MAX_CONTROL_FRAME) bytes; answered with its
+    /// [`CtlResponse`](crate::CtlResponse) frames, up to the final one, exactly as on the
+    /// broker's `tb/ctl/1` link. Sent only on the same-host socket (a node on the broker's
+    /// host skips a QUIC round trip per publish and look-up); elsewhere, and by a node that
+    /// runs no broker, answered `Unsupported`.
+    Ctl,
 }
 
 /// The kind of a [`DataRequest`]: what a node's table of request services is keyed by. A
@@ -123,11 +133,13 @@ pub enum RequestKind {
     Watch,
     /// [`DataRequest::Call`].
     Call,
+    /// [`DataRequest::Ctl`].
+    Ctl,
 }
 
 impl RequestKind {
     /// Every kind.
-    pub const ALL: [RequestKind; 7] = [
+    pub const ALL: [RequestKind; 8] = [
         RequestKind::Pull,
         RequestKind::Push,
         RequestKind::Channels,
@@ -135,6 +147,7 @@ impl RequestKind {
         RequestKind::Pieces,
         RequestKind::Watch,
         RequestKind::Call,
+        RequestKind::Ctl,
     ];
 
     /// Its name in logs and refusals.
@@ -147,6 +160,7 @@ impl RequestKind {
             RequestKind::Pieces => "pieces",
             RequestKind::Watch => "watch",
             RequestKind::Call => "call",
+            RequestKind::Ctl => "ctl",
         }
     }
 }
@@ -168,6 +182,7 @@ impl DataRequest {
             DataRequest::Pieces { .. } => RequestKind::Pieces,
             DataRequest::Watch { .. } => RequestKind::Watch,
             DataRequest::Call { .. } => RequestKind::Call,
+            DataRequest::Ctl => RequestKind::Ctl,
         }
     }
 
@@ -179,7 +194,7 @@ impl DataRequest {
             | DataRequest::TcpPull { name, .. }
             | DataRequest::Pieces { name, .. }
             | DataRequest::Watch { name } => Some(name),
-            DataRequest::Channels { .. } | DataRequest::Call { .. } => None,
+            DataRequest::Channels { .. } | DataRequest::Call { .. } | DataRequest::Ctl => None,
         }
     }
 
@@ -196,6 +211,8 @@ impl DataRequest {
             // Read-write by default, but a function may admit read-only callers: the call
             // service checks it per function.
             DataRequest::Call { .. } => None,
+            // The broker authorizes the control request that follows, as on its own link.
+            DataRequest::Ctl => None,
         }
     }
 
@@ -220,6 +237,7 @@ impl DataRequest {
             }
             // The arguments' size is the function's to limit (`CallHead::validate`).
             DataRequest::Call { .. } => Ok(()),
+            DataRequest::Ctl => Ok(()),
         }
     }
 }

@@ -200,6 +200,8 @@ fn tcp_frames() {
     };
     // len 3 | Watch=5 | name "w"
     golden(&watch, "03000000 05 0177");
+    // len 1 | Ctl=7: the control request follows as its own frame.
+    golden(&DataRequest::Ctl, "01000000 07");
     let offer = DataResponse::Offer {
         version: 300,
         meta: TensorMeta::new(DType::U8, vec![2], ContentHash([0x11; 32])).expect("meta"),

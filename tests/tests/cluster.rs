@@ -548,3 +548,69 @@ async fn a_node_holds_at_most_its_share_of_a_brokers_subscriptions() {
     }
     broker.shutdown().await;
 }
+
+/// A worker on its broker's host sends publishes and look-ups on the same-host socket once it
+/// learnt that the broker is local (in the background: the first ones take QUIC); a worker
+/// that runs QUIC only never does. Either way every version reads back byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_to_a_broker_on_this_host_take_the_same_host_socket() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path(), &[]).await;
+    let brokers = vec![broker.addr().clone()];
+    let local = node(worker_config(brokers.clone())).await;
+    let quic_only = node(Config {
+        channels: vec![ChannelKind::Quic],
+        ..worker_config(brokers)
+    })
+    .await;
+    let socket = || broker.counters().socket_requests.get();
+    // Bounded: 200 publishes until the socket carries one.
+    let mut version = 0;
+    while socket() == 0 {
+        version += 1;
+        assert!(version <= 200, "no request came on the same-host socket");
+        let tensor = f32_tensor(1024, version as u8);
+        let got = local.publish("sock/t", tensor).await.expect("publish");
+        assert_eq!(got, version);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = socket();
+    for _ in 0..10 {
+        version += 1;
+        let tensor = f32_tensor(1024, version as u8);
+        let got = local
+            .publish("sock/t", tensor.clone())
+            .await
+            .expect("publish");
+        assert_eq!(got, version);
+        // The other worker's get: a look-up (QUIC only) and a pull.
+        let pulled = quic_only.get("sock/t").await.expect("get");
+        assert_eq!(
+            (pulled.version, pulled.buffer.data()),
+            (version, tensor.data())
+        );
+    }
+    assert!(
+        socket() - before >= 10,
+        "each publish of the local worker came on the socket ({} did)",
+        socket() - before
+    );
+    // The QUIC-only worker's requests never do: its publishes move only `requests`.
+    let (sock, all) = (socket(), broker.counters().requests.get());
+    for v in 1..=5u8 {
+        quic_only
+            .publish("sock/q", f32_tensor(16, v))
+            .await
+            .expect("publish");
+    }
+    assert_eq!(socket(), sock, "nothing more came on the socket");
+    assert!(broker.counters().requests.get() >= all + 5);
+    // A refusal comes back the same way: a name nobody published.
+    match local.get("sock/none").await {
+        Err(Error::NotFound { .. }) => {}
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+    quic_only.shutdown().await;
+    local.shutdown().await;
+    broker.shutdown().await;
+}

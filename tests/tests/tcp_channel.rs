@@ -246,7 +246,10 @@ impl FakeHolder {
                     .write_all(&reply(&DataResponse::Channels { offers }))
                     .await;
             }
-            DataRequest::Pieces { .. } | DataRequest::Watch { .. } | DataRequest::Call { .. } => {
+            DataRequest::Pieces { .. }
+            | DataRequest::Watch { .. }
+            | DataRequest::Call { .. }
+            | DataRequest::Ctl => {
                 // This holder serves in one stream only, nobody subscribes and nobody calls.
                 let no = DataResponse::Error {
                     code: tb_node::proto::ErrorCode::NotFound,

@@ -179,7 +179,10 @@ async fn large_versions_come_as_their_memfd_on_the_same_host_socket() {
     // its offer, old news, dropped), so no more than that was pulled. How often offers win
     // is the benchmark's business.
     let extra_pulled = subscriber.metrics().bytes_in.get() - pulled;
-    assert!(extra_pulled <= MORE * (FLOATS as u64 * 4), "pulled {extra_pulled} bytes");
+    assert!(
+        extra_pulled <= MORE * (FLOATS as u64 * 4),
+        "pulled {extra_pulled} bytes"
+    );
     drop(sub);
     subscriber.shutdown().await;
     publisher.shutdown().await;

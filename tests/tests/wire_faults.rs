@@ -340,7 +340,8 @@ impl ProtocolHandler for IdleRacingServer {
                 Ok(
                     DataRequest::Pieces { .. }
                     | DataRequest::Watch { .. }
-                    | DataRequest::Call { .. },
+                    | DataRequest::Call { .. }
+                    | DataRequest::Ctl,
                 )
                 | Err(_) => break,
             };

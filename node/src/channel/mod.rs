@@ -40,7 +40,10 @@ use tracing::warn;
 #[cfg(target_os = "linux")]
 pub use shm::force_map_failures_for_tests;
 #[cfg(target_os = "linux")]
-pub(crate) use shm::{Region, Shm, ShmCache, ShmRoute, ShmWatch, WatchOffer, memfds_work};
+pub(crate) use shm::{
+    Region, Shm, ShmCache, ShmRoute, ShmWatch, WatchOffer, ctl::exchange as shm_ctl_exchange,
+    memfds_work,
+};
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
 use crate::{

@@ -108,6 +108,9 @@ pub(crate) struct CtlClient {
     /// Owns the dial tasks; `cancel` stops them (the node's shutdown).
     tracker: TaskTracker,
     cancel: CancellationToken,
+    /// Brokers on this host, reached on the same-host socket for most requests.
+    #[cfg(target_os = "linux")]
+    same_host: super::same_host::SameHost,
 }
 
 impl CtlClient {
@@ -168,7 +171,18 @@ impl CtlClient {
             next_dial: AtomicU64::new(0),
             tracker,
             cancel,
+            #[cfg(target_os = "linux")]
+            same_host: Default::default(),
         }
+    }
+
+    /// The node this client belongs to: its requests to a broker on this host take the
+    /// same-host socket (see [`super::same_host`]).
+    pub(crate) fn attach(&self, node: crate::node::WeakNode) {
+        #[cfg(target_os = "linux")]
+        self.same_host.attach(node);
+        #[cfg(not(target_os = "linux"))]
+        let _ = node;
     }
 
     /// The broker calls go to first: the one that worked last.
@@ -223,6 +237,27 @@ impl CtlClient {
     ) -> Result<Vec<CtlResponse>> {
         if matches!(request, CtlRequest::Heartbeat { .. }) {
             return self.call_one_at_a_time(request, timeout).await;
+        }
+        #[cfg(target_os = "linux")]
+        if super::same_host::eligible(request)
+            && let Some(i) = self.order().first().copied()
+            && let Some(answer) = self
+                .same_host
+                .call(&self.brokers[i].addr, request, timeout)
+                .await
+        {
+            match answer {
+                Ok(frames) => {
+                    self.remember(i);
+                    return Ok(frames);
+                }
+                Err(Failure::Answered(e)) => {
+                    self.remember(i);
+                    return Err(e);
+                }
+                // Shutting down: the QUIC path tries the next broker.
+                Err(Failure::Unusable(_)) => {}
+            }
         }
         let mut failed = Vec::new();
         let attempt = |i| self.attempt_redialing(i, request, timeout);

@@ -42,6 +42,8 @@ mod members;
 mod pace;
 mod race;
 mod resume;
+#[cfg(target_os = "linux")]
+mod same_host;
 mod slot;
 mod subscribe;
 #[cfg(test)]

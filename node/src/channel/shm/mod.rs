@@ -30,6 +30,7 @@
 //!   every core before anyone sees the bytes; a mismatch is `Corrupt`.
 //!
 mod client;
+pub(crate) mod ctl;
 mod pool;
 mod region;
 mod serve;

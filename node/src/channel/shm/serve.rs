@@ -162,6 +162,10 @@ async fn serve_request(
         }
         // Calls are served by the service table, on the pooled QUIC link.
         DataRequest::Call { .. } => Err(Error::Io("a call on a same-host socket".into())),
+        DataRequest::Ctl => {
+            let node = crate::auth::node_id(&peer);
+            super::ctl::serve(ctx, conn, node, access).await
+        }
     }
 }
 
