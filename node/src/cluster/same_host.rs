@@ -101,6 +101,16 @@ impl SameHost {
         let answered = crate::channel::shm_ctl_exchange(&ctx, &route, request, timeout).await;
         match answered {
             Ok(mut frames) => match frames.pop() {
+                // Its node runs no broker (a broker answers on another node's endpoint, or a
+                // broker from before this answered): QUIC from now on.
+                Some(CtlResponse::Error {
+                    code: tb_proto::ErrorCode::Unsupported,
+                    ..
+                }) => {
+                    lock(&self.brokers)
+                        .insert(broker.id, State::Not(Instant::now() + NOT_LOCAL_FOR));
+                    None
+                }
                 Some(CtlResponse::Error { code, message }) => {
                     let name = broker.id.fmt_short().to_string();
                     Some(Err(failover::answer_error(name, code, message)))
