@@ -257,8 +257,8 @@ impl tb_node::SocketCtl for CtlProtocol {
                 let message = format!("{} is sent on the ctl link", request.kind());
                 return vec![error(ErrorCode::Unsupported, message)];
             }
-            if let Err(refusal) = this.admit(access, &request) {
-                return vec![refusal];
+            if let Err((code, message)) = this.admit(access, &request) {
+                return vec![error(code, message)];
             }
             this.counters.socket_requests.inc();
             // No heartbeat comes this way, so no life to record.
@@ -270,17 +270,17 @@ impl tb_node::SocketCtl for CtlProtocol {
 
 impl CtlProtocol {
     /// Authorizes `request` for a peer that proved `access` and validates it, counting it;
-    /// the refusal to send otherwise (counted too).
-    fn admit(&self, access: Access, request: &CtlRequest) -> Result<(), CtlResponse> {
+    /// the refusal's code and message otherwise (counted too).
+    fn admit(&self, access: Access, request: &CtlRequest) -> Result<(), (ErrorCode, String)> {
         let allowed = tb_proto::authorize(self.key.access(), access, request.write_action());
         if let Err(e) = allowed {
             debug!(%e, request = request.kind(), "refusing a request the peer's access does not allow");
             self.counters.refused.inc(Refusal::Unauthorized);
-            return Err(error(ErrorCode::Unauthorized, e.to_string()));
+            return Err((ErrorCode::Unauthorized, e.to_string()));
         }
         if let Err(e) = request.validate(self.max_tensor_bytes) {
             self.counters.refused.inc(Refusal::Malformed);
-            return Err(error(ErrorCode::Malformed, e.to_string()));
+            return Err((ErrorCode::Malformed, e.to_string()));
         }
         self.counters.requests.inc();
         Ok(())
@@ -309,8 +309,8 @@ impl CtlProtocol {
                 }
                 Err(_) => return,
             };
-        if let Err(refusal) = self.admit(access, &request) {
-            let _ = write_frame(&mut send, &refusal).await;
+        if let Err((code, message)) = self.admit(access, &request) {
+            let _ = write_frame(&mut send, &error(code, message)).await;
             let _ = send.finish();
             return;
         }

@@ -131,10 +131,23 @@
     };
   }
 
-  /** Pooled links as `{ peer, channel }`, bounded whatever the API sends. */
+  /** Pooled links as `{ peer, channel }`, bounded whatever the API sends: the status API
+   * names them as hex and `shm`; a heartbeat's figures (members' rows) carry the node id as
+   * its 32 bytes and the channel as its variant name (`Shm`). */
   function links(v) {
     return arr(v, MAX_NODES).map(obj).filter(Boolean)
-      .map((l) => ({ peer: str(l.peer), channel: str(l.channel) || "?" }));
+      .map((l) => ({ peer: peerId(l.peer), channel: str(l.channel).toLowerCase() || "?" }));
+  }
+
+  /** A node id as hex, from hex or from an array of 32 bytes. */
+  function peerId(v) {
+    if (typeof v === "string") return v;
+    const bytes = arr(v, 32);
+    if (bytes.length !== 32) return "";
+    return bytes.map((b) => {
+      const n = num(b);
+      return n === null || n < 0 || n > 255 ? "??" : n.toString(16).padStart(2, "0");
+    }).join("");
   }
 
   function memberStats(s) {

@@ -385,8 +385,9 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
         "worker 0's out_bytes_total in the page grew from {out_before} by >= {TENSOR_LEN}"
     );
 
-    // Each node's channels cell lists its pooled links as `peer=channel`: QUIC is the only
-    // channel yet.
+    // Each node's channels cell lists its pooled links as `peer=channel`: QUIC between the
+    // workers and the CLI, shm on a worker's link to the broker's node (the workers send
+    // their control requests on the same-host socket).
     let cell = format!("data-node=\"{holder_id}\" data-field=\"channels\"");
     assert!(
         after.contains(&cell),
@@ -399,7 +400,10 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
         let tag = tag.split('>').next().unwrap_or_default();
         let links = attr(tag, "data-value").unwrap_or_default();
         for link in links.split_whitespace() {
-            assert!(link.ends_with("=quic"), "link {link} in {tag}");
+            assert!(
+                link.ends_with("=quic") || link.ends_with("=shm"),
+                "link {link} in {tag}"
+            );
         }
     }
 

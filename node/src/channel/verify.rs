@@ -126,7 +126,7 @@ pub(crate) fn copy_and_hash_to_fd(
     fd: std::os::fd::BorrowedFd<'_>,
 ) -> std::io::Result<ContentHash> {
     if src.len() <= COPY_LEAF {
-        return write_leaf(src, fd, 0, |leaf| ContentHash::of(leaf));
+        return write_leaf(src, fd, 0, ContentHash::of);
     }
     let left = left_subtree_len(src.len() as u64) as usize;
     let (src_l, src_r) = src.split_at(left);

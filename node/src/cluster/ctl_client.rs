@@ -243,7 +243,12 @@ impl CtlClient {
             && let Some(i) = self.order().first().copied()
             && let Some(answer) = self
                 .same_host
-                .call(&self.brokers[i].addr, request, timeout)
+                .call(
+                    &self.brokers[i].addr,
+                    request,
+                    STAGGER.min(timeout),
+                    timeout,
+                )
                 .await
         {
             match answer {

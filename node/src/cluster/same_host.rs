@@ -88,17 +88,21 @@ impl SameHost {
 
     /// `broker`'s answer to `request` on the same-host socket; `None`: send it on QUIC (the
     /// broker is not known to be on this host, or the socket failed before any answer).
+    /// A first answer later than `first_within` counts as a failed socket (the QUIC race then
+    /// tries this broker and the others).
     pub(super) async fn call(
         &self,
         broker: &PeerAddr,
         request: &CtlRequest,
+        first_within: Duration,
         timeout: Duration,
     ) -> Option<Result<Vec<CtlResponse>, Failure>> {
         let route = self.route(broker)?;
         let node = self.node.get()?.upgrade()?;
         let ctx = node.ctx().clone();
         drop(node);
-        let answered = crate::channel::shm_ctl_exchange(&ctx, &route, request, timeout).await;
+        let exchange = crate::channel::shm_ctl_exchange;
+        let answered = exchange(&ctx, &route, request, first_within, timeout).await;
         match answered {
             Ok(mut frames) => match frames.pop() {
                 // Its node runs no broker (a broker answers on another node's endpoint, or a

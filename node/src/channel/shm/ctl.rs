@@ -49,14 +49,16 @@ pub(crate) async fn serve(
 }
 
 /// Sends `request` to the broker at the route's peer on the same-host socket and reads its
-/// answer frames up to the final one (each validated), within `timeout`. `Fallback` when the
-/// socket failed before any answer (sent once more on a fresh connection first): send it on
-/// the QUIC link instead. An `Error` answer is the last frame returned, for the caller to
-/// judge as on QUIC.
+/// answer frames up to the final one (each validated): the first within `first_within`, each
+/// later one within `timeout`. `Fallback` when the socket failed before any answer (sent once
+/// more on a fresh connection first) or the first answer is late (a frozen or overloaded
+/// broker: the caller's QUIC race then tries the others): send it on the QUIC link instead.
+/// An `Error` answer is the last frame returned, for the caller to judge as on QUIC.
 pub(crate) async fn exchange(
     ctx: &NodeCtx,
     route: &ShmRoute,
     request: &CtlRequest,
+    first_within: std::time::Duration,
     timeout: std::time::Duration,
 ) -> Result<Vec<CtlResponse>, ChannelError> {
     let max = ctx.config.max_tensor_bytes;
@@ -69,11 +71,12 @@ pub(crate) async fn exchange(
         })
         .await;
         let first = match sent {
-            Ok(()) => read_answer(&mut conn, &broker, timeout, max).await,
+            Ok(()) => read_answer(&mut conn, &broker, first_within, max).await,
             Err(e) => Err(e),
         };
         let first = match first {
             Ok(first) => first,
+            Err(e @ Error::Timeout { .. }) => return Err(ChannelError::Fallback(e)),
             Err(e) if attempt == 1 => return Err(ChannelError::Fallback(e)),
             Err(_) => continue,
         };

@@ -26,8 +26,9 @@ enum Item {
         version: u64,
         meta: TensorMeta,
         /// The version itself, when it came with the event or a watch (verified against
-        /// `meta`, or mapped from a trusted publisher's memfd).
-        inline: Option<Tensor>,
+        /// `meta`, or mapped from a trusted publisher's memfd); boxed, a tensor being large
+        /// beside the other items.
+        inline: Option<Box<Tensor>>,
     },
     Deleted,
 }
@@ -141,13 +142,13 @@ impl Feed {
             }) => {
                 let replaced = std::mem::replace(v, version);
                 *m = meta;
-                *i = inline;
+                *i = inline.map(Box::new);
                 feed.lose(replaced);
             }
             _ => feed.push(Item::Version {
                 version,
                 meta,
-                inline,
+                inline: inline.map(Box::new),
             }),
         }
         if was_idle {
@@ -220,7 +221,7 @@ impl Feed {
                     meta,
                     inline,
                 } => Next::Version {
-                    inline,
+                    inline: inline.map(|t| *t),
                     skipped: feed
                         .told
                         .map(|t| t.saturating_add(1))
