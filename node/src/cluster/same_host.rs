@@ -20,7 +20,7 @@ use std::{
 
 use iroh::EndpointId;
 use tb_proto::{CtlRequest, CtlResponse};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::failover::{self, Failure};
 use crate::{
@@ -127,7 +127,7 @@ impl SameHost {
             },
             Err(ChannelError::ViaQuic) => None,
             Err(ChannelError::Fallback(e) | ChannelError::Final(e)) => {
-                debug!(broker = %broker.id.fmt_short(), %e, "the same-host socket failed: QUIC for a while");
+                warn!(broker = %broker.id.fmt_short(), %e, "a broker's same-host socket failed: its requests take QUIC for 30 s");
                 ctx.metrics.channels.fallback(tb_proto::ChannelKind::Shm);
                 lock(&self.brokers).insert(broker.id, State::Not(Instant::now() + FAILED_FOR));
                 None
