@@ -62,6 +62,15 @@
 //! broker for the next version, stores the tensor under it and announces it. When retention
 //! evicts a version, a task tells the broker.
 //!
+//! On one host, three shortcuts take the shm channel's unix socket instead of QUIC:
+//! - a broker on this node's host is asked on the socket (`DataRequest::Ctl`; the broker
+//!   registers a [`SocketCtl`] on its node with [`Node::serve_ctl_on_socket`]), learnt in the
+//!   background, with QUIC whenever the socket fails;
+//! - a subscriber watches a version's publisher (`Watch`): small versions ride inline beside
+//!   the publish, and larger ones come as the publisher's sealed memfd, mapped without a
+//!   look-up or a pull;
+//! - a pull of a memfd-backed version passes the fd, with no copy.
+//!
 //! ## GPU tensors (feature `cuda`, on by default)
 //! A tensor may live on a CUDA device ([`Tensor::from_device`], [`Tensor::to_device`]). It is
 //! published, pushed and served like any other; [`Node::pull_to`] and
