@@ -239,30 +239,8 @@ impl CtlClient {
             return self.call_one_at_a_time(request, timeout).await;
         }
         #[cfg(target_os = "linux")]
-        if super::same_host::eligible(request)
-            && let Some(i) = self.order().first().copied()
-            && let Some(answer) = self
-                .same_host
-                .call(
-                    &self.brokers[i].addr,
-                    request,
-                    STAGGER.min(timeout),
-                    timeout,
-                )
-                .await
-        {
-            match answer {
-                Ok(frames) => {
-                    self.remember(i);
-                    return Ok(frames);
-                }
-                Err(Failure::Answered(e)) => {
-                    self.remember(i);
-                    return Err(e);
-                }
-                // Shutting down: the QUIC path tries the next broker.
-                Err(Failure::Unusable(_)) => {}
-            }
+        if let Some(answered) = self.on_same_host(request, timeout).await {
+            return answered;
         }
         let mut failed = Vec::new();
         let attempt = |i| self.attempt_redialing(i, request, timeout);
@@ -277,6 +255,34 @@ impl CtlClient {
             }
             Err(Lost::Exhausted) => Err(self.exhausted(failed)),
         }
+    }
+
+    /// The answer of the first broker in [`order`](Self::order) on the same-host socket (see
+    /// [`super::same_host`]); `None`: ask on QUIC (the request or the broker does not take the
+    /// socket, it failed before an answer, or the broker is shutting down).
+    #[cfg(target_os = "linux")]
+    async fn on_same_host(
+        &self,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Option<Result<Vec<CtlResponse>>> {
+        if !super::same_host::eligible(request) {
+            return None;
+        }
+        let i = self.order().first().copied()?;
+        let broker = &self.brokers[i].addr;
+        let first_within = STAGGER.min(timeout);
+        let answered = match self
+            .same_host
+            .call(broker, request, first_within, timeout)
+            .await?
+        {
+            Ok(frames) => Ok(frames),
+            Err(Failure::Answered(e)) => Err(e),
+            Err(Failure::Unusable(_)) => return None,
+        };
+        self.remember(i);
+        Some(answered)
     }
 
     /// [`call`](Self::call) without hedging: on the first broker whose link is ready (see

@@ -133,13 +133,19 @@ pub(crate) fn spare(len: usize) {
     }
 }
 
-/// A new memfd of `len` bytes with every page allocated (zeroed by the kernel).
-fn allocated(len: usize) -> rustix::io::Result<OwnedFd> {
+/// A new memfd of `len` bytes (sealable; no page allocated yet).
+pub(crate) fn fresh(len: usize) -> rustix::io::Result<OwnedFd> {
     let fd = fs::memfd_create(
         "tensor-broker",
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
     )?;
     fs::ftruncate(&fd, len as u64)?;
+    Ok(fd)
+}
+
+/// A new memfd of `len` bytes with every page allocated (zeroed by the kernel).
+fn allocated(len: usize) -> rustix::io::Result<OwnedFd> {
+    let fd = fresh(len)?;
     fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64)?;
     Ok(fd)
 }

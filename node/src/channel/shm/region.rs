@@ -36,7 +36,7 @@ use std::{
 
 use bytes::Bytes;
 use rustix::{
-    fs::{self, MemfdFlags, SealFlags},
+    fs::{self, SealFlags},
     mm::{self, MapFlags, ProtFlags},
 };
 use tb_proto::ContentHash;
@@ -119,21 +119,7 @@ impl Region {
     /// on first read) and the hash of what was written.
     pub(crate) fn copy_hashed(src: &[u8]) -> Result<(Region, ContentHash)> {
         let len = src.len();
-        if len == 0 {
-            return Err(Error::Io("an empty memfd cannot be mapped".into()));
-        }
-        let fd = match pool::take(len) {
-            Some(fd) => fd,
-            None => {
-                let fd = fs::memfd_create(
-                    "tensor-broker",
-                    MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-                )
-                .map_err(|e| io("creating a memfd", e))?;
-                fs::ftruncate(&fd, len as u64).map_err(|e| io("sizing a memfd", e))?;
-                fd
-            }
-        };
+        let (fd, _) = pooled_or_new(len)?;
         let hash = crate::channel::verify::copy_and_hash_to_fd(src, fd.as_fd())
             .map_err(|e| Error::io("writing a memfd", e))?;
         Ok((Region::map(fd, len)?, hash))
@@ -300,6 +286,20 @@ impl Drop for Region {
     }
 }
 
+/// A pooled memfd of `len` bytes (not empty) and `true` (its pages are there), else a new one
+/// and `false`.
+fn pooled_or_new(len: usize) -> Result<(OwnedFd, bool)> {
+    if len == 0 {
+        return Err(Error::Io("an empty memfd cannot be mapped".into()));
+    }
+    match pool::take(len) {
+        Some(fd) => Ok((fd, true)),
+        None => pool::fresh(len)
+            .map(|fd| (fd, false))
+            .map_err(|e| io("creating a memfd", e)),
+    }
+}
+
 /// A memfd being filled through a shared writable mapping, before it is sealed: the
 /// receive buffer of a tensor that is then served (and viewed) from its region without a
 /// copy.
@@ -321,22 +321,12 @@ impl RegionWriter {
     /// there is one (its pages already touched; every byte is rewritten by the writer's user
     /// before anyone reads it), else a new one.
     pub(crate) fn new(len: usize) -> Result<RegionWriter> {
-        if len == 0 {
-            return Err(Error::Io("an empty memfd cannot be mapped".into()));
-        }
         // A pooled memfd's pages are all there: map them in one call rather than one page
         // fault per page as the writer goes.
-        let (fd, populate) = match pool::take(len) {
-            Some(fd) => (fd, MapFlags::POPULATE),
-            None => {
-                let fd = fs::memfd_create(
-                    "tensor-broker",
-                    MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-                )
-                .map_err(|e| io("creating a memfd", e))?;
-                fs::ftruncate(&fd, len as u64).map_err(|e| io("sizing a memfd", e))?;
-                (fd, MapFlags::empty())
-            }
+        let (fd, pooled) = pooled_or_new(len)?;
+        let populate = match pooled {
+            true => MapFlags::POPULATE,
+            false => MapFlags::empty(),
         };
         // SAFETY: a fresh shared writable mapping of a file of exactly `len` bytes that only
         // this writer can resize (it does not); unmapped in `seal` or `Drop`.

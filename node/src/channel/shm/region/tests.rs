@@ -129,7 +129,7 @@ fn a_peer_fd_must_be_sealed_and_long_enough() {
     let dup = region.fd.try_clone().expect("dup");
     assert!(Region::from_peer(dup, 6).is_err());
     // An unsealed memfd (its owner could still change it) is refused.
-    let open = fs::memfd_create("t", MemfdFlags::ALLOW_SEALING).expect("memfd");
+    let open = fs::memfd_create("t", fs::MemfdFlags::ALLOW_SEALING).expect("memfd");
     fs::ftruncate(&open, 5).expect("size");
     assert!(Region::from_peer(open, 5).is_err());
     // So is a file descriptor that is no memfd at all.
