@@ -22,7 +22,7 @@ use tb_proto::{
 use crate::{
     error::CallError,
     metrics::CallMetrics,
-    value::{Encoded, Value, read_body},
+    value::{Encoded, Lender, Value, read_body},
 };
 
 /// How long a function's server list is trusted before a broker is asked again.
@@ -30,6 +30,10 @@ pub const STALE: Duration = Duration::from_secs(5);
 
 /// Most servers one call is tried on.
 const MAX_TRIES: usize = 4;
+
+/// The longest a call's lent arguments wait for the server to pull them (it does on
+/// accepting the call, before queueing it; the caller drops the loans when the call ends).
+const ARGS_LOAN_TTL: Duration = Duration::from_secs(600);
 
 /// How long a server that answered `Busy` is passed over while others are free.
 const BUSY_BACKOFF: Duration = Duration::from_millis(50);
@@ -211,6 +215,9 @@ pub(crate) struct Started {
     pub(crate) idempotent: bool,
     /// What the server declared: the stream restarts from any item.
     pub(crate) resumable: bool,
+    /// The arguments lent to the server (it pulls them before the handler runs): held until
+    /// the call ends.
+    pub(crate) _loans: Vec<tb_node::Lent>,
 }
 
 /// The caller's state shared by every call through one [`Calls`](crate::Calls).
@@ -226,7 +233,7 @@ impl Caller {
     pub(crate) async fn start(
         &self,
         function: &TensorName,
-        args: &Encoded,
+        args: &Value,
         head: CallHead,
         tried: &mut Vec<PeerAddr>,
     ) -> Result<Started, CallError> {
@@ -247,12 +254,13 @@ impl Caller {
             };
             tried.push(server.clone());
             match self.attempt(function, &server, args, head).await {
-                Ok((stream, idempotent, resumable)) => {
+                Ok((stream, idempotent, resumable, loans)) => {
                     return Ok(Started {
                         stream,
                         server,
                         idempotent,
                         resumable,
+                        _loans: loans,
                     });
                 }
                 Err(e) if e.never_started() || matches!(e, CallError::NoServer { .. }) => {
@@ -270,20 +278,32 @@ impl Caller {
         }))
     }
 
-    /// One try on `server`, up to its acceptance (the arguments then written).
+    /// One try on `server`, up to its acceptance (the arguments then written, their large
+    /// tensors lent when the server is on this host: the loans are returned).
     async fn attempt(
         &self,
         function: &TensorName,
         server: &PeerAddr,
-        args: &Encoded,
-        head: CallHead,
-    ) -> Result<(RequestStream, bool, bool), CallError> {
+        args: &Value,
+        mut head: CallHead,
+    ) -> Result<(RequestStream, bool, bool, Vec<tb_node::Lent>), CallError> {
         let lost = |reason: String, maybe_ran| CallError::ServerLost {
             function: function.to_string(),
             server: server.id.fmt_short().to_string(),
             maybe_ran,
             reason,
         };
+        let ttl = head.deadline_ms.map_or(ARGS_LOAN_TTL, |ms| {
+            Duration::from_millis(ms).min(ARGS_LOAN_TTL)
+        });
+        let mut lender = Lender::new(&self.node, server.id, ttl);
+        let args = Encoded::lending(args, Some(&mut lender)).map_err(|e| CallError::BadValue {
+            function: function.to_string(),
+            detail: e.to_string(),
+        })?;
+        let sent_bytes = args.len() + lender.lent_bytes();
+        let loans = std::mem::take(&mut lender.loans);
+        head.body_len = args.len();
         let request = DataRequest::Call {
             function: function.clone(),
             head,
@@ -326,11 +346,11 @@ impl Caller {
                 .await
                 .map_err(|e| lost(e, true))?;
         }
-        self.metrics.bytes("out", args.len());
+        self.metrics.bytes("out", sent_bytes);
         if !head.stream {
             let _ = stream.send.finish();
         }
-        Ok((stream, declared.0, declared.1))
+        Ok((stream, declared.0, declared.1, loans))
     }
 
     /// Reads the next frame of a started call: an item's value (`Some`) or the end (`None`).
@@ -378,16 +398,24 @@ impl Caller {
             progress: Some(&heard),
         };
         let recv = &mut started.stream.recv;
-        let value = read_body(recv, body_len, stall)
+        let read_failed = |e| match e {
+            crate::value::ReadError::Closed(reason) => lost(reason),
+            crate::value::ReadError::Lent(reason) => lost(format!("a lent result: {reason}")),
+            invalid => CallError::BadValue {
+                function: function.to_string(),
+                detail: invalid.to_string(),
+            },
+        };
+        let body = read_body(recv, body_len, stall)
             .await
-            .map_err(|e| match e {
-                crate::value::ReadError::Closed(reason) => lost(reason),
-                invalid => CallError::BadValue {
-                    function: function.to_string(),
-                    detail: invalid.to_string(),
-                },
-            })?;
-        self.metrics.bytes("in", body_len);
+            .map_err(read_failed)?;
+        let lent = body.lent_bytes();
+        // Lent results are pulled from the server now (it holds them until then).
+        let value = body
+            .into_value(&self.node, server.id)
+            .await
+            .map_err(read_failed)?;
+        self.metrics.bytes("in", body_len + lent);
         Ok(Some((index, value)))
     }
 

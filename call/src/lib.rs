@@ -147,11 +147,12 @@ impl Calls {
         options: &CallOptions,
     ) -> Result<Value, CallError> {
         let function = TensorName::new(function).map_err(tb_node::Error::from)?;
-        let encoded = encode(&function, args)?;
+        // Checked once here (each attempt encodes again, lending to its server).
+        encode(&function, args)?;
         let started = std::time::Instant::now();
         let caller = &self.inner.caller;
         caller.metrics.in_flight("caller", 1);
-        let call = self.call_retrying(&function, &encoded, options);
+        let call = self.call_retrying(&function, args, options);
         let result = match options.timeout {
             Some(timeout) => tokio::time::timeout(timeout, call)
                 .await
@@ -184,7 +185,7 @@ impl Calls {
     async fn call_retrying(
         &self,
         function: &TensorName,
-        args: &Encoded,
+        args: &Value,
         options: &CallOptions,
     ) -> Result<Value, CallError> {
         let caller = &self.inner.caller;
@@ -196,7 +197,8 @@ impl Calls {
                     d.saturating_duration_since(tokio::time::Instant::now())
                         .as_millis() as u64
                 }),
-                body_len: args.len(),
+                // Set by each attempt, which encodes the arguments for its server.
+                body_len: 0,
                 stream: false,
                 start: 0,
             };
@@ -234,10 +236,11 @@ impl Calls {
         prefetch: u32,
     ) -> Result<CallStream, CallError> {
         let function = TensorName::new(function).map_err(tb_node::Error::from)?;
-        let encoded = encode(&function, args)?;
+        encode(&function, args)?;
         let head = CallHead {
             deadline_ms: None,
-            body_len: encoded.len(),
+            // Set by each attempt, which encodes the arguments for its server.
+            body_len: 0,
             stream: true,
             start: 0,
         };
@@ -245,7 +248,7 @@ impl Calls {
             calls: self.clone(),
             function,
             started: None,
-            args: encoded,
+            args: args.clone(),
             head,
             prefetch: prefetch.max(1),
             next: 0,
@@ -256,6 +259,7 @@ impl Calls {
     }
 }
 
+/// `args` encoded (no loans), or why the wire cannot carry them.
 fn encode(function: &TensorName, args: &Value) -> Result<Encoded, CallError> {
     Encoded::new(args).map_err(|e| CallError::BadValue {
         function: function.to_string(),
@@ -281,7 +285,7 @@ pub struct CallStream {
     function: TensorName,
     started: Option<Started>,
     /// What a restart sends again.
-    args: Encoded,
+    args: Value,
     head: CallHead,
     prefetch: u32,
     /// The index of the next item to yield.

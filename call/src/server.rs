@@ -34,7 +34,11 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::value::{Encoded, Value, read_body};
+use crate::value::{Encoded, Lender, Value, read_body};
+
+/// The longest a result lent to its caller waits to be pulled (the caller pulls it as it
+/// reads the result; a caller gone meanwhile leaves it to end here).
+pub const RESULT_LOAN_TTL: Duration = Duration::from_secs(30);
 
 /// What a handler's call ends with: a value, or a failure the caller gets as a remote error.
 pub type HandlerResult = Result<Value, RemoteFailure>;
@@ -414,8 +418,8 @@ impl Call<'_> {
             after: self.stall,
             progress: None,
         };
-        let args = match read_body(recv, self.head.body_len, stall).await {
-            Ok(args) => args,
+        let body = match read_body(recv, self.head.body_len, stall).await {
+            Ok(body) => body,
             Err(e) => {
                 return Outcome::Failed(RemoteFailure::new(
                     FailureKind::BadArguments,
@@ -425,9 +429,26 @@ impl Call<'_> {
                 ));
             }
         };
-        self.metrics.bytes("in", self.head.body_len);
+        self.metrics
+            .bytes("in", self.head.body_len + body.lent_bytes());
         let Some(node) = self.node.upgrade() else {
             return Outcome::Cancelled;
+        };
+        // Lent arguments are pulled from the caller now, before the call queues.
+        let args = match self
+            .alive_while(send, body.into_value(&node, self.caller))
+            .await
+        {
+            Err(outcome) => return outcome,
+            Ok(Ok(args)) => args,
+            Ok(Err(e)) => {
+                return Outcome::Failed(RemoteFailure::new(
+                    FailureKind::BadArguments,
+                    "ValueError",
+                    format!("the arguments could not be read: {e}"),
+                    "",
+                ));
+            }
         };
         let resolving = self.alive_while(send, crate::value::resolve(&node, args));
         let args = match resolving.await {
@@ -506,9 +527,15 @@ impl Call<'_> {
         }
     }
 
-    /// Sends one result item; `Done` when it went out.
+    /// Sends one result item; `Done` when it went out. Its large tensors are lent to a
+    /// caller on this host, which pulls them as it reads the item: the loans outlive this
+    /// call until then (at most [`RESULT_LOAN_TTL`]).
     async fn send_item(&self, send: &mut SendStream, index: u64, value: &Value) -> Outcome {
-        let encoded = match Encoded::new(value) {
+        let node = self.node.upgrade();
+        let mut lender = node
+            .as_ref()
+            .map(|node| Lender::new(node, self.caller, RESULT_LOAN_TTL));
+        let encoded = match Encoded::lending(value, lender.as_mut()) {
             Ok(encoded) => encoded,
             Err(e) => {
                 return Outcome::Failed(RemoteFailure::new(
@@ -526,7 +553,11 @@ impl Call<'_> {
         if framing::write_frame(send, &item).await.is_err() || encoded.write(send).await.is_err() {
             return Outcome::Gone;
         }
-        self.metrics.bytes("out", encoded.len());
+        let lent = lender.as_ref().map_or(0, Lender::lent_bytes);
+        self.metrics.bytes("out", encoded.len() + lent);
+        for loan in lender.map(|l| l.loans).unwrap_or_default() {
+            loan.until_pulled();
+        }
         Outcome::Done
     }
 

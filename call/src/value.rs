@@ -5,16 +5,26 @@
 //! link is authenticated and encrypted, so the bytes arrive as sent). Reading checks the
 //! skeleton's limits and that the tensors' sizes add up to the body before it allocates
 //! anything, then reads each tensor into a buffer of its own.
+//!
+//! A large tensor to a peer on this host is not written on the stream at all: it is lent to
+//! that peer (`Node::lend`) and the skeleton names the loan (`Lent`); the reader pulls it
+//! over the pair's channel (`Node::pull_lent`), which on one host hands over the sender's
+//! sealed memfd: no copy on either side, and QUIC's throughput ceiling out of the way.
 
 use bytes::{Bytes, BytesMut};
-use iroh::endpoint::RecvStream;
+use iroh::{EndpointId, endpoint::RecvStream};
 use tb_proto::{
-    DType, TensorName, byte_len_for,
+    ChannelKind, DType, TensorName, byte_len_for,
     call::{Body, CallError as WireError, TensorSlot, Value as Skeleton},
 };
 
+/// Tensors of at least this many bytes go to a peer on this host as loans (pulled over the
+/// pair's channel), not on the call's stream. Below it, a pull's fixed cost (a round trip,
+/// an fd passed and mapped) is more than writing the bytes on the stream.
+pub const LEND_MIN: usize = 256 << 10;
+
 /// A tensor in host memory, as calls carry it: element type, C-contiguous shape, bytes.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone)]
 pub struct HostTensor {
     /// Element type.
     pub dtype: DType,
@@ -22,6 +32,26 @@ pub struct HostTensor {
     pub shape: Vec<u64>,
     /// `product(shape) * itemsize` bytes.
     pub data: Bytes,
+    /// The node tensor `data` is the bytes of, when it came from one (received as a loan,
+    /// or made by [`HostTensor::from_node`]): lent again as it is, viewed without a copy.
+    held: Option<tb_node::Tensor>,
+}
+
+impl std::fmt::Debug for HostTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostTensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("bytes", &self.data.len())
+            .field("held", &self.held.is_some())
+            .finish()
+    }
+}
+
+impl PartialEq for HostTensor {
+    fn eq(&self, other: &Self) -> bool {
+        (self.dtype, &self.shape, &self.data) == (other.dtype, &other.shape, &other.data)
+    }
 }
 
 impl HostTensor {
@@ -36,7 +66,42 @@ impl HostTensor {
                 data.len()
             )));
         }
-        Ok(HostTensor { dtype, shape, data })
+        Ok(HostTensor {
+            dtype,
+            shape,
+            data,
+            held: None,
+        })
+    }
+
+    /// The bytes of a node tensor in host memory, shared (no copy). A tensor made with
+    /// [`tb_node::Tensor::copy_from`] sits in a memfd, so it is lent to a peer on this host as
+    /// it is; so is one received as a loan, which a handler can return unchanged.
+    pub fn from_node(tensor: tb_node::Tensor) -> Result<Self, WireError> {
+        let data = tensor.host_data().cloned().ok_or_else(|| {
+            WireError::Malformed("a device tensor: calls carry host tensors".into())
+        })?;
+        Ok(HostTensor {
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+            data,
+            held: Some(tensor),
+        })
+    }
+
+    /// The node tensor these bytes are, when they came from one ([`from_node`](Self::from_node),
+    /// or received as a loan): what a private, writable view is made from without a copy.
+    pub fn node_tensor(&self) -> Option<&tb_node::Tensor> {
+        self.held.as_ref()
+    }
+
+    /// This tensor as a node tensor to lend: the one it came from, or a copy into a memfd
+    /// (hashed on the way, on every core).
+    fn to_node(&self) -> Result<tb_node::Tensor, tb_node::Error> {
+        match &self.held {
+            Some(tensor) => Ok(tensor.clone()),
+            None => tb_node::Tensor::copy_from(self.dtype, self.shape.clone(), &self.data),
+        }
     }
 }
 
@@ -86,14 +151,15 @@ impl Value {
         }
     }
 
-    /// The skeleton and the tensors' bytes in tree order.
-    fn split(&self) -> (Skeleton, Vec<Bytes>) {
+    /// The skeleton and the tensors' bytes in tree order; tensors `lender` lends are named
+    /// in the skeleton instead.
+    fn split(&self, lender: Option<&mut Lender<'_>>) -> (Skeleton, Vec<Bytes>) {
         let mut parts = Vec::new();
-        let skeleton = self.skeleton(&mut parts);
+        let skeleton = self.skeleton(&mut parts, lender);
         (skeleton, parts)
     }
 
-    fn skeleton(&self, parts: &mut Vec<Bytes>) -> Skeleton {
+    fn skeleton(&self, parts: &mut Vec<Bytes>, mut lender: Option<&mut Lender<'_>>) -> Skeleton {
         match self {
             Value::None => Skeleton::None,
             Value::Bool(b) => Skeleton::Bool(*b),
@@ -101,11 +167,16 @@ impl Value {
             Value::Float(f) => Skeleton::Float(*f),
             Value::Str(s) => Skeleton::Str(s.clone()),
             Value::Bytes(b) => Skeleton::Bytes(b.clone()),
-            Value::List(items) => Skeleton::List(items.iter().map(|v| v.skeleton(parts)).collect()),
+            Value::List(items) => Skeleton::List(
+                items
+                    .iter()
+                    .map(|v| v.skeleton(parts, lender.as_deref_mut()))
+                    .collect(),
+            ),
             Value::Map(items) => Skeleton::Map(
                 items
                     .iter()
-                    .map(|(k, v)| (k.clone(), v.skeleton(parts)))
+                    .map(|(k, v)| (k.clone(), v.skeleton(parts, lender.as_deref_mut())))
                     .collect(),
             ),
             Value::Named { name, version } => Skeleton::Named {
@@ -113,11 +184,70 @@ impl Value {
                 version: *version,
             },
             Value::Tensor(t) => {
-                parts.push(t.data.clone());
-                Skeleton::Tensor(TensorSlot {
+                let slot = TensorSlot {
                     dtype: t.dtype,
                     shape: t.shape.clone(),
-                })
+                };
+                if let Some(name) = lender.and_then(|l| l.lend(t)) {
+                    return Skeleton::Lent { slot, name };
+                }
+                parts.push(t.data.clone());
+                Skeleton::Tensor(slot)
+            }
+        }
+    }
+}
+
+/// Lends a value's large tensors to the peer it is written to, when that peer is on this host
+/// (the pair's channel is shm): the loans made, held by whoever holds this until the peer has
+/// pulled them (or no longer needs them).
+pub struct Lender<'a> {
+    node: &'a tb_node::Node,
+    peer: EndpointId,
+    ttl: std::time::Duration,
+    /// Whether the pair's channel is shm (nothing is lent otherwise).
+    on_host: bool,
+    /// The loans made.
+    pub loans: Vec<tb_node::Lent>,
+}
+
+impl Lender<'_> {
+    /// The bytes of the tensors lent so far.
+    pub fn lent_bytes(&self) -> u64 {
+        self.loans.iter().map(|l| l.meta().byte_len).sum()
+    }
+}
+
+impl<'a> Lender<'a> {
+    /// A lender to `peer`, whose loans last at most `ttl`.
+    pub fn new(node: &'a tb_node::Node, peer: EndpointId, ttl: std::time::Duration) -> Self {
+        Lender {
+            node,
+            peer,
+            ttl,
+            on_host: node.channel_to(&peer) == ChannelKind::Shm,
+            loans: Vec::new(),
+        }
+    }
+
+    /// Lends `t` when it is large and the peer is on this host: its private name. `None`:
+    /// written on the stream (small, another host, or the loan failed, which costs speed only).
+    fn lend(&mut self, t: &HostTensor) -> Option<TensorName> {
+        if !self.on_host || t.data.len() < LEND_MIN {
+            return None;
+        }
+        let lent = t
+            .to_node()
+            .and_then(|tensor| self.node.lend(self.peer, tensor, self.ttl));
+        match lent {
+            Ok(lent) => {
+                let name = lent.name().clone();
+                self.loans.push(lent);
+                Some(name)
+            }
+            Err(e) => {
+                tracing::debug!(%e, "a tensor goes on the call's stream, not lent");
+                None
             }
         }
     }
@@ -135,7 +265,13 @@ pub struct Encoded {
 impl Encoded {
     /// Encodes `value`, checking the wire's limits (depth, counts, skeleton size).
     pub fn new(value: &Value) -> Result<Self, WireError> {
-        let (skeleton, tensors) = value.split();
+        Self::lending(value, None)
+    }
+
+    /// Encodes `value`, its large tensors lent to the lender's peer where it lends (see
+    /// [`Lender`]).
+    pub fn lending(value: &Value, lender: Option<&mut Lender<'_>>) -> Result<Self, WireError> {
+        let (skeleton, tensors) = value.split(lender);
         let (head, _) = Body::head(&skeleton)?;
         Ok(Encoded {
             head: Bytes::from(head),
@@ -178,6 +314,9 @@ pub enum ReadError {
     /// The stream ended or failed before the whole body arrived.
     #[error("the stream ended mid-body: {0}")]
     Closed(String),
+    /// A tensor the sender lent could not be pulled (or was not what the skeleton said).
+    #[error("a lent tensor: {0}")]
+    Lent(String),
 }
 
 /// How long a read may see no byte, and how to tell a busy link from a lost peer: when
@@ -223,6 +362,14 @@ async fn read_within(
     Ok(())
 }
 
+/// A body read up to its lent tensors: the checked skeleton and the bytes of the tensors that
+/// came on the stream. [`into_value`](Self::into_value) pulls the lent ones.
+#[derive(Debug)]
+pub struct ReadBody {
+    skeleton: Skeleton,
+    buffers: Vec<Bytes>,
+}
+
 /// Reads a body of `body_len` bytes from `recv`: the skeleton (checked before any tensor byte
 /// is allocated), then each tensor into a buffer of its own. A peer not heard from within
 /// `stall` fails the read.
@@ -230,7 +377,7 @@ pub async fn read_body(
     recv: &mut RecvStream,
     body_len: u64,
     stall: Stall<'_>,
-) -> Result<Value, ReadError> {
+) -> Result<ReadBody, ReadError> {
     if body_len < Body::PREFIX as u64 {
         return Err(WireError::Malformed(format!("a body of {body_len} bytes")).into());
     }
@@ -248,12 +395,69 @@ pub async fn read_body(
         read_within(recv, &mut buf, stall).await?;
         buffers.push(buf.freeze());
     }
-    let mut buffers = buffers.into_iter();
-    Ok(fill(skeleton, &mut buffers))
+    Ok(ReadBody { skeleton, buffers })
 }
 
-/// The value of a checked skeleton with its tensors' bytes, in tree order.
-fn fill(skeleton: Skeleton, buffers: &mut impl Iterator<Item = Bytes>) -> Value {
+impl ReadBody {
+    /// The bytes of the tensors the body names as lent (to pull from its sender).
+    pub fn lent_bytes(&self) -> u64 {
+        let slots = lent_slots(&self.skeleton).into_iter();
+        slots
+            .filter_map(|(slot, _)| byte_len_for(slot.dtype, &slot.shape).ok())
+            .sum()
+    }
+
+    /// The value, each lent tensor pulled from `sender` through `node` (over the pair's
+    /// channel) and checked to be the dtype and shape the skeleton says.
+    pub async fn into_value(
+        self,
+        node: &tb_node::Node,
+        sender: EndpointId,
+    ) -> Result<Value, ReadError> {
+        let mut lent = Vec::new();
+        for (slot, name) in lent_slots(&self.skeleton) {
+            let tensor = node
+                .pull_lent(sender, name)
+                .await
+                .map_err(|e| ReadError::Lent(e.to_string()))?;
+            if tensor.dtype() != slot.dtype || tensor.shape() != slot.shape.as_slice() {
+                return Err(ReadError::Lent(format!(
+                    "\"{name}\" is a {} tensor of shape {:?}, the skeleton says {} {:?}",
+                    tensor.dtype().name(),
+                    tensor.shape(),
+                    slot.dtype.name(),
+                    slot.shape
+                )));
+            }
+            lent.push(HostTensor::from_node(tensor).map_err(|e| ReadError::Lent(e.to_string()))?);
+        }
+        let (mut buffers, mut lent) = (self.buffers.into_iter(), lent.into_iter());
+        Ok(fill(self.skeleton, &mut buffers, &mut lent))
+    }
+}
+
+/// The lent slots of a skeleton, in tree order.
+fn lent_slots(skeleton: &Skeleton) -> Vec<(&TensorSlot, &TensorName)> {
+    fn walk<'a>(value: &'a Skeleton, out: &mut Vec<(&'a TensorSlot, &'a TensorName)>) {
+        match value {
+            Skeleton::Lent { slot, name } => out.push((slot, name)),
+            Skeleton::List(items) => items.iter().for_each(|v| walk(v, out)),
+            Skeleton::Map(items) => items.iter().for_each(|(_, v)| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(skeleton, &mut out);
+    out
+}
+
+/// The value of a checked skeleton with its tensors' bytes and its lent tensors (pulled), each
+/// in tree order.
+fn fill(
+    skeleton: Skeleton,
+    buffers: &mut impl Iterator<Item = Bytes>,
+    lent: &mut impl Iterator<Item = HostTensor>,
+) -> Value {
     match skeleton {
         Skeleton::None => Value::None,
         Skeleton::Bool(b) => Value::Bool(b),
@@ -261,11 +465,13 @@ fn fill(skeleton: Skeleton, buffers: &mut impl Iterator<Item = Bytes>) -> Value 
         Skeleton::Float(f) => Value::Float(f),
         Skeleton::Str(s) => Value::Str(s),
         Skeleton::Bytes(b) => Value::Bytes(b),
-        Skeleton::List(items) => Value::List(items.into_iter().map(|v| fill(v, buffers)).collect()),
+        Skeleton::List(items) => {
+            Value::List(items.into_iter().map(|v| fill(v, buffers, lent)).collect())
+        }
         Skeleton::Map(items) => Value::Map(
             items
                 .into_iter()
-                .map(|(k, v)| (k, fill(v, buffers)))
+                .map(|(k, v)| (k, fill(v, buffers, lent)))
                 .collect(),
         ),
         Skeleton::Named { name, version } => Value::Named { name, version },
@@ -274,7 +480,15 @@ fn fill(skeleton: Skeleton, buffers: &mut impl Iterator<Item = Bytes>) -> Value 
             shape,
             // One buffer per slot was read above.
             data: buffers.next().unwrap_or_default(),
+            held: None,
         }),
+        // One pulled tensor per lent slot (checked against it).
+        Skeleton::Lent { slot, .. } => Value::Tensor(lent.next().unwrap_or(HostTensor {
+            dtype: slot.dtype,
+            shape: slot.shape,
+            data: Bytes::new(),
+            held: None,
+        })),
     }
 }
 
@@ -302,6 +516,7 @@ pub async fn resolve(node: &tb_node::Node, value: Value) -> Result<Value, tb_nod
             dtype: tensor.dtype(),
             shape: tensor.shape().to_vec(),
             data,
+            held: Some(tensor),
         });
     }
     Ok(value)

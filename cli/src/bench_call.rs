@@ -36,8 +36,13 @@ use tokio::{
 
 use crate::fmt;
 
-/// The label of what is measured (QUIC links between processes on one host).
-const SYSTEM: &str = "tensor-broker-quic";
+/// What is measured, each by a calling node of its own against the same servers: the label
+/// and the channels the caller offers (the pair's channel: shm between processes on this
+/// host, which carries large arguments and results as loans; or QUIC links only).
+const SYSTEMS: [(&str, &[ChannelKind]); 2] = [
+    ("tensor-broker", &ChannelKind::DEFAULT),
+    ("tensor-broker-quic", &[ChannelKind::Quic]),
+];
 /// The ops, in table order.
 const OPS: [&str; 2] = ["echo", "add_one"];
 /// How long a server process may take to start and advertise.
@@ -148,7 +153,9 @@ pub async fn bench(args: CallBenchArgs) -> Result<()> {
             if !args.json {
                 eprintln!("measuring with {n} server(s) ...");
             }
-            cases.extend(measure(&ticket, n, &args).await?);
+            for system in SYSTEMS {
+                cases.extend(measure(&ticket, n, &args, system).await?);
+            }
         }
         anyhow::Ok(cases)
     }
@@ -207,10 +214,15 @@ async fn start_server(
 }
 
 /// Every case against `servers` servers, from a fresh calling node.
-async fn measure(ticket: &Ticket, servers: usize, args: &CallBenchArgs) -> Result<Vec<Case>> {
+async fn measure(
+    ticket: &Ticket,
+    servers: usize,
+    args: &CallBenchArgs,
+    (system, channels): (&'static str, &[ChannelKind]),
+) -> Result<Vec<Case>> {
     let node = Node::spawn(Config {
         brokers: ticket.brokers.clone(),
-        channels: vec![ChannelKind::Quic],
+        channels: channels.to_vec(),
         heartbeats: false,
         auto_fetch: false,
         ..Config::default()
@@ -224,11 +236,12 @@ async fn measure(ticket: &Ticket, servers: usize, args: &CallBenchArgs) -> Resul
         for op in OPS {
             for &size in &args.sizes {
                 for &concurrency in &args.concurrency {
-                    let case = run_case(&calls, op, size, concurrency, servers, args.seconds)
-                        .await
-                        .with_context(|| {
-                            format!("{op} of {size} bytes at concurrency {concurrency}")
-                        })?;
+                    let case =
+                        run_case(&calls, system, op, size, concurrency, servers, args.seconds)
+                            .await
+                            .with_context(|| {
+                                format!("{op} of {size} bytes at concurrency {concurrency}")
+                            })?;
                     if !args.json {
                         eprintln!(
                             "  {op} {} x{concurrency}: {:.0} calls/s",
@@ -308,6 +321,7 @@ fn check(op: &str, arg: &HostTensor, result: &Value, full: bool) -> Result<()> {
 
 async fn run_case(
     calls: &Calls,
+    system: &'static str,
     op: &'static str,
     size: u64,
     concurrency: usize,
@@ -350,7 +364,7 @@ async fn run_case(
     }
     let elapsed = start.elapsed().as_secs_f64();
     Ok(Case {
-        system: SYSTEM,
+        system,
         op,
         size_bytes: size,
         concurrency,
@@ -386,7 +400,6 @@ fn print_table(cases: &[Case]) {
 pub async fn serve(args: CallServeArgs) -> Result<()> {
     let node = Node::spawn(Config {
         brokers: args.join.brokers.clone(),
-        channels: vec![ChannelKind::Quic],
         auto_fetch: false,
         heartbeat_interval: Duration::from_millis(500),
         ..Config::default()
@@ -427,25 +440,23 @@ fn add_one(args: Value, _cx: CallContext) -> Output {
             return Err(bad_argument(&Value::Tensor(t)));
         }
         if t.data.len() < BLOCKING_MIN {
-            return Ok(plus_one(&t));
+            return plus_one(&t);
         }
         tokio::task::spawn_blocking(move || plus_one(&t))
             .await
-            .map_err(|e| RemoteFailure::new(FailureKind::Raised, "Panic", e.to_string(), ""))
+            .map_err(|e| RemoteFailure::new(FailureKind::Raised, "Panic", e.to_string(), ""))?
     }))
 }
 
-fn plus_one(t: &HostTensor) -> Value {
+fn plus_one(t: &HostTensor) -> Result<Value, RemoteFailure> {
     let data: Vec<u8> = t
         .data
         .chunks_exact(4)
         .flat_map(|c| (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + 1.0).to_le_bytes())
         .collect();
-    Value::Tensor(HostTensor {
-        dtype: t.dtype,
-        shape: t.shape.clone(),
-        data: data.into(),
-    })
+    let out = HostTensor::new(t.dtype, t.shape.clone(), data)
+        .map_err(|e| RemoteFailure::new(FailureKind::Raised, "ValueError", e.to_string(), ""))?;
+    Ok(Value::Tensor(out))
 }
 
 fn bad_argument(args: &Value) -> RemoteFailure {

@@ -53,6 +53,8 @@ pub(crate) struct NodeCtx {
     /// What answers control requests on the same-host socket: a broker's (see
     /// [`crate::SocketCtl`]); none on a node that runs no broker.
     pub(crate) socket_ctl: crate::socket_ctl::SocketCtlSlot,
+    /// Tensors lent to one peer each under private names ([`crate::Node::lend`]).
+    pub(crate) loans: crate::lend::Loans,
 }
 
 impl NodeCtx {

@@ -273,6 +273,54 @@ impl Node {
         pulled.await?.into_tensor()
     }
 
+    /// Lends `tensor` to `peer` under a private name, for at most `ttl`: only `peer` may pull
+    /// it ([`pull_lent`](Self::pull_lent)), only while the returned handle lives. Nothing is
+    /// published or stored; on one host the peer maps the tensor's sealed memfd (no copy).
+    /// The extension point's way to move a large value beside a request's own stream.
+    pub fn lend(&self, peer: EndpointId, tensor: Tensor, ttl: Duration) -> Result<crate::Lent> {
+        self.check_running()?;
+        if tensor.device_buffer().is_some() {
+            return Err(Error::InvalidTensor(
+                "device tensors are not lent (they move by CUDA IPC or staging)".into(),
+            ));
+        }
+        self.inner.ctx.loans.lend(peer, tensor, ttl)
+    }
+
+    /// Tensors lent now ([`lend`](Self::lend)) whose handles are alive and time not up.
+    pub fn loans(&self) -> usize {
+        self.inner.ctx.loans.len()
+    }
+
+    /// Pulls what `peer` lent to this node as `name` (a [`crate::Lent::name`] it sent), over
+    /// the pooled link `peer` has with this node (never dialing: a loan is answered on the
+    /// link its request came on): the pair's channel first, then QUIC. Verified as any pull.
+    pub async fn pull_lent(&self, peer: EndpointId, name: &TensorName) -> Result<Tensor> {
+        if !crate::is_lent_name(name) {
+            return Err(Error::InvalidTensor(format!(
+                "\"{name}\" is not a lent name (they start with {})",
+                crate::LEND_PREFIX
+            )));
+        }
+        let ctx = &self.inner.ctx;
+        let version = Some(crate::LENT_VERSION);
+        let links = || async move {
+            ctx.ready.try_guard(&peer).ok_or_else(|| {
+                Error::Io(format!(
+                    "no link to {} to pull a lent tensor on (it went away)",
+                    peer.fmt_short()
+                ))
+            })
+        };
+        let pull = async |route: &channel::Route| route.pull(ctx, name, version).await;
+        let first = channel::first(ctx, &peer, links, TransferKind::Pull, pull);
+        if let Some(pulled) = self.guarded(first).await? {
+            return Ok(pulled.buffer);
+        }
+        let quic = client::pull_into(ctx, links, name.clone(), version, channel::alloc_host);
+        Ok(self.guarded(quic).await?.into_tensor()?.buffer)
+    }
+
     /// Pulls `name` into a buffer the caller supplies once it knows the metadata (the
     /// descriptor-then-read pattern): `alloc` gets the verified header and returns a buffer
     /// of exactly `meta.byte_len` bytes, which the payload is read straight into.
@@ -687,6 +735,7 @@ fn context(config: Config, endpoint: &Endpoint, store: crate::Store) -> Result<A
         watchers: Default::default(),
         services: crate::serve::Services::builtin(),
         socket_ctl: Default::default(),
+        loans: Default::default(),
         config,
     }))
 }

@@ -273,6 +273,16 @@ pub enum Value {
         /// Its version (at least 1), or the newest.
         version: Option<u64>,
     },
+    /// A tensor the sender lent to the receiver under a private name (under
+    /// [`LEND_PREFIX`](crate::LEND_PREFIX)): the receiver pulls it from the sender over the
+    /// pair's channel (on one host, the sender's sealed memfd, with no copy). Nothing follows
+    /// the skeleton for it.
+    Lent {
+        /// Element type and dimensions, which the pulled tensor must have.
+        slot: TensorSlot,
+        /// The private name to pull.
+        name: TensorName,
+    },
 }
 
 /// What a body's skeleton holds, once checked.
@@ -324,6 +334,21 @@ impl Value {
                         .tensor_bytes
                         .checked_add(len)
                         .ok_or(CallError::Meta(MetaError::Overflow))?;
+                }
+                Value::Lent { slot, name } => {
+                    shape.tensors += 1;
+                    if shape.tensors > MAX_BODY_TENSORS {
+                        return Err(CallError::TooMany {
+                            what: "tensors",
+                            max: MAX_BODY_TENSORS,
+                        });
+                    }
+                    byte_len_for(slot.dtype, &slot.shape)?;
+                    if !name.as_str().starts_with(crate::LEND_PREFIX) {
+                        return Err(CallError::Malformed(format!(
+                            "\"{name}\" is not a lent name"
+                        )));
+                    }
                 }
                 Value::Named {
                     version: Some(0), ..

@@ -82,7 +82,7 @@ pub use msg::{
     ByteRange, CTL_ALPN, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCode,
     MAX_DATA_REQUEST_FRAME, RequestKind,
 };
-pub use name::{MAX_NAME_LEN, NameError, NamePattern, TensorName};
+pub use name::{LEND_PREFIX, MAX_NAME_LEN, NameError, NamePattern, TensorName};
 pub use registry::{
     Entry, Expiry, Forgotten, HolderMark, MAX_ADDR_LEN, MAX_GOSSIP_OP_BYTES, MAX_MEMBER_ADDRS,
     Member, Registry, RegistryError, RegistryOp, Role, SYNC_BUCKETS, bucket_of, chunk_by_size,

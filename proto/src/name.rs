@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 /// Longest name, in bytes.
 pub const MAX_NAME_LEN: usize = 256;
 
+/// The prefix of names under which a node lends a tensor to one peer (tb-node's
+/// `Node::lend`): private names, never published or stored.
+pub const LEND_PREFIX: &str = ".tb/lend/";
+
 const RULE: &str = "names are 1..=256 bytes of [A-Za-z0-9._:/-], '/' separating non-empty levels";
 
 /// What is wrong with a tensor name.

@@ -733,6 +733,30 @@ fn call_messages() {
         version: Some(2),
     };
     golden(&named, "05000000 09 0177 0102");
+    // Lent=10 | U8=1 shape [3] | name ".tb/lend/ab" (11 bytes)
+    let lent = Value::Lent {
+        slot: TensorSlot {
+            dtype: DType::U8,
+            shape: vec![3],
+        },
+        name: name(".tb/lend/ab"),
+    };
+    golden(&lent, "10000000 0a 010103 0b2e74622f6c656e642f6162");
+    assert_eq!(
+        lent.validate().map(|s| (s.tensors, s.tensor_bytes)),
+        Ok((1, 0))
+    );
+    let not_lent = Value::Lent {
+        slot: TensorSlot {
+            dtype: DType::U8,
+            shape: vec![3],
+        },
+        name: name("w"),
+    };
+    assert!(
+        not_lent.validate().is_err(),
+        "a lent slot names a lent name"
+    );
     // List=6 of 3: Int=2 -1 (zigzag 01) | Tensor=8 U8=1 shape [2] | Map=7 of 1: "k" Str=4 "v"
     let value = Value::List(vec![
         Value::Int(-1),

@@ -117,7 +117,7 @@ impl ReadyLinks {
     }
 
     /// A guard on `peer`'s pooled link, if it has a usable one.
-    fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
+    pub fn try_guard(&self, peer: &EndpointId) -> Option<LinkGuard> {
         let map = self.0.read().unwrap_or_else(|p| p.into_inner());
         map.get(peer)?.guard()
     }

@@ -5,7 +5,7 @@
 
 use std::{ops::Range, sync::Arc};
 
-use iroh::endpoint::SendStream;
+use iroh::{EndpointId, endpoint::SendStream};
 use tb_dashboard::TransferKind;
 use tb_proto::{ByteRange, DataResponse, ErrorCode, TensorName};
 use tracing::debug;
@@ -15,18 +15,19 @@ use super::{
     upload::{self, InflightError},
 };
 use crate::{
-    channel, ctx::NodeCtx, device, error::Error, inflight::Incoming, store::Lookup, tensor::Tensor,
-    wire,
+    channel, ctx::NodeCtx, device, error::Error, inflight::Incoming, lend::LENT_VERSION,
+    store::Lookup, tensor::Tensor, wire,
 };
 
 pub(super) async fn serve_pull(
     ctx: &NodeCtx,
+    peer: &EndpointId,
     mut send: SendStream,
     name: &TensorName,
     version: Option<u64>,
     range: Option<ByteRange>,
 ) {
-    let (version, tensor) = match lookup(ctx, name, version) {
+    let (version, tensor) = match lookup(ctx, peer, name, version) {
         Ok(found) => found,
         // A version not held (yet) may be arriving: served as it does (cut-through).
         Err(NotHeld::Arriving(v, incoming)) => {
@@ -97,9 +98,20 @@ pub(crate) enum NotHeld {
 /// The version of `name` a pull asks for (the newest unless `version`), from the store.
 pub(crate) fn lookup(
     ctx: &NodeCtx,
+    peer: &EndpointId,
     name: &TensorName,
     version: Option<u64>,
 ) -> Result<(u64, Tensor), NotHeld> {
+    // A tensor lent to one peer ([`crate::Node::lend`]): to that peer only, once, while it lasts.
+    if let Some(lent) = ctx.loans.take(peer, name) {
+        return match (lent, version) {
+            (Ok(tensor), None | Some(LENT_VERSION)) => Ok((LENT_VERSION, tensor)),
+            _ => Err(NotHeld::Refused(
+                ErrorCode::NotFound,
+                format!("tensor \"{name}\" (not lent to this peer, or no longer)"),
+            )),
+        };
+    }
     let found = ctx.store.get(name, version);
     if let (Lookup::Missing, Some(v)) = (&found, version)
         && let Some(incoming) = ctx.inflight.get(name, v)

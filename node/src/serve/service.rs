@@ -222,7 +222,7 @@ impl Service for Pull {
             else {
                 return mismatched(node, &mut send, got, RequestKind::Pull).await;
             };
-            pull::serve_pull(&node.ctx, send, &name, version, range).await
+            pull::serve_pull(&node.ctx, &stream.peer, send, &name, version, range).await
         })
     }
 }
@@ -279,8 +279,10 @@ impl Service for TcpPull {
                 return mismatched(node, &mut send, got, RequestKind::TcpPull).await;
             };
             let ctx = &node.ctx;
-            if let Err(send) = channel::serve_ticket(ctx, send, &name, version, sockets).await {
-                pull::serve_pull(ctx, send, &name, version, None).await;
+            let peer = &stream.peer;
+            let ticket = channel::serve_ticket(ctx, peer, send, &name, version, sockets);
+            if let Err(send) = ticket.await {
+                pull::serve_pull(ctx, peer, send, &name, version, None).await;
             }
         })
     }
@@ -296,7 +298,7 @@ impl Service for Pieces {
             let DataRequest::Pieces { name, version } = stream.request else {
                 return mismatched(node, &mut send, got, RequestKind::Pieces).await;
             };
-            upload::serve_outline(&node.ctx, send, &name, version).await
+            upload::serve_outline(&node.ctx, &stream.peer, send, &name, version).await
         })
     }
 }

@@ -220,12 +220,13 @@ fn not_found(what: &str, reason: &str) -> InflightError {
 /// offer (`NotFound`: the puller fetches it in one stream).
 pub(crate) async fn serve_outline(
     ctx: &NodeCtx,
+    peer: &iroh::EndpointId,
     mut send: SendStream,
     name: &TensorName,
     version: u64,
 ) {
     let what = format!("pieces of tensor \"{name}\" v{version}");
-    let held = match crate::serve::lookup(ctx, name, Some(version)) {
+    let held = match crate::serve::lookup(ctx, peer, name, Some(version)) {
         Ok((_, tensor)) => tensor,
         Err(NotHeld::Arriving(_, incoming)) => {
             match serve_outline_inflight(ctx, &mut send, incoming).await {

@@ -145,7 +145,7 @@ async fn serve_request(
             name,
             version,
             range: None,
-        } => serve_pull(ctx, conn, &name, version).await,
+        } => serve_pull(ctx, conn, &peer, &name, version).await,
         DataRequest::Pull { .. } => {
             let message = "ranges are pulled over QUIC".to_owned();
             let code = ErrorCode::InvalidTensor;
@@ -175,10 +175,11 @@ const PUSH: &str = "a same-host push";
 async fn serve_pull(
     ctx: &NodeCtx,
     conn: &mut ShmStream,
+    peer: &EndpointId,
     name: &TensorName,
     version: Option<u64>,
 ) -> Result<()> {
-    let (version, tensor) = match lookup(ctx, name, version) {
+    let (version, tensor) = match lookup(ctx, peer, name, version) {
         Ok(found) => found,
         Err(NotHeld::Refused(code, message)) => {
             return conn

@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use iroh::endpoint::SendStream;
+use iroh::{EndpointId, endpoint::SendStream};
 use tb_dashboard::{Direction, Meter};
 use tb_proto::{
     ChannelKind, DataResponse, ErrorCode, TcpHello, TensorName, channel::MAX_TCP_HELLO_FRAME, frame,
@@ -35,12 +35,13 @@ const WRITE_CHUNK: usize = 4 << 20;
 /// tickets outstanding.
 pub(crate) async fn serve_ticket(
     ctx: &NodeCtx,
+    peer: &EndpointId,
     mut send: SendStream,
     name: &TensorName,
     version: Option<u64>,
     sockets: u8,
 ) -> Result<(), SendStream> {
-    let Some(answer) = ticket(ctx, name, version, sockets) else {
+    let Some(answer) = ticket(ctx, peer, name, version, sockets) else {
         return Err(send);
     };
     let _ = wire::write_frame_within(&mut send, &answer, ctx.config.stall_timeout).await;
@@ -51,6 +52,7 @@ pub(crate) async fn serve_ticket(
 /// The ticket (or the error) answering a TCP pull, or `None`: serve it over QUIC.
 fn ticket(
     ctx: &NodeCtx,
+    peer: &EndpointId,
     name: &TensorName,
     version: Option<u64>,
     sockets: u8,
@@ -59,7 +61,7 @@ fn ticket(
     if ctx.upload.is_some() {
         return None;
     }
-    let (version, tensor) = match lookup(ctx, name, version) {
+    let (version, tensor) = match lookup(ctx, peer, name, version) {
         Ok(found) => found,
         Err(NotHeld::Arriving(..)) => return None,
         Err(NotHeld::Refused(code, message)) => return Some(DataResponse::Error { code, message }),
