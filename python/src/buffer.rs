@@ -494,3 +494,54 @@ pub(crate) fn copy_cuda(
     // context is), finished and not written while the copy runs.
     unsafe { tb_node::DeviceBuffer::copy_from_device_ptr(ordinal, ptr, len) }
 }
+
+/// The owner of a private, writable view that a numpy array is made over (its `base`): the
+/// mapping is freed when the last array over it is gone.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct PrivateOwner(#[allow(dead_code)] PrivateBytes);
+
+/// A writable 1-D `uint8` numpy array over a private view of `tensor`'s bytes (a
+/// copy-on-write mapping of its sealed memfd; a copy for a small tensor): the receiver's own
+/// memory, whose writes change nothing the node holds or serves, made without copying the
+/// payload.
+pub(crate) fn writable_array<'py>(
+    py: Python<'py>,
+    tensor: &Tensor,
+) -> PyResult<Bound<'py, PyUntypedArray>> {
+    let view = py
+        .detach(|| tensor.private_view())
+        .map_err(crate::errors::to_py)?;
+    let mut dims = [npy_intp::try_from(view.len())
+        .map_err(|_| PyValueError::new_err("a tensor too large for numpy's index type"))?];
+    let (ptr, owner) = (view.as_mut_ptr(), Bound::new(py, PrivateOwner(view))?);
+    let dtype = numpy::dtype::<u8>(py);
+    // SAFETY: a new 1-D array over the `dims[0]` bytes at `ptr`, which stay mapped while
+    // `owner` lives (set as the array's base below, which keeps it alive); the view is this
+    // process's own copy-on-write mapping, so writing through the array is sound. `dtype`'s
+    // reference is stolen by the call, so it is given one.
+    let array = unsafe {
+        let array = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            npyffi::get_type_object(py, npyffi::NpyTypes::PyArray_Type),
+            dtype.into_dtype_ptr(),
+            1,
+            dims.as_mut_ptr(),
+            ptr::null_mut(),
+            ptr.cast::<c_void>(),
+            npyffi::NPY_ARRAY_C_CONTIGUOUS | npyffi::NPY_ARRAY_WRITEABLE,
+            ptr::null_mut(),
+        );
+        let array = Bound::from_owned_ptr_or_err(py, array)?;
+        // Steals the reference to the owner it is given.
+        let set = PY_ARRAY_API.PyArray_SetBaseObject(
+            py,
+            array.as_ptr().cast::<npyffi::PyArrayObject>(),
+            owner.into_any().into_ptr(),
+        );
+        if set != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        array.cast_into_unchecked::<PyUntypedArray>()
+    };
+    Ok(array)
+}

@@ -124,9 +124,18 @@ fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
             .map_err(|e: tb_node::proto::UnknownDType| PyValueError::new_err(e.to_string()))?;
         let data = t.data.bind(py);
         let raw = RawBytes::of(data)?;
-        let bytes = Bytes::copy_from_slice(raw.as_slice());
-        let tensor = HostTensor::new(dtype, t.shape.clone(), bytes)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let shape = t.shape.clone();
+        // A large one is copied (and hashed) once, without the GIL, into a memfd: lent to a
+        // server on this host as it is. `data` stays referenced meanwhile.
+        let tensor = if raw.as_slice().len() >= tb_call::value::LEND_MIN {
+            let copied =
+                py.detach(move || tb_node::Tensor::copy_from(dtype, shape, raw.as_slice()));
+            let copied = copied.map_err(|e| PyValueError::new_err(e.to_string()))?;
+            HostTensor::from_node(copied)
+        } else {
+            HostTensor::new(dtype, shape, Bytes::copy_from_slice(raw.as_slice()))
+        };
+        let tensor = tensor.map_err(|e| PyValueError::new_err(e.to_string()))?;
         return Ok(Value::Tensor(tensor));
     }
     if let Ok(r) = obj.cast::<RefArg>() {
@@ -194,9 +203,16 @@ fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
         )?
         .into_any(),
         Value::Tensor(t) => {
-            // Unique after a receive: taken as the array's own memory, no copy.
-            let vec: Vec<u8> = Vec::from(t.data);
-            let data = PyArray1::from_vec(py, vec).into_any().unbind();
+            let data = match t.node_tensor() {
+                // A loan's (or a tensor passed by name): a private view of its memfd.
+                Some(tensor) => crate::buffer::writable_array(py, tensor)?
+                    .into_any()
+                    .unbind(),
+                // Unique after a receive: taken as the array's own memory, no copy.
+                None => PyArray1::from_vec(py, Vec::from(t.data))
+                    .into_any()
+                    .unbind(),
+            };
             let out = TensorOut {
                 data,
                 dtype: t.dtype.name().to_owned(),

@@ -35,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::Entry>()?;
     m.add_class::<node::Pushed>()?;
     m.add_class::<buffer::Buffer>()?;
+    m.add_class::<buffer::PrivateOwner>()?;
     m.add_class::<subscription::Subscription>()?;
     m.add_class::<subscription::Event>()?;
     m.add_class::<cluster::LocalCluster>()?;

@@ -366,3 +366,178 @@ async fn read_only_callers_are_refused_unless_the_function_admits_them() {
         .await;
     assert!(served.is_err(), "a read-only node served a function");
 }
+
+/// A worker that offers the same-host channels (shm), as every default node does.
+fn same_host_worker(broker: &Broker) -> Config {
+    Config {
+        channels: ChannelKind::DEFAULT.to_vec(),
+        ..worker(broker)
+    }
+}
+
+/// `n` f32 values `i * 0.5`: a tensor over the lending threshold when `n` is large.
+fn ramp(n: usize) -> Value {
+    f32s(&(0..n).map(|i| i as f32 * 0.5).collect::<Vec<_>>())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_arguments_and_results_to_a_same_host_server_are_lent_over_shm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (server_node, server) = calls(same_host_worker(&broker)).await;
+    let (caller_node, caller) = calls(same_host_worker(&broker)).await;
+    let spec = |name: &str| FunctionSpec::new(name).expect("name");
+    let _add = within(LIMIT, "serve", server.serve(spec("math/add_one"), add_one))
+        .await
+        .expect("serves");
+    let echo = |args: Value, _cx: tb_call::CallContext| -> Output {
+        Output::Unary(Box::pin(async move { Ok(args) }))
+    };
+    let _echo = within(LIMIT, "serve", server.serve(spec("echo"), echo))
+        .await
+        .expect("serves");
+    // A small call sets the pair's link and channel up.
+    call(&caller, "math/add_one", &f32s(&[1.0]))
+        .await
+        .expect("a small call");
+    let server_id = server_node.id();
+    let on_shm = eventually_async(LIMIT, || async {
+        caller_node.channel_to(&server_id) == ChannelKind::Shm
+    });
+    assert!(on_shm.await, "the pair's channel becomes shm");
+
+    // 1 MiB of f32 (over the lending threshold) each way.
+    let n = 1 << 18;
+    let args = ramp(n);
+    let result = call(&caller, "math/add_one", &args).await.expect("add_one");
+    let expected: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
+    assert_eq!(floats(&result), expected, "x + 1 of every element");
+    let got = result.as_tensor().expect("a tensor");
+    assert_eq!(got.shape, vec![n as u64]);
+    assert!(got.node_tensor().is_some(), "the result came as a loan");
+
+    // Nested in a structure, two of them, returned unchanged: the same bytes back.
+    let nested = Value::Map(vec![
+        ("a".into(), ramp(n)),
+        ("b".into(), Value::List(vec![Value::Int(7), ramp(n + 1)])),
+    ]);
+    let back = call(&caller, "echo", &nested).await.expect("echo");
+    assert_eq!(back, nested, "every value and byte comes back");
+
+    // Every loan was pulled once and ended: none is left on either side.
+    let none_left = eventually_async(LIMIT, || async {
+        server_node.loans() == 0 && caller_node.loans() == 0
+    });
+    assert!(none_left.await, "no loan outlives its pull");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_argument_to_a_quic_only_pair_rides_the_call_stream() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_server_node, server) = calls(same_host_worker(&broker)).await;
+    let (caller_node, caller) = calls(worker(&broker)).await;
+    let _add = within(
+        LIMIT,
+        "serve",
+        server.serve(FunctionSpec::new("math/add_one").expect("name"), add_one),
+    )
+    .await
+    .expect("serves");
+    let n = 1 << 18;
+    let result = call(&caller, "math/add_one", &ramp(n))
+        .await
+        .expect("add_one");
+    let expected: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
+    assert_eq!(floats(&result), expected);
+    let got = result.as_tensor().expect("a tensor");
+    assert!(got.node_tensor().is_none(), "not lent: read off the stream");
+    assert_eq!(caller_node.loans(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lent_tensor_is_pulled_once_by_its_peer_only_and_ends_with_its_handle() {
+    let lender = node(test_config()).await;
+    let borrower = node(test_config()).await;
+    let other = node(test_config()).await;
+    let bytes = tb_tests::pattern(300 << 10, 3);
+    let tensor = tb_node::Tensor::from_bytes(bytes.clone());
+    // Both peers get a link to the lender (a pull of something it holds).
+    lender
+        .publish_local("held", tensor.clone())
+        .expect("publish");
+    for peer in [&borrower, &other] {
+        within(LIMIT, "a pull", peer.pull(lender.addr(), "held", None))
+            .await
+            .expect("pulls");
+    }
+    let ttl = Duration::from_secs(60);
+    let lent = lender
+        .lend(borrower.id(), tensor.clone(), ttl)
+        .expect("lends");
+    assert!(lent.name().as_str().starts_with(tb_node::LEND_PREFIX));
+    assert_eq!(lender.loans(), 1);
+
+    // Another peer that learns the name gets nothing.
+    let stolen = within(LIMIT, "pull", other.pull_lent(lender.id(), lent.name())).await;
+    assert!(
+        matches!(stolen, Err(tb_node::Error::NotFound { .. })),
+        "{stolen:?}"
+    );
+    // The borrower may pull it by its name like any tensor (the pair's channel first).
+    let plain = within(
+        LIMIT,
+        "pull",
+        borrower.pull(lender.addr(), lent.name().as_str(), None),
+    )
+    .await;
+    let got = plain.expect("the borrower pulls it by name too").buffer;
+    assert_eq!(got.data(), &bytes, "bytes equal");
+    // One pull per loan: a second gets nothing.
+    let again = within(LIMIT, "pull", borrower.pull_lent(lender.id(), lent.name())).await;
+    assert!(
+        matches!(again, Err(tb_node::Error::NotFound { .. })),
+        "{again:?}"
+    );
+    assert_eq!(lender.loans(), 0);
+    drop(lent);
+
+    // A loan whose handle is dropped ends before it is pulled.
+    let lent = lender
+        .lend(borrower.id(), tensor.clone(), ttl)
+        .expect("lends");
+    let name = lent.name().clone();
+    drop(lent);
+    let ended = within(LIMIT, "pull", borrower.pull_lent(lender.id(), &name)).await;
+    assert!(
+        matches!(ended, Err(tb_node::Error::NotFound { .. })),
+        "{ended:?}"
+    );
+
+    // A loan let go lives until pulled; one whose time is up is gone.
+    let lent = lender
+        .lend(borrower.id(), tensor.clone(), ttl)
+        .expect("lends");
+    let name = lent.name().clone();
+    lent.until_pulled();
+    let got = within(LIMIT, "pull", borrower.pull_lent(lender.id(), &name))
+        .await
+        .expect("pulled after its handle was let go");
+    assert_eq!(got.data(), &bytes);
+    let lent = lender
+        .lend(borrower.id(), tensor, Duration::from_millis(1))
+        .expect("lends");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let late = within(LIMIT, "pull", borrower.pull_lent(lender.id(), lent.name())).await;
+    assert!(
+        matches!(late, Err(tb_node::Error::NotFound { .. })),
+        "{late:?}"
+    );
+    // A name that is not a lent one is refused before anything moves.
+    let bad = tb_node::TensorName::new("held").expect("name");
+    let refused = borrower.pull_lent(lender.id(), &bad).await;
+    assert!(
+        matches!(refused, Err(tb_node::Error::InvalidTensor(_))),
+        "{refused:?}"
+    );
+}
