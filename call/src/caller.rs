@@ -368,14 +368,25 @@ impl Caller {
         };
         let recv = &mut started.stream.recv;
         let liveness = Duration::from_millis(LIVENESS_TIMEOUT_MS);
+        // The server's frames for this call can wait behind other streams' bytes on a busy
+        // link (many large results at once): silence here is tolerated while the link as a
+        // whole receives bytes, and the server is lost only when the whole link is quiet.
+        let conn = started.stream.link.connection().clone();
+        let heard = move || conn.stats().udp_rx.bytes;
         let frame = loop {
-            let read = tokio::time::timeout(liveness, framing::read_frame(recv)).await;
-            let frame = match read {
-                Ok(frame) => {
-                    frame.map_err(|e| lost(e.into_error("the call's answer").to_string()))?
+            let read = framing::read_frame(recv);
+            tokio::pin!(read);
+            let mut seen = heard();
+            let frame = loop {
+                match tokio::time::timeout(liveness, &mut read).await {
+                    Ok(frame) => break frame,
+                    Err(_) if heard() != seen => seen = heard(),
+                    Err(_) => {
+                        return Err(lost(format!("no word from the server for {liveness:?}")));
+                    }
                 }
-                Err(_) => return Err(lost(format!("no word from the server for {liveness:?}"))),
             };
+            let frame = frame.map_err(|e| lost(e.into_error("the call's answer").to_string()))?;
             // `Alive` only says the server still works on the call.
             if frame != CallFrame::Alive {
                 break frame;
@@ -391,8 +402,6 @@ impl Caller {
                 detail: format!("a result of {body_len} bytes is over this node's {max}"),
             });
         }
-        let conn = started.stream.link.connection().clone();
-        let heard = move || conn.stats().udp_rx.bytes;
         let stall = crate::value::Stall {
             after: liveness,
             progress: Some(&heard),

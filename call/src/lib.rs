@@ -3,7 +3,8 @@
 //! A node serves functions under names ([`Calls::serve`]) and calls those of others
 //! ([`Calls::call`], [`Calls::stream`]). It sits on tb-node's extension point for request
 //! kinds: a [`Service`](tb_node::Service) for `RequestKind::Call` on the pooled data link,
-//! and [`Node::open_request`](tb_node::Node::open_request) to send one. The wire is
+//! and [`Node::open_request`](tb_node::Node::open_request) to send one, and loans
+//! ([`Node::lend`](tb_node::Node::lend)) for large values to a peer on this host. The wire is
 //! tb-proto's (`tb_proto::call`: golden bytes, limits, a fuzz target).
 //!
 //! The parts:
@@ -21,6 +22,13 @@
 //! (`Busy`, `NotFound`, `Unauthorized`) or accepts before reading any large argument; then
 //! it runs the handler when a slot frees and sends the result items and `Done`. The caller
 //! dropping the stream (a timeout, a cancel) cancels the call on the server.
+//!
+//! Large tensors to a peer on this host do not go on the stream: when the pair's channel is
+//! shm, each tensor of at least [`value::LEND_MIN`] is lent to the peer
+//! ([`Node::lend`](tb_node::Node::lend)) and the body names the loan; the reader pulls it over
+//! the channel ([`Node::pull_lent`](tb_node::Node::pull_lent)), which passes the sender's
+//! sealed memfd (no copy, no QUIC). The server pulls lent arguments once it accepted the call;
+//! the caller pulls lent results as it reads them.
 //!
 //! Where calls are advertised: a server marks the function's registry entry at its epoch
 //! ([`Node::advertise`](tb_node::Node::advertise)); brokers answer with live members only,

@@ -51,7 +51,10 @@
 //! limits) and hands it to the [`Service`] its request kind is registered to in the node's
 //! table; the built-in pull service answers from the [`Store`] with slices of the shared
 //! bytes, no copies. A crate above this one serves a new kind with [`Node::add_service`]; a
-//! kind nobody serves is answered `Unsupported`.
+//! kind nobody serves is answered `Unsupported`. To move a large value beside its own
+//! stream, it lends the tensor to the one peer ([`Node::lend`]: a private name, one pull,
+//! never in the store) and that peer pulls it with [`Node::pull_lent`] (the pair's channel
+//! first: on one host, the lender's sealed memfd).
 //!
 //! ## How a cluster get flows
 //! `Node::get` asks the current broker (`tb/ctl/1`, one reused connection per broker, failing
