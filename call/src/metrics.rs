@@ -1,18 +1,22 @@
 //! The call metrics, registered in the node's registry beside the data plane's: calls by side
-//! and result, their duration, the calls in flight and the bytes they moved. No per-function
+//! and result, their duration, the calls in flight, the calls queued for a slot and the
+//! bytes they moved. No per-function
 //! labels: a cluster may serve many functions, and label cardinality is a scrape's cost.
 
 use std::time::Duration;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 /// `tb_calls_total{side,result}`, `tb_call_duration_seconds{side}`,
-/// `tb_calls_in_flight{side}`, `tb_call_bytes_total{direction}`.
+/// `tb_calls_in_flight{side}`, `tb_call_queue_depth`, `tb_call_bytes_total{direction}`.
 #[derive(Debug, Clone)]
 pub struct CallMetrics {
     calls: IntCounterVec,
     durations: HistogramVec,
     in_flight: IntGaugeVec,
+    queue_depth: IntGauge,
     bytes: IntCounterVec,
 }
 
@@ -45,6 +49,11 @@ impl CallMetrics {
             &["side"],
         )
         .expect("valid metric");
+        let queue_depth = IntGauge::new(
+            "tb_call_queue_depth",
+            "Calls this node accepted to serve that wait for a free slot of their function",
+        )
+        .expect("valid metric");
         let bytes = IntCounterVec::new(
             Opts::new(
                 "tb_call_bytes_total",
@@ -57,6 +66,7 @@ impl CallMetrics {
             Box::new(calls.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(durations.clone()),
             Box::new(in_flight.clone()),
+            Box::new(queue_depth.clone()),
             Box::new(bytes.clone()),
         ] {
             let _ = registry.register(family);
@@ -65,6 +75,7 @@ impl CallMetrics {
             calls,
             durations,
             in_flight,
+            queue_depth,
             bytes,
         }
     }
@@ -96,6 +107,16 @@ impl CallMetrics {
     /// One more (or fewer) call in flight on `side`.
     pub fn in_flight(&self, side: &str, delta: i64) {
         self.in_flight.with_label_values(&[side]).add(delta);
+    }
+
+    /// One more (or fewer) served call waiting for a slot.
+    pub fn queued(&self, delta: i64) {
+        self.queue_depth.add(delta);
+    }
+
+    /// Served calls waiting for a slot now.
+    pub fn queue_depth(&self) -> i64 {
+        self.queue_depth.get()
     }
 
     /// Body bytes moved `direction` so far.

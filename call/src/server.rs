@@ -163,7 +163,7 @@ impl Served {
     }
 
     /// Takes a place in the queue, or `None` when concurrency and queue are full.
-    fn admit(&self) -> Option<Place<'_>> {
+    fn admit<'a>(&'a self, metrics: &'a crate::metrics::CallMetrics) -> Option<Place<'a>> {
         let limit = self.spec.concurrency.saturating_add(self.spec.queue);
         let taken = self
             .queued
@@ -171,9 +171,13 @@ impl Served {
                 let running = self.running.load(Ordering::Acquire);
                 (q + running < limit).then_some(q + 1)
             });
-        taken.ok().map(|_| Place {
-            served: self,
-            running: false,
+        taken.ok().map(|_| {
+            metrics.queued(1);
+            Place {
+                served: self,
+                running: false,
+                metrics,
+            }
         })
     }
 }
@@ -182,12 +186,15 @@ impl Served {
 struct Place<'a> {
     served: &'a Served,
     running: bool,
+    /// Where the queue's depth is shown (`tb_call_queue_depth`).
+    metrics: &'a crate::metrics::CallMetrics,
 }
 
 impl Place<'_> {
     fn start(&mut self) {
         self.served.queued.fetch_sub(1, Ordering::AcqRel);
         self.served.running.fetch_add(1, Ordering::AcqRel);
+        self.metrics.queued(-1);
         self.running = true;
     }
 }
@@ -196,7 +203,10 @@ impl Drop for Place<'_> {
     fn drop(&mut self) {
         let counter = match self.running {
             true => &self.served.running,
-            false => &self.served.queued,
+            false => {
+                self.metrics.queued(-1);
+                &self.served.queued
+            }
         };
         counter.fetch_sub(1, Ordering::AcqRel);
     }
@@ -290,7 +300,7 @@ impl CallService {
             self.metrics.ended("server", "refused");
             return refuse(&mut send, ErrorCode::Unauthorized, message).await;
         }
-        let Some(mut place) = served.admit() else {
+        let Some(mut place) = served.admit(&self.metrics) else {
             let load = served.load();
             let message = format!(
                 "function \"{function}\" is overloaded here: {} running, {} queued (concurrency {}, queue {})",

@@ -541,3 +541,43 @@ async fn a_lent_tensor_is_pulled_once_by_its_peer_only_and_ends_with_its_handle(
         "{refused:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_waiting_for_a_slot_show_in_the_queue_depth_metric() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (server_node, server) = calls(worker(&broker)).await;
+    let (_caller_node, caller) = calls(worker(&broker)).await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let ran = Arc::new(AtomicU32::new(0));
+    let spec = FunctionSpec::new("slow")
+        .expect("name")
+        .concurrency(1)
+        .queue(4);
+    let _serving = within(
+        LIMIT,
+        "serve",
+        server.serve(spec, gated(gate.clone(), ran.clone())),
+    )
+    .await
+    .expect("serves");
+    // One call runs (waiting on the gate), two wait for its slot.
+    let calls: Vec<_> = (0..3)
+        .map(|i| {
+            let caller = caller.clone();
+            tokio::spawn(async move { call(&caller, "slow", &Value::Int(i)).await })
+        })
+        .collect();
+    let queued = eventually_async(LIMIT, || async {
+        server.metrics().queue_depth() == 2 && ran.load(Ordering::SeqCst) == 1
+    });
+    assert!(queued.await, "two calls queue behind the running one");
+    let text = server_node.metrics().encode();
+    assert!(text.contains("tb_call_queue_depth 2"), "exported: {text}");
+    gate.add_permits(3);
+    for (i, joined) in calls.into_iter().enumerate() {
+        let got = within(LIMIT, "a queued call", joined).await.expect("joins");
+        assert_eq!(got.expect("the call ends"), Value::Int(i as i64));
+    }
+    assert_eq!(server.metrics().queue_depth(), 0, "nothing waits any more");
+}
