@@ -13,7 +13,10 @@ use std::{
 use iroh::Endpoint;
 use tb_dashboard::{
     Metrics, RefreshFuture, Source,
-    api::{ClusterData, EntryView, MemberStats, MemberView, Page, RegistryTotals},
+    api::{
+        ClusterData, EntryView, FunctionView, MAX_FUNCTIONS_LISTED, MAX_SERVERS_LISTED,
+        MemberStats, MemberView, Page, RegistryTotals,
+    },
 };
 use tb_link::{PeerAddr, auth::node_id};
 use tb_node::Node;
@@ -284,11 +287,25 @@ pub(crate) fn cluster_data(
         Some(_) => entries.last().map(|e| e.name.clone()),
         None => None,
     };
+    let functions = registry
+        .advertised(tb_proto::call::FUNCTION_PREFIX)
+        .take(MAX_FUNCTIONS_LISTED)
+        .filter_map(|(entry, _)| {
+            let name = tb_proto::call::function_of(entry)?;
+            let servers = registry.advertisers(entry).into_iter();
+            let servers = servers.take(MAX_SERVERS_LISTED);
+            Some(FunctionView {
+                name: name.as_str().to_string(),
+                servers: servers.map(|m| m.node.to_string()).collect(),
+            })
+        })
+        .collect();
     ClusterData {
         members,
         entries,
         next,
         registry: view.summary().totals,
+        functions,
     }
 }
 

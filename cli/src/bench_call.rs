@@ -83,6 +83,9 @@ pub struct CallServeArgs {
     /// Calls each function runs at once (as many more may wait).
     #[arg(long, default_value_t = 64)]
     concurrency: u32,
+    /// File holding the cluster secret (none: the open cluster the benchmark runs).
+    #[arg(long)]
+    cluster_secret_file: Option<std::path::PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -398,8 +401,16 @@ fn print_table(cases: &[Case]) {
 /// The server process: serves `echo` and `add_one` on a node joined to the broker, prints
 /// `ready <node>`, and serves until its stdin closes (the orchestrator ended or went away).
 pub async fn serve(args: CallServeArgs) -> Result<()> {
+    let cluster_key = match &args.cluster_secret_file {
+        Some(file) => {
+            let join = Some(args.join.clone());
+            tb_node::discover::resolve(join, Some(file), None)?.1
+        }
+        None => Config::default().cluster_key,
+    };
     let node = Node::spawn(Config {
         brokers: args.join.brokers.clone(),
+        cluster_key,
         auto_fetch: false,
         heartbeat_interval: Duration::from_millis(500),
         ..Config::default()

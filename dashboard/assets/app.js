@@ -230,7 +230,15 @@
     if (totals.copies === null) totals.copies = entries.reduce((t, e) => t + e.holders.length, 0);
     if (totals.bytes === null) totals.bytes = entries.reduce((t, e) => t + (e.byte_len || 0), 0);
     const more = typeof root.next === "string" && root.next !== "";
-    return { broker: b, self, nodes, entries, totals, more };
+    // Remote functions and their live servers (an older broker: none).
+    const functions = [];
+    for (const f of arr(root.functions, 1000)) {
+      const fo = obj(f);
+      if (!fo) continue;
+      functions.push({ name: str(fo.name), servers: arr(fo.servers, 64).map(str) });
+    }
+    functions.sort((a, b2) => (a.name < b2.name ? -1 : a.name > b2.name ? 1 : 0));
+    return { broker: b, self, nodes, entries, totals, more, functions };
   }
 
   // ---- summary ---------------------------------------------------------------------------
@@ -420,6 +428,29 @@
       (matches.length > shown.length ? " (first " + shown.length + " shown)" : "");
   }
 
+  // ---- remote functions ------------------------------------------------------------------
+  let lastFunctionsKey = null;
+
+  function renderFunctions(m) {
+    const alive = new Map(m.nodes.map((n) => [n.id, n.alive]));
+    const key = JSON.stringify(m.functions) + "|" + JSON.stringify([...alive]);
+    if (key === lastFunctionsKey) return;
+    lastFunctionsKey = key;
+    const rows = m.functions.slice(0, MAX_ROWS).map((f) => el("tr", { "data-function": f.name },
+      el("td", { class: "name mono", title: f.name }, f.name),
+      el("td", { class: "num", "data-field": "servers" }, String(f.servers.length)),
+      el("td", { class: "holders" }, ...f.servers.slice(0, 16).map((id) => el("span", {
+        class: "chip mono" + (alive.get(id) === false ? " gone" : ""),
+        title: id,
+      }, el("span", { class: "swatch", style: "background:" + colorOf(id) }), shortId(id))),
+      f.servers.length > 16 ? el("span", { class: "muted" }, " +" + (f.servers.length - 16)) : null)));
+    $("functions-body").replaceChildren(...rows);
+    const empty = $("functions-empty");
+    empty.hidden = m.functions.length > 0;
+    empty.textContent = "No function is served: share one with @client.share(NAME) and serve it.";
+    $("functions-count").textContent = "· " + m.functions.length;
+  }
+
   // ---- throughput history and chart ------------------------------------------------------
   const samples = []; // { t, nodes: Map(id -> {in, out}) }, oldest first
   let mode = "total";
@@ -555,6 +586,7 @@
     renderNodes(m);
     renderLatency(m);
     renderRegistry(m, false);
+    renderFunctions(m);
     renderChart();
   }
 

@@ -127,6 +127,23 @@ pub struct Cluster {
     pub next: Option<String>,
     /// The whole registry's totals, whatever the page.
     pub registry: RegistryTotals,
+    /// The remote functions served now, in name order (at most [`MAX_FUNCTIONS_LISTED`]).
+    #[serde(default)]
+    pub functions: Vec<FunctionView>,
+}
+
+/// Most functions one `/api/v1/cluster` answer lists.
+pub const MAX_FUNCTIONS_LISTED: usize = 1_000;
+/// Most servers listed for one function.
+pub const MAX_SERVERS_LISTED: usize = 64;
+
+/// A remote function and the live nodes serving it (the broker's `Servers` answer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionView {
+    /// The function's name.
+    pub name: String,
+    /// The nodes serving it now (hex ids, at most [`MAX_SERVERS_LISTED`]).
+    pub servers: Vec<String>,
 }
 
 /// Entries per `/api/v1/cluster` page when the request names no `limit`.
@@ -222,4 +239,6 @@ pub struct ClusterData {
     pub next: Option<String>,
     /// The whole registry's totals.
     pub registry: RegistryTotals,
+    /// The functions served now.
+    pub functions: Vec<FunctionView>,
 }

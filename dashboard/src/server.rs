@@ -163,6 +163,7 @@ async fn cluster(State(state): State<AppState>, Query(query): Query<PageQuery>) 
         entries,
         next,
         registry,
+        functions,
     }) = state.source.cluster(&page)
     else {
         return (StatusCode::NOT_FOUND, "no cluster view: not a broker").into_response();
@@ -173,6 +174,7 @@ async fn cluster(State(state): State<AppState>, Query(query): Query<PageQuery>) 
         entries,
         next,
         registry,
+        functions,
     })
     .into_response()
 }

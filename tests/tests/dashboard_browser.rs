@@ -193,6 +193,23 @@ fn registry_row<'a>(dom: &'a str, tensor: &str) -> Option<&'a str> {
     Some(&dom[start..start + len])
 }
 
+/// The functions table's row of `function`, up to its end.
+fn function_row<'a>(dom: &'a str, function: &str) -> Option<&'a str> {
+    let start = dom.find(&format!("<tr data-function=\"{function}\""))?;
+    let rest = &dom[start..];
+    Some(&rest[..rest.find("</tr>").unwrap_or(rest.len())])
+}
+
+/// A child process killed (by its PID) and reaped when dropped.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A node's id from a `worker: <id>@<ip:port>` line.
 fn node_id(addr: &str) -> String {
     addr.split('@').next().unwrap_or_default().to_string()
@@ -406,6 +423,50 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
             );
         }
     }
+
+    // A process serving remote functions (`echo`, `add_one`): the functions table lists
+    // them with that server.
+    // It serves until its stdin closes: kept open here, and the process killed by its PID
+    // when the test ends however it ends.
+    let log = std::fs::File::create(c.dir.path().join("call-serve.log")).expect("log");
+    let server = Command::new(bin("tb"))
+        .args([
+            "bench",
+            "call-serve",
+            "--join",
+            &c.ticket,
+            "--concurrency",
+            "2",
+        ])
+        .arg("--cluster-secret-file")
+        .arg(&c.secret_file)
+        .env("TB_METRICS_ADDR", "127.0.0.1:0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .expect("starting tb bench call-serve");
+    let mut server = KillOnDrop(server);
+    let stdout = server.0.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line);
+        let _ = tx.send(line);
+    });
+    let ready = rx
+        .recv_timeout(START)
+        .expect("the call server's ready line");
+    let server_id = node_id(ready.trim().strip_prefix("ready ").expect("a ready line"));
+    let (dom, ok) = browser.dom_until(&url, |dom| {
+        ["echo", "add_one"]
+            .iter()
+            .all(|f| function_row(dom, f).is_some_and(|tr| tr.contains(&server_id[..8])))
+    });
+    assert!(
+        ok,
+        "echo and add_one served by {server_id} in the functions table: {dom}"
+    );
 
     // A screenshot, with a few seconds of chart history.
     let shot = target_dir().join("dashboard-screenshot.png");

@@ -376,3 +376,45 @@ async fn the_api_wants_its_token_and_pages_list_every_name_exactly_once() {
     assert_eq!(get_async(zero, Some(TOKEN)).await.0, 400);
     s.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_api_lists_served_functions_with_their_live_servers() {
+    let s = Setup::start(HttpOptions::default()).await;
+    let calls = tb_call::Calls::attach(&s.worker).expect("attach");
+    let echo = |args: tb_call::Value, _cx: tb_call::CallContext| -> tb_call::Output {
+        tb_call::Output::Unary(Box::pin(async move { Ok(args) }))
+    };
+    let spec = tb_call::FunctionSpec::new("math/echo").expect("name");
+    let serving = within(LIMIT, "serve", calls.serve(spec, echo))
+        .await
+        .expect("serves");
+    let url = format!("{}/api/v1/cluster", s.url);
+    let worker_id = tb_node::auth::node_id(&s.worker.id()).to_string();
+    let listed = |body: &str| -> Option<Vec<String>> {
+        let json: Value = serde_json::from_str(body).ok()?;
+        let f = json["functions"]
+            .as_array()?
+            .iter()
+            .find(|f| f["name"] == "math/echo")?;
+        let servers = f["servers"].as_array()?;
+        Some(
+            servers
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect(),
+        )
+    };
+    let shown = eventually_async(LIMIT, || async {
+        let (status, _, body) = get_async(url.clone(), None).await;
+        status == 200 && listed(&body) == Some(vec![worker_id.clone()])
+    });
+    assert!(shown.await, "the served function and its server are listed");
+    // Unserved: it leaves the list (the advertisement is withdrawn).
+    within(LIMIT, "unserve", serving.stop()).await;
+    let gone = eventually_async(LIMIT, || async {
+        let (status, _, body) = get_async(url.clone(), None).await;
+        status == 200 && listed(&body).is_none()
+    });
+    assert!(gone.await, "an unserved function is not listed");
+    s.shutdown().await;
+}
