@@ -49,6 +49,16 @@ def test_a_shared_function_is_called_by_name_with_arrays_and_plain_values(
             same = f(big, 1, timeout=LIMIT_S)["y"]
             assert same.tobytes() == big.tobytes()
 
+            # out= receives a one-tensor result (checked first); device= returns torch tensors.
+            double = caller.function("math/affine")
+            out = np.empty((3, 4), np.float32)
+            got = double(np.ones((3, 4), np.float32), 3.0, timeout=LIMIT_S)["y"]
+            assert got.shape == (3, 4)
+            with pytest.raises(TypeError):
+                double(np.ones(4, np.float32), 3.0, out=out, timeout=LIMIT_S)  # a dict result
+            with pytest.raises(ValueError):
+                double(np.ones(4, np.float32), out=out, device="cpu", timeout=LIMIT_S)
+
             # submit and map, results in order.
             futures = [f.submit(np.full(3, i, np.float32), timeout=LIMIT_S) for i in range(8)]
             assert [int(fu.result(LIMIT_S)["y"][0]) for fu in futures] == list(range(8))
@@ -161,6 +171,42 @@ def test_streaming_functions_and_asyncio_calls(cluster: tb.LocalCluster) -> None
                     assert got == list(range(5))
 
             asyncio.run(main())
+
+
+def test_out_and_device_place_a_result(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("math/scale")
+        def scale(x: np.ndarray, k: float) -> np.ndarray:
+            return x * np.float32(k)
+
+        with server.serving():
+            f = caller.function("math/scale")
+            for n in (6, 1 << 20):  # inline and lent
+                x = np.arange(n, dtype=np.float32)
+                out = np.full(n, -1, np.float32)
+                assert f(x, 2.0, out=out, timeout=LIMIT_S) is out
+                np.testing.assert_array_equal(out, x * 2)
+                # Another shape or dtype is refused before anything is written.
+                wrong = np.full(n + 1, -1, np.float32)
+                with pytest.raises(ValueError, match="shape"):
+                    f(x, 2.0, out=wrong, timeout=LIMIT_S)
+                assert (wrong == -1).all()
+                with pytest.raises(ValueError, match="read-only"):
+                    f(x, 2.0, out=_read_only(n), timeout=LIMIT_S)
+            torch = pytest.importorskip("torch")
+            t = f(np.arange(4, dtype=np.float32), 3.0, device="cpu", timeout=LIMIT_S)
+            assert isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            assert torch.equal(t, torch.arange(4, dtype=torch.float32) * 3)
+            tout = torch.empty(4)
+            assert f(np.arange(4, dtype=np.float32), 1.0, out=tout, timeout=LIMIT_S) is tout
+            assert torch.equal(tout, torch.arange(4, dtype=torch.float32))
+
+
+def _read_only(n: int) -> np.ndarray:
+    a = np.zeros(n, np.float32)
+    a.setflags(write=False)
+    return a
 
 
 def test_torch_tensors_in_and_out(cluster: tb.LocalCluster) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from . import _dtypes
+from . import _convert, _dtypes
 from ._convert import to_bytes
 from ._native import RefArg, TensorArg, TensorOut
 
@@ -100,6 +100,53 @@ def _unpack(value: Any) -> tuple[list, dict]:
         if isinstance(args, list) and isinstance(kwargs, dict):
             return args, kwargs
     return [value], {}
+
+
+def _place(result: Any, out: Any, device: Any) -> Any:
+    """A call's result placed as its caller asked: copied into ``out`` (one tensor result, of
+    ``out``'s dtype and shape, checked before anything is written), or its tensors as torch
+    tensors on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``, a torch device or an
+    ordinal)."""
+    if out is not None and device is not None:
+        raise ValueError("pass out= or device=, not both")
+    if out is not None:
+        arr, dtype, shape = _convert.check_out(out)
+        got, got_dtype, got_shape = _convert.to_bytes(result) if _is_tensor(result) else (None, None, None)
+        if got is None:
+            raise TypeError(f"out= takes a result that is one tensor, not a {type(result).__name__}")
+        if (got_dtype, tuple(got_shape)) != (dtype, tuple(shape)):
+            raise ValueError(
+                f"the result is a {got_dtype} tensor of shape {list(got_shape)}; out is "
+                f"{dtype} of shape {list(shape)}"
+            )
+        np.copyto(arr, got.reshape(-1).view(np.uint8))
+        return out
+    if device is None:
+        return result
+    ordinal = _convert.cuda_ordinal(device)
+    import torch as _torch
+
+    target = _torch.device("cpu") if ordinal is None else _torch.device("cuda", ordinal)
+    return _to_device(result, _torch, target)
+
+
+def _is_tensor(obj: Any) -> bool:
+    if isinstance(obj, np.ndarray):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _to_device(obj: Any, torch: Any, target: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj).to(target)
+    if isinstance(obj, torch.Tensor):
+        return obj.to(target)
+    if isinstance(obj, list):
+        return [_to_device(v, torch, target) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, torch, target) for k, v in obj.items()}
+    return obj
 
 
 class Shared:
@@ -194,6 +241,11 @@ class Function:
     ``f(*args, timeout=None, **kwargs)`` returns its result; ``f.submit(...)`` returns a
     ``concurrent.futures.Future``; ``f.map(xs, parallel=16)`` yields results in order;
     ``f.stream(...)`` iterates a streaming function's items.
+
+    ``timeout=``, ``out=`` and ``device=`` are the call's own keywords, not the function's:
+    ``out`` (a writable array or CPU torch tensor) receives a one-tensor result, checked to
+    be its dtype and shape before anything is written, and is returned; ``device`` returns
+    the result's tensors as torch tensors there (``"cpu"``, ``"cuda"``, ``"cuda:N"``).
     """
 
     def __init__(self, client: Any, name: str, idempotent: bool = False) -> None:
@@ -204,21 +256,23 @@ class Function:
     def __repr__(self) -> str:
         return f"Function({self.name!r})"
 
-    def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, timeout: float | None = None, out: Any = None,
+                 device: Any = None, **kwargs: Any) -> Any:
         torch = _uses_torch(args) or _uses_torch(kwargs)
-        out = self._client._calls().call(
+        got = self._client._calls().call(
             self.name, _pack(args, kwargs), timeout, self.idempotent
         )
-        return _decode(out, torch)
+        return _place(_decode(got, torch), out, device)
 
-    async def acall(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    async def acall(self, *args: Any, timeout: float | None = None, out: Any = None,
+                    device: Any = None, **kwargs: Any) -> Any:
         """The call as a coroutine on the running event loop (no thread): cancelling the
         awaiting task cancels the call on its server."""
         torch = _uses_torch(args) or _uses_torch(kwargs)
-        out = await self._client._calls().call_async(
+        got = await self._client._calls().call_async(
             self.name, _pack(args, kwargs), timeout, self.idempotent
         )
-        return _decode(out, torch)
+        return _place(_decode(got, torch), out, device)
 
     def submit(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> concurrent.futures.Future:
         """Starts the call and returns a future of its result."""
@@ -260,12 +314,13 @@ class AsyncFunction:
         self.name = name
         self.idempotent = idempotent
 
-    async def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    async def __call__(self, *args: Any, timeout: float | None = None, out: Any = None,
+                       device: Any = None, **kwargs: Any) -> Any:
         torch = _uses_torch(args) or _uses_torch(kwargs)
-        out = await self._client._calls().call_async(
+        got = await self._client._calls().call_async(
             self.name, _pack(args, kwargs), timeout, self.idempotent
         )
-        return _decode(out, torch)
+        return _place(_decode(got, torch), out, device)
 
     async def stream(self, *args: Any, prefetch: int = 2, **kwargs: Any):
         torch = _uses_torch(args) or _uses_torch(kwargs)
