@@ -13,10 +13,12 @@ use std::{
     time::{Duration, Instant},
 };
 
+use tokio::sync::Semaphore;
+
 use tb_node::{Node, PeerAddr, RequestStream, framing};
 use tb_proto::{
     DataRequest, DataResponse, ErrorCode, TensorName,
-    call::{CallFrame, CallHead, CallUp, LIVENESS_TIMEOUT_MS, Load},
+    call::{CallFrame, CallHead, CallUp, LIVENESS_TIMEOUT_MS, Load, MAX_CREDIT},
 };
 
 use crate::{
@@ -215,9 +217,18 @@ pub(crate) struct Started {
     pub(crate) idempotent: bool,
     /// What the server declared: the stream restarts from any item.
     pub(crate) resumable: bool,
+    /// What the server declared: the function takes a stream of inputs.
+    pub(crate) takes_inputs: bool,
     /// The arguments lent to the server (it pulls them before the handler runs): held until
     /// the call ends.
     pub(crate) _loans: Vec<tb_node::Lent>,
+}
+
+/// What a server said of the function when it accepted a call.
+pub(crate) struct Declared {
+    idempotent: bool,
+    resumable: bool,
+    inputs: bool,
 }
 
 /// The caller's state shared by every call through one [`Calls`](crate::Calls).
@@ -254,12 +265,13 @@ impl Caller {
             };
             tried.push(server.clone());
             match self.attempt(function, &server, args, head).await {
-                Ok((stream, idempotent, resumable, loans)) => {
+                Ok((stream, declared, loans)) => {
                     return Ok(Started {
                         stream,
                         server,
-                        idempotent,
-                        resumable,
+                        idempotent: declared.idempotent,
+                        resumable: declared.resumable,
+                        takes_inputs: declared.inputs,
                         _loans: loans,
                     });
                 }
@@ -286,7 +298,7 @@ impl Caller {
         server: &PeerAddr,
         args: &Value,
         mut head: CallHead,
-    ) -> Result<(RequestStream, bool, bool, Vec<tb_node::Lent>), CallError> {
+    ) -> Result<(RequestStream, Declared, Vec<tb_node::Lent>), CallError> {
         let lost = |reason: String, maybe_ran| CallError::ServerLost {
             function: function.to_string(),
             server: server.id.fmt_short().to_string(),
@@ -329,9 +341,14 @@ impl Caller {
                 load,
                 idempotent,
                 resumable,
+                inputs,
             } => {
                 self.directory.loaded(function, server, load);
-                (idempotent, resumable)
+                Declared {
+                    idempotent,
+                    resumable,
+                    inputs,
+                }
             }
             DataResponse::Error { code, message } => {
                 if code == ErrorCode::Busy {
@@ -350,7 +367,7 @@ impl Caller {
         if !head.stream {
             let _ = stream.send.finish();
         }
-        Ok((stream, declared.0, declared.1, loans))
+        Ok((stream, declared, loans))
     }
 
     /// Reads the next frame of a started call: an item's value (`Some`) or the end (`None`).
@@ -359,19 +376,121 @@ impl Caller {
         function: &TensorName,
         started: &mut Started,
     ) -> Result<Option<(u64, Value)>, CallError> {
-        let server = started.server.clone();
+        let Started { stream, server, .. } = started;
+        let (link, recv) = (&stream.link, &mut stream.recv);
+        self.read_item(function, server, link, recv, None).await
+    }
+
+    /// [`next_item`](Self::next_item) of a bidirectional call: while it waits, the caller's
+    /// inputs go up as the server grants credit for them (`InputCredit` frames), and
+    /// `InputEnd` once `feed` ends.
+    pub(crate) async fn next_item_feeding(
+        &self,
+        function: &TensorName,
+        started: &mut Started,
+        feed: &mut InputFeed,
+    ) -> Result<Option<(u64, Value)>, CallError> {
+        let Started { stream, server, .. } = started;
+        let RequestStream {
+            send, recv, link, ..
+        } = stream;
+        let InputFeed {
+            items,
+            credit,
+            ended,
+        } = feed;
+        let read = self.read_item(function, server, link, recv, Some(credit));
+        tokio::pin!(read);
+        loop {
+            tokio::select! {
+                got = &mut read => return got,
+                next = next_input(credit, items), if !*ended => match next {
+                    Some(value) => self.write_input(function, server, send, &value).await?,
+                    None => {
+                        *ended = true;
+                        self.write_up(function, server, send, &CallUp::InputEnd).await?;
+                    }
+                },
+            }
+        }
+    }
+
+    /// Sends one input of a bidirectional call (its large tensors lent to the server, which
+    /// pulls them as it reads the input).
+    async fn write_input(
+        &self,
+        function: &TensorName,
+        server: &PeerAddr,
+        send: &mut iroh::endpoint::SendStream,
+        value: &Value,
+    ) -> Result<(), CallError> {
+        let mut lender = Lender::new(&self.node, server.id, crate::server::RESULT_LOAN_TTL);
+        let encoded =
+            Encoded::lending(value, Some(&mut lender)).map_err(|e| CallError::BadValue {
+                function: function.to_string(),
+                detail: format!("an input: {e}"),
+            })?;
+        let up = CallUp::Input {
+            body_len: encoded.len(),
+        };
+        self.write_up(function, server, send, &up).await?;
+        encoded
+            .write(send)
+            .await
+            .map_err(|reason| CallError::ServerLost {
+                function: function.to_string(),
+                server: server.id.fmt_short().to_string(),
+                maybe_ran: true,
+                reason,
+            })?;
+        self.metrics
+            .bytes("out", encoded.len() + lender.lent_bytes());
+        for loan in std::mem::take(&mut lender.loans) {
+            loan.until_pulled();
+        }
+        Ok(())
+    }
+
+    /// Writes `up` on a call's stream.
+    async fn write_up(
+        &self,
+        function: &TensorName,
+        server: &PeerAddr,
+        send: &mut iroh::endpoint::SendStream,
+        up: &CallUp,
+    ) -> Result<(), CallError> {
+        framing::write_frame(send, up)
+            .await
+            .map_err(|e| CallError::ServerLost {
+                function: function.to_string(),
+                server: server.id.fmt_short().to_string(),
+                maybe_ran: true,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Reads a call's frames up to its next item (`Some`) or its end (`None`), adding the
+    /// input credit the server grants to `input_credit` (a bidirectional call).
+    async fn read_item(
+        &self,
+        function: &TensorName,
+        server: &PeerAddr,
+        link: &tb_node::LinkGuard,
+        recv: &mut iroh::endpoint::RecvStream,
+        input_credit: Option<&Semaphore>,
+    ) -> Result<Option<(u64, Value)>, CallError> {
+        let server = server.clone();
         let lost = |reason: String| CallError::ServerLost {
             function: function.to_string(),
             server: server.id.fmt_short().to_string(),
             maybe_ran: true,
             reason,
         };
-        let recv = &mut started.stream.recv;
         let liveness = Duration::from_millis(LIVENESS_TIMEOUT_MS);
         // The server's frames for this call can wait behind other streams' bytes on a busy
         // link (many large results at once): silence here is tolerated while the link as a
         // whole receives bytes, and the server is lost only when the whole link is quiet.
-        let conn = started.stream.link.connection().clone();
+        let conn = link.connection().clone();
         let heard = move || conn.stats().udp_rx.bytes;
         let frame = loop {
             let read = framing::read_frame(recv);
@@ -387,9 +506,16 @@ impl Caller {
                 }
             };
             let frame = frame.map_err(|e| lost(e.into_error("the call's answer").to_string()))?;
-            // `Alive` only says the server still works on the call.
-            if frame != CallFrame::Alive {
-                break frame;
+            match frame {
+                // `Alive` only says the server still works on the call.
+                CallFrame::Alive => {}
+                // Ignored by a caller with no inputs (it said `InputEnd` at once).
+                CallFrame::InputCredit(n) => {
+                    if let Some(credit) = input_credit {
+                        credit.add_permits(n.min(MAX_CREDIT) as usize);
+                    }
+                }
+                frame => break frame,
             }
         };
         let CallFrame::Item { index, body_len } = frame else {
@@ -406,7 +532,6 @@ impl Caller {
             after: liveness,
             progress: Some(&heard),
         };
-        let recv = &mut started.stream.recv;
         let read_failed = |e| match e {
             crate::value::ReadError::Closed(reason) => lost(reason),
             crate::value::ReadError::Lent(reason) => lost(format!("a lent result: {reason}")),
@@ -451,8 +576,8 @@ impl Caller {
                 self.directory.loaded(function, server, load);
                 Ok(None)
             }
-            // Items and `Alive` are read by `next_item` before it gets here.
-            CallFrame::Item { .. } | CallFrame::Alive => Ok(None),
+            // Items, `Alive` and credit are read by `read_item` before it gets here.
+            CallFrame::Item { .. } | CallFrame::Alive | CallFrame::InputCredit(_) => Ok(None),
         }
     }
 
@@ -463,15 +588,52 @@ impl Caller {
         started: &mut Started,
         n: u32,
     ) -> Result<(), CallError> {
-        framing::write_frame(&mut started.stream.send, &CallUp::Credit(n))
-            .await
-            .map_err(|e| CallError::ServerLost {
-                function: function.to_string(),
-                server: started.server.id.fmt_short().to_string(),
-                maybe_ran: true,
-                reason: e.to_string(),
-            })
+        self.up(function, started, &CallUp::Credit(n)).await
     }
+
+    /// Writes `up` on a started call's stream.
+    pub(crate) async fn up(
+        &self,
+        function: &TensorName,
+        started: &mut Started,
+        up: &CallUp,
+    ) -> Result<(), CallError> {
+        let Started { stream, server, .. } = started;
+        self.write_up(function, server, &mut stream.send, up).await
+    }
+}
+
+/// The inputs a bidirectional call sends, and the credit the server granted for them.
+pub(crate) struct InputFeed {
+    pub(crate) items: tokio::sync::mpsc::Receiver<Value>,
+    pub(crate) credit: Semaphore,
+    /// `InputEnd` was sent.
+    pub(crate) ended: bool,
+}
+
+impl InputFeed {
+    /// A feed of `items`, with no credit yet.
+    pub(crate) fn new(items: tokio::sync::mpsc::Receiver<Value>) -> Self {
+        InputFeed {
+            items,
+            credit: Semaphore::new(0),
+            ended: false,
+        }
+    }
+}
+
+/// The next input, once the server granted credit for it (cancel-safe: a credit taken is
+/// given back unless an input came with it).
+async fn next_input(
+    credit: &Semaphore,
+    items: &mut tokio::sync::mpsc::Receiver<Value>,
+) -> Option<Value> {
+    let permit = credit.acquire().await.ok()?;
+    let item = items.recv().await;
+    if item.is_some() {
+        permit.forget();
+    }
+    item
 }
 
 /// The error a server's refusal of a call is (it never started there).

@@ -48,7 +48,7 @@ use tb_proto::{RequestKind, TensorName, call::CallHead};
 
 pub use caller::CallOptions;
 pub use error::CallError;
-pub use server::{CallContext, FunctionSpec, Handler, HandlerResult, Output};
+pub use server::{CallContext, FunctionSpec, Handler, HandlerResult, Inputs, Output};
 pub use tb_proto::call::{FailureKind, Load, RemoteFailure};
 pub use value::{HostTensor, Value};
 
@@ -243,6 +243,33 @@ impl Calls {
         args: &Value,
         prefetch: u32,
     ) -> Result<CallStream, CallError> {
+        self.stream_with(function, args, prefetch, None).await
+    }
+
+    /// Calls bidirectional `function` (served with [`FunctionSpec::inputs`]) with `args` and
+    /// the values `inputs` yields: its handler takes them in order
+    /// ([`CallContext::inputs`]) and the returned stream yields its results. Inputs go up
+    /// as the server asks for them (at most [`INPUT_WINDOW`](tb_proto::call::INPUT_WINDOW)
+    /// waiting there) and only while the stream is read; the inputs end when `inputs` does.
+    /// A bidirectional call is not resumed on another server (its inputs were taken).
+    pub async fn stream_inputs(
+        &self,
+        function: &str,
+        args: &Value,
+        inputs: tokio::sync::mpsc::Receiver<Value>,
+        prefetch: u32,
+    ) -> Result<CallStream, CallError> {
+        let feed = caller::InputFeed::new(inputs);
+        self.stream_with(function, args, prefetch, Some(feed)).await
+    }
+
+    async fn stream_with(
+        &self,
+        function: &str,
+        args: &Value,
+        prefetch: u32,
+        inputs: Option<caller::InputFeed>,
+    ) -> Result<CallStream, CallError> {
         let function = TensorName::new(function).map_err(tb_node::Error::from)?;
         encode(&function, args)?;
         let head = CallHead {
@@ -261,6 +288,7 @@ impl Calls {
             prefetch: prefetch.max(1),
             next: 0,
             tried: Vec::new(),
+            inputs,
         };
         stream.begin().await?;
         Ok(stream)
@@ -300,6 +328,8 @@ pub struct CallStream {
     next: u64,
     /// Servers the stream was started on.
     tried: Vec<tb_node::PeerAddr>,
+    /// A bidirectional call's inputs (`None`: the call sends none, and says so at once).
+    inputs: Option<caller::InputFeed>,
 }
 
 impl std::fmt::Debug for CallStream {
@@ -325,6 +355,19 @@ impl CallStream {
         caller
             .credit(&self.function, &mut started, self.prefetch)
             .await?;
+        if self.inputs.is_some() && !started.takes_inputs {
+            // Dropping the started call cancels it on the server.
+            return Err(CallError::BadValue {
+                function: self.function.to_string(),
+                detail: "it takes no inputs: call it with stream(), not stream_inputs()".into(),
+            });
+        }
+        // A call without inputs says so: a bidirectional function called this way sees its
+        // inputs end at once.
+        if self.inputs.is_none() {
+            let end = tb_proto::call::CallUp::InputEnd;
+            caller.up(&self.function, &mut started, &end).await?;
+        }
         self.started = Some(started);
         Ok(())
     }
@@ -336,8 +379,15 @@ impl CallStream {
         loop {
             let started = self.started.as_mut()?;
             let caller = &self.calls.inner.caller;
-            let item = caller.next_item(&self.function, started).await;
-            let resumable = started.resumable;
+            let item = match &mut self.inputs {
+                None => caller.next_item(&self.function, started).await,
+                Some(feed) => {
+                    let next = caller.next_item_feeding(&self.function, started, feed);
+                    next.await
+                }
+            };
+            // Inputs taken by a lost server cannot be sent again: no resuming then.
+            let resumable = started.resumable && self.inputs.is_none();
             match item {
                 Err(CallError::ServerLost { .. })
                     if resumable && self.tried.len() < MAX_RETRIES =>

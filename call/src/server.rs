@@ -26,8 +26,8 @@ use tb_node::{ServeCtx, Service, ServiceFuture, ServiceStream, framing};
 use tb_proto::{
     Access, DataRequest, DataResponse, ErrorCode, TensorName,
     call::{
-        ALIVE_INTERVAL_MS, CallFrame, CallHead, CallUp, FailureKind, Load, MAX_CREDIT,
-        RemoteFailure,
+        ALIVE_INTERVAL_MS, CallFrame, CallHead, CallUp, FailureKind, INPUT_WINDOW, Load,
+        MAX_CREDIT, RemoteFailure,
     },
 };
 use tokio::sync::{Semaphore, mpsc};
@@ -62,6 +62,54 @@ pub struct CallContext {
     pub start: u64,
     /// Cancelled when the caller stops waiting, the deadline passes or the server stops.
     pub cancel: CancellationToken,
+    /// The caller's inputs, in order, for a function that takes them
+    /// ([`FunctionSpec::inputs`]); ended at once for any other.
+    pub inputs: Inputs,
+}
+
+/// The inputs of a bidirectional call, in the order the caller sent them. The server holds
+/// at most [`INPUT_WINDOW`] that the handler has not taken: the caller sends the next only
+/// as the handler takes one, so a slow handler holds memory flat on both sides.
+#[derive(Clone, Default)]
+pub struct Inputs(Option<Arc<tokio::sync::Mutex<InputsInner>>>);
+
+struct InputsInner {
+    items: mpsc::Receiver<Value>,
+    /// Told of each input taken (the server grants the caller one more).
+    taken: mpsc::UnboundedSender<()>,
+}
+
+impl std::fmt::Debug for Inputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inputs")
+            .field("bidirectional", &self.0.is_some())
+            .finish()
+    }
+}
+
+impl Inputs {
+    /// The next input, `None` once the caller said there are no more (or the call ended).
+    pub async fn next(&self) -> Option<Value> {
+        let inner = self.0.as_ref()?;
+        let mut inner = inner.lock().await;
+        let item = inner.items.recv().await;
+        if item.is_some() {
+            let _ = inner.taken.send(());
+        }
+        item
+    }
+
+    /// The next input without waiting for it to arrive, from a thread that may block (a sync
+    /// handler's): `None` once they ended.
+    pub fn blocking_next(&self) -> Option<Value> {
+        let inner = self.0.as_ref()?;
+        let mut inner = inner.blocking_lock();
+        let item = inner.items.blocking_recv();
+        if item.is_some() {
+            let _ = inner.taken.send(());
+        }
+        item
+    }
 }
 
 /// A function's code.
@@ -96,6 +144,10 @@ pub struct FunctionSpec {
     /// Whether a streaming function restarts from any item index ([`CallContext::start`]):
     /// callers that lose its server mid-stream start it again elsewhere from the next item.
     pub resumable: bool,
+    /// Whether calls also stream inputs to the handler ([`CallContext::inputs`]): a
+    /// bidirectional function, called with [`Calls::stream_inputs`](crate::Calls::stream_inputs),
+    /// whose handler yields its results as it takes its inputs.
+    pub inputs: bool,
 }
 
 impl FunctionSpec {
@@ -108,7 +160,14 @@ impl FunctionSpec {
             read_only_callers: false,
             idempotent: false,
             resumable: false,
+            inputs: false,
         })
+    }
+
+    /// Taking a stream of inputs (a bidirectional function).
+    pub fn inputs(mut self, yes: bool) -> Self {
+        self.inputs = yes;
+        self
     }
 
     /// With `n` calls running at once (at least 1).
@@ -313,6 +372,7 @@ impl CallService {
             load: served.load(),
             idempotent: served.spec.idempotent,
             resumable: served.spec.resumable,
+            inputs: served.spec.inputs,
         };
         if framing::write_frame(&mut send, &accepted).await.is_err() {
             return;
@@ -386,6 +446,34 @@ impl CallService {
         let stall = node.stall_timeout();
         let _ = framing::write_frame_within(send, &frame, stall).await;
         let _ = send.finish();
+    }
+}
+
+/// What a streaming call's wait ended with.
+enum Wake {
+    /// The caller sent something ([`Up`]), or its side ended (`None`).
+    Up(Option<Up>),
+    /// The handler took an input: one more may come.
+    Taken,
+    /// The handler's next item, or its end.
+    Item(Option<HandlerResult>),
+}
+
+/// What the caller of a streaming call said.
+enum Up {
+    /// Credit for this many more items.
+    Credit(u32),
+    /// Its inputs broke the call's rules.
+    Failed(RemoteFailure),
+    /// Its side of the stream ended.
+    Ended,
+}
+
+/// The next input taken, or never when the call takes none.
+async fn next_taken(taken: &mut Option<mpsc::UnboundedReceiver<()>>) -> Option<()> {
+    match taken {
+        Some(taken) => taken.recv().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -492,10 +580,22 @@ impl Call<'_> {
             return Outcome::Cancelled;
         };
         place.start();
+        // A bidirectional function's inputs, when called as a stream (ended at once otherwise).
+        let (inputs, feed) = match self.served.spec.inputs && self.head.stream {
+            true => {
+                let (items, rx) = mpsc::channel(INPUT_WINDOW as usize);
+                let (taken, taken_rx) = mpsc::unbounded_channel();
+                let inner = InputsInner { items: rx, taken };
+                let inputs = Inputs(Some(Arc::new(tokio::sync::Mutex::new(inner))));
+                (inputs, Some((items, taken_rx)))
+            }
+            false => (Inputs::default(), None),
+        };
         let cx = CallContext {
             caller: self.caller,
             start: self.head.start,
             cancel: self.cancel.clone(),
+            inputs,
         };
         match self.served.handler.call(args, cx) {
             Output::Unary(fut) => {
@@ -508,7 +608,7 @@ impl Call<'_> {
                     Err(failure) => Outcome::Failed(failure),
                 }
             }
-            Output::Stream(items) => self.stream(items, send, recv).await,
+            Output::Stream(items) => self.stream(items, send, recv, feed).await,
         }
     }
 
@@ -571,37 +671,136 @@ impl Call<'_> {
         Outcome::Done
     }
 
-    /// Sends a stream's items as the caller grants credit.
+    /// Sends a stream's items as the caller grants credit, and (a bidirectional call, `feed`)
+    /// hands the caller's inputs to the handler, granting one more input for each taken.
     async fn stream(
         &self,
         mut items: mpsc::Receiver<HandlerResult>,
         send: &mut SendStream,
         recv: &mut iroh::endpoint::RecvStream,
+        feed: Option<(mpsc::Sender<Value>, mpsc::UnboundedReceiver<()>)>,
     ) -> Outcome {
+        let (inputs, mut taken) = match feed {
+            Some((inputs, taken)) => (Some(inputs), Some(taken)),
+            None => (None, None),
+        };
+        if taken.is_some() {
+            let grant = CallFrame::InputCredit(INPUT_WINDOW);
+            if framing::write_frame_within(send, &grant, self.stall)
+                .await
+                .is_err()
+            {
+                return Outcome::Gone;
+            }
+        }
+        let (events, mut heard) = mpsc::unbounded_channel();
+        let reader = self.read_ups(recv, inputs, events);
+        tokio::pin!(reader);
         let mut credit: u64 = 0;
         let mut index = self.head.start;
         loop {
-            if credit == 0 {
-                match framing::read_frame::<CallUp>(recv).await {
-                    Ok(CallUp::Credit(n)) => credit += u64::from(n.min(MAX_CREDIT)),
-                    Err(_) => return Outcome::Cancelled,
+            let wait = async {
+                tokio::select! {
+                    biased;
+                    up = heard.recv() => Wake::Up(up),
+                    // It returns once, when the caller's side ended or broke the rules (told
+                    // first): the call ends then, and it is never polled again.
+                    () = &mut reader => Wake::Up(heard.try_recv().ok()),
+                    Some(()) = next_taken(&mut taken) => Wake::Taken,
+                    item = items.recv(), if credit > 0 => Wake::Item(item),
                 }
-                continue;
-            }
-            let next = match self.alive_while(send, items.recv()).await {
-                Ok(next) => next,
+            };
+            let wake = match self.alive_while(send, wait).await {
+                Ok(wake) => wake,
                 Err(outcome) => return outcome,
             };
-            match next {
-                None => return Outcome::Done,
-                Some(Err(failure)) => return Outcome::Failed(failure),
-                Some(Ok(value)) => match self.send_item(send, index, &value).await {
+            match wake {
+                Wake::Up(Some(Up::Credit(n))) => credit += u64::from(n.min(MAX_CREDIT)),
+                Wake::Up(Some(Up::Failed(failure))) => return Outcome::Failed(failure),
+                Wake::Up(Some(Up::Ended) | None) => return Outcome::Cancelled,
+                Wake::Taken => {
+                    let grant = CallFrame::InputCredit(1);
+                    if framing::write_frame_within(send, &grant, self.stall)
+                        .await
+                        .is_err()
+                    {
+                        return Outcome::Gone;
+                    }
+                }
+                Wake::Item(None) => return Outcome::Done,
+                Wake::Item(Some(Err(failure))) => return Outcome::Failed(failure),
+                Wake::Item(Some(Ok(value))) => match self.send_item(send, index, &value).await {
                     Outcome::Done => {
                         credit -= 1;
                         index += 1;
                     }
                     other => return other,
                 },
+            }
+        }
+    }
+
+    /// Reads what the caller sends on a streaming call until its side ends (then returns):
+    /// credit, told to `events`; inputs (a bidirectional call), read, their lent tensors
+    /// pulled, and handed to the handler through `inputs` (dropped at `InputEnd`, which ends
+    /// the handler's inputs); a failure (an input beyond the credit granted, an input to a
+    /// function that takes none, a body that cannot be read), told to `events`.
+    async fn read_ups(
+        &self,
+        recv: &mut iroh::endpoint::RecvStream,
+        mut inputs: Option<mpsc::Sender<Value>>,
+        events: mpsc::UnboundedSender<Up>,
+    ) {
+        let bad = |message: String| {
+            let failure = RemoteFailure::new(FailureKind::BadArguments, "ValueError", message, "");
+            let _ = events.send(Up::Failed(failure));
+        };
+        let node = self.node.upgrade();
+        loop {
+            let Ok(up) = framing::read_frame::<CallUp>(recv).await else {
+                let _ = events.send(Up::Ended);
+                return;
+            };
+            let body_len = match up {
+                CallUp::Credit(n) => {
+                    let _ = events.send(Up::Credit(n));
+                    continue;
+                }
+                CallUp::InputEnd => {
+                    inputs = None;
+                    continue;
+                }
+                CallUp::Input { body_len } => body_len,
+            };
+            let (Some(tx), Some(node)) = (&inputs, &node) else {
+                return bad("this function takes no inputs (or they ended)".into());
+            };
+            let max = node.config().max_tensor_bytes;
+            if body_len > max {
+                return bad(format!(
+                    "an input of {body_len} bytes is over this node's {max}"
+                ));
+            }
+            let stall = crate::value::Stall {
+                after: self.stall,
+                progress: None,
+            };
+            let value = match read_body(recv, body_len, stall).await {
+                Ok(body) => body.into_value(node, self.caller).await,
+                Err(e) => Err(e),
+            };
+            let value = match value {
+                Ok(value) => value,
+                Err(e) => return bad(format!("an input could not be read: {e}")),
+            };
+            self.metrics.bytes("in", body_len);
+            match tx.try_send(value) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    return bad("an input beyond the credit granted".into());
+                }
+                // The handler stopped taking inputs: the rest are dropped.
+                Err(mpsc::error::TrySendError::Closed(_)) => {}
             }
         }
     }

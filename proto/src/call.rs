@@ -148,6 +148,9 @@ pub enum CallFrame {
     /// intervals knows the server is lost (a killed process says nothing; QUIC's own idle
     /// timeout is far longer).
     Alive,
+    /// The caller of a bidirectional call may send this many more inputs
+    /// ([`CallUp::Input`]); a call that takes no inputs is never granted any.
+    InputCredit(u32),
 }
 
 /// How often a server tells a waiting caller it is alive ([`CallFrame::Alive`]).
@@ -161,7 +164,19 @@ pub const LIVENESS_TIMEOUT_MS: u64 = 4 * ALIVE_INTERVAL_MS;
 pub enum CallUp {
     /// The server may send this many more items (at most [`MAX_CREDIT`] per frame).
     Credit(u32),
+    /// An input item of a bidirectional call: its [`Body`] of `body_len` bytes follows. Sent
+    /// only within the input credit the server granted ([`CallFrame::InputCredit`]).
+    Input {
+        /// Bytes of the body that follows.
+        body_len: u64,
+    },
+    /// No input follows: the handler's inputs end here.
+    InputEnd,
 }
+
+/// Inputs a server of a bidirectional call holds at most before its handler takes them: its
+/// first [`CallFrame::InputCredit`] grants this many, and each one taken grants one more.
+pub const INPUT_WINDOW: u32 = 2;
 
 /// Why a call failed on its server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

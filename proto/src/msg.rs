@@ -322,6 +322,10 @@ pub enum DataResponse {
         /// A streaming function that restarts from any item index: a caller that loses this
         /// server mid-stream starts it again elsewhere from the next item.
         resumable: bool,
+        /// A bidirectional function: it takes a stream of inputs
+        /// ([`CallUp::Input`](crate::call::CallUp::Input)), granted by
+        /// [`CallFrame::InputCredit`](crate::call::CallFrame::InputCredit).
+        inputs: bool,
     },
 }
 

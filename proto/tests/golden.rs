@@ -701,13 +701,15 @@ fn call_messages() {
         queued: 0,
         concurrency: 4,
     };
-    // len 6 | Accepted=8 | running 1, queued 0, concurrency 4 | idempotent | not resumable
+    // len 7 | Accepted=8 | running 1, queued 0, concurrency 4 | idempotent | not resumable |
+    // takes inputs
     let accepted = DataResponse::Accepted {
         load,
         idempotent: true,
         resumable: false,
+        inputs: true,
     };
-    golden(&accepted, "06000000 08 01 00 04 01 00");
+    golden(&accepted, "07000000 08 01 00 04 01 00 01");
     // Item=0 | index 0 | body_len 300
     let item = CallFrame::Item {
         index: 0,
@@ -727,6 +729,10 @@ fn call_messages() {
     golden(&failed, "07000000 02 00 0145 016d 00");
     golden(&CallUp::Credit(2), "02000000 0002");
     golden(&CallFrame::Alive, "01000000 03");
+    // Input=1 | body_len 300 (varint ac02) ; InputEnd=2 ; InputCredit=4 | 2
+    golden(&CallUp::Input { body_len: 300 }, "03000000 01ac02");
+    golden(&CallUp::InputEnd, "01000000 02");
+    golden(&CallFrame::InputCredit(2), "02000000 0402");
     // Named=9 | name "w" | version Some(2)
     let named = Value::Named {
         name: name("w"),

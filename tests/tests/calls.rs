@@ -581,3 +581,167 @@ async fn calls_waiting_for_a_slot_show_in_the_queue_depth_metric() {
     }
     assert_eq!(server.metrics().queue_depth(), 0, "nothing waits any more");
 }
+
+/// A bidirectional function: yields the running sum of its inputs (ints), or each tensor input
+/// with every byte plus one.
+fn running_sum(_args: Value, cx: tb_call::CallContext) -> Output {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        let mut total = 0;
+        while let Some(input) = cx.inputs.next().await {
+            let out = match input {
+                Value::Int(i) => {
+                    total += i;
+                    Value::Int(total)
+                }
+                Value::Tensor(t) => {
+                    let bytes: Vec<u8> = t.data.iter().map(|b| b.wrapping_add(1)).collect();
+                    Value::Tensor(HostTensor::new(t.dtype, t.shape.clone(), bytes).expect("t"))
+                }
+                other => Value::List(vec![other]),
+            };
+            if tx.send(Ok(out)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Output::Stream(rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bidirectional_call_streams_inputs_in_and_results_out_with_bounded_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_s, server) = calls(same_host_worker(&broker)).await;
+    let (_c, caller) = calls(same_host_worker(&broker)).await;
+    let spec = FunctionSpec::new("sum").expect("name").inputs(true);
+    let _serving = within(LIMIT, "serve", server.serve(spec, running_sum))
+        .await
+        .expect("serves");
+
+    // 200 ints in, 200 running sums out, in order.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(async move {
+        for i in 0..200 {
+            if tx.send(Value::Int(i)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut stream = within(
+        LIMIT,
+        "start",
+        caller.stream_inputs("sum", &Value::None, rx, 2),
+    )
+    .await
+    .expect("starts");
+    let mut got = Vec::new();
+    while let Some(item) = within(LIMIT, "item", stream.next()).await {
+        got.push(item.expect("an item"));
+    }
+    let sums: Vec<Value> = (0..200).map(|i| Value::Int(i * (i + 1) / 2)).collect();
+    assert_eq!(got, sums);
+
+    // Large tensors both ways (lent over the same-host channel once it is up).
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let inputs: Vec<Vec<u8>> = (0..6u8).map(|k| vec![k; 1 << 20]).collect();
+    let sent = inputs.clone();
+    tokio::spawn(async move {
+        for bytes in sent {
+            let t = HostTensor::new(DType::U8, vec![1 << 20], bytes).expect("t");
+            if tx.send(Value::Tensor(t)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut stream = within(
+        LIMIT,
+        "start",
+        caller.stream_inputs("sum", &Value::None, rx, 2),
+    )
+    .await
+    .expect("starts");
+    for bytes in &inputs {
+        let item = within(LIMIT, "item", stream.next()).await.expect("an item");
+        let item = item.expect("a result");
+        let t = item.as_tensor().expect("a tensor");
+        assert!(
+            t.data.iter().all(|&b| b == bytes[0] + 1),
+            "every byte plus one"
+        );
+    }
+    assert!(within(LIMIT, "end", stream.next()).await.is_none());
+
+    // A consumer that stops reading stops the inputs: of 1,000 offered, a bounded few move.
+    let fed = Arc::new(AtomicU32::new(0));
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let counter = fed.clone();
+    tokio::spawn(async move {
+        for i in 0..1000 {
+            if tx.send(Value::Int(i)).await.is_err() {
+                return;
+            }
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let mut stream = within(
+        LIMIT,
+        "start",
+        caller.stream_inputs("sum", &Value::None, rx, 2),
+    )
+    .await
+    .expect("starts");
+    for _ in 0..3 {
+        within(LIMIT, "item", stream.next())
+            .await
+            .expect("item")
+            .expect("ok");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let moved = fed.load(Ordering::SeqCst);
+    assert!(
+        moved < 30,
+        "{moved} inputs taken while the consumer read 3 results"
+    );
+    drop(stream);
+
+    // Called without inputs (a plain stream), its inputs end at once: no result.
+    let mut plain = within(LIMIT, "start", caller.stream("sum", &Value::None, 2))
+        .await
+        .expect("starts");
+    assert!(within(LIMIT, "end", plain.next()).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inputs_to_a_function_that_takes_none_are_refused_typed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_s, server) = calls(worker(&broker)).await;
+    let (_c, caller) = calls(worker(&broker)).await;
+    let forever = |_args: Value, _cx: tb_call::CallContext| {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            // Yields nothing until the call ends.
+            tx.closed().await;
+        });
+        Output::Stream(rx)
+    };
+    let _serving = server
+        .serve(FunctionSpec::new("plain").expect("name"), forever)
+        .await
+        .expect("serves");
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(Value::Int(1)).await.expect("queued");
+    let started = within(
+        LIMIT,
+        "start",
+        caller.stream_inputs("plain", &Value::None, rx, 2),
+    )
+    .await;
+    match started {
+        Err(CallError::BadValue { detail, .. }) => {
+            assert!(detail.contains("takes no inputs"), "{detail}");
+        }
+        other => panic!("expected a typed refusal, got {other:?}"),
+    }
+}
