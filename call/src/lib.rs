@@ -30,6 +30,11 @@
 //! sealed memfd (no copy, no QUIC). The server pulls lent arguments once it accepted the call;
 //! the caller pulls lent results as it reads them.
 //!
+//! A bidirectional function ([`FunctionSpec::inputs`]) also takes a stream of inputs
+//! ([`Calls::stream_inputs`], [`CallContext::inputs`]): the server grants input credit
+//! (`InputCredit`, [`INPUT_WINDOW`](tb_proto::call::INPUT_WINDOW) at first and one per input
+//! taken) and the caller sends `Input`s within it, then `InputEnd`.
+//!
 //! Where calls are advertised: a server marks the function's registry entry at its epoch
 //! ([`Node::advertise`](tb_node::Node::advertise)); brokers answer with live members only,
 //! so dead and restarted servers drop out without an unregister message. Brokers never see

@@ -257,11 +257,35 @@ fn failure_of(py: Python<'_>, err: PyErr) -> RemoteFailure {
     RemoteFailure::new(FailureKind::Raised, remote_type, message, traceback)
 }
 
-/// A Python callable as a handler: `func(args, cancel_flag, start)` returns the result (a
-/// unary function) or an iterator of items from item `start` on (`streaming`).
+/// A Python callable as a handler: `func(args, cancel_flag, start, inputs)` returns the
+/// result (a unary function) or an iterator of items from item `start` on (`streaming`);
+/// `inputs` is an [`InputIter`] over the caller's inputs for a bidirectional function, else
+/// `None`.
 struct PyHandler {
     func: Arc<Py<PyAny>>,
     streaming: bool,
+    inputs: bool,
+}
+
+/// The inputs of a bidirectional call as a Python iterator: each `next` waits (without the
+/// GIL) for the caller's next input; the iteration ends with the caller's inputs (or the
+/// call).
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct InputIter(tb_call::Inputs);
+
+#[pymethods]
+impl InputIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let inputs = self.0.clone();
+        match py.detach(move || inputs.blocking_next()) {
+            Some(value) => Ok(Some(from_value(py, value)?)),
+            None => Ok(None),
+        }
+    }
 }
 
 impl tb_call::Handler for PyHandler {
@@ -269,9 +293,11 @@ impl tb_call::Handler for PyHandler {
         let func = self.func.clone();
         let flag = cx.cancel.clone();
         let start = cx.start;
+        let inputs = self.inputs.then(|| InputIter(cx.inputs.clone()));
         if self.streaming {
             let (tx, rx) = tokio::sync::mpsc::channel(1);
-            tokio::task::spawn_blocking(move || stream_items(&func, args, start, flag, tx));
+            let run = move || stream_items(&func, args, start, inputs, flag, tx);
+            tokio::task::spawn_blocking(run);
             return Output::Stream(rx);
         }
         Output::Unary(Box::pin(async move {
@@ -279,7 +305,7 @@ impl tb_call::Handler for PyHandler {
                 Python::attach(|py| {
                     let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
                     let out = func
-                        .call1(py, (args, CancelFlag(flag), start))
+                        .call1(py, (args, CancelFlag(flag), start, inputs))
                         .map_err(|e| failure_of(py, e))?;
                     to_value(out.bind(py), 0).map_err(|e| failure_of(py, e))
                 })
@@ -302,13 +328,14 @@ fn stream_items(
     func: &Py<PyAny>,
     args: Value,
     start: u64,
+    inputs: Option<InputIter>,
     flag: CancellationToken,
     tx: tokio::sync::mpsc::Sender<tb_call::HandlerResult>,
 ) {
     let iter = Python::attach(|py| -> Result<Py<PyAny>, RemoteFailure> {
         let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
         let out = func
-            .call1(py, (args, CancelFlag(flag.clone()), start))
+            .call1(py, (args, CancelFlag(flag.clone()), start, inputs))
             .map_err(|e| failure_of(py, e))?;
         out.bind(py)
             .try_iter()
@@ -423,18 +450,65 @@ impl ServingHandle {
     }
 }
 
+/// Takes a bidirectional call's inputs from the Python iterator `iter` (with the GIL, one at
+/// a time) into `tx` (without it, waiting while the server asks for none), until the
+/// iterator ends, fails (its exception kept in `failed`, the inputs ended), or the call is
+/// gone.
+fn feed_inputs(
+    iter: &Py<PyAny>,
+    tx: &tokio::sync::mpsc::Sender<Value>,
+    failed: &std::sync::Mutex<Option<PyErr>>,
+) {
+    loop {
+        let next = Python::attach(|py| -> PyResult<Option<Value>> {
+            match iter.bind(py).call_method0("__next__") {
+                Ok(item) => to_value(&item, 0).map(Some),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyStopIteration>(py) => Ok(None),
+                Err(e) => Err(e),
+            }
+        });
+        match next {
+            Ok(Some(value)) => {
+                if tx.blocking_send(value).is_err() {
+                    return;
+                }
+            }
+            Ok(None) => return,
+            Err(e) => {
+                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                return;
+            }
+        }
+    }
+}
+
 /// The items of a streaming call.
 #[pyclass(module = "tensor_broker._native")]
 pub struct CallStreamHandle {
     stream: Arc<tokio::sync::Mutex<tb_call::CallStream>>,
+    /// What the inputs' iterator raised (a bidirectional call), raised by the next `next`.
+    input_error: Arc<std::sync::Mutex<Option<PyErr>>>,
+}
+
+impl CallStreamHandle {
+    fn input_error(&self) -> Option<PyErr> {
+        self.input_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
 }
 
 #[pymethods]
 impl CallStreamHandle {
-    /// The next item, or `None` at the end.
+    /// The next item, or `None` at the end. An exception the inputs' iterator raised is
+    /// raised here.
     fn next(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let stream = self.stream.clone();
         let item = wait(py, async move { stream.lock().await.next().await })?;
+        if let Some(e) = self.input_error() {
+            return Err(e);
+        }
         match item {
             None => Ok(None),
             Some(Ok(v)) => Ok(Some(from_value(py, v)?)),
@@ -445,8 +519,13 @@ impl CallStreamHandle {
     /// [`next`](Self::next) as an awaitable.
     fn next_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let stream = self.stream.clone();
+        let input_error = self.input_error.clone();
         start(py, async move {
             let item = stream.lock().await.next().await;
+            let failed = input_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(e) = failed {
+                return Err(e);
+            }
             Python::attach(|py| match item {
                 None => Ok(None),
                 Some(Ok(v)) => Ok(Some(from_value(py, v)?)),
@@ -460,7 +539,7 @@ impl CallStreamHandle {
 impl CallsHandle {
     /// Serves `func` as `name`: `func(args, cancel_flag, start)` returns the result, or (with
     /// `streaming`) an iterator of items from item `start` on.
-    #[pyo3(signature = (name, func, concurrency=1, queue=64, read_only_callers=false, idempotent=false, streaming=false, resumable=false))]
+    #[pyo3(signature = (name, func, concurrency=1, queue=64, read_only_callers=false, idempotent=false, streaming=false, resumable=false, inputs=false))]
     #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
@@ -473,6 +552,7 @@ impl CallsHandle {
         idempotent: bool,
         streaming: bool,
         resumable: bool,
+        inputs: bool,
     ) -> PyResult<ServingHandle> {
         let mut spec = FunctionSpec::new(name)
             .map_err(|e| errors::invalid(e.to_string()))?
@@ -481,9 +561,11 @@ impl CallsHandle {
         spec.read_only_callers = read_only_callers;
         spec.idempotent = idempotent;
         spec.resumable = resumable;
+        spec.inputs = inputs;
         let handler = PyHandler {
             func: Arc::new(func),
             streaming,
+            inputs,
         };
         let calls = self.calls.clone();
         let serving = wait(py, async move { calls.serve(spec, handler).await })?;
@@ -528,23 +610,40 @@ impl CallsHandle {
         })
     }
 
-    /// Starts streaming function `name` with `args`, `prefetch` items requested ahead.
-    #[pyo3(signature = (name, args, prefetch=2))]
+    /// Starts streaming function `name` with `args`, `prefetch` items requested ahead; with
+    /// `inputs` (an iterator of value trees), a bidirectional call whose inputs a thread of
+    /// its own takes from the iterator as the server asks for them.
+    #[pyo3(signature = (name, args, prefetch=2, inputs=None))]
     fn stream(
         &self,
         py: Python<'_>,
         name: String,
         args: &Bound<'_, PyAny>,
         prefetch: u32,
+        inputs: Option<Py<PyAny>>,
     ) -> PyResult<CallStreamHandle> {
         let value = to_value(args, 0)?;
         let calls = self.calls.clone();
-        let stream = wait(
-            py,
-            async move { calls.stream(&name, &value, prefetch).await },
-        )?;
+        let input_error: Arc<std::sync::Mutex<Option<PyErr>>> = Arc::default();
+        let stream = match inputs {
+            None => wait(
+                py,
+                async move { calls.stream(&name, &value, prefetch).await },
+            )?,
+            Some(iter) => {
+                let (tx, rx) = tokio::sync::mpsc::channel(1);
+                let failed = input_error.clone();
+                std::thread::Builder::new()
+                    .name("tb-call-inputs".into())
+                    .spawn(move || feed_inputs(&iter, &tx, &failed))
+                    .map_err(|e| errors::invalid(format!("no thread for the inputs: {e}")))?;
+                let call = async move { calls.stream_inputs(&name, &value, rx, prefetch).await };
+                wait(py, call)?
+            }
+        };
         Ok(CallStreamHandle {
             stream: Arc::new(tokio::sync::Mutex::new(stream.map_err(call_error)?)),
+            input_error,
         })
     }
 

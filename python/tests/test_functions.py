@@ -296,3 +296,73 @@ def test_cancelling_the_awaiting_task_cancels_the_handler(cluster: tb.LocalClust
 
             asyncio.run(asyncio.wait_for(main(), LIMIT_S))
             assert saw_cancel.wait(LIMIT_S), "an asyncio cancel did not reach the handler"
+
+
+def test_bidirectional_functions_take_a_stream_of_inputs(cluster: tb.LocalCluster) -> None:
+    from typing import AsyncIterator, Iterator
+
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("bidi/scale", inputs=True)
+        def scale(items, k):
+            for x in items:
+                x *= k  # the handler's own memory
+                yield x
+
+        @server.share("bidi/running")
+        def running(items: Iterator[int]):
+            total = 0
+            for x in items:
+                total += x
+                yield total
+
+        @server.share("bidi/async_up")
+        async def async_up(items: AsyncIterator[np.ndarray]):
+            async for x in items:
+                yield x + 1
+
+        @server.share("bidi/plain")
+        def plain(n):
+            yield from range(n)
+
+        with server.serving():
+            f = caller.function("bidi/scale")
+            xs = [np.full(4, i, np.float32) for i in range(50)]
+            got = list(f.stream(3.0, inputs=iter(xs)))
+            assert len(got) == 50
+            for i, y in enumerate(got):
+                np.testing.assert_array_equal(y, np.full(4, i * 3, np.float32))
+            # Large ones (lent over the same-host channel), each back in order.
+            big = [np.arange(1 << 18, dtype=np.float32) + i for i in range(5)]
+            for i, y in enumerate(f.stream(2.0, inputs=big)):
+                np.testing.assert_array_equal(y, big[i] * 2)
+
+            assert list(caller.function("bidi/running").stream(inputs=range(100))) == [
+                i * (i + 1) // 2 for i in range(100)
+            ]
+            # Called without inputs, its inputs end at once.
+            assert list(caller.function("bidi/running").stream()) == []
+
+            ups = list(caller.function("bidi/async_up").stream(
+                inputs=(np.full(3, i, np.int64) for i in range(20))))
+            assert [int(u[0]) for u in ups] == [i + 1 for i in range(20)]
+
+            # An exception the inputs raise comes back to the consumer.
+            def broken():
+                yield 1
+                raise KeyError("input 2 is missing")
+
+            with pytest.raises(KeyError):
+                list(caller.function("bidi/running").stream(inputs=broken()))
+
+            # Inputs to a function that takes none are refused before any moves.
+            with pytest.raises(ValueError, match="takes no inputs"):
+                list(caller.function("bidi/plain").stream(3, inputs=[1, 2]))
+
+            async def main() -> None:
+                async with await cluster.connect_async() as client:
+                    f = client.function("bidi/running")
+                    got = [x async for x in f.stream(inputs=range(10))]
+                    assert got == [i * (i + 1) // 2 for i in range(10)]
+
+            asyncio.run(main())

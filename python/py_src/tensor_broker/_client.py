@@ -267,6 +267,7 @@ class Client:
         idempotent: bool = False,
         resumable: bool = False,
         torch: bool = False,
+        inputs: bool | None = None,
     ) -> Callable[[Callable], Callable]:
         """Decorates a handler to serve as function ``name`` while this client serves
         (``with client.serving():`` or ``client.serve()``). ``concurrency`` calls run at once
@@ -276,13 +277,19 @@ class Client:
         ``idempotent`` lets callers retry a call whose server was lost. ``resumable`` (a
         generator taking a ``start=`` keyword, the index of its first item) lets a caller
         whose server died mid-stream start it again elsewhere from the next item. ``torch``
-        hands the handler torch tensors instead of numpy arrays. Returns the handler
-        unchanged."""
+        hands the handler torch tensors instead of numpy arrays. ``inputs`` makes a
+        bidirectional function: a generator whose first parameter is an iterator of the
+        caller's inputs (an async iterator for an async generator), which yields its results
+        as it takes them, the way a streaming server's ``process`` transforms each tensor;
+        callers send the inputs with ``f.stream(..., inputs=iterable)``. By default a
+        generator whose first parameter is annotated as an ``Iterator``, ``Iterable``,
+        ``AsyncIterator`` or ``AsyncIterable`` takes inputs. Returns the handler unchanged."""
         from ._functions import Shared
 
         def register(func: Callable) -> Callable:
             shared = Shared(
-                name, func, concurrency, queue, read_only_callers, idempotent, torch, resumable
+                name, func, concurrency, queue, read_only_callers, idempotent, torch, resumable,
+                inputs,
             )
             self._shared.append(shared)
             if self._serving:
@@ -301,6 +308,7 @@ class Client:
             shared.idempotent,
             shared.streaming,
             shared.resumable,
+            shared.inputs,
         )
         self._serving.append((shared, handle))
 

@@ -149,6 +149,30 @@ def _to_device(obj: Any, torch: Any, target: Any) -> Any:
     return obj
 
 
+def _takes_inputs(func: Callable) -> bool:
+    """Whether ``func`` is a generator whose first parameter is annotated as an iterator or
+    iterable (of the caller's inputs)."""
+    if not (inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func)):
+        return False
+    params = list(inspect.signature(func).parameters.values())
+    if not params or params[0].annotation is inspect.Parameter.empty:
+        return False
+    text = str(params[0].annotation)
+    return any(k in text for k in ("Iterator", "Iterable"))
+
+
+async def _async_inputs(items: Iterator[Any]) -> Any:
+    """A bidirectional call's inputs for an async handler: each taken on a worker thread (the
+    wait for the caller's next input blocks), so the handler's event loop runs meanwhile."""
+    loop = asyncio.get_running_loop()
+    end = object()
+    while True:
+        item = await loop.run_in_executor(None, next, items, end)
+        if item is end:
+            return
+        yield item
+
+
 class Shared:
     """A function shared by a client (``@client.share``), served while the client serves."""
 
@@ -162,6 +186,7 @@ class Shared:
         idempotent: bool,
         torch: bool,
         resumable: bool = False,
+        inputs: bool | None = None,
     ) -> None:
         self.name = name
         self.resumable = resumable
@@ -172,6 +197,13 @@ class Shared:
         self.idempotent = idempotent
         self.torch = torch
         self.streaming = inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func)
+        self.inputs = _takes_inputs(func) if inputs is None else bool(inputs)
+        if self.inputs and not self.streaming:
+            raise TypeError(
+                f"{name}: a function that takes inputs is a generator (it yields its results)"
+            )
+        if self.inputs and resumable:
+            raise TypeError(f"{name}: a function that takes inputs cannot be resumable")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
@@ -199,12 +231,17 @@ class Shared:
     def native_handler(self) -> Callable:
         """What the native layer calls: ``(value, flag)`` to a result (or an iterator)."""
 
-        def handle(value: Any, flag: Any, start: int) -> Any:
+        def handle(value: Any, flag: Any, start: int, inputs: Any = None) -> Any:
             args, kwargs = _unpack(value)
             args = [_decode(a, self.torch) for a in args]
             kwargs = {k: _decode(v, self.torch) for k, v in kwargs.items()}
             if self.resumable:
                 kwargs["start"] = start
+            if self.inputs:
+                items = (_decode(v, self.torch) for v in inputs)
+                if inspect.isasyncgenfunction(self.func):
+                    items = _async_inputs(items)
+                args = [items, *args]
             _local.flag = flag
             try:
                 out = self.func(*args, **kwargs)
@@ -293,11 +330,19 @@ class Function:
             for fut in pending:
                 yield fut.result()
 
-    def stream(self, *args: Any, prefetch: int = 2, **kwargs: Any) -> Iterator[Any]:
+    def stream(self, *args: Any, prefetch: int = 2, inputs: Iterable[Any] | None = None,
+               **kwargs: Any) -> Iterator[Any]:
         """Iterates a streaming function's items, at most ``prefetch`` requested ahead (the
-        server runs no further ahead than that)."""
+        server runs no further ahead than that). With ``inputs`` (an iterable), calls a
+        bidirectional function (``@share(..., inputs=True)``): its handler takes them in
+        order, and each is taken from ``inputs`` (on a thread of the call's own) only as the
+        server asks for it (at most 2 waiting there), so a slow consumer holds both sides'
+        memory flat. An exception ``inputs`` raises is raised here."""
         torch = _uses_torch(args) or _uses_torch(kwargs)
-        handle = self._client._calls().stream(self.name, _pack(args, kwargs), max(1, prefetch))
+        feed = None if inputs is None else (_encode(x) for x in inputs)
+        handle = self._client._calls().stream(
+            self.name, _pack(args, kwargs), max(1, prefetch), feed
+        )
         while True:
             item = handle.next()
             if item is None:
@@ -322,9 +367,15 @@ class AsyncFunction:
         )
         return _place(_decode(got, torch), out, device)
 
-    async def stream(self, *args: Any, prefetch: int = 2, **kwargs: Any):
+    async def stream(self, *args: Any, prefetch: int = 2, inputs: Iterable[Any] | None = None,
+                     **kwargs: Any):
+        """``async for`` over a streaming function's items; ``inputs`` as for
+        :meth:`Function.stream` (a plain iterable: it is read on a thread of its own)."""
         torch = _uses_torch(args) or _uses_torch(kwargs)
-        handle = self._client._calls().stream(self.name, _pack(args, kwargs), max(1, prefetch))
+        feed = None if inputs is None else (_encode(x) for x in inputs)
+        handle = self._client._calls().stream(
+            self.name, _pack(args, kwargs), max(1, prefetch), feed
+        )
         while True:
             item = await handle.next_async()
             if item is None:
