@@ -490,7 +490,7 @@ mod tests {
     #[test]
     fn add_one_results_are_checked() {
         let arg = argument(64).expect("argument");
-        let good = plus_one(&arg);
+        let good = plus_one(&arg).expect("x + 1 of an f32 tensor");
         check("add_one", &arg, &good, true).expect("x + 1");
         check("echo", &arg, &Value::Tensor(arg.clone()), true).expect("echo");
         let mut bad = good.as_tensor().expect("tensor").clone();
