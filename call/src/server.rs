@@ -40,6 +40,11 @@ use crate::value::{Encoded, Lender, Value, read_body};
 /// reads the result; a caller gone meanwhile leaves it to end here).
 pub const RESULT_LOAN_TTL: Duration = Duration::from_secs(30);
 
+/// The longest a stream item lent to its caller waits to be pulled: the caller pulls it when
+/// its consumer gets to it, up to a prefetch later. The call holds the loans and drops those
+/// not pulled when it ends (but for the last items of a stream that ended well).
+pub const STREAM_LOAN_TTL: Duration = Duration::from_secs(600);
+
 /// What a handler's call ends with: a value, or a failure the caller gets as a remote error.
 pub type HandlerResult = Result<Value, RemoteFailure>;
 
@@ -604,7 +609,13 @@ impl Call<'_> {
                     Err(outcome) => return outcome,
                 };
                 match result {
-                    Ok(value) => self.send_item(send, 0, &value).await,
+                    Ok(value) => {
+                        // The caller pulls them as it reads the result, right away.
+                        let (outcome, loans) =
+                            self.send_item(send, 0, &value, RESULT_LOAN_TTL).await;
+                        loans.into_iter().for_each(tb_node::Lent::until_pulled);
+                        outcome
+                    }
                     Err(failure) => Outcome::Failed(failure),
                 }
             }
@@ -637,23 +648,30 @@ impl Call<'_> {
         }
     }
 
-    /// Sends one result item; `Done` when it went out. Its large tensors are lent to a
-    /// caller on this host, which pulls them as it reads the item: the loans outlive this
-    /// call until then (at most [`RESULT_LOAN_TTL`]).
-    async fn send_item(&self, send: &mut SendStream, index: u64, value: &Value) -> Outcome {
+    /// Sends one result item; `Done` when it went out, with the loans of its large tensors
+    /// (lent to a caller on this host for at most `ttl`, which it pulls as it reads the item):
+    /// whoever gets them decides how long they live.
+    async fn send_item(
+        &self,
+        send: &mut SendStream,
+        index: u64,
+        value: &Value,
+        ttl: Duration,
+    ) -> (Outcome, Vec<tb_node::Lent>) {
         let node = self.node.upgrade();
         let mut lender = node
             .as_ref()
-            .map(|node| Lender::new(node, self.caller, RESULT_LOAN_TTL));
+            .map(|node| Lender::new(node, self.caller, ttl));
         let encoded = match Encoded::lending(value, lender.as_mut()) {
             Ok(encoded) => encoded,
             Err(e) => {
-                return Outcome::Failed(RemoteFailure::new(
+                let failure = RemoteFailure::new(
                     FailureKind::Raised,
                     "ValueError",
                     format!("the handler returned a value the wire cannot carry: {e}"),
                     "",
-                ));
+                );
+                return (Outcome::Failed(failure), Vec::new());
             }
         };
         let item = CallFrame::Item {
@@ -661,14 +679,11 @@ impl Call<'_> {
             body_len: encoded.len(),
         };
         if framing::write_frame(send, &item).await.is_err() || encoded.write(send).await.is_err() {
-            return Outcome::Gone;
+            return (Outcome::Gone, Vec::new());
         }
         let lent = lender.as_ref().map_or(0, Lender::lent_bytes);
         self.metrics.bytes("out", encoded.len() + lent);
-        for loan in lender.map(|l| l.loans).unwrap_or_default() {
-            loan.until_pulled();
-        }
-        Outcome::Done
+        (Outcome::Done, lender.map(|l| l.loans).unwrap_or_default())
     }
 
     /// Sends a stream's items as the caller grants credit, and (a bidirectional call, `feed`)
@@ -694,50 +709,71 @@ impl Call<'_> {
             }
         }
         let (events, mut heard) = mpsc::unbounded_channel();
-        let reader = self.read_ups(recv, inputs, events);
-        tokio::pin!(reader);
-        let mut credit: u64 = 0;
-        let mut index = self.head.start;
-        loop {
-            let wait = async {
-                tokio::select! {
-                    biased;
-                    up = heard.recv() => Wake::Up(up),
-                    // It returns once, when the caller's side ended or broke the rules (told
-                    // first): the call ends then, and it is never polled again.
-                    () = &mut reader => Wake::Up(heard.try_recv().ok()),
-                    Some(()) = next_taken(&mut taken) => Wake::Taken,
-                    item = items.recv(), if credit > 0 => Wake::Item(item),
-                }
-            };
-            let wake = match self.alive_while(send, wait).await {
-                Ok(wake) => wake,
-                Err(outcome) => return outcome,
-            };
-            match wake {
-                Wake::Up(Some(Up::Credit(n))) => credit += u64::from(n.min(MAX_CREDIT)),
-                Wake::Up(Some(Up::Failed(failure))) => return Outcome::Failed(failure),
-                Wake::Up(Some(Up::Ended) | None) => return Outcome::Cancelled,
-                Wake::Taken => {
-                    let grant = CallFrame::InputCredit(1);
-                    if framing::write_frame_within(send, &grant, self.stall)
-                        .await
-                        .is_err()
-                    {
-                        return Outcome::Gone;
+        // The reader runs for the whole call, writes included: a caller writing a large input
+        // while this side writes a large item is always read (neither waits on the other).
+        // Once it returns (its last event told), it waits forever; the call ends on that event.
+        let reader = async {
+            self.read_ups(recv, inputs, events).await;
+            std::future::pending::<()>().await
+        };
+        // Items' loans: the caller pulls each as it reads the item, which may be a prefetch
+        // behind; those of an item not pulled when the call ends are dropped, unless it ended
+        // well (the caller still reads what was sent).
+        let mut loans: std::collections::VecDeque<tb_node::Lent> = Default::default();
+        let run = async {
+            let mut credit: u64 = 0;
+            let mut index = self.head.start;
+            loop {
+                let wait = async {
+                    tokio::select! {
+                        up = heard.recv() => Wake::Up(up),
+                        Some(()) = next_taken(&mut taken) => Wake::Taken,
+                        item = items.recv(), if credit > 0 => Wake::Item(item),
                     }
-                }
-                Wake::Item(None) => return Outcome::Done,
-                Wake::Item(Some(Err(failure))) => return Outcome::Failed(failure),
-                Wake::Item(Some(Ok(value))) => match self.send_item(send, index, &value).await {
-                    Outcome::Done => {
+                };
+                let wake = match self.alive_while(send, wait).await {
+                    Ok(wake) => wake,
+                    Err(outcome) => return outcome,
+                };
+                match wake {
+                    Wake::Up(Some(Up::Credit(n))) => credit += u64::from(n.min(MAX_CREDIT)),
+                    Wake::Up(Some(Up::Failed(failure))) => return Outcome::Failed(failure),
+                    Wake::Up(Some(Up::Ended) | None) => return Outcome::Cancelled,
+                    Wake::Taken => {
+                        let grant = CallFrame::InputCredit(1);
+                        if framing::write_frame_within(send, &grant, self.stall)
+                            .await
+                            .is_err()
+                        {
+                            return Outcome::Gone;
+                        }
+                    }
+                    Wake::Item(None) => return Outcome::Done,
+                    Wake::Item(Some(Err(failure))) => return Outcome::Failed(failure),
+                    Wake::Item(Some(Ok(value))) => {
+                        let sent = self.send_item(send, index, &value, STREAM_LOAN_TTL).await;
+                        let (outcome, lent) = sent;
+                        if !matches!(outcome, Outcome::Done) {
+                            return outcome;
+                        }
+                        while loans.front().is_some_and(tb_node::Lent::ended) {
+                            loans.pop_front();
+                        }
+                        loans.extend(lent);
                         credit -= 1;
                         index += 1;
                     }
-                    other => return other,
-                },
+                }
             }
+        };
+        let outcome = tokio::select! {
+            outcome = run => outcome,
+            () = reader => Outcome::Cancelled,
+        };
+        if matches!(outcome, Outcome::Done) {
+            loans.into_iter().for_each(tb_node::Lent::until_pulled);
         }
+        outcome
     }
 
     /// Reads what the caller sends on a streaming call until its side ends (then returns):

@@ -173,7 +173,11 @@ where
     let mut buffer = alloc(&started.meta)?;
     let dest = buffer.as_mut();
     check_len(&started.what, dest.len(), &started.meta)?;
-    let stripes = quic::stripes_for(ctx, &started._link, &started.meta);
+    // A loan is served once: its bytes come on this one stream.
+    let stripes = match crate::is_lent_name(&name) {
+        true => 1,
+        false => quic::stripes_for(ctx, &started._link, &started.meta),
+    };
     let hash = if stripes > 1 {
         let pull = quic::Striped {
             link: &started._link,

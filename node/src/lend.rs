@@ -7,7 +7,10 @@
 //! pass as the tensor's sealed memfd, with no copy).
 //!
 //! One pull per loan: the serving side takes the loan out as it answers, so a loan never
-//! outlives its use, and a handle let go costs nothing once pulled.
+//! outlives its use, and a handle let go costs nothing once pulled. A loan is served on the
+//! stream it is asked on: never striped, never by a TCP ticket. Loans let go and never
+//! pulled (their peer went) are swept out within about a second of their time, by the next
+//! use or by the node's sweeper ([`Loans::sweep`]).
 //!
 //! A loan is never in the store: it is not published, counted, evicted or listed, and a
 //! pull of its name by anyone else (or after it ended) is answered `NotFound`, as for a
@@ -29,11 +32,11 @@ pub use tb_proto::LEND_PREFIX;
 /// Most loans a node keeps at once; more are refused (`Busy`) until some end.
 pub const MAX_LOANS: usize = 1 << 16;
 
-/// Above this many loans, each new one first sweeps out those whose time is up.
-const SWEEP_ABOVE: usize = 256;
-
 /// The version a lent tensor is pulled as.
 pub const LENT_VERSION: u64 = 1;
+
+/// How often loans whose time is up are swept out (on use, and by the node's sweeper).
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 struct Loan {
     peer: EndpointId,
@@ -41,19 +44,54 @@ struct Loan {
     until: Instant,
 }
 
+#[derive(Default)]
+struct State {
+    loans: HashMap<TensorName, Loan>,
+    /// When loans whose time was up were last swept out.
+    swept: Option<Instant>,
+}
+
+impl State {
+    /// Takes out the loans whose time is up, at most once per [`SWEEP_EVERY`] (the caller
+    /// drops them outside the lock: a last reference may unmap a large region).
+    fn sweep(&mut self, now: Instant) -> Vec<Loan> {
+        if self
+            .swept
+            .is_some_and(|at| now.duration_since(at) < SWEEP_EVERY)
+        {
+            return Vec::new();
+        }
+        self.swept = Some(now);
+        let ended: Vec<TensorName> = (self.loans.iter())
+            .filter(|(_, loan)| loan.until <= now)
+            .map(|(name, _)| name.clone())
+            .collect();
+        ended
+            .iter()
+            .filter_map(|name| self.loans.remove(name))
+            .collect()
+    }
+}
+
 /// The loans of one node.
 #[derive(Clone, Default)]
-pub(crate) struct Loans(Arc<Mutex<HashMap<TensorName, Loan>>>);
+pub(crate) struct Loans(Arc<Mutex<State>>);
 
 impl std::fmt::Debug for Loans {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Loans({})", self.map().len())
+        write!(f, "Loans({})", self.state().loans.len())
     }
 }
 
 impl Loans {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<TensorName, Loan>> {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Drops the loans whose time is up (the node's sweeper calls it every [`SWEEP_EVERY`]).
+    pub(crate) fn sweep(&self) {
+        let ended = self.state().sweep(Instant::now());
+        drop(ended);
     }
 
     /// Lends `tensor` to `peer` for at most `ttl`, under a new private name.
@@ -71,25 +109,22 @@ impl Loans {
         let until = now
             .checked_add(ttl)
             .unwrap_or(now + Duration::from_secs(86_400));
-        let mut map = self.map();
-        // Loans let go and never pulled end at their time: swept as new ones come.
-        if map.len() >= SWEEP_ABOVE {
-            map.retain(|_, loan| loan.until > now);
-        }
-        if map.len() >= MAX_LOANS {
+        let meta = tensor.meta().clone();
+        let mut state = self.state();
+        let ended = state.sweep(now);
+        if state.loans.len() >= MAX_LOANS {
             return Err(Error::Busy(format!(
                 "{MAX_LOANS} tensors are lent already: try again when calls end"
             )));
         }
-        let meta = tensor.meta().clone();
-        map.insert(
-            name.clone(),
-            Loan {
-                peer,
-                tensor,
-                until,
-            },
-        );
+        let loan = Loan {
+            peer,
+            tensor,
+            until,
+        };
+        state.loans.insert(name.clone(), loan);
+        drop(state);
+        drop(ended);
         Ok(Lent {
             name,
             meta,
@@ -104,18 +139,18 @@ impl Loans {
     /// anyone else, after its time, or once pulled (answered like a name nobody holds); `None`
     /// when `name` is no lent name (look in the store).
     pub(crate) fn take(&self, peer: &EndpointId, name: &TensorName) -> Option<Result<Tensor, ()>> {
-        if !name.as_str().starts_with(LEND_PREFIX) {
+        if !is_lent_name(name) {
             return None;
         }
-        let mut map = self.map();
-        let Some(loan) = map.get(name) else {
+        let mut state = self.state();
+        let Some(loan) = state.loans.get(name) else {
             return Some(Err(()));
         };
         if loan.peer != *peer {
             return Some(Err(()));
         }
-        let loan = map.remove(name)?;
-        drop(map);
+        let loan = state.loans.remove(name)?;
+        drop(state);
         Some(match loan.until > Instant::now() {
             true => Ok(loan.tensor),
             false => Err(()),
@@ -125,7 +160,18 @@ impl Loans {
     /// Loans that are live now.
     pub(crate) fn len(&self) -> usize {
         let now = Instant::now();
-        self.map().values().filter(|l| l.until > now).count()
+        (self.state().loans.values())
+            .filter(|l| l.until > now)
+            .count()
+    }
+
+    fn holds(&self, name: &TensorName) -> bool {
+        self.state().loans.contains_key(name)
+    }
+
+    fn end(&self, name: &TensorName) {
+        let removed = self.state().loans.remove(name);
+        drop(removed);
     }
 }
 
@@ -162,6 +208,11 @@ impl Lent {
     pub fn peer(&self) -> EndpointId {
         self.peer
     }
+
+    /// Whether the loan ended: pulled, or its time up and swept out.
+    pub fn ended(&self) -> bool {
+        !self.loans.holds(&self.name)
+    }
 }
 
 impl std::fmt::Debug for Lent {
@@ -176,12 +227,9 @@ impl std::fmt::Debug for Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        if self.let_go {
-            return;
+        if !self.let_go {
+            self.loans.end(&self.name);
         }
-        let removed = self.loans.map().remove(&self.name);
-        // The tensor's last reference may unmap a large region: dropped outside the lock.
-        drop(removed);
     }
 }
 

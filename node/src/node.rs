@@ -151,6 +151,8 @@ impl Node {
             .spawn();
         ctx.tracker
             .spawn(ctx.metrics.clone().run_sampler(ctx.cancel.clone()));
+        ctx.tracker
+            .spawn(sweep_loans(ctx.loans.clone(), ctx.cancel.clone()));
         let cluster = cluster::start(&ctx, &addr, evictions);
         debug!(node = %addr, brokers = ctx.config.brokers.len(), "node started");
         let node = Node {
@@ -666,6 +668,20 @@ impl Node {
     /// A guard on a pooled link to `addr`, dialing it if needed (one dial per peer at a time).
     pub(crate) async fn link(&self, addr: &PeerAddr) -> Result<LinkGuard> {
         Ok(self.inner.pool.acquire(addr).await?)
+    }
+}
+
+/// Sweeps out loans whose time is up every [`SWEEP_EVERY`](crate::lend::SWEEP_EVERY) until
+/// the node stops: what was let go and never pulled (its peer went) is freed without waiting
+/// for the next loan.
+async fn sweep_loans(loans: crate::lend::Loans, cancel: tokio_util::sync::CancellationToken) {
+    let mut every = tokio::time::interval(crate::lend::SWEEP_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            _ = every.tick() => loans.sweep(),
+        }
     }
 }
 

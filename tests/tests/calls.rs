@@ -612,8 +612,8 @@ fn running_sum(_args: Value, cx: tb_call::CallContext) -> Output {
 async fn a_bidirectional_call_streams_inputs_in_and_results_out_with_bounded_memory() {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path()).await;
-    let (_s, server) = calls(same_host_worker(&broker)).await;
-    let (_c, caller) = calls(same_host_worker(&broker)).await;
+    let (server_node, server) = calls(same_host_worker(&broker)).await;
+    let (caller_node, caller) = calls(same_host_worker(&broker)).await;
     let spec = FunctionSpec::new("sum").expect("name").inputs(true);
     let _serving = within(LIMIT, "serve", server.serve(spec, running_sum))
         .await
@@ -672,6 +672,34 @@ async fn a_bidirectional_call_streams_inputs_in_and_results_out_with_bounded_mem
     }
     assert!(within(LIMIT, "end", stream.next()).await.is_none());
 
+    // A stream dropped with lent items not read yet: their loans end with the call.
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let sent = inputs.clone();
+    tokio::spawn(async move {
+        for bytes in sent {
+            let t = HostTensor::new(DType::U8, vec![1 << 20], bytes).expect("t");
+            if tx.send(Value::Tensor(t)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut stream = within(
+        LIMIT,
+        "start",
+        caller.stream_inputs("sum", &Value::None, rx, 4),
+    )
+    .await
+    .expect("starts");
+    within(LIMIT, "item", stream.next())
+        .await
+        .expect("item")
+        .expect("ok");
+    drop(stream);
+    let none_left = eventually_async(LIMIT, || async {
+        server_node.loans() == 0 && caller_node.loans() == 0
+    });
+    assert!(none_left.await, "the dropped stream's loans ended");
+
     // A consumer that stops reading stops the inputs: of 1,000 offered, a bounded few move.
     let fed = Arc::new(AtomicU32::new(0));
     let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -710,6 +738,44 @@ async fn a_bidirectional_call_streams_inputs_in_and_results_out_with_bounded_mem
         .await
         .expect("starts");
     assert!(within(LIMIT, "end", plain.next()).await.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bidirectional_call_with_large_items_both_ways_on_the_quic_stream_never_stalls() {
+    // Inputs and results of 4 MiB on one QUIC stream (no shm: nothing is lent): the server
+    // reads inputs while it writes results, so neither side waits on the other's window.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (_s, server) = calls(worker(&broker)).await;
+    let (_c, caller) = calls(worker(&broker)).await;
+    let spec = FunctionSpec::new("sum").expect("name").inputs(true);
+    let _serving = within(LIMIT, "serve", server.serve(spec, running_sum))
+        .await
+        .expect("serves");
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    tokio::spawn(async move {
+        for k in 0..8u8 {
+            let t = HostTensor::new(DType::U8, vec![4 << 20], vec![k; 4 << 20]).expect("t");
+            if tx.send(Value::Tensor(t)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut stream = within(
+        LIMIT,
+        "start",
+        caller.stream_inputs("sum", &Value::None, rx, 2),
+    )
+    .await
+    .expect("starts");
+    for k in 0..8u8 {
+        let item = within(LIMIT, "item", stream.next()).await.expect("an item");
+        let item = item.expect("a result");
+        let t = item.as_tensor().expect("a tensor");
+        assert!(t.node_tensor().is_none(), "read off the stream, not lent");
+        assert!(t.data.iter().all(|&b| b == k + 1), "item {k}");
+    }
+    assert!(within(LIMIT, "end", stream.next()).await.is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,7 +58,8 @@ fn ticket(
     sockets: u8,
 ) -> Option<DataResponse> {
     let tcp = ctx.channels.tcp()?;
-    if ctx.upload.is_some() {
+    // A loan is served once, on the stream it is asked on (a ticket is redeemed apart).
+    if ctx.upload.is_some() || crate::is_lent_name(name) {
         return None;
     }
     let (version, tensor) = match lookup(ctx, peer, name, version) {
