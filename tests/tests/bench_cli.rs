@@ -110,8 +110,14 @@ fn bench_call_prints_the_promised_json() {
     ]);
     assert_eq!(v.as_object().map(|o| o.len()), Some(1), "{v}");
     let cases = v["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 2 * 2 * 2 * 2, "{v}");
-    for servers in [1, 2] {
+    // Two systems (the default channels, and QUIC only) x servers x ops x sizes x concurrency.
+    assert_eq!(cases.len(), 2 * 2 * 2 * 2 * 2, "{v}");
+    let each = [1, 2].into_iter().flat_map(|servers| {
+        ["tensor-broker", "tensor-broker-quic"]
+            .into_iter()
+            .map(move |system| (servers, system))
+    });
+    for (servers, system) in each {
         for op in ["echo", "add_one"] {
             for size in [4096, 65536] {
                 for concurrency in [1, 4] {
@@ -119,14 +125,15 @@ fn bench_call_prints_the_promised_json() {
                         .iter()
                         .filter(|c| {
                             c["servers"] == servers
+                                && c["system"] == system
                                 && c["op"] == op
                                 && c["size_bytes"] == size
                                 && c["concurrency"] == concurrency
                         })
                         .collect();
-                    assert_eq!(found.len(), 1, "{servers} {op} {size} {concurrency}: {v}");
+                    let what = format!("{system} {servers} {op} {size} {concurrency}");
+                    assert_eq!(found.len(), 1, "{what}: {v}");
                     let case = found[0];
-                    assert_eq!(case["system"], "tensor-broker-quic");
                     positive(&case["calls_per_s"], "calls_per_s");
                     let p50 = positive(&case["p50_us"], "p50_us");
                     let p99 = positive(&case["p99_us"], "p99_us");
