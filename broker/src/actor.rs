@@ -653,6 +653,15 @@ mod tests {
             })
             .await;
             assert!(matches!(announced, Ok(Ok(()))), "publish {version}");
+            // The broker answers an announce before it fans the events out: one more round
+            // trip to the actor means that fan-out is done.
+            let listed = ask(&actor, LIMIT, |reply| BrokerMsg::List {
+                prefix: String::new(),
+                limit: 1,
+                reply,
+            })
+            .await;
+            assert!(listed.is_ok(), "a round trip after v{version}");
             // Two fit; the third finds the buffer full and ends the subscription.
             assert_eq!(lagged.is_cancelled(), version >= 3, "after v{version}");
         }
