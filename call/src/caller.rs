@@ -299,12 +299,7 @@ impl Caller {
         args: &Value,
         mut head: CallHead,
     ) -> Result<(RequestStream, Declared, Vec<tb_node::Lent>), CallError> {
-        let lost = |reason: String, maybe_ran| CallError::ServerLost {
-            function: function.to_string(),
-            server: server.id.fmt_short().to_string(),
-            maybe_ran,
-            reason,
-        };
+        let lost = |reason: String, maybe_ran| server_lost(function, server, maybe_ran, reason);
         let ttl = head.deadline_ms.map_or(ARGS_LOAN_TTL, |ms| {
             Duration::from_millis(ms).min(ARGS_LOAN_TTL)
         });
@@ -434,15 +429,8 @@ impl Caller {
             body_len: encoded.len(),
         };
         self.write_up(function, server, send, &up).await?;
-        encoded
-            .write(send)
-            .await
-            .map_err(|reason| CallError::ServerLost {
-                function: function.to_string(),
-                server: server.id.fmt_short().to_string(),
-                maybe_ran: true,
-                reason,
-            })?;
+        let written = encoded.write(send).await;
+        written.map_err(|reason| server_lost(function, server, true, reason))?;
         self.metrics
             .bytes("out", encoded.len() + lender.lent_bytes());
         for loan in std::mem::take(&mut lender.loans) {
@@ -461,12 +449,7 @@ impl Caller {
     ) -> Result<(), CallError> {
         framing::write_frame(send, up)
             .await
-            .map_err(|e| CallError::ServerLost {
-                function: function.to_string(),
-                server: server.id.fmt_short().to_string(),
-                maybe_ran: true,
-                reason: e.to_string(),
-            })
+            .map_err(|e| server_lost(function, server, true, e.to_string()))
     }
 
     /// Reads a call's frames up to its next item (`Some`) or its end (`None`), adding the
@@ -479,13 +462,7 @@ impl Caller {
         recv: &mut iroh::endpoint::RecvStream,
         input_credit: Option<&Semaphore>,
     ) -> Result<Option<(u64, Value)>, CallError> {
-        let server = server.clone();
-        let lost = |reason: String| CallError::ServerLost {
-            function: function.to_string(),
-            server: server.id.fmt_short().to_string(),
-            maybe_ran: true,
-            reason,
-        };
+        let lost = |reason: String| server_lost(function, server, true, reason);
         let liveness = Duration::from_millis(LIVENESS_TIMEOUT_MS);
         // The server's frames for this call can wait behind other streams' bytes on a busy
         // link (many large results at once): silence here is tolerated while the link as a
@@ -519,7 +496,7 @@ impl Caller {
             }
         };
         let CallFrame::Item { index, body_len } = frame else {
-            return self.ended(function, &server, frame);
+            return self.ended(function, server, frame);
         };
         let max = self.node.config().max_tensor_bytes;
         if body_len > max {
@@ -646,11 +623,21 @@ fn refusal(function: &TensorName, server: &PeerAddr, code: ErrorCode, detail: St
         }
         ErrorCode::Unauthorized => CallError::Unauthorized { function, detail },
         ErrorCode::TooLarge => CallError::BadValue { function, detail },
-        _ => CallError::ServerLost {
-            function,
-            server: server.id.fmt_short().to_string(),
-            maybe_ran: false,
-            reason: format!("{code:?}: {detail}"),
-        },
+        _ => server_lost(&function, server, false, format!("{code:?}: {detail}")),
+    }
+}
+
+/// `server` was lost on a call of `function` (it may have run the call when `maybe_ran`).
+fn server_lost(
+    function: &(impl std::fmt::Display + ?Sized),
+    server: &PeerAddr,
+    maybe_ran: bool,
+    reason: String,
+) -> CallError {
+    CallError::ServerLost {
+        function: function.to_string(),
+        server: server.id.fmt_short().to_string(),
+        maybe_ran,
+        reason,
     }
 }

@@ -401,7 +401,7 @@ pub async fn read_body(
 impl ReadBody {
     /// The bytes of the tensors the body names as lent (to pull from its sender).
     pub fn lent_bytes(&self) -> u64 {
-        let slots = lent_slots(&self.skeleton).into_iter();
+        let slots = self.skeleton.lent().into_iter();
         slots
             .filter_map(|(slot, _)| byte_len_for(slot.dtype, &slot.shape).ok())
             .sum()
@@ -415,7 +415,7 @@ impl ReadBody {
         sender: EndpointId,
     ) -> Result<Value, ReadError> {
         let mut lent = Vec::new();
-        for (slot, name) in lent_slots(&self.skeleton) {
+        for (slot, name) in self.skeleton.lent() {
             let tensor = node
                 .pull_lent(sender, name)
                 .await
@@ -434,21 +434,6 @@ impl ReadBody {
         let (mut buffers, mut lent) = (self.buffers.into_iter(), lent.into_iter());
         Ok(fill(self.skeleton, &mut buffers, &mut lent))
     }
-}
-
-/// The lent slots of a skeleton, in tree order.
-fn lent_slots(skeleton: &Skeleton) -> Vec<(&TensorSlot, &TensorName)> {
-    fn walk<'a>(value: &'a Skeleton, out: &mut Vec<(&'a TensorSlot, &'a TensorName)>) {
-        match value {
-            Skeleton::Lent { slot, name } => out.push((slot, name)),
-            Skeleton::List(items) => items.iter().for_each(|v| walk(v, out)),
-            Skeleton::Map(items) => items.iter().for_each(|(_, v)| walk(v, out)),
-            _ => {}
-        }
-    }
-    let mut out = Vec::new();
-    walk(skeleton, &mut out);
-    out
 }
 
 /// The value of a checked skeleton with its tensors' bytes and its lent tensors (pulled), each

@@ -384,16 +384,32 @@ impl Value {
 
     /// The tensor slots in tree order: the order their bytes follow the skeleton in.
     pub fn tensors(&self) -> Vec<&TensorSlot> {
-        fn walk<'a>(value: &'a Value, out: &mut Vec<&'a TensorSlot>) {
+        self.leaves(|v| match v {
+            Value::Tensor(slot) => Some(slot),
+            _ => None,
+        })
+    }
+
+    /// The lent tensors' slots and names in tree order: what the reader pulls from the
+    /// sender.
+    pub fn lent(&self) -> Vec<(&TensorSlot, &TensorName)> {
+        self.leaves(|v| match v {
+            Value::Lent { slot, name } => Some((slot, name)),
+            _ => None,
+        })
+    }
+
+    /// What `pick` takes of each value in tree order, lists and maps walked into.
+    fn leaves<'a, T>(&'a self, pick: impl Fn(&'a Value) -> Option<T>) -> Vec<T> {
+        fn walk<'a, T>(value: &'a Value, pick: &impl Fn(&'a Value) -> Option<T>, out: &mut Vec<T>) {
             match value {
-                Value::Tensor(slot) => out.push(slot),
-                Value::List(items) => items.iter().for_each(|v| walk(v, out)),
-                Value::Map(items) => items.iter().for_each(|(_, v)| walk(v, out)),
-                _ => {}
+                Value::List(items) => items.iter().for_each(|v| walk(v, pick, out)),
+                Value::Map(items) => items.iter().for_each(|(_, v)| walk(v, pick, out)),
+                leaf => out.extend(pick(leaf)),
             }
         }
         let mut out = Vec::new();
-        walk(self, &mut out);
+        walk(self, &pick, &mut out);
         out
     }
 }

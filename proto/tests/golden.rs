@@ -752,6 +752,17 @@ fn call_messages() {
         lent.validate().map(|s| (s.tensors, s.tensor_bytes)),
         Ok((1, 0))
     );
+    // Pulled, not read off the body: listed by `lent()`, not `tensors()`, in tree order.
+    let one_byte = Value::Tensor(TensorSlot {
+        dtype: DType::U8,
+        shape: vec![1],
+    });
+    let both = Value::List(vec![Value::Map(vec![("a".into(), lent.clone())]), one_byte]);
+    assert_eq!(both.tensors().len(), 1);
+    let names: Vec<_> = (both.lent().into_iter())
+        .map(|(_, n)| n.as_str().to_owned())
+        .collect();
+    assert_eq!(names, [".tb/lend/ab"]);
     let not_lent = Value::Lent {
         slot: TensorSlot {
             dtype: DType::U8,

@@ -298,6 +298,54 @@ def test_cancelling_the_awaiting_task_cancels_the_handler(cluster: tb.LocalClust
             assert saw_cancel.wait(LIMIT_S), "an asyncio cancel did not reach the handler"
 
 
+def test_cancelling_a_bidirectional_stream_ends_its_handler_and_its_inputs(
+    cluster: tb.LocalCluster,
+) -> None:
+    closed = threading.Event()
+    offered = [0]
+    got: list[int] = []
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("bidi/echo", inputs=True)
+        def echo_each(items):
+            try:
+                for x in items:
+                    yield x
+            finally:
+                closed.set()
+
+        def endless():
+            while True:
+                offered[0] += 1
+                yield np.full(4, offered[0], np.float32)
+
+        with server.serving():
+
+            async def main() -> None:
+                async with await cluster.connect_async() as client:
+
+                    async def consume() -> None:
+                        async for y in client.function("bidi/echo").stream(inputs=endless()):
+                            got.append(int(y[0]))
+
+                    task = asyncio.ensure_future(consume())
+                    while len(got) < 3:
+                        await asyncio.sleep(0.01)
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                    assert got[:3] == [1, 2, 3]
+
+            asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+            assert closed.wait(LIMIT_S), "the cancel did not end the handler's inputs"
+            taken = offered[0]
+            time.sleep(0.3)
+            assert offered[0] == taken, "inputs were still taken after the cancel"
+            # Ahead of what was consumed, at most: 2 prefetched results, the handler's item and
+            # channel, 2 inputs waiting on the server, the caller's input channel and feeder.
+            assert taken <= len(got) + 10, f"{taken} inputs taken for {len(got)} results"
+
+
 def test_bidirectional_functions_take_a_stream_of_inputs(cluster: tb.LocalCluster) -> None:
     from typing import AsyncIterator, Iterator
 
