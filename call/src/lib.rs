@@ -14,7 +14,10 @@
 //!   service that answers calls;
 //! - `caller`: choosing a server (cached lists, the less loaded of two), one attempt, and
 //!   the retry rule;
-//! - [`metrics`]: calls by side and result, durations, in flight, bytes.
+//! - [`metrics`]: calls by side and result, durations, in flight, bytes;
+//! - [`pipeline`]: data-loading streams built in Rust ([`Pipeline`]): streaming calls,
+//!   subscriptions or channels as sources; `map` (local or remote), `interleave`,
+//!   `prefetch` and `batch` (one buffer per tensor position).
 //!
 //! How a call flows: the caller looks the function's servers up (a broker's `Servers`
 //! answer, cached for [`caller::STALE`]), picks one, opens a stream on the pooled link and
@@ -43,6 +46,7 @@
 pub mod caller;
 mod error;
 pub mod metrics;
+pub mod pipeline;
 mod server;
 pub mod value;
 
@@ -53,6 +57,7 @@ use tb_proto::{RequestKind, TensorName, call::CallHead};
 
 pub use caller::CallOptions;
 pub use error::CallError;
+pub use pipeline::{Pipeline, PipelineError};
 pub use server::{CallContext, FunctionSpec, Handler, HandlerResult, Inputs, Output};
 pub use tb_proto::call::{FailureKind, Load, RemoteFailure};
 pub use value::{HostTensor, Value};

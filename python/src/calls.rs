@@ -88,7 +88,7 @@ pub struct TensorOut {
     shape: Vec<u64>,
 }
 
-fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
+pub(crate) fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     if depth > MAX_DEPTH {
         return Err(PyValueError::new_err(format!(
             "a value nested deeper than {MAX_DEPTH} levels"
@@ -172,7 +172,7 @@ fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     )))
 }
 
-fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
+pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
     Ok(match value {
         Value::None => py.None(),
         Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
@@ -367,7 +367,7 @@ fn stream_items(
 }
 
 /// The exception a call error is (classes in `tensor_broker._errors`).
-fn call_error(e: CallError) -> PyErr {
+pub(crate) fn call_error(e: CallError) -> PyErr {
     Python::attach(|py| {
         let made = (|| -> PyResult<PyErr> {
             let module = py.import("tensor_broker._errors")?;
@@ -408,7 +408,7 @@ fn call_error(e: CallError) -> PyErr {
 }
 
 /// A call's options from Python's `timeout` (seconds) and `idempotent`.
-fn call_options(timeout: Option<f64>, idempotent: bool) -> PyResult<CallOptions> {
+pub(crate) fn call_options(timeout: Option<f64>, idempotent: bool) -> PyResult<CallOptions> {
     Ok(CallOptions {
         timeout: runtime::seconds(timeout)?,
         idempotent,
@@ -425,6 +425,10 @@ impl CallsHandle {
     pub(crate) fn attach(node: &tb_node::Node) -> PyResult<Self> {
         let calls = Calls::attach(node).map_err(errors::to_py)?;
         Ok(CallsHandle { calls })
+    }
+
+    pub(crate) fn calls(&self) -> &Calls {
+        &self.calls
     }
 }
 

@@ -14,6 +14,7 @@
 //! - `subscription`: versions of matching names as `Event`s, skips folded in.
 //! - `calls`: remote functions (serve Python callables, call by name), Python values to and
 //!   from `tb_call::Value`.
+//! - `stream`: `tb_call::Pipeline`s (data-loading streams) built and read from Python.
 //! - `cluster`: [`cluster::LocalCluster`], a broker (and workers) in this process.
 //! - `errors`: `tb_node::Error` as the package's exception classes.
 
@@ -24,6 +25,7 @@ mod cluster;
 mod errors;
 mod node;
 mod runtime;
+mod stream;
 mod subscription;
 
 use pyo3::prelude::*;
@@ -47,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<calls::RefArg>()?;
     m.add_class::<calls::TensorOut>()?;
     m.add_class::<calls::CancelFlag>()?;
+    m.add_class::<stream::StreamHandle>()?;
     m.add("CUDA_COMPILED", tb_node::CUDA_COMPILED)?;
     Ok(())
 }

@@ -106,3 +106,27 @@ def test_the_grpc_message_round_trips() -> None:
         back = _bench_call.grpc_decode(_bench_call.grpc_encode(arr))
         assert back.dtype == arr.dtype and back.shape == arr.shape
         assert back.tobytes() == arr.tobytes()
+
+
+def test_the_loaders_compare_tb_stream_with_dataloader(report: dict) -> None:
+    if not _imports("torch"):
+        assert report["loaders"] == [] and any("DataLoader" in n for n in report["notes"])
+        return
+    systems = [r["system"] for r in report["loaders"]]
+    assert systems == ["torch-dataloader", "tensor-broker (batches)", "tensor-broker (samples)"]
+    for r in report["loaders"]:
+        assert r["op"] == "loader" and r["loaders"] == 4 and r["batch"] == 32, r
+        assert r["batches"] == 12 and r["batches_per_s"] > 0, r
+        assert 0 <= r["wait_share"] <= 1, r
+
+
+def test_the_loader_check_catches_wrong_bytes() -> None:
+    from tensor_broker import _bench_loader
+
+    x, y = _bench_loader.make_batch(3)
+    assert x.shape == (32, 3, _bench_loader.SIDE, _bench_loader.SIDE)
+    assert y.tolist() == list(range(96, 128))
+    _bench_loader.check(x, y, 96)
+    x[0, 1, 2, 3] += 1
+    with pytest.raises(BenchError, match="wrong bytes"):
+        _bench_loader.check(x, y, 96)

@@ -34,6 +34,7 @@ from ._errors import (
 )
 from ._functions import Function, Ref, cancelled
 from ._native import CUDA_COMPILED, Buffer, Entry
+from ._stream import Stream
 
 __all__ = [
     "connect",
@@ -55,6 +56,7 @@ __all__ = [
     "ServerLost",
     "Function",
     "Ref",
+    "Stream",
     "cancelled",
     "CUDA_COMPILED",
 ]

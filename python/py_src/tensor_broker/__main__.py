@@ -1,4 +1,4 @@
-"""``python -m tensor_broker``: ``bench``, ``bench call`` (and the benchmarks' internal
+"""``python -m tensor_broker``: ``bench``, ``bench call``, ``bench loader`` (and the benchmarks' internal
 steps)."""
 
 from __future__ import annotations
@@ -9,6 +9,13 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "loader"] or argv[:1] == ["_bench-loader-server"]:
+        # tb.Stream loaders vs torch's DataLoader.
+        from . import _bench_loader
+
+        if argv[:1] == ["_bench-loader-server"]:
+            return _bench_loader.serve(argv[1:])
+        return _bench_loader.main(argv[2:])
     if argv[:2] == ["bench", "call"] or argv[:1] in (["_bench-call-server"],
                                                       ["_bench-call-caller"]):
         # Remote calls vs gRPC and ZeroMQ (its own parser: ``bench``'s options are unchanged).
@@ -28,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tensor_broker",
         epilog="python -m tensor_broker bench call [--json] [--quick] [--no-install]: remote "
-        "calls (echo, add_one, streaming) vs gRPC and ZeroMQ between processes")
+        "calls (echo, add_one, streaming) vs gRPC and ZeroMQ between processes, and tb.Stream "
+        "loaders vs torch's DataLoader; python -m tensor_broker bench loader [--json] [--quick]: "
+        "the loaders only")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",

@@ -737,8 +737,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-install", action="store_true",
                         help="skip gRPC / ZeroMQ when grpcio / pyzmq is missing instead of "
                         "pip-installing it")
+    parser.add_argument("--no-loader", action="store_true",
+                        help="skip the data-loading comparison (tb.Stream vs torch's "
+                        "DataLoader; also `bench loader` on its own)")
     args = parser.parse_args(argv)
-    from . import LocalCluster
+    from . import LocalCluster, _bench_loader
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = plan(args.quick)
@@ -776,6 +779,12 @@ def main(argv: list[str]) -> int:
             finally:
                 # Before the cluster goes: every child, by its PID past a grace period.
                 _stop_all(children, 2.0 if failed else 15.0)
+        loaders: list[dict[str, Any]] = []
+        if args.no_loader:
+            notes.append("data loading: skipped (--no-loader)")
+        elif ensure_module("torch", "torch", "torch's DataLoader", not args.no_install, notes):
+            loaders = _bench_loader.run(args.quick, lambda line: print(
+                f"loader: {line}", file=sys.stderr, flush=True))
     except BenchError as e:
         print(f"bench call failed: {e}", file=sys.stderr)
         return 1
@@ -784,8 +793,9 @@ def main(argv: list[str]) -> int:
         return 130
     rep = {"quick": args.quick, "systems": systems, "seconds_per_case": p["seconds"],
            "min_calls_per_thread": {str(k): v for k, v in p["min_calls"].items()},
-           "cases": cases, "dropped": dropped, "notes": notes}
-    print(json.dumps(rep, indent=2) if args.json else _table(rep))
+           "cases": cases, "dropped": dropped, "notes": notes, "loaders": loaders}
+    print(json.dumps(rep, indent=2) if args.json else _table(rep) + (
+        "\n\n" + _bench_loader.table(loaders) if loaders else ""))
     broken = [c for c in cases if "error" in c]
     if broken:
         print(f"bench call: {len(broken)} case(s) FAILED (their calls raised; figures "

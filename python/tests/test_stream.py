@@ -1,0 +1,181 @@
+"""``tb.Stream``: data-loading streams from streaming calls, subscriptions and Python
+iterables, through maps (local and remote), interleaving, prefetching and batching, read with
+``for`` and ``async for``. Items and batches are checked element for element; errors keep
+their type; a combined stream is spent."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import tensor_broker as tb
+
+LIMIT_S = 30
+
+
+def sample(i: int) -> dict:
+    """One synthetic sample: an image-like array and a label derived from ``i``."""
+    rng = np.random.default_rng(i)
+    return {"x": rng.integers(0, 255, (3, 8, 8), dtype=np.uint8), "y": i}
+
+
+def test_an_iterable_batched_in_rust_stacks_like_default_collate() -> None:
+    stream = tb.Stream(sample(i) for i in range(10)).batch(4).prefetch(2)
+    batches = list(stream)
+    assert [b["x"].shape for b in batches] == [(4, 3, 8, 8), (4, 3, 8, 8), (2, 3, 8, 8)]
+    for k, b in enumerate(batches):
+        want = np.stack([sample(i)["x"] for i in range(4 * k, min(4 * k + 4, 10))])
+        np.testing.assert_array_equal(b["x"], want)
+        assert b["y"].dtype == np.int64
+        assert b["y"].tolist() == list(range(4 * k, min(4 * k + 4, 10)))
+    # The batch is the consumer's own memory: in-place ops work.
+    batches[0]["x"] += 1
+    # drop_last drops the short one.
+    assert len(list(tb.Stream(sample(i) for i in range(10)).batch(4, drop_last=True))) == 2
+
+
+def test_mismatched_items_and_bad_arguments_are_value_errors() -> None:
+    items = [np.zeros(3, np.float32), np.zeros(4, np.float32)]
+    with pytest.raises(ValueError, match="item 1"):
+        list(tb.Stream(items).batch(2))
+    with pytest.raises(ValueError, match="batch size"):
+        tb.Stream([1]).batch(0)
+    with pytest.raises(ValueError, match="prefetch"):
+        tb.Stream([1]).prefetch(0)
+    with pytest.raises(TypeError):
+        tb.Stream(42)  # type: ignore[arg-type]
+
+
+def test_a_combined_stream_is_spent_and_the_source_error_is_raised_as_it_was() -> None:
+    source = tb.Stream(range(3))
+    doubled = source.map(lambda v: v * 2)
+    with pytest.raises(ValueError, match="combined into another"):
+        next(source)
+    assert list(doubled) == [0, 2, 4]
+
+    def failing():
+        yield np.ones(2)
+        raise KeyError("the source broke")
+
+    s = tb.Stream(failing()).prefetch(4)
+    np.testing.assert_array_equal(next(s), np.ones(2))
+    with pytest.raises(KeyError, match="the source broke"):
+        next(s)
+    with pytest.raises(StopIteration):
+        next(s)  # the first error ends the stream
+
+    def bad_map(x):
+        raise ZeroDivisionError("no")
+
+    with pytest.raises(ZeroDivisionError):
+        list(tb.Stream([1, 2]).map(bad_map))
+
+
+def test_a_local_map_runs_in_parallel_threads_keeping_order() -> None:
+    seen: set[int] = set()
+    lock = threading.Lock()
+
+    def square(x: np.ndarray) -> np.ndarray:
+        with lock:
+            seen.add(threading.get_ident())
+        return x * x
+
+    xs = [np.full(4, i, np.int64) for i in range(40)]
+    out = list(tb.Stream(xs).map(square, parallel=4))
+    assert [int(o[0]) for o in out] == [i * i for i in range(40)]
+    assert threading.get_ident() not in seen  # never on the consumer's thread
+    unordered = sorted(int(o[0]) for o in tb.Stream(xs).map(square, parallel=4, ordered=False))
+    assert unordered == [i * i for i in range(40)]
+
+
+def test_streaming_calls_interleaved_mapped_remotely_and_batched(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as server, cluster.connect() as consumer:
+
+        @server.share("load/shard", concurrency=4)
+        def shard(k: int, n: int):
+            for i in range(k, n, 3):
+                yield sample(i)
+
+        @server.share("load/scale", concurrency=4)
+        def scale(item: dict) -> dict:
+            return {"x": item["x"].astype(np.float32) / 255, "y": item["y"]}
+
+        with server.serving():
+            f = consumer.function("load/shard")
+            parts = [tb.Stream.call(f, k, 30, prefetch=2) for k in range(3)]
+            stream = (
+                tb.Stream.interleave(*parts)
+                .map(consumer.function("load/scale"), parallel=4)
+                .batch(5)
+                .prefetch(2)
+            )
+            labels = []
+            for b in stream:
+                assert b["x"].dtype == np.float32 and b["x"].shape[1:] == (3, 8, 8)
+                for row, y in zip(b["x"], b["y"].tolist()):
+                    np.testing.assert_allclose(row, sample(y)["x"].astype(np.float32) / 255)
+                    labels.append(y)
+            # Every sample exactly once, whatever the interleaving.
+            assert sorted(labels) == list(range(30))
+
+            # A remote failure ends the stream with the remote type.
+            with pytest.raises(tb.RemoteError):
+                list(tb.Stream([{"no": 1}]).map(consumer.function("load/scale")))
+            # torch tensors out, when asked.
+            torch = pytest.importorskip("torch")
+            t = next(tb.Stream.call(f, 0, 3).as_torch())
+            assert isinstance(t["x"], torch.Tensor)
+
+
+def test_async_for_over_a_stream_and_cancelling_it(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as server, cluster.connect() as consumer:
+
+        @server.share("load/count")
+        def count(n: int):
+            for i in range(n):
+                yield np.full(16, i, np.int32)
+
+        with server.serving():
+            f = consumer.function("load/count")
+
+            async def read() -> list[int]:
+                got = []
+                async for b in tb.Stream.call(f, 12).batch(4):
+                    assert b.shape == (4, 16)
+                    got.extend(int(v) for v in b[:, 0])
+                return got
+
+            assert asyncio.run(asyncio.wait_for(read(), LIMIT_S)) == list(range(12))
+
+            async def cancelled() -> list[int]:
+                s = tb.Stream.call(f, 10_000_000).prefetch(2)
+                first = await s.__anext__()
+                task = asyncio.ensure_future(s.__anext__())
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                # The stream goes on after a cancelled wait: no item lost in between.
+                second = await s.__anext__()
+                s.close()
+                return [int(first[0]), int(second[0])]
+
+            assert asyncio.run(asyncio.wait_for(cancelled(), LIMIT_S)) == [0, 1]
+
+
+def test_a_subscription_stream_yields_each_new_versions_tensor(cluster: tb.LocalCluster) -> None:
+    with cluster.connect() as publisher, cluster.connect() as consumer:
+        stream = tb.Stream.subscribe(consumer, "feed/*").batch(3)
+        for i in range(6):
+            publisher.put(f"feed/{i}", np.full((2, 2), i, np.float32))
+
+        async def two() -> list[np.ndarray]:
+            return [await stream.__anext__(), await stream.__anext__()]
+
+        got = asyncio.run(asyncio.wait_for(two(), LIMIT_S))
+        stream.close()
+        assert [b.shape for b in got] == [(3, 2, 2), (3, 2, 2)]
+        values = sorted(int(v) for b in got for v in b[:, 0, 0])
+        assert values == list(range(6))
