@@ -509,7 +509,7 @@ impl CallStreamHandle {
     /// raised here.
     fn next(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let stream = self.stream.clone();
-        let item = wait(py, async move { stream.lock().await.next().await })?;
+        let item = runtime::wait_task(py, async move { stream.lock().await.next().await })?;
         if let Some(e) = self.input_error() {
             return Err(e);
         }
@@ -591,7 +591,8 @@ impl CallsHandle {
         let value = to_value(args, 0)?;
         let options = call_options(timeout, idempotent)?;
         let calls = self.calls.clone();
-        let out = wait(py, async move { calls.call(&name, &value, &options).await })?;
+        let call = async move { calls.call(&name, &value, &options).await };
+        let out = runtime::wait_task(py, call)?;
         from_value(py, out.map_err(call_error)?)
     }
 

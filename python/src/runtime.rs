@@ -76,6 +76,40 @@ where
     }
 }
 
+/// [`wait`] for a `'static` future, run as a task on the runtime's workers instead of on
+/// this thread: its steps (a stream opened, written, each frame read) wake a worker, where
+/// the I/O driver already is, and only its end wakes this thread (`wait` polls the future
+/// here, so each of those steps is a wake-up of this thread, a context switch). A pending
+/// signal (Ctrl-C) aborts the task, dropping the future, and raises.
+pub(crate) fn wait_task<F, T>(py: Python<'_>, fut: F) -> PyResult<T>
+where
+    F: Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    let rt = runtime()?;
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    // Only this thread receives; the lock makes the receiver usable with the GIL released.
+    let rx = std::sync::Mutex::new(rx);
+    let task = rt.spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    let task = tokio_util::task::AbortOnDropHandle::new(task);
+    loop {
+        let got = py.detach(|| {
+            let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+            rx.recv_timeout(SIGNAL_SLICE)
+        });
+        match got {
+            Ok(done) => return Ok(done),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                drop(task);
+                return Err(errors::base("the runtime dropped a call's task".into()));
+            }
+        }
+    }
+}
+
 /// A limit in seconds as a duration; a negative or non-finite one is a `ValueError`.
 pub(crate) fn seconds(limit: Option<f64>) -> PyResult<Option<Duration>> {
     limit

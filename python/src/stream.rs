@@ -18,7 +18,7 @@ use crate::{
     calls::{CallsHandle, call_error, call_options, from_value, to_value},
     errors,
     node::NodeHandle,
-    runtime::{start, wait},
+    runtime::{start, wait, wait_task},
 };
 
 /// A pipeline of values, pulled by `next` or `next_async`.
@@ -242,7 +242,7 @@ impl StreamHandle {
     /// The next item, `None` at the end (the GIL released while waiting; Ctrl-C interrupts).
     fn next(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let pipeline = self.pipeline.clone();
-        let item = wait(py, async move {
+        let item = wait_task(py, async move {
             let mut held = pipeline.lock().await;
             match held.as_mut() {
                 Some(p) => Ok(p.next().await),
