@@ -296,6 +296,7 @@ impl Calls {
             args: args.clone(),
             head,
             prefetch: prefetch.max(1),
+            owed: 0,
             next: 0,
             tried: Vec::new(),
             inputs,
@@ -334,6 +335,10 @@ pub struct CallStream {
     args: Value,
     head: CallHead,
     prefetch: u32,
+    /// Items taken and not yet granted back as credit: granted in one frame once they reach
+    /// half the prefetch (so a large prefetch costs a frame per half window, not per item).
+    /// The server is never starved: while fewer are owed, it still holds `prefetch - owed`.
+    owed: u32,
     /// The index of the next item to yield.
     next: u64,
     /// Servers the stream was started on.
@@ -365,6 +370,7 @@ impl CallStream {
         caller
             .credit(&self.function, &mut started, self.prefetch)
             .await?;
+        self.owed = 0;
         if self.inputs.is_some() && !started.takes_inputs {
             // Dropping the started call cancels it on the server.
             return Err(CallError::BadValue {
@@ -422,9 +428,13 @@ impl CallStream {
         match item {
             Ok(Some((index, value))) => {
                 self.next = index + 1;
-                // A server that sent its last item stops reading credit: what the stream
-                // says next (the end, or a loss) is read from it, not from this write.
-                let _ = caller.credit(&self.function, started, 1).await;
+                self.owed += 1;
+                if self.owed >= self.prefetch.div_ceil(2) {
+                    // A server that sent its last item stops reading credit: what the stream
+                    // says next (the end, or a loss) is read from it, not from this write.
+                    let _ = caller.credit(&self.function, started, self.owed).await;
+                    self.owed = 0;
+                }
                 Some(Ok(value))
             }
             Ok(None) => {

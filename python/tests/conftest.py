@@ -36,7 +36,11 @@ class Child:
 
     PRELUDE = textwrap.dedent(
         """
-        import sys, os, hashlib
+        import sys, os, hashlib, signal
+        # Ctrl-C is KeyboardInterrupt here even when this test run was started in the
+        # background, where the shell hands children SIGINT ignored (and Python then installs
+        # no handler for it): the tests that send SIGINT test what a terminal user gets.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import numpy as np
         import tensor_broker as tb
         TICKET, SECRET_FILE = sys.argv[1], sys.argv[2]
