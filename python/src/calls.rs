@@ -489,7 +489,10 @@ fn feed_inputs(
 /// The items of a streaming call.
 #[pyclass(module = "tensor_broker._native")]
 pub struct CallStreamHandle {
-    stream: Arc<tokio::sync::Mutex<tb_call::CallStream>>,
+    /// The call's items as a pipeline: a `next` whose wait is cancelled (an asyncio cancel)
+    /// leaves a half-read item in the pipeline's state, finished by the next `next`,
+    /// instead of dropping it part-way through a frame.
+    stream: Arc<tokio::sync::Mutex<tb_call::Pipeline>>,
     /// What the inputs' iterator raised (a bidirectional call), raised by the next `next`.
     input_error: Arc<std::sync::Mutex<Option<PyErr>>>,
 }
@@ -513,14 +516,10 @@ impl CallStreamHandle {
         if let Some(e) = self.input_error() {
             return Err(e);
         }
-        match item {
-            None => Ok(None),
-            Some(Ok(v)) => Ok(Some(from_value(py, v)?)),
-            Some(Err(e)) => Err(call_error(e)),
-        }
+        crate::stream::item_out(py, item)
     }
 
-    /// [`next`](Self::next) as an awaitable.
+    /// [`next`](Self::next) as an awaitable: cancelling it loses no item (see `stream`).
     fn next_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let stream = self.stream.clone();
         let input_error = self.input_error.clone();
@@ -530,11 +529,7 @@ impl CallStreamHandle {
             if let Some(e) = failed {
                 return Err(e);
             }
-            Python::attach(|py| match item {
-                None => Ok(None),
-                Some(Ok(v)) => Ok(Some(from_value(py, v)?)),
-                Some(Err(e)) => Err(call_error(e)),
-            })
+            Python::attach(|py| crate::stream::item_out(py, item))
         })
     }
 }
@@ -647,7 +642,9 @@ impl CallsHandle {
             }
         };
         Ok(CallStreamHandle {
-            stream: Arc::new(tokio::sync::Mutex::new(stream.map_err(call_error)?)),
+            stream: Arc::new(tokio::sync::Mutex::new(tb_call::Pipeline::from_call(
+                stream.map_err(call_error)?,
+            ))),
             input_error,
         })
     }

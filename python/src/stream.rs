@@ -61,7 +61,7 @@ fn spent() -> PyErr {
 
 /// A pipeline's error as the exception Python sees: a Python source's or map's own
 /// exception as it was raised.
-fn pipeline_error(e: PipelineError) -> PyErr {
+pub(crate) fn pipeline_error(e: PipelineError) -> PyErr {
     match e {
         PipelineError::Call(e) => call_error(e),
         PipelineError::Node(e) => errors::to_py(e),
@@ -106,7 +106,11 @@ fn one_arg(item: Value) -> Value {
     ])
 }
 
-fn item_out(py: Python<'_>, item: Option<tb_call::pipeline::Item>) -> PyResult<Option<Py<PyAny>>> {
+/// A pipeline's item as Python takes it: `None` at the end, an error raised.
+pub(crate) fn item_out(
+    py: Python<'_>,
+    item: Option<tb_call::pipeline::Item>,
+) -> PyResult<Option<Py<PyAny>>> {
     match item {
         None => Ok(None),
         Some(Ok(value)) => Ok(Some(from_value(py, value)?)),
