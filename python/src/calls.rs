@@ -486,6 +486,12 @@ fn feed_inputs(
     }
 }
 
+/// What a streaming call read through a one-item reader task asks its server for: one
+/// fewer than the consumer's `prefetch` (at least 1).
+pub(crate) fn server_prefetch(prefetch: u32) -> u32 {
+    prefetch.saturating_sub(1).max(1)
+}
+
 /// The items of a streaming call.
 #[pyclass(module = "tensor_broker._native")]
 pub struct CallStreamHandle {
@@ -625,6 +631,9 @@ impl CallsHandle {
         let value = to_value(args, 0)?;
         let calls = self.calls.clone();
         let input_error: Arc<std::sync::Mutex<Option<PyErr>>> = Arc::default();
+        // The reader task below holds one item: the server is granted one fewer, so no
+        // more than `prefetch` are ahead of the consumer in all (from 2 on).
+        let prefetch = server_prefetch(prefetch);
         let stream = match inputs {
             None => wait(
                 py,
@@ -641,10 +650,14 @@ impl CallsHandle {
                 wait(py, call)?
             }
         };
+        // One task of its own reads the call (one item ahead): the waits `next` and
+        // `next_async` do are on a channel, so cancelling one never touches the call's
+        // stream, whatever the next wait does meanwhile.
+        let items = tb_call::Pipeline::from_call(stream.map_err(call_error)?).prefetch(1);
         Ok(CallStreamHandle {
-            stream: Arc::new(tokio::sync::Mutex::new(tb_call::Pipeline::from_call(
-                stream.map_err(call_error)?,
-            ))),
+            stream: Arc::new(tokio::sync::Mutex::new(
+                items.map_err(crate::stream::pipeline_error)?,
+            )),
             input_error,
         })
     }

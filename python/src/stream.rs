@@ -132,13 +132,15 @@ impl StreamHandle {
     ) -> PyResult<StreamHandle> {
         let value = to_value(args, 0)?;
         let calls = calls.calls().clone();
+        let prefetch = crate::calls::server_prefetch(prefetch);
         let stream = wait(
             py,
             async move { calls.stream(&name, &value, prefetch).await },
         )?;
-        Ok(StreamHandle::of(Pipeline::from_call(
-            stream.map_err(call_error)?,
-        )))
+        // Read by a task of its own, one item ahead, as `CallStreamHandle`'s: a cancelled
+        // `next_async` never leaves the call's stream to two readers.
+        let items = Pipeline::from_call(stream.map_err(call_error)?).prefetch(1);
+        Ok(StreamHandle::of(items.map_err(pipeline_error)?))
     }
 
     /// The tensor of each version published under `pattern` from now on.

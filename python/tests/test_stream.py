@@ -202,12 +202,14 @@ def test_a_stalled_consumer_holds_no_more_than_the_prefetches(cluster: tb.LocalC
                     break
                 threading.Event().wait(0.02)
             threading.Event().wait(0.3)
-            # 1 taken + 3 in the prefetch stage = 4 taken from the call, so the server was
-            # granted 2 + 4 credits; at most one more waits in its queue and one in the
-            # generator's hand: nothing near the 10,000 offered.
+            # 1 taken + 3 in the prefetch stage + 1 read ahead from the call = 5 taken from
+            # the call, whose server was granted 1 (prefetch 2, less the one read ahead) +
+            # 5 credits; at most one more waits in its queue and one in the generator's
+            # hand: nothing near the 10,000 offered.
             assert made[0] <= 8, made[0]
             assert [float(next(stream)[0]) for _ in range(3)] == [1.0, 2.0, 3.0]
             stream.close()
+
 
 
 def test_a_cancelled_wait_on_a_calls_next_leaves_the_stream_whole(cluster: tb.LocalCluster) -> None:
