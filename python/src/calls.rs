@@ -454,6 +454,16 @@ impl ServingHandle {
     }
 }
 
+/// The next item of the Python iterator `iter` as a value (`None` at its end), the GIL taken
+/// for it alone.
+pub(crate) fn next_value(iter: &Py<PyAny>) -> PyResult<Option<Value>> {
+    Python::attach(|py| match iter.bind(py).call_method0("__next__") {
+        Ok(item) => to_value(&item, 0).map(Some),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyStopIteration>(py) => Ok(None),
+        Err(e) => Err(e),
+    })
+}
+
 /// Takes a bidirectional call's inputs from the Python iterator `iter` (with the GIL, one at
 /// a time) into `tx` (without it, waiting while the server asks for none), until the
 /// iterator ends, fails (its exception kept in `failed`, the inputs ended), or the call is
@@ -464,14 +474,7 @@ fn feed_inputs(
     failed: &std::sync::Mutex<Option<PyErr>>,
 ) {
     loop {
-        let next = Python::attach(|py| -> PyResult<Option<Value>> {
-            match iter.bind(py).call_method0("__next__") {
-                Ok(item) => to_value(&item, 0).map(Some),
-                Err(e) if e.is_instance_of::<pyo3::exceptions::PyStopIteration>(py) => Ok(None),
-                Err(e) => Err(e),
-            }
-        });
-        match next {
+        match next_value(iter) {
             Ok(Some(value)) => {
                 if tx.blocking_send(value).is_err() {
                     return;
@@ -486,18 +489,24 @@ fn feed_inputs(
     }
 }
 
-/// What a streaming call read through a one-item reader task asks its server for: one
-/// fewer than the consumer's `prefetch` (at least 1).
+/// What a streaming call read through [`read_ahead`] asks its server for: one fewer than the
+/// consumer's `prefetch` (at least 1), the reader task holding the other.
 pub(crate) fn server_prefetch(prefetch: u32) -> u32 {
     prefetch.saturating_sub(1).max(1)
+}
+
+/// A streaming call's items, read by a task of its own one item ahead: Python's waits
+/// (`next`, `next_async`) are on that task's channel, so a cancelled wait never leaves the
+/// call's stream cut part-way through a frame or read by two tasks at once.
+pub(crate) fn read_ahead(stream: tb_call::CallStream) -> PyResult<tb_call::Pipeline> {
+    let items = tb_call::Pipeline::from_call(stream).prefetch(1);
+    items.map_err(crate::stream::pipeline_error)
 }
 
 /// The items of a streaming call.
 #[pyclass(module = "tensor_broker._native")]
 pub struct CallStreamHandle {
-    /// The call's items as a pipeline: a `next` whose wait is cancelled (an asyncio cancel)
-    /// leaves a half-read item in the pipeline's state, finished by the next `next`,
-    /// instead of dropping it part-way through a frame.
+    /// The call's items, read ahead by a task of their own ([`read_ahead`]).
     stream: Arc<tokio::sync::Mutex<tb_call::Pipeline>>,
     /// What the inputs' iterator raised (a bidirectional call), raised by the next `next`.
     input_error: Arc<std::sync::Mutex<Option<PyErr>>>,
@@ -525,7 +534,8 @@ impl CallStreamHandle {
         crate::stream::item_out(py, item)
     }
 
-    /// [`next`](Self::next) as an awaitable: cancelling it loses no item (see `stream`).
+    /// [`next`](Self::next) as an awaitable: cancelling it leaves the stream whole (see
+    /// [`read_ahead`]).
     fn next_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let stream = self.stream.clone();
         let input_error = self.input_error.clone();
@@ -631,8 +641,6 @@ impl CallsHandle {
         let value = to_value(args, 0)?;
         let calls = self.calls.clone();
         let input_error: Arc<std::sync::Mutex<Option<PyErr>>> = Arc::default();
-        // The reader task below holds one item: the server is granted one fewer, so no
-        // more than `prefetch` are ahead of the consumer in all (from 2 on).
         let prefetch = server_prefetch(prefetch);
         let stream = match inputs {
             None => wait(
@@ -650,14 +658,9 @@ impl CallsHandle {
                 wait(py, call)?
             }
         };
-        // One task of its own reads the call (one item ahead): the waits `next` and
-        // `next_async` do are on a channel, so cancelling one never touches the call's
-        // stream, whatever the next wait does meanwhile.
-        let items = tb_call::Pipeline::from_call(stream.map_err(call_error)?).prefetch(1);
+        let items = read_ahead(stream.map_err(call_error)?)?;
         Ok(CallStreamHandle {
-            stream: Arc::new(tokio::sync::Mutex::new(
-                items.map_err(crate::stream::pipeline_error)?,
-            )),
+            stream: Arc::new(tokio::sync::Mutex::new(items)),
             input_error,
         })
     }

@@ -93,7 +93,8 @@ where
     let task = rt.spawn(async move {
         let _ = tx.send(fut.await);
     });
-    let task = tokio_util::task::AbortOnDropHandle::new(task);
+    // Dropped on every return: a Ctrl-C aborts the task.
+    let _task = tokio_util::task::AbortOnDropHandle::new(task);
     loop {
         let got = py.detach(|| {
             let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
@@ -103,7 +104,6 @@ where
             Ok(done) => return Ok(done),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                drop(task);
                 return Err(errors::base("the runtime dropped a call's task".into()));
             }
         }

@@ -15,7 +15,10 @@ use pyo3::{exceptions::PyValueError, prelude::*};
 use tb_call::{Pipeline, PipelineError, Value};
 
 use crate::{
-    calls::{CallsHandle, call_error, call_options, from_value, to_value},
+    calls::{
+        CallsHandle, call_error, call_options, from_value, next_value, read_ahead, server_prefetch,
+        to_value,
+    },
     errors,
     node::NodeHandle,
     runtime::{start, wait, wait_task},
@@ -79,14 +82,7 @@ pub(crate) fn pipeline_error(e: PipelineError) -> PyErr {
 /// it ends, raises (sent as the pipeline's error) or the pipeline is gone.
 fn feed(iter: &Py<PyAny>, tx: &tokio::sync::mpsc::Sender<tb_call::pipeline::Item>) {
     loop {
-        let next = Python::attach(|py| -> PyResult<Option<Value>> {
-            match iter.bind(py).call_method0("__next__") {
-                Ok(item) => to_value(&item, 0).map(Some),
-                Err(e) if e.is_instance_of::<pyo3::exceptions::PyStopIteration>(py) => Ok(None),
-                Err(e) => Err(e),
-            }
-        });
-        let item = match next {
+        let item = match next_value(iter) {
             Ok(Some(value)) => Ok(value),
             Ok(None) => return,
             Err(e) => Err(PipelineError::Source(Box::new(e))),
@@ -132,15 +128,12 @@ impl StreamHandle {
     ) -> PyResult<StreamHandle> {
         let value = to_value(args, 0)?;
         let calls = calls.calls().clone();
-        let prefetch = crate::calls::server_prefetch(prefetch);
+        let prefetch = server_prefetch(prefetch);
         let stream = wait(
             py,
             async move { calls.stream(&name, &value, prefetch).await },
         )?;
-        // Read by a task of its own, one item ahead, as `CallStreamHandle`'s: a cancelled
-        // `next_async` never leaves the call's stream to two readers.
-        let items = Pipeline::from_call(stream.map_err(call_error)?).prefetch(1);
-        Ok(StreamHandle::of(items.map_err(pipeline_error)?))
+        Ok(StreamHandle::of(read_ahead(stream.map_err(call_error)?)?))
     }
 
     /// The tensor of each version published under `pattern` from now on.

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,6 +131,9 @@ def test_streaming_calls_interleaved_mapped_remotely_and_batched(cluster: tb.Loc
             torch = pytest.importorskip("torch")
             t = next(tb.Stream.call(f, 0, 3).as_torch())
             assert isinstance(t["x"], torch.Tensor)
+            # torch in-place ops on what arrived: the consumer's own memory.
+            t["x"].add_(1)
+            np.testing.assert_array_equal(t["x"].numpy(), sample(0)["x"] + 1)
 
 
 def test_async_for_over_a_stream_and_cancelling_it(cluster: tb.LocalCluster) -> None:
@@ -253,3 +258,25 @@ def test_a_cancelled_wait_on_a_calls_next_leaves_the_stream_whole(cluster: tb.Lo
             # per cancel), as with any cancelled future.
             assert firsts == sorted(set(firsts)) and firsts[-1] == 39, firsts
             assert len(firsts) >= 30, firsts
+
+
+def test_ctrl_c_interrupts_a_thread_waiting_on_a_stream(cluster: tb.LocalCluster, spawn) -> None:
+    child = spawn(
+        """
+        client = tb.connect(TICKET, secret_file=SECRET_FILE)
+        stream = tb.Stream.subscribe(client, "never/*").prefetch(2)
+        try:
+            say("waiting")  # inside the try: the signal may land before next() waits
+            next(stream)
+            say("returned")
+        except KeyboardInterrupt:
+            say("interrupted")
+        stream.close()
+        client.close()
+        """
+    )
+    assert child.line() == "waiting"
+    time.sleep(0.2)
+    child.proc.send_signal(signal.SIGINT)
+    assert child.line() == "interrupted"
+    child.finish()
