@@ -235,7 +235,8 @@ impl Tensor {
     /// The bytes as a private, writable buffer of the caller's own (for code that may write
     /// into what it is given, such as a Python user's in-place op): a copy-on-write mapping
     /// of the tensor's sealed memfd (made, one copy, on first need for a tensor that has
-    /// none), or a copy for small tensors and where memfds cannot be mapped. Nothing written into
+    /// none), or a copy for tensors up to 4 MiB (cheaper than a mapping) and where memfds
+    /// cannot be mapped. Nothing written into
     /// it changes this tensor, what the node serves, or another reader's bytes.
     pub fn private_view(&self) -> Result<crate::PrivateBytes> {
         let Data::Host(bytes) = &self.data else {
@@ -244,7 +245,7 @@ impl Tensor {
             ));
         };
         #[cfg(target_os = "linux")]
-        if bytes.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
+        if bytes.len() > crate::channel::VIEW_COPY_MAX && crate::channel::memfds_work() {
             let len = bytes.len();
             return match &self.region_at {
                 Some((region, at)) => region.private_view(*at..*at + len),

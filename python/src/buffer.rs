@@ -1,8 +1,8 @@
 //! [`Buffer`]: the bytes of a received tensor as a Python object, without a copy of the
 //! payload. It holds the node's `Tensor` (shared, immutable bytes: the ones the node's store
 //! keeps and serves) and lends Python a *private* view of them
-//! ([`Tensor::private_view`]): a copy-on-write mapping of the tensor's sealed memfd (a
-//! small tensor: a copy). Arrays and tensors made from one `Buffer` share that view; an
+//! ([`Tensor::private_view`]): a copy-on-write mapping of the tensor's sealed memfd (up to
+//! 4 MiB: a copy, which costs less than mapping the pages). Arrays and tensors made from one `Buffer` share that view; an
 //! in-place write into one of them (a torch op, an optimizer step, `get(out=t)`) copies the
 //! pages it touches into this process and changes nothing the node holds or serves, nor
 //! what any other get returns. The view is lent through the buffer protocol (read-only:

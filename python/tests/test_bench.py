@@ -126,3 +126,19 @@ def test_payload_check_finds_a_changed_byte() -> None:
         buf[-1] ^= 1
         assert size == 16 or not pay.check(buf, size)[2]
         assert not pay.check(buf[:-1], size)[2]
+
+
+def test_systems_picks_what_runs_and_an_unknown_one_is_refused() -> None:
+    run = [sys.executable, "-m", "tensor_broker", "bench", "--quick", "--json", "--no-install",
+           "--sizes", "4096", "--no-extra"]
+    done = subprocess.run([*run, "--systems", "python-push"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    assert rep["systems"] == ["python-push"]
+    assert {c["system"] for c in rep["cases"]} == {"python-push"}
+    assert rep["extra"] is None
+    assert not any(n.startswith(("zeromq:", "rust:")) for n in rep["notes"])
+    done = subprocess.run([*run, "--systems", "python-push,carrier-pigeon"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "carrier-pigeon" in done.stderr

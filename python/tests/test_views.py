@@ -79,8 +79,9 @@ def test_get_many_members_map_the_sets_memfd(client, cluster) -> None:
 
     from test_roundtrip import memfd_of
 
-    # 5.5 MiB in all: above the 4 MiB inline limit, the set travels as the holder's memfd.
-    sd = {"w": np.arange(5 << 18, dtype=np.float32), "b": np.ones(1 << 17, np.float32)}
+    # 10 MiB in all: above the 4 MiB inline limit, the set travels as the holder's memfd;
+    # each member is above 4 MiB, so its view is a mapping (smaller ones are copies).
+    sd = {"w": np.arange(5 << 18, dtype=np.float32), "b": np.ones(5 << 18, np.float32)}
     client.put_many("views/sd", sd)
     with cluster.connect() as other:
         first, second = other.get_many("views/sd"), other.get_many("views/sd")

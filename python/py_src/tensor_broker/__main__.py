@@ -56,9 +56,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip ZeroMQ when pyzmq is missing instead of pip-installing it")
     b.add_argument("--tb", default=None,
                    help="the tb binary (default: $TB_BIN, PATH, target/release)")
+    b.add_argument("--systems", type=lambda s: [x for x in s.split(",") if x], default=None,
+                   help="which systems to run, comma-separated, of "
+                   f"{','.join(_bench.SYSTEMS)} (default all; ratios need zeromq)")
+    b.add_argument("--no-extra", action="store_true",
+                   help="skip the extra measurements (get by name, warm put, asyncio)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat: at least 1")
+    unknown = sorted(set(args.systems or []) - set(_bench.SYSTEMS))
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(unknown)} (known: "
+                     f"{', '.join(_bench.SYSTEMS)})")
     return _bench.bench(args)
 
 

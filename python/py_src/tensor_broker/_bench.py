@@ -59,6 +59,8 @@ from ._bench_workers import bench_recv, bench_send  # noqa: F401  (python -m ten
 
 SIZES = [4 << 10, 1 << 20, 64 << 20, 256 << 20]
 BASELINE = _bench_zmq.BASELINE
+#: Every system the benchmark knows, in the order each pass runs them.
+SYSTEMS = ("python-name", "python-push", "rust-name", "rust-push", BASELINE)
 
 
 class System:
@@ -216,6 +218,11 @@ def bench(args: argparse.Namespace) -> int:
     extras: list[dict[str, Any]] = []
     with LocalCluster() as cluster:
         systems = _systems(cluster, _find_tb(args.tb), zmq, notes)
+        if args.systems:
+            systems = [s for s in systems if s.name in args.systems]
+            # Notes about systems left out go too ("rust: ...", "zeromq: ...").
+            kinds = {s.name.split("-")[0] for s in systems}
+            notes[:] = [n for n in notes if n.split(":")[0] in kinds]
         for p in range(args.repeat):
             def progress(line: str, tag: str) -> None:
                 print(f"[pass {p + 1}/{args.repeat}] {tag}:", line, file=sys.stderr,
@@ -226,17 +233,19 @@ def bench(args: argparse.Namespace) -> int:
                     runs.setdefault(system.name, []).append(_run_pass(
                         system, sizes, counts, rtt_count, f"bench/{system.name}/{p}",
                         lambda line, tag=system.name: progress(line, tag)))
+                if args.no_extra:
+                    continue
                 extras.append(_bench_extra.run_pass(
                     _join(cluster), f"bench/extra/{p}", args.quick, hashing,
                     lambda line: progress(line, "extra")))
             except BenchError as e:
                 print(f"bench failed: {e}", file=sys.stderr)
                 return 1
-    if hashing:
+    if hashing and extras:
         notes.append(f"extra: BLAKE3 alone is blake3.blake3(buf, max_threads=AUTO) on the "
                      f"{os.cpu_count()} cores seen, in the putting process, alternating with "
                      "its puts")
-    extra = _bench_extra.summary(extras, args.quick, hashing)
+    extra = _bench_extra.summary(extras, args.quick, hashing) if extras else None
     rep = _bench_report.report(runs, extra, sizes, args, notes)
     print(json.dumps(rep, indent=2) if args.json else _bench_report.tables(rep))
     return 0

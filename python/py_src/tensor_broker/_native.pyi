@@ -10,7 +10,7 @@ CUDA_COMPILED: bool
 
 class Buffer:
     """A received tensor's bytes as a private view: a copy-on-write mapping of the node's
-    memfd (a copy for 64 KiB or less; on a GPU, a private device copy), so nothing written
+    memfd (a copy for 4 MiB or less; on a GPU, a private device copy), so nothing written
     into it reaches what the node holds or serves. The buffer protocol (``memoryview``,
     read-only), DLPack (a 1-D ``uint8`` capsule, on the CPU or the CUDA device) and
     :meth:`numpy` (read-only arrays) lend it out."""
@@ -36,7 +36,7 @@ class Buffer:
     @property
     def mapped(self) -> bool:
         """Whether the view maps the node's memfd (no payload byte copied) rather than being
-        a copy (64 KiB or less)."""
+        a copy (4 MiB or less)."""
     @property
     def cuda_device(self) -> Optional[int]:
         """The CUDA device holding the bytes, or ``None`` for host memory."""

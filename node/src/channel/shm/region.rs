@@ -62,10 +62,55 @@ const SEALS: SealFlags = SealFlags::WRITE
 pub(crate) struct Region {
     /// Taken in `Drop` only (to the pool or closed).
     fd: ManuallyDrop<OwnedFd>,
-    ptr: NonNull<u8>,
-    len: usize,
+    /// Taken in `Drop` only (to the pool with the fd, or unmapped).
+    map: ManuallyDrop<Mapping>,
     /// Set once the file is sealed (`Err`: sealing failed, and the fd is never passed on).
     sealed: OnceLock<std::result::Result<(), String>>,
+}
+
+/// A read-only private mapping of the first `len` bytes of a memfd, unmapped when dropped:
+/// a [`Region`]'s, or a pooled buffer's kept for the next region of its size.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and owned by this value (unmapped once, in `Drop`); it
+// only hands out its address, to the `Region` that reads through it.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of `fd` read-only and private, the page-table entries made
+    /// at once with `populate` (off a writer's path: the spare thread's).
+    fn new(fd: &OwnedFd, len: usize, populate: bool) -> rustix::io::Result<Mapping> {
+        let flags = match populate {
+            true => MapFlags::PRIVATE | MapFlags::POPULATE,
+            false => MapFlags::PRIVATE,
+        };
+        // SAFETY: a fresh private read-only mapping of `len` bytes of a memfd at least that
+        // long that only this process resizes (it does not while a region or the pool holds
+        // it) or that is sealed against shrinking, so no access through it can fault with
+        // SIGBUS; the kernel picks the address, and nothing else in the process refers to it.
+        let ptr = unsafe { mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ, flags, fd, 0) }?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(rustix::io::Errno::NOMEM)?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// [`Mapping::new`] with its page-table entries made at once (for the pool's spares).
+    pub(crate) fn populated(fd: &OwnedFd, len: usize) -> rustix::io::Result<Mapping> {
+        Mapping::new(fd, len, true)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped exactly once; its only reader, a
+        // `Region`, holds this value for as long as any borrow of its bytes lives.
+        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
 }
 
 // SAFETY: the mapping is read-only, and nothing writes the file while a `Region` of it
@@ -108,9 +153,9 @@ impl Region {
     /// Copies `data` into a memfd. `data` must not be empty (a zero-length mapping does not
     /// exist; empty payloads travel inline).
     pub(crate) fn copy_of(data: &[u8]) -> Result<Region> {
-        let mut writer = RegionWriter::new(data.len())?;
-        writer.as_mut().copy_from_slice(data);
-        writer.finish()
+        let fill = RegionFill::new(data.len())?;
+        fill.write_at(data, 0)?;
+        fill.finish()
     }
 
     /// Copies `src` (not empty) into a memfd, a pooled one of its size when there is one,
@@ -118,11 +163,10 @@ impl Region {
     /// hashed on the way, on every core); returns the region (mapped read-only, pages mapped
     /// on first read) and the hash of what was written.
     pub(crate) fn copy_hashed(src: &[u8]) -> Result<(Region, ContentHash)> {
-        let len = src.len();
-        let (fd, _) = pooled_or_new(len)?;
-        let hash = crate::channel::verify::copy_and_hash_to_fd(src, fd.as_fd())
+        let fill = RegionFill::new(src.len())?;
+        let hash = crate::channel::verify::copy_and_hash_to_fd(src, fill.fd.as_fd())
             .map_err(|e| Error::io("writing a memfd", e))?;
-        Ok((Region::map(fd, len)?, hash))
+        Ok((fill.finish()?, hash))
     }
 
     /// The memfd, sealed first (once) so that nobody can change the bytes a peer maps: the
@@ -131,7 +175,7 @@ impl Region {
         let sealed = self.sealed.get_or_init(|| {
             fs::fcntl_add_seals(&*self.fd, SEALS).map_err(|e| format!("sealing a memfd: {e}"))?;
             // This memfd will not come back: the next version of its size gets a spare.
-            pool::spare(self.len);
+            pool::spare(self.len());
             Ok(())
         });
         match sealed {
@@ -183,28 +227,26 @@ impl Region {
                 "mapping a memfd: refused (forced by a test hook)".into(),
             ));
         }
-        // SAFETY: a fresh private read-only mapping of `len` bytes of a file sealed against
-        // shrinking (so no access through it can fault with SIGBUS) and writing; the kernel
-        // picks the address, and nothing else in the process refers to it.
-        let ptr = unsafe {
-            mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ,
-                MapFlags::PRIVATE,
-                &fd,
-                0,
-            )
-        }
-        .map_err(|e| io("mapping a memfd", e))?;
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
-        Ok(Region {
+        let map = Mapping::new(&fd, len, false).map_err(|e| io("mapping a memfd", e))?;
+        Ok(Region::mapped(fd, map))
+    }
+
+    /// A region over `fd` read through `map` (the whole file, made by [`Mapping::new`]).
+    fn mapped(fd: OwnedFd, map: Mapping) -> Region {
+        Region {
             fd: ManuallyDrop::new(fd),
-            ptr,
-            len,
+            map: ManuallyDrop::new(map),
             sealed: OnceLock::new(),
-        })
+        }
+    }
+
+    /// A region over a memfd this process filled, read through `map` when the buffer came
+    /// from the pool with one, else mapped now.
+    fn filled(fd: OwnedFd, len: usize, map: Option<Mapping>) -> Result<Region> {
+        match map {
+            Some(map) if map.len == len => Ok(Region::mapped(fd, map)),
+            _ => Region::map(fd, len),
+        }
     }
 
     /// A private, writable copy-on-write mapping of the region's bytes `range` (all of them,
@@ -216,10 +258,10 @@ impl Region {
         self: &Arc<Self>,
         range: std::ops::Range<usize>,
     ) -> Result<PrivateBytes> {
-        if range.start > range.end || range.end > self.len || range.is_empty() {
+        if range.start > range.end || range.end > self.len() || range.is_empty() {
             return Err(Error::Io(format!(
                 "a view of bytes {range:?} of a memfd of {} bytes",
-                self.len
+                self.len()
             )));
         }
         // Mapping offsets must be page-aligned; 64 KiB is a multiple of every page size.
@@ -249,14 +291,14 @@ impl Region {
 
     /// The whole mapped file.
     pub(crate) fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` maps `len` readable bytes that never change (see `Send`) and stay
+        // SAFETY: `map` maps `len` readable bytes that never change (see `Send`) and stay
         // mapped while `self` lives.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr(), self.map.len) }
     }
 
     /// The file's length in bytes.
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.map.len
     }
 
     /// Whether the file is sealed (its fd was, or may be, passed on).
@@ -273,30 +315,85 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are the mapping made in `map`, unmapped exactly once; every
-        // borrow of it (`bytes`, the `Bytes` of `slice`, private views) holds the region alive.
-        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
-        // SAFETY: `fd` is taken exactly once, here, and never used again.
-        let fd = unsafe { ManuallyDrop::take(&mut self.fd) };
-        // Never passed on (unsealed), and no mapping of it is left: its pages can take the
-        // next region of this size.
+        // SAFETY: `fd` and `map` are taken exactly once, here, and never used again; every
+        // borrow of the mapping (`bytes`, the `Bytes` of `slice`, private views) holds the
+        // region alive, so none is left.
+        let (fd, map) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.fd),
+                ManuallyDrop::take(&mut self.map),
+            )
+        };
+        // Never passed on (unsealed), and no other mapping of it is left: its pages, and the
+        // mapping that reads them, can take the next region of this size.
         if self.sealed.get().is_none() {
-            pool::give(fd, self.len);
+            let len = map.len;
+            pool::give(fd, len, Some(map));
         }
     }
 }
 
-/// A pooled memfd of `len` bytes (not empty) and `true` (its pages are there), else a new one
-/// and `false`.
-fn pooled_or_new(len: usize) -> Result<(OwnedFd, bool)> {
+/// A pooled memfd of `len` bytes (not empty) with its read-only mapping if it kept one, and
+/// `true` (its pages are there); else a new one, `None` and `false`.
+fn pooled_or_new(len: usize) -> Result<(OwnedFd, Option<Mapping>, bool)> {
     if len == 0 {
         return Err(Error::Io("an empty memfd cannot be mapped".into()));
     }
     match pool::take(len) {
-        Some(fd) => Ok((fd, true)),
+        Some((fd, map)) => Ok((fd, map, true)),
         None => pool::fresh(len)
-            .map(|fd| (fd, false))
+            .map(|fd| (fd, None, false))
             .map_err(|e| io("creating a memfd", e)),
+    }
+}
+
+/// A memfd being filled with `pwrite`, never mapped writable (no page-table work: a pooled
+/// buffer comes with the read-only mapping its next region reads through): what a copy at
+/// publish ([`Region::copy_hashed`]) and a receive through a small bounce buffer write into.
+/// Every byte must be written before [`finish`](Self::finish); one dropped unfinished is not
+/// pooled.
+#[derive(Debug)]
+pub(crate) struct RegionFill {
+    fd: OwnedFd,
+    len: usize,
+    map: Option<Mapping>,
+}
+
+impl RegionFill {
+    /// A memfd of `len` bytes (not empty): a pooled one of that size when there is one, else
+    /// a new one.
+    pub(crate) fn new(len: usize) -> Result<RegionFill> {
+        let (fd, map, _) = pooled_or_new(len)?;
+        Ok(RegionFill { fd, len, map })
+    }
+
+    /// Writes `bytes` at `offset` (inside the file).
+    pub(crate) fn write_at(&self, mut bytes: &[u8], mut offset: usize) -> Result<()> {
+        if offset
+            .checked_add(bytes.len())
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(Error::Io(format!(
+                "writing {} bytes at {offset} of a memfd of {}",
+                bytes.len(),
+                self.len
+            )));
+        }
+        // Bounded: each round writes at least one byte or fails.
+        while !bytes.is_empty() {
+            let n = rustix::io::pwrite(&self.fd, bytes, offset as u64)
+                .map_err(|e| io("writing a memfd", e))?;
+            if n == 0 {
+                return Err(Error::Io("writing a memfd: no progress".into()));
+            }
+            (bytes, offset) = (&bytes[n..], offset + n);
+        }
+        Ok(())
+    }
+
+    /// The filled memfd as a [`Region`].
+    pub(crate) fn finish(self) -> Result<Region> {
+        Region::filled(self.fd, self.len, self.map)
     }
 }
 
@@ -308,6 +405,8 @@ pub(crate) struct RegionWriter {
     fd: OwnedFd,
     ptr: NonNull<u8>,
     len: usize,
+    /// The read-only mapping a pooled buffer came with, for the region it becomes.
+    ro: Option<Mapping>,
 }
 
 // SAFETY: the writer owns its mapping exclusively (no other reference to it exists until it
@@ -323,7 +422,7 @@ impl RegionWriter {
     pub(crate) fn new(len: usize) -> Result<RegionWriter> {
         // A pooled memfd's pages are all there: map them in one call rather than one page
         // fault per page as the writer goes.
-        let (fd, pooled) = pooled_or_new(len)?;
+        let (fd, ro, pooled) = pooled_or_new(len)?;
         let populate = match pooled {
             true => MapFlags::POPULATE,
             false => MapFlags::empty(),
@@ -343,7 +442,7 @@ impl RegionWriter {
         .map_err(|e| io("mapping a memfd for writing", e))?;
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::Io("mapping a memfd gave a null address".into()))?;
-        Ok(RegionWriter { fd, ptr, len })
+        Ok(RegionWriter { fd, ptr, len, ro })
     }
 
     /// Unmaps the writable mapping and maps the file read-only: a [`Region`] (sealed when
@@ -353,9 +452,10 @@ impl RegionWriter {
         // SAFETY: the mapping made in `new`, unmapped once (`Drop` will not run: the writer
         // is consumed), before the region exists (a write seal is refused while it exists).
         let _ = unsafe { mm::munmap(this.ptr.as_ptr().cast(), this.len) };
-        // SAFETY: the fd is moved out exactly once; `this` is never used again.
-        let fd = unsafe { std::ptr::read(&this.fd) };
-        Region::map(fd, this.len)
+        // SAFETY: the fd and the pooled mapping are moved out exactly once; `this` is never
+        // used again.
+        let (fd, ro) = unsafe { (std::ptr::read(&this.fd), std::ptr::read(&this.ro)) };
+        Region::filled(fd, this.len, ro)
     }
 }
 

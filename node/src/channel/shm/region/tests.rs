@@ -88,6 +88,35 @@ fn an_unshared_region_dropped_gives_its_pages_to_the_next_writer_of_its_size() {
 }
 
 #[test]
+fn a_pooled_buffer_is_read_again_through_the_mapping_it_kept() {
+    // A size no other test uses: the pool is the process's.
+    const LEN: usize = 5 * 4096 + 3;
+    let first: Vec<u8> = (0..LEN).map(|i| (i % 253) as u8).collect();
+    let (region, _) = Region::copy_hashed(&first).expect("region");
+    let (ino, at) = (inode(region.fd.as_fd()), region.bytes().as_ptr());
+    drop(region);
+    // The same memfd and the same mapping, showing what `pwrite` put there since.
+    let second: Vec<u8> = first.iter().map(|b| b ^ 0x5a).collect();
+    let (region, hash) = Region::copy_hashed(&second).expect("region");
+    assert_eq!(inode(region.fd.as_fd()), ino, "the pooled memfd");
+    assert_eq!(
+        region.bytes().as_ptr(),
+        at,
+        "read through the mapping it kept"
+    );
+    assert_eq!(region.bytes(), &second[..]);
+    assert_eq!(hash, ContentHash::of(&second));
+    // Filled piece by piece, the next region of the size shows every piece.
+    drop(region);
+    let fill = RegionFill::new(LEN).expect("fill");
+    fill.write_at(&first[..4096], 0).expect("write");
+    fill.write_at(&first[4096..], 4096).expect("write");
+    assert!(fill.write_at(&[0], LEN).is_err(), "past the end is refused");
+    let region = fill.finish().expect("finish");
+    assert_eq!((region.bytes().as_ptr(), region.bytes()), (at, &first[..]));
+}
+
+#[test]
 fn a_region_whose_fd_was_shared_is_never_pooled() {
     const LEN: usize = 5 * 4096 + 3;
     let region = Region::copy_of(&[9u8; LEN]).expect("region");
