@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use tb_node::{Config, Node, PeerAddr, SubEvent, Subscription, Tensor, Ticket};
+use tb_node::{Config, DType, Node, PeerAddr, SubEvent, Subscription, Tensor, Ticket};
 use tokio::sync::mpsc;
 
 /// Size of a round trip's ping and pong.
@@ -120,8 +120,8 @@ async fn serve_commands(args: &ClientBenchArgs, node: &Node) -> Result<()> {
             ["send", size, seq] => {
                 let (size, seq): (usize, u64) = (size.parse()?, seq.parse()?);
                 let name = args.name(&format!("to/one/{size}"));
-                let tensor = stamped(payload(size, seq)?);
-                deliver(node, args.mode, peer.as_ref(), &name, tensor).await?;
+                let body = stamped(payload(size, seq)?);
+                deliver(node, args.mode, peer.as_ref(), &name, body).await?;
                 say(&json!({"sent": seq}));
             }
             ["rtt", count] => {
@@ -221,23 +221,25 @@ async fn receive(args: &ClientBenchArgs, node: &Node) -> Result<()> {
     }
 }
 
-/// Sends `tensor` as `name`: published, or pushed to `peer`.
+/// Sends `body` as `name`: published (a tensor made of it), or pushed to `peer` straight
+/// from it (`Node::push_bytes`, as a program holding raw bytes would).
 async fn deliver(
     node: &Node,
     mode: Mode,
     peer: Option<&PeerAddr>,
     name: &str,
-    tensor: Tensor,
+    body: Vec<u8>,
 ) -> Result<()> {
     match mode {
         Mode::Name => {
-            node.publish(name, tensor)
+            node.publish(name, Tensor::from_bytes(body))
                 .await
                 .with_context(|| format!("publishing {name}"))?;
         }
         Mode::Push => {
             let peer = peer.with_context(|| format!("pushing {name}: no peer address yet"))?;
-            node.push(peer, name, &tensor)
+            let shape = vec![body.len() as u64];
+            node.push_bytes(peer, name, DType::U8, shape, &body)
                 .await
                 .with_context(|| format!("pushing {name} to {peer}"))?;
         }
@@ -297,10 +299,10 @@ fn payload(size: usize, seq: u64) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Writes the send stamp into the header last, just before the tensor is made and sent.
-fn stamped(mut bytes: Vec<u8>) -> Tensor {
+/// Writes the send stamp into the header last, just before the bytes are sent.
+fn stamped(mut bytes: Vec<u8>) -> Vec<u8> {
     bytes[..8].copy_from_slice(&now_ns().to_le_bytes());
-    Tensor::from_bytes(bytes)
+    bytes
 }
 
 /// What [`check`] found in a payload.

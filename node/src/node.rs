@@ -20,7 +20,7 @@ use tb_dashboard::{Metrics, Role as MetricsRole, TransferKind};
 use tb_link::{
     LinkGuard, PeerAddr, Pool, PoolArgs, PoolStats, ReadyLinks, auth, budget::ByteBudget,
 };
-use tb_proto::{DATA_ALPN, TensorMeta, TensorName};
+use tb_proto::{ContentHash, DATA_ALPN, DType, TensorMeta, TensorName};
 use tokio::sync::Mutex;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
@@ -211,6 +211,52 @@ impl Node {
         progress: &TransferProgress,
     ) -> Result<()> {
         self.push_inner(addr, name, tensor, Some(progress)).await
+    }
+
+    /// Pushes `bytes` as a `dtype` tensor of `shape` to the peer at `addr`, as
+    /// [`push`](Self::push) does, without making a [`Tensor`] of them first. To a same-host
+    /// peer, payloads up to 4 MiB go from `bytes` straight to its socket, hashed on the way in
+    /// 64 KiB pieces with the hash after them (the peer checks what arrived against it, as it
+    /// hashes the pieces in turn): the hash overlaps the transfer instead of preceding it, and
+    /// nothing is copied into memory of this node. Otherwise a tensor is made (copied and
+    /// hashed, blocking this thread meanwhile) and pushed.
+    #[tracing::instrument(name = "push", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]
+    pub async fn push_bytes(
+        &self,
+        addr: &PeerAddr,
+        name: &str,
+        dtype: DType,
+        shape: Vec<u64>,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let tensor_name = TensorName::new(name)?;
+        let expected = tb_proto::byte_len_for(dtype, &shape)?;
+        if expected != bytes.len() as u64 {
+            return Err(Error::InvalidTensor(format!(
+                "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
+                bytes.len()
+            )));
+        }
+        #[cfg(target_os = "linux")]
+        if bytes.len() <= channel::SHM_PUSH_INLINE_MAX {
+            // No hash in the metadata: it follows the bytes.
+            let meta = TensorMeta::new(dtype, shape.clone(), ContentHash([0; 32]))?;
+            meta.validate(self.config().max_tensor_bytes)?;
+            let ctx = &self.inner.ctx;
+            let hashing = async |route: &channel::Route| match route {
+                channel::Route::Shm(shm) => shm.push_hashing(ctx, &tensor_name, &meta, bytes).await,
+                _ => Err(channel::ChannelError::ViaQuic),
+            };
+            if self
+                .by_channel(addr, TransferKind::Push, hashing)
+                .await?
+                .is_some()
+            {
+                return Ok(());
+            }
+        }
+        let tensor = channel::verify::blocking(|| Tensor::copy_from(dtype, shape, bytes))?;
+        self.push_inner(addr, name, &tensor, None).await
     }
 
     #[tracing::instrument(name = "push", skip_all, fields(me = %self.id().fmt_short(), peer = %addr.id.fmt_short(), tensor = name))]

@@ -225,6 +225,11 @@ pub enum ShmPayload {
         /// Where the payload starts in the memfd.
         offset: u64,
     },
+    /// The payload bytes follow this frame on the socket, then the 32 bytes of their BLAKE3
+    /// hash: a push whose sender hashed the bytes as it wrote them (the request's metadata
+    /// carries no hash). The receiver hashes what arrives and refuses it unless the two
+    /// agree; the version's hash is then that one.
+    InlineHashAfter,
 }
 
 /// The first frame on a TCP-channel socket, from the puller: the one-time token of its

@@ -93,6 +93,11 @@ impl Source {
         })
     }
 
+    /// The bytes, for as long as `self` (which keeps the array alive) is borrowed.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.raw.as_slice()
+    }
+
     /// The bytes copied (and hashed) into a node tensor: on the blocking pool when large,
     /// which then owns the array's reference until the copy is done.
     pub(crate) async fn into_tensor(self, dtype: DType, shape: Vec<u64>) -> PyResult<Tensor> {

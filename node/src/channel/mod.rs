@@ -41,8 +41,8 @@ use tracing::warn;
 pub use shm::force_map_failures_for_tests;
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
-    Region, Shm, ShmCache, ShmRoute, ShmWatch, WatchOffer, ctl::exchange as shm_ctl_exchange,
-    memfds_work,
+    INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute, ShmWatch, WatchOffer,
+    ctl::exchange as shm_ctl_exchange, memfds_work,
 };
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 

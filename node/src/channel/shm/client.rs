@@ -172,12 +172,39 @@ impl Channel for ShmRoute {
         tensor: &Tensor,
     ) -> Result<(), ChannelError> {
         push(ctx, self, name, tensor).await?;
-        let len = tensor.byte_len();
-        ctx.metrics.bytes_out.inc_by(len);
-        let out = tb_dashboard::Direction::Out;
-        ctx.metrics.channels.transfer(ChannelKind::Shm, out, len);
+        count_out(ctx, tensor.byte_len());
         Ok(())
     }
+}
+
+impl ShmRoute {
+    /// Pushes `data`, the bytes of a tensor of `meta` (whose hash is not looked at), as
+    /// `name`, hashing them as they are written: in 64 KiB pieces, the hash after them
+    /// (`ShmPayload::InlineHashAfter`), which the peer checks against what it hashed as the
+    /// pieces arrived. So the sender's hash overlaps the transfer and the peer's own hash
+    /// instead of preceding them, and the bytes are never copied into a tensor of this node.
+    /// `ViaQuic` for payloads too large to go inline (the caller makes a tensor).
+    pub(crate) async fn push_hashing(
+        &self,
+        ctx: &NodeCtx,
+        name: &TensorName,
+        meta: &TensorMeta,
+        data: &[u8],
+    ) -> Result<(), ChannelError> {
+        if data.len() as u64 != meta.byte_len || data.len() > INLINE_MAX {
+            return Err(ChannelError::ViaQuic);
+        }
+        push_body(ctx, self, name, meta, PushBody::Hashing(data)).await?;
+        count_out(ctx, meta.byte_len);
+        Ok(())
+    }
+}
+
+/// Counts `len` payload bytes sent over shm.
+fn count_out(ctx: &NodeCtx, len: u64) {
+    ctx.metrics.bytes_out.inc_by(len);
+    let out = tb_dashboard::Direction::Out;
+    ctx.metrics.channels.transfer(ChannelKind::Shm, out, len);
 }
 
 /// Counts `len` payload bytes received over shm.
@@ -302,6 +329,10 @@ async fn pull_on(
                 .map(|_| None)
                 .map_err(|e| Error::Io(format!("{what}: {e}"))),
             ShmPayload::Memfd { offset } => Ok(Some((conn.take_fd()?, offset))),
+            // Only pushes are sent this way.
+            ShmPayload::InlineHashAfter => Err(Error::Io(format!(
+                "{what}: a pull answered with a push's payload"
+            ))),
         }
     })
     .await
@@ -313,6 +344,44 @@ async fn pull_on(
     })
 }
 
+/// What a push sends after its request.
+enum PushBody<'a> {
+    /// The tensor's bytes, inline.
+    Inline(&'a [u8]),
+    /// The tensor's sealed memfd.
+    Memfd(&'a Region),
+    /// Bytes hashed as they are written, the hash after them (`ShmPayload::InlineHashAfter`).
+    Hashing(&'a [u8]),
+}
+
+impl PushBody<'_> {
+    async fn write(&self, conn: &mut ShmStream) -> Result<()> {
+        match self {
+            PushBody::Inline(data) => conn.write_frame_and(&ShmPayload::Inline, data, None).await,
+            PushBody::Memfd(region) => {
+                let memfd = ShmPayload::Memfd { offset: 0 };
+                conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
+                    .await
+            }
+            PushBody::Hashing(data) => {
+                conn.write_frame(&ShmPayload::InlineHashAfter).await?;
+                // Each piece is copied into a buffer of this call's own, hashed there while
+                // in cache and written from there: what is hashed is what was sent, even if
+                // `data` changes meanwhile (another thread writing the array).
+                let mut hasher = blake3::Hasher::new();
+                let mut piece = vec![0u8; super::FILL_PIECE.min(data.len())];
+                for from in data.chunks(super::FILL_PIECE) {
+                    let piece = &mut piece[..from.len()];
+                    piece.copy_from_slice(from);
+                    hasher.update(piece);
+                    conn.write_raw(piece).await?;
+                }
+                conn.write_raw(hasher.finalize().as_bytes()).await
+            }
+        }
+    }
+}
+
 /// Pushes `tensor` as `name` to `peer` on the same-host socket and waits for its `Ack`.
 async fn push(
     ctx: &NodeCtx,
@@ -320,20 +389,34 @@ async fn push(
     name: &TensorName,
     tensor: &Tensor,
 ) -> Result<(), ChannelError> {
-    let peer = route.peer;
     let data = tensor.host_data().ok_or_else(|| {
         ChannelError::Fallback(Error::Io("a device tensor goes over QUIC".into()))
     })?;
     // Above the inline limit, as the tensor's sealed memfd (made once per tensor, then
     // reused); below it inline, which leaves the tensor's memfd unsealed (poolable).
-    let region = if data.len() > INLINE_MAX {
-        Some(tensor.shm_region().map_err(ChannelError::Fallback)?)
+    let region;
+    let body = if data.len() > INLINE_MAX {
+        region = tensor.shm_region().map_err(ChannelError::Fallback)?;
+        PushBody::Memfd(&region)
     } else {
-        None
+        PushBody::Inline(data)
     };
+    push_body(ctx, route, name, tensor.meta(), body).await
+}
+
+/// Sends a push's request and `body` and waits for its `Ack` (a broken pooled connection is
+/// tried once more on a new one).
+async fn push_body(
+    ctx: &NodeCtx,
+    route: &ShmRoute,
+    name: &TensorName,
+    meta: &TensorMeta,
+    body: PushBody<'_>,
+) -> Result<(), ChannelError> {
+    let peer = route.peer;
     let request = DataRequest::Push {
         name: name.clone(),
-        meta: tensor.meta().clone(),
+        meta: meta.clone(),
     };
     let what = describe(name, None, &peer);
     let mut attempts = 0;
@@ -342,14 +425,7 @@ async fn push(
         let mut conn = connection(ctx, route, peer).await?;
         let sent = within(ctx.config.stall_timeout, &what, async {
             conn.write_frame(&request).await?;
-            match &region {
-                Some(region) => {
-                    let memfd = ShmPayload::Memfd { offset: 0 };
-                    conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
-                        .await
-                }
-                None => conn.write_frame_and(&ShmPayload::Inline, data, None).await,
-            }
+            body.write(&mut conn).await
         })
         .await;
         let answer = match sent {

@@ -294,59 +294,124 @@ async fn read_inline(
 ) -> Result<Tensor> {
     let len = inline_len(meta)?;
     if len > super::PRIVATE_COPY_MAX && memfds_work() {
-        match RegionFill::new(len) {
-            Ok(fill) => return read_inline_to_memfd(conn, fill, meta, what, holder).await,
-            // Out of descriptors or memory: plain memory still holds the bytes.
-            Err(err) => tracing::debug!(%err, len, "no memfd for an inline payload: plain memory"),
+        let mut sink = Sink::new(len)?;
+        let check = hash_inline(len, holder);
+        let mut hasher = blake3::Hasher::new();
+        read_pieces(conn, &mut sink, len, check.then_some(&mut hasher)).await?;
+        if check {
+            let hash: ContentHash = hasher.finalize().into();
+            if hash != meta.hash {
+                return Err(Error::Corrupt(format!(
+                    "{what}: expected hash {}, got {hash}",
+                    meta.hash
+                )));
+            }
         }
+        return sink.into_tensor(meta.clone());
     }
     let mut buf = HostBuf::new(len)?;
     read_inline_into(conn, buf.as_mut(), meta, what, holder).await?;
     buf.into_tensor(meta.clone())
 }
 
-/// Bytes of an inline payload read, hashed and written at a time by
-/// [`read_inline_to_memfd`]: small enough to stay in a core's cache between the three.
+/// Reads a payload sent as [`ShmPayload::InlineHashAfter`](tb_proto::ShmPayload): the bytes
+/// of a tensor of `meta` (whose hash is not looked at), hashed as they arrive, then the
+/// sender's hash of them. They must agree (else `Corrupt`, naming `what`); the tensor's hash
+/// is that one.
+async fn read_hashed_after(conn: &mut ShmStream, meta: &TensorMeta, what: &str) -> Result<Tensor> {
+    let len = inline_len(meta)?;
+    let mut sink = Sink::new(len)?;
+    let mut hasher = blake3::Hasher::new();
+    read_pieces(conn, &mut sink, len, Some(&mut hasher)).await?;
+    let mut sent = [0u8; 32];
+    conn.read_exact(&mut sent).await?;
+    let (hash, sent): (ContentHash, _) = (hasher.finalize().into(), ContentHash(sent));
+    if hash != sent {
+        return Err(Error::Corrupt(format!(
+            "{what}: the bytes hash to {hash}, the sender's hash after them is {sent}"
+        )));
+    }
+    let meta = TensorMeta {
+        hash,
+        ..meta.clone()
+    };
+    sink.into_tensor(meta)
+}
+
+/// Bytes of an inline payload read, hashed and written at a time by [`read_pieces`]: small
+/// enough to stay in a core's cache between the three.
 const FILL_PIECE: usize = 64 << 10;
 
-/// Reads an inline payload of `meta` (the length `fill` was made for) into `fill` through a
-/// bounce buffer of [`FILL_PIECE`] bytes: each piece is hashed while it is in cache (unless
-/// [`hash_inline`] says not), then written with `pwrite`. So the hash runs while the sender
-/// is still writing the next pieces, and the memfd is never mapped writable: a pooled one is
-/// read through the mapping it kept, with no page-table work on either side (mapping 1 MiB
-/// writable, then read-only, cost ~240 us on the development VM, as much as moving it).
-async fn read_inline_to_memfd(
+/// Where [`read_pieces`] puts a payload.
+enum Sink {
+    /// A memfd of this process's pool, filled with `pwrite` (above 64 KiB).
+    Memfd(RegionFill),
+    /// Plain memory.
+    Heap(Vec<u8>),
+}
+
+impl Sink {
+    /// A sink for `len` bytes: a memfd above [`PRIVATE_COPY_MAX`](super::PRIVATE_COPY_MAX)
+    /// where memfds work (plain memory when none can be made), else plain memory.
+    fn new(len: usize) -> Result<Sink> {
+        if len > super::PRIVATE_COPY_MAX && memfds_work() {
+            match RegionFill::new(len) {
+                Ok(fill) => return Ok(Sink::Memfd(fill)),
+                // Out of descriptors or memory: plain memory still holds the bytes.
+                Err(err) => {
+                    tracing::debug!(%err, len, "no memfd for an inline payload: plain memory")
+                }
+            }
+        }
+        Ok(Sink::Heap(vec![0u8; len]))
+    }
+
+    fn write(&mut self, piece: &[u8], at: usize) -> Result<()> {
+        match self {
+            Sink::Memfd(fill) => fill.write_at(piece, at),
+            Sink::Heap(vec) => {
+                let dest = (vec.get_mut(at..at + piece.len()))
+                    .ok_or_else(|| Error::Io(format!("a piece at {at} past a payload's end")))?;
+                dest.copy_from_slice(piece);
+                Ok(())
+            }
+        }
+    }
+
+    /// The filled sink as a tensor of `meta` (whose hash its bytes were checked against).
+    fn into_tensor(self, meta: TensorMeta) -> Result<Tensor> {
+        match self {
+            Sink::Memfd(fill) => Ok(Tensor::from_region(meta, fill.finish()?)),
+            Sink::Heap(vec) => Ok(Tensor::from_verified(meta, Bytes::from(vec))),
+        }
+    }
+}
+
+/// Reads `len` payload bytes into `sink` through a bounce buffer of [`FILL_PIECE`] bytes,
+/// each piece hashed into `hasher` (when given) while it is in cache, then written. So the
+/// hash runs while the sender is still writing the next pieces, and a memfd is never mapped
+/// writable: a pooled one is read through the mapping it kept, with no page-table work on
+/// either side (mapping 1 MiB writable, then read-only, cost ~240 us on the development VM,
+/// as much as moving it).
+async fn read_pieces(
     conn: &mut ShmStream,
-    fill: RegionFill,
-    meta: &TensorMeta,
-    what: &str,
-    holder: Option<Access>,
-) -> Result<Tensor> {
-    let len = inline_len(meta)?;
-    let check = hash_inline(len, holder);
-    let mut hasher = blake3::Hasher::new();
+    sink: &mut Sink,
+    len: usize,
+    mut hasher: Option<&mut blake3::Hasher>,
+) -> Result<()> {
     let mut bounce = vec![0u8; FILL_PIECE.min(len)];
     let mut at = 0;
     // Bounded: each round reads a piece of at least one byte, or fails.
     while at < len {
         let piece = &mut bounce[..FILL_PIECE.min(len - at)];
         conn.read_exact(piece).await?;
-        if check {
+        if let Some(hasher) = hasher.as_mut() {
             hasher.update(piece);
         }
-        fill.write_at(piece, at)?;
+        sink.write(piece, at)?;
         at += piece.len();
     }
-    if check {
-        let hash: ContentHash = hasher.finalize().into();
-        if hash != meta.hash {
-            return Err(Error::Corrupt(format!(
-                "{what}: expected hash {}, got {hash}",
-                meta.hash
-            )));
-        }
-    }
-    Ok(Tensor::from_region(meta.clone(), fill.finish()?))
+    Ok(())
 }
 
 /// Reads an inline payload of `meta` into `dest` (exactly its length, at most

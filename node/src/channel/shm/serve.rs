@@ -305,6 +305,8 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
     match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
         // At most `INLINE_MAX` bytes are allocated, checked first (`inline_len`).
         ShmPayload::Inline => super::read_inline(conn, meta, PUSH, None).await,
+        // Checked against the hash that follows, computed here as the bytes arrive.
+        ShmPayload::InlineHashAfter => super::read_hashed_after(conn, meta, PUSH).await,
         ShmPayload::Memfd { offset } if len > 0 => {
             // Every push is verified: its hash is what arrived, never the sender's claim.
             let tensor = super::tensor_from_memfd(conn.take_fd()?, offset, meta.clone())?;

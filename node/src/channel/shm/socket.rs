@@ -66,6 +66,22 @@ impl ShmStream {
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<()> {
         let head = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
+        self.send(&head, payload, fd).await
+    }
+
+    /// Writes `bytes` as they are (payload bytes after a frame already written).
+    pub(crate) async fn write_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        self.send(&[], bytes, None).await
+    }
+
+    /// Writes `head` then `payload` (one `sendmsg` when they fit), with `fd` attached to the
+    /// first byte when given.
+    async fn send(
+        &mut self,
+        head: &[u8],
+        payload: &[u8],
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<()> {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let fds;
         let mut control = SendAncillaryBuffer::new(&mut space);

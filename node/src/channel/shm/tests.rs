@@ -277,3 +277,72 @@ async fn idle_connections_are_kept_for_a_bounded_number_of_peers() {
     assert!(shm.take_idle(&first).is_none());
     assert_eq!(shm.idle().len(), super::MAX_IDLE_PEERS - 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_bytes_hashes_as_it_sends_and_the_receiver_holds_what_arrived() {
+    let pusher = node(ClusterKey::open()).await;
+    let receiver = node(ClusterKey::open()).await;
+    // Above 64 KiB (a pooled memfd), at 4 KiB (plain memory), and above the inline limit
+    // (a tensor made and its memfd passed).
+    for (len, seed) in [(INLINE_LEN, 3), (4096, 4), (LEN, 5)] {
+        let data = bytes_of(len, seed);
+        let shape = vec![1, len as u64];
+        let name = format!("bytes/{len}");
+        let pushed = pusher.push_bytes(receiver.addr(), &name, DType::U8, shape.clone(), &data);
+        within("push_bytes", pushed).await.expect("pushed");
+        let got = within("recv", receiver.recv()).await.expect("received");
+        assert_eq!(
+            (got.name.as_str(), got.tensor.data()),
+            (name.as_str(), &data)
+        );
+        assert_eq!(got.tensor.meta().shape, shape);
+        assert_eq!(
+            got.tensor.hash(),
+            tb_proto::ContentHash::of(&data),
+            "the hash of what arrived"
+        );
+        assert_eq!(got.from, pusher.id());
+    }
+    assert_eq!(receiver.metrics().channels.transfers(ChannelKind::Shm), 3);
+    assert_eq!(pusher.metrics().channels.fallbacks(ChannelKind::Shm), 0);
+    // Bytes that do not fit the shape are refused before anything is sent.
+    let short = pusher.push_bytes(receiver.addr(), "bytes/bad", DType::F32, vec![3], &[0; 8]);
+    assert!(matches!(short.await, Err(Error::InvalidTensor(_))));
+    pusher.shutdown().await;
+    receiver.shutdown().await;
+}
+
+#[tokio::test]
+async fn bytes_whose_hash_after_them_disagrees_are_refused() {
+    for len in [INLINE_LEN, 4096] {
+        let (ours, theirs) = tokio::net::UnixStream::pair().expect("socket pair");
+        let (mut reader, mut writer) = (
+            super::socket::ShmStream::new(ours),
+            super::socket::ShmStream::new(theirs),
+        );
+        let data = bytes_of(len, 9);
+        let meta =
+            tb_proto::TensorMeta::new(DType::U8, vec![len as u64], tb_proto::ContentHash([0; 32]))
+                .expect("meta");
+        let good = tb_proto::ContentHash::of(&data);
+        let mut bad = good;
+        bad.0[31] ^= 1;
+        for (sent, ok) in [(good, true), (bad, false)] {
+            let write = async {
+                writer.write_raw(&data).await.expect("bytes");
+                writer.write_raw(&sent.0).await.expect("hash");
+            };
+            let (_, read) =
+                tokio::join!(write, super::read_hashed_after(&mut reader, &meta, "test"));
+            match (read, ok) {
+                (Ok(tensor), true) => {
+                    assert_eq!((tensor.data(), tensor.hash()), (&data, good));
+                }
+                (Err(Error::Corrupt(message)), false) => {
+                    assert!(message.contains("the sender's hash"), "{message}");
+                }
+                (other, _) => panic!("len {len}, ok {ok}: got {other:?}"),
+            }
+        }
+    }
+}
