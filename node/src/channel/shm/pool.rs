@@ -26,7 +26,7 @@ use std::{
     os::fd::OwnedFd,
     sync::{
         Mutex, Once, OnceLock, PoisonError,
-        mpsc::{SyncSender, sync_channel},
+        mpsc::{SyncSender, TrySendError, sync_channel},
     },
     time::{Duration, Instant},
 };
@@ -48,8 +48,9 @@ const SWEEP: Duration = Duration::from_secs(5);
 pub(crate) const SPARE_MIN: usize = 256 << 10;
 /// Largest size a spare is made for (a quarter of the pool).
 pub(crate) const SPARE_MAX: usize = MAX_BYTES / 4;
-/// Spares asked for and not yet made; more requests are dropped.
-const SPARES_QUEUED: usize = 4;
+/// Jobs queued for the pool's thread (spares to make, sealed memfds to free); more are
+/// dropped (a spare) or done by the caller (a free).
+const JOBS_QUEUED: usize = 16;
 
 /// An idle buffer.
 struct Idle {
@@ -117,43 +118,82 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>) {
     });
 }
 
-/// Asks for a spare memfd of `len` bytes, its pages allocated, to be pooled off the caller's
-/// path (see the module docs), unless the pool holds one of that size already. Never waits:
-/// a request beyond [`SPARES_QUEUED`] pending is dropped.
-pub(crate) fn spare(len: usize) {
-    if !(SPARE_MIN..=SPARE_MAX).contains(&len) {
-        return;
-    }
-    static SPARES: OnceLock<Option<SyncSender<usize>>> = OnceLock::new();
-    let requests = SPARES.get_or_init(|| {
-        let (tx, rx) = sync_channel::<usize>(SPARES_QUEUED);
+/// Work for the pool's thread (one per process, started on first use).
+enum Job {
+    /// Make a spare of this size ([`spare`]).
+    Spare(usize),
+    /// Unmap and close a sealed region's memfd ([`release`]).
+    Release(OwnedFd, Mapping),
+}
+
+/// Hands `job` to the pool's thread; gives it back when the thread is busy (its queue full)
+/// or could not be started.
+fn to_thread(job: Job) -> Option<Job> {
+    static JOBS: OnceLock<Option<SyncSender<Job>>> = OnceLock::new();
+    let jobs = JOBS.get_or_init(|| {
+        let (tx, rx) = sync_channel::<Job>(JOBS_QUEUED);
         let spawned = std::thread::Builder::new()
             .name("tb-memfd-spare".into())
             .spawn(move || {
-                while let Ok(len) = rx.recv() {
-                    if holds_size(len) {
-                        continue;
-                    }
-                    match allocated(len) {
-                        // Mapped here too, off the writer's path.
-                        Ok(fd) => {
-                            let map = Mapping::populated(&fd, len).ok();
-                            give(fd, len, map);
-                        }
-                        Err(e) => tracing::debug!(%e, len, "no spare memfd"),
+                while let Ok(job) = rx.recv() {
+                    match job {
+                        Job::Spare(len) => make_spare(len),
+                        Job::Release(fd, map) => drop((map, fd)),
                     }
                 }
             });
         match spawned {
             Ok(_) => Some(tx),
             Err(e) => {
-                tracing::debug!(%e, "no spare memfd thread: new versions fault their pages in");
+                tracing::debug!(%e, "no memfd pool thread: spares are not made, and sealed memfds are freed by their last holder");
                 None
             }
         }
     });
-    if let Some(tx) = requests {
-        let _ = tx.try_send(len);
+    match jobs {
+        Some(tx) => tx.try_send(job).err().map(|e| match e {
+            TrySendError::Full(job) | TrySendError::Disconnected(job) => job,
+        }),
+        None => Some(job),
+    }
+}
+
+/// Makes a spare of `len` bytes and pools it, unless the pool holds a buffer of that size.
+fn make_spare(len: usize) {
+    if holds_size(len) {
+        return;
+    }
+    match allocated(len) {
+        // Mapped (and so zeroed: shmem zeroes a fallocated page on its first touch) here
+        // too, off the writer's path.
+        Ok(fd) => {
+            let map = Mapping::populated(&fd, len).ok();
+            give(fd, len, map);
+        }
+        Err(e) => tracing::debug!(%e, len, "no spare memfd"),
+    }
+}
+
+/// Asks for a spare memfd of `len` bytes, its pages allocated, to be pooled off the caller's
+/// path (see the module docs), unless the pool holds one of that size already. Never waits:
+/// a request beyond [`JOBS_QUEUED`] pending is dropped.
+pub(crate) fn spare(len: usize) {
+    if (SPARE_MIN..=SPARE_MAX).contains(&len) {
+        let _ = to_thread(Job::Spare(len));
+    }
+}
+
+/// Unmaps `map` and closes `fd`, a sealed region's (which never comes back to the pool), on
+/// the pool's thread when the region is large: freeing its pages takes a while (on the
+/// development VM ~0.3 ms to unmap 1 MiB and as much to close it), which would otherwise
+/// land on whoever dropped the last reference, typically a `put` evicting an old version.
+/// Here when the thread is busy.
+pub(crate) fn release(fd: OwnedFd, map: Mapping, len: usize) {
+    if len < SPARE_MIN {
+        return drop((map, fd));
+    }
+    if let Some(job) = to_thread(Job::Release(fd, map)) {
+        drop(job);
     }
 }
 

@@ -326,9 +326,11 @@ impl Drop for Region {
         };
         // Never passed on (unsealed), and no other mapping of it is left: its pages, and the
         // mapping that reads them, can take the next region of this size.
-        if self.sealed.get().is_none() {
-            let len = map.len;
-            pool::give(fd, len, Some(map));
+        let len = map.len;
+        match self.sealed.get() {
+            None => pool::give(fd, len, Some(map)),
+            // Passed on: never reused, and freed off this thread when large.
+            Some(_) => pool::release(fd, map, len),
         }
     }
 }

@@ -116,6 +116,31 @@ fn a_pooled_buffer_is_read_again_through_the_mapping_it_kept() {
     assert_eq!((region.bytes().as_ptr(), region.bytes()), (at, &first[..]));
 }
 
+/// Whether this process has an fd open on the memfd of inode `ino`.
+fn holds_inode(ino: u64) -> bool {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("fds")
+        .filter_map(|e| std::fs::metadata(e.ok()?.path()).ok())
+        .any(|m| std::os::unix::fs::MetadataExt::ino(&m) == ino)
+}
+
+#[test]
+fn a_large_shared_region_dropped_is_freed_off_the_dropping_thread() {
+    // A size no other test uses (the pool is the process's).
+    const LEN: usize = pool::SPARE_MIN + 7 * 4096 + 5;
+    let region = Region::copy_of(&vec![4u8; LEN]).expect("region");
+    let ino = inode(region.shared_fd().expect("sealed"));
+    assert!(holds_inode(ino));
+    drop(region);
+    // Closed by the pool's thread (bounded wait), and never pooled.
+    let closed = (0..500).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        !holds_inode(ino)
+    });
+    assert!(closed, "the sealed memfd was closed");
+    assert!(!pool::holds(LEN) || RegionWriter::new(LEN).is_ok_and(|w| inode(w.fd.as_fd()) != ino));
+}
+
 #[test]
 fn a_region_whose_fd_was_shared_is_never_pooled() {
     const LEN: usize = 5 * 4096 + 3;
