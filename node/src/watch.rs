@@ -6,9 +6,9 @@
 //! publishes goes down that stream as an `Offer` as soon as it is stored, beside the publish
 //! to the broker rather than after it: one QUIC hop from publisher to subscriber instead of
 //! two through the broker. A watcher on the same host (the watch came over the shm channel's
-//! socket) is offered every host version, however large: a large one goes as its sealed
-//! memfd (a pull's `Header` and `ShmPayload::Memfd`), so the subscriber maps it without a
-//! look-up or a pull; such an offer is queued only to a watcher with none pending, so a slow
+//! socket) is offered every host version, however large: a large one goes as a pull's
+//! `Header` and its bytes on the socket up to 4 MiB, beyond that as its sealed memfd
+//! (`ShmPayload::Memfd`), which the subscriber maps without a look-up or a pull; such an offer is queued only to a watcher with none pending, so a slow
 //! watcher pins at most one large version. The broker's event still comes and is a duplicate the
 //! subscription drops; offers are a shortcut, never the only news, so an offer that is late,
 //! dropped (a watcher whose queue is full) or never sent (the stream is down) costs latency,

@@ -500,8 +500,10 @@ class Client:
     def push(self, peer_addr: str, name: str, array: Any) -> None:
         """Sends ``array`` (as for :meth:`put`, host memory) straight to the node at
         ``peer_addr`` (its :attr:`addr`, ``<node-id>@<ip:port>``) under ``name``, over the
-        pair's data channel (shared memory on one host). Returns once that node has verified
-        the bytes against their hash and queued them for its :meth:`recv`. No broker is
+        pair's data channel (shared memory on one host: up to 4 MiB the bytes go from the
+        array straight to the peer's socket, hashed on the way, with no copy of this node's).
+        Returns once that node has verified the bytes against their hash and queued them for
+        its :meth:`recv`. Keep the array unchanged until it returns. No broker is
         involved and nothing is published. Refused (``Unavailable``) when the receiver's
         queue or byte budget is full; a read-only member may push only to nodes that accept
         read-only pushes."""

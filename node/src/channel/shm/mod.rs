@@ -8,19 +8,27 @@
 //! is with the token; both sides also check that the other end runs as the same user
 //! (`SO_PEERCRED`). Nothing is assumed from an IP address.
 //!
-//! Once connected, the pair's requests (`Pull`, `Push`) travel on the socket in the same
-//! frames as on QUIC ([`socket`]). Pulled payloads up to [`PULL_INLINE_MAX`] (64 KiB) and
-//! pushed ones up to [`INLINE_MAX`] (4 MiB) follow inline and are read straight into the
-//! reader's buffer: a `pull_into` reads into the caller's, a `get` and a push into plain
-//! memory up to 64 KiB and above that a memfd from this process's pool, which the tensor then
-//! owns and gives back to the pool when dropped. Larger ones are passed as the sealed memfd
-//! that holds them ([`region`]): a `get` maps it read-only (zero-copy: the tensor
+//! Once connected, the pair's requests (`Pull`, `Push`, `Watch`) travel on the socket in the
+//! same frames as on QUIC ([`socket`]). Pulled payloads up to [`PULL_INLINE_MAX`] (64 KiB),
+//! and pushed ones and a watch's offers up to [`INLINE_MAX`] (4 MiB), follow inline: a
+//! `pull_into` reads into the caller's buffer, the others into plain memory up to 64 KiB and
+//! above that a memfd from this process's pool, 64 KiB at a time through a bounce buffer
+//! (hashed there while in cache, written with `pwrite`: no writable mapping, and a pooled
+//! memfd is read through the mapping it kept), which the tensor then owns and gives back to
+//! the pool when dropped. The sender's memfd stays unsealed, so it too goes back to its pool:
+//! neither side writes a version into fresh memory. Larger payloads are passed as the sealed
+//! memfd that holds them ([`region`]): a `get` maps it read-only (zero-copy: the tensor
 //! borrows the mapping, which stays valid while a reader holds it, even after the version is
 //! evicted), a `pull_into` copies out of it with `pread` on two threads.
 //!
-//! Integrity: inline payloads are hashed and checked as on QUIC, right after they are read
-//! (except a pulled one above 64 KiB from a read-write holder, trusted as its memfds are:
-//! `hash_inline`). A memfd is accepted only
+//! A push of raw bytes (`Node::push_bytes`) up to 4 MiB is hashed as it is written, in the
+//! same 64 KiB pieces, and its hash follows the bytes (`ShmPayload::InlineHashAfter`): the
+//! sender's hash overlaps the transfer and the receiver's hash instead of preceding them.
+//!
+//! Integrity: inline payloads are hashed and checked as on QUIC as they are read (except a
+//! pulled or offered one above 64 KiB from a read-write holder, trusted as its memfds are:
+//! `hash_inline`); a push sent with its hash after the bytes is checked against that hash,
+//! and the tensor's hash is what arrived. A memfd is accepted only
 //! sealed against writes and resizes (checked with `F_GET_SEALS`), so its bytes cannot change
 //! once its holder sealed it. Whether its bytes are hashed depends on who sent it:
 //! - a pull from a holder that proved read-write access is not hashed again: the holder

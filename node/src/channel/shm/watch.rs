@@ -1,8 +1,10 @@
 //! `Watch` on the same-host socket: a subscriber on the same host as the publisher it
 //! watches takes offers over the shm channel's unix socket, which costs a fraction of a QUIC
-//! hop (see [`crate::watch`] for what watching is); versions too large to ride inline come as
-//! the publisher's sealed memfd, mapped without a look-up or a pull. One socket connection per
-//! watch, closed when the watch ends; it is never pooled.
+//! hop (see [`crate::watch`] for what watching is). Versions too large for an `Offer` frame
+//! come as a pull's `Header` and, up to 4 MiB, their bytes on the socket (the subscription is
+//! told the version is coming before they are read, so the broker's news of it does not
+//! fetch it again), beyond that the publisher's sealed memfd, mapped without a look-up or a
+//! pull. One socket connection per watch, closed when the watch ends; it is never pooled.
 
 use iroh::EndpointId;
 use tb_proto::{
@@ -10,7 +12,7 @@ use tb_proto::{
 };
 use tracing::debug;
 
-use super::{ShmRoute, client::connection, socket::ShmStream, socket::within};
+use super::{INLINE_MAX, ShmRoute, client::connection, socket::ShmStream, socket::within};
 use crate::{
     channel::{ChannelError, verify},
     client::remote_error_from,
@@ -50,7 +52,11 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
     }
 }
 
-/// Writes one offer: inline, or as its memfd.
+/// Writes one offer: small ones in an `Offer` frame; up to [`INLINE_MAX`] as a `Header` and
+/// the bytes on the socket (the publisher's memfd stays unsealed, so it goes back to its pool
+/// when evicted, and the watcher reads into a buffer of its own pool: no fresh memory per
+/// version on either side, which a passed memfd costs); larger ones as a `Header` and the
+/// sealed memfd.
 async fn write_offer(conn: &mut ShmStream, offer: &Offer) -> Result<()> {
     if offer.inline() {
         return conn.write_frame(&offer.frame()).await;
@@ -59,6 +65,10 @@ async fn write_offer(conn: &mut ShmStream, offer: &Offer) -> Result<()> {
         meta: offer.tensor.meta().clone(),
         version: offer.version,
     };
+    if let Some(data) = (offer.tensor.host_data()).filter(|d| d.len() <= INLINE_MAX) {
+        conn.write_frame(&header).await?;
+        return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
+    }
     let region = offer.tensor.shm_region()?;
     conn.write_frame(&header).await?;
     let memfd = ShmPayload::Memfd { offset: 0 };
@@ -74,6 +84,9 @@ pub(crate) enum WatchOffer {
     /// bytes verified unless the publisher proved read-write access (the trust a pull of a
     /// memfd gives).
     Mapped { version: u64, tensor: Tensor },
+    /// A version whose bytes follow on the socket (its metadata checked): read them with
+    /// [`ShmWatch::read_coming`] before the next offer.
+    Coming { version: u64, meta: TensorMeta },
 }
 
 /// A watch open on a same-host connection.
@@ -126,6 +139,22 @@ impl ShmWatch {
         }
     }
 
+    /// The bytes of the version a [`WatchOffer::Coming`] announced, read into a buffer of
+    /// this process's pool and hashed as they arrive unless the publisher proved read-write
+    /// access (the trust a pull gives it).
+    pub(crate) async fn read_coming(
+        &mut self,
+        ctx: &NodeCtx,
+        version: u64,
+        meta: &TensorMeta,
+    ) -> Result<Tensor> {
+        let holder = (!self.verify).then_some(Access::ReadWrite);
+        let (name, peer) = (&self.name, self.peer.fmt_short());
+        let what = format!("an offer of \"{name}\" v{version} from {peer}");
+        let read = super::read_inline(&mut self.conn, meta, &what, holder);
+        within(ctx.config.stall_timeout, "an offer's bytes", read).await
+    }
+
     /// The memfd after a `Header`, mapped as a version of `meta`.
     async fn mapped(
         &mut self,
@@ -144,6 +173,10 @@ impl ShmWatch {
             self.conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await
         })
         .await?;
+        if payload == ShmPayload::Inline {
+            super::inline_len(&meta).map_err(|e| Error::Io(format!("{}: {e}", what())))?;
+            return Ok(WatchOffer::Coming { version, meta });
+        }
         if payload != (ShmPayload::Memfd { offset: 0 }) || meta.byte_len == 0 {
             return Err(Error::Io(format!("{} sent as {payload:?}", what())));
         }

@@ -19,16 +19,26 @@ use crate::{error::Error, tensor::Tensor};
 /// goes (a version that goes is still reported as skipped).
 const MAX_PENDING_PER_NAME: usize = 8;
 
+/// A version's bytes, as they came with its news.
+#[derive(Debug)]
+pub(crate) enum Carried {
+    /// Here: verified against the metadata, or mapped from a trusted publisher's memfd.
+    Here(Tensor),
+    /// Still arriving on a same-host watch, which sends them once read (and drops the sender
+    /// if the read fails: the subscription then fetches the version itself). News of the
+    /// version from the broker meanwhile is old news: the bytes are not fetched twice.
+    Coming(tokio::sync::oneshot::Receiver<Tensor>),
+}
+
 /// Something waiting to be told about one name.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 enum Item {
     Version {
         version: u64,
         meta: TensorMeta,
-        /// The version itself, when it came with the event or a watch (verified against
-        /// `meta`, or mapped from a trusted publisher's memfd); boxed, a tensor being large
-        /// beside the other items.
-        inline: Option<Box<Tensor>>,
+        /// The version itself, when it came (or is coming) with the event or a watch; boxed,
+        /// being large beside the other items.
+        inline: Option<Box<Carried>>,
     },
     Deleted,
 }
@@ -77,7 +87,7 @@ impl NameFeed {
 }
 
 /// The next thing to tell the subscriber.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) enum Next {
     /// A version to tell (after fetching it, with auto-fetch); `skipped` is the range of
     /// versions between the last one told and this one, if any.
@@ -86,8 +96,8 @@ pub(crate) enum Next {
         version: u64,
         meta: TensorMeta,
         skipped: Option<(u64, u64)>,
-        /// The version itself, when it came with the event or a watch.
-        inline: Option<Tensor>,
+        /// The version itself, when it came (or is coming) with the event or a watch.
+        inline: Option<Carried>,
     },
     /// The name was deleted.
     Deleted { name: TensorName },
@@ -127,6 +137,17 @@ impl Feed {
         version: u64,
         meta: TensorMeta,
         inline: Option<Tensor>,
+    ) -> bool {
+        self.published_carrying(name, version, meta, inline.map(Carried::Here))
+    }
+
+    /// [`published`](Self::published), with the version's bytes here or coming.
+    pub(crate) fn published_carrying(
+        &mut self,
+        name: &TensorName,
+        version: u64,
+        meta: TensorMeta,
+        inline: Option<Carried>,
     ) -> bool {
         let feed = self.names.entry(name.clone()).or_default();
         if feed.heard.is_some_and(|h| h >= version) {
@@ -221,7 +242,7 @@ impl Feed {
                     meta,
                     inline,
                 } => Next::Version {
-                    inline: inline.map(|t| *t),
+                    inline: inline.map(|c| *c),
                     skipped: feed
                         .told
                         .map(|t| t.saturating_add(1))
@@ -307,6 +328,30 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn a_version_whose_bytes_are_coming_makes_the_brokers_news_of_it_old() {
+        let (a, mut feed) = (name("c/a"), Feed::default());
+        let (tx, rx) = tokio::sync::oneshot::channel::<Tensor>();
+        assert!(feed.published_carrying(&a, 3, meta(3), Some(Carried::Coming(rx))));
+        assert!(
+            !feed.published(&a, 3, meta(3)),
+            "the broker's event is old news"
+        );
+        match feed.pop() {
+            Some(Next::Version {
+                version: 3,
+                inline: Some(Carried::Coming(mut rx)),
+                ..
+            }) => {
+                drop(tx);
+                // A watch whose read failed drops its sender: the subscription fetches.
+                assert!(rx.try_recv().is_err());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(feed.pop().is_none());
     }
 
     #[test]

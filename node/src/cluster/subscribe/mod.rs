@@ -34,7 +34,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, warn};
 
 use self::{
-    feed::{Feed, Next},
+    feed::{Carried, Feed, Next},
     watch::{Reach, Watching},
 };
 use super::{
@@ -480,9 +480,19 @@ impl Deliverer {
         version: u64,
         meta: TensorMeta,
         skipped: Option<(u64, u64)>,
-        inline: Option<Tensor>,
+        inline: Option<Carried>,
     ) -> Option<Vec<SubEvent>> {
-        let tensor = match (self.auto_fetch, inline) {
+        let carried = match (self.auto_fetch, inline) {
+            (true, Some(Carried::Here(tensor))) => Some(tensor),
+            // Still arriving on a same-host watch (bounded by its stall timeout): fetched
+            // here only if that read fails.
+            (true, Some(Carried::Coming(rx))) => tokio::select! {
+                _ = self.stop.cancelled() => return None,
+                got = rx => got.ok(),
+            },
+            _ => None,
+        };
+        let tensor = match (self.auto_fetch, carried) {
             (false, _) => None,
             // The version came with the event or a watch, checked against its metadata: no
             // look-up, no pull (and this node does not become a holder of a copy it did not

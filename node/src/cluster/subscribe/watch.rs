@@ -290,6 +290,29 @@ impl Watching {
                         .update(|f| f.published_with(name, version, meta, Some(tensor)));
                     Ok(())
                 }
+                Ok(crate::channel::WatchOffer::Coming { version, meta }) => {
+                    // Told before the bytes are read, so news of the version from the
+                    // broker meanwhile does not fetch it a second time.
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    let coming = Some(super::feed::Carried::Coming(rx));
+                    let told = meta.clone();
+                    self.shared
+                        .update(|f| f.published_carrying(name, version, told, coming));
+                    match watch.read_coming(ctx, version, &meta).await {
+                        Ok(tensor) => {
+                            ctx.metrics.watch_offers_in.inc();
+                            // Gone if the version was coalesced away meanwhile.
+                            let _ = tx.send(tensor);
+                            Ok(())
+                        }
+                        Err(e @ Error::Corrupt(_)) => {
+                            ctx.metrics.watch_offers_refused.inc();
+                            tracing::warn!(%name, peer = %watch.peer().fmt_short(), %e, "refused an offer");
+                            Err(e)
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
                 Err(e @ Error::Corrupt(_)) => {
                     ctx.metrics.watch_offers_refused.inc();
                     tracing::warn!(%name, peer = %watch.peer().fmt_short(), %e, "refused an offer");
