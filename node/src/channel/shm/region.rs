@@ -1,8 +1,10 @@
-//! [`Region`]: a tensor's bytes in a memfd, mapped read-only; [`RegionWriter`]: a region
-//! being filled.
+//! [`Region`]: a tensor's bytes in a memfd, mapped read-only; [`RegionFill`] and
+//! [`RegionWriter`]: a region being filled.
 //!
-//! A region is written once, through a shared writable mapping that is unmapped before the
-//! region is mapped read-only ([`RegionWriter::finish`]). Before its fd first leaves the
+//! A region is written once: with `pwrite`, never mapped writable ([`RegionFill`]: a copy at
+//! publish, a receive through a bounce buffer), or through a shared writable mapping that is
+//! unmapped before the region is read ([`RegionWriter::finish`]: a receive straight into the
+//! buffer). Before its fd first leaves the
 //! process ([`Region::shared_fd`]) the file is sealed against writes, shrinking, growing and
 //! further seal changes. A peer that receives the fd checks those seals before it maps it:
 //! from then on nobody, the sender included, can change the bytes it reads, and the mapping
@@ -11,8 +13,9 @@
 //!
 //! A region whose fd never left the process is not sealed, and when its last holder drops it
 //! (the version evicted, every view of it gone) its memfd goes to a small pool of
-//! already-touched buffers ([`pool`]): the next region of the same size is written into those
-//! pages, not into fresh ones that fault in and are zeroed page by page (on this kind of
+//! already-touched buffers ([`pool`]), with its read-only mapping: the next region of the
+//! same size is written into those pages and read through that mapping (no page-table work),
+//! not written into fresh ones that fault in and are zeroed page by page (on this kind of
 //! machine a write into fresh memfd pages runs at about 1.1-1.5 GB/s, into touched ones at
 //! 10-40 GB/s). Nothing can reach a pooled memfd's old bytes: the region, its `Bytes` and its
 //! private views (which keep the region alive) are gone, and it was never passed to anyone.
