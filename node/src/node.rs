@@ -230,13 +230,7 @@ impl Node {
         bytes: &[u8],
     ) -> Result<()> {
         let tensor_name = TensorName::new(name)?;
-        let expected = tb_proto::byte_len_for(dtype, &shape)?;
-        if expected != bytes.len() as u64 {
-            return Err(Error::InvalidTensor(format!(
-                "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
-                bytes.len()
-            )));
-        }
+        crate::tensor::check_len(dtype, &shape, bytes.len())?;
         #[cfg(target_os = "linux")]
         if bytes.len() <= channel::SHM_PUSH_INLINE_MAX {
             // No hash in the metadata: it follows the bytes.

@@ -73,6 +73,17 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
+/// Checks that `len` bytes make a `dtype` tensor of `shape` (`InvalidTensor` if not).
+pub(crate) fn check_len(dtype: DType, shape: &[u64], len: usize) -> Result<()> {
+    let expected = tb_proto::byte_len_for(dtype, shape)?;
+    if expected != len as u64 {
+        return Err(Error::InvalidTensor(format!(
+            "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {len}"
+        )));
+    }
+    Ok(())
+}
+
 impl Tensor {
     /// Makes a tensor, checking `data.len() == product(shape) * itemsize`, and hashes it.
     ///
@@ -82,13 +93,7 @@ impl Tensor {
     /// heap copy plus a memfd made at the first same-host serve.
     pub fn new(dtype: DType, shape: Vec<u64>, data: impl Into<Bytes>) -> Result<Self> {
         let data = data.into();
-        let expected = tb_proto::byte_len_for(dtype, &shape)?;
-        if expected != data.len() as u64 {
-            return Err(Error::InvalidTensor(format!(
-                "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
-                data.len()
-            )));
-        }
+        check_len(dtype, &shape, data.len())?;
         #[cfg(target_os = "linux")]
         if data.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
             return Tensor::copy_from(dtype, shape, &data);
@@ -151,13 +156,7 @@ impl Tensor {
     /// that the node then serves to same-host peers and lends to readers without another
     /// copy.
     pub fn copy_from(dtype: DType, shape: Vec<u64>, src: &[u8]) -> Result<Self> {
-        let expected = tb_proto::byte_len_for(dtype, &shape)?;
-        if expected != src.len() as u64 {
-            return Err(Error::InvalidTensor(format!(
-                "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
-                src.len()
-            )));
-        }
+        check_len(dtype, &shape, src.len())?;
         // Large ones into a memfd written without a writable mapping (no page-table work).
         #[cfg(target_os = "linux")]
         if src.len() > crate::channel::PRIVATE_COPY_MAX && crate::channel::memfds_work() {
