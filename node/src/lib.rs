@@ -144,7 +144,7 @@ pub use device::{CUDA_COMPILED, CudaConfig, Device, DeviceBuffer, DeviceInfo};
 pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
 pub use lend::{LEND_PREFIX, LENT_VERSION, Lent, MAX_LOANS, is_lent_name};
-pub use node::{Node, WeakNode, bind_endpoint};
+pub use node::{Node, PUSH_BYTES_STREAMED_MAX, WeakNode, bind_endpoint};
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};

@@ -87,6 +87,13 @@ impl Drop for Inner {
     }
 }
 
+/// Largest payload [`Node::push_bytes`] streams straight from the caller's bytes to a
+/// same-host peer; larger ones are copied into a tensor first (which blocks the calling
+/// thread while it copies and hashes: a caller on an event loop copies those elsewhere).
+pub const PUSH_BYTES_STREAMED_MAX: usize = 4 << 20;
+#[cfg(target_os = "linux")]
+const _: () = assert!(PUSH_BYTES_STREAMED_MAX == channel::SHM_PUSH_INLINE_MAX);
+
 impl Node {
     /// Starts a node: binds the offline endpoint, the `tb/data/1` protocol and the pool.
     pub async fn spawn(config: Config) -> Result<Node> {
@@ -232,7 +239,7 @@ impl Node {
         let tensor_name = TensorName::new(name)?;
         crate::tensor::check_len(dtype, &shape, bytes.len())?;
         #[cfg(target_os = "linux")]
-        if bytes.len() <= channel::SHM_PUSH_INLINE_MAX {
+        if bytes.len() <= PUSH_BYTES_STREAMED_MAX {
             // No hash in the metadata: it follows the bytes.
             let meta = TensorMeta::new(dtype, shape.clone(), ContentHash([0; 32]))?;
             meta.validate(self.config().max_tensor_bytes)?;

@@ -453,11 +453,16 @@ impl NodeHandle {
         })?;
         let dtype = parse_dtype(dtype)?;
         let source = Source::of(data)?;
-        // Straight from the array (same host, up to 4 MiB: hashed on the way); the future
-        // holds the array's reference for as long as it reads it.
         Ok(async move {
-            let pushed = node.push_bytes(&addr, &name, dtype, shape, source.bytes());
-            pushed.await.map_err(to_py)
+            // Up to 4 MiB straight from the array (same host: hashed on the way); the future
+            // holds the array's reference for as long as it reads it. Larger ones are copied
+            // into a tensor on the blocking pool first (never on an event loop's thread).
+            if source.bytes().len() <= tb_node::PUSH_BYTES_STREAMED_MAX {
+                let pushed = node.push_bytes(&addr, &name, dtype, shape, source.bytes());
+                return pushed.await.map_err(to_py);
+            }
+            let tensor = source.into_tensor(dtype, shape).await?;
+            node.push(&addr, &name, &tensor).await.map_err(to_py)
         })
     }
 

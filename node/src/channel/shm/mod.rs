@@ -307,13 +307,7 @@ async fn read_inline(
         let mut hasher = blake3::Hasher::new();
         read_pieces(conn, &mut sink, len, check.then_some(&mut hasher)).await?;
         if check {
-            let hash: ContentHash = hasher.finalize().into();
-            if hash != meta.hash {
-                return Err(Error::Corrupt(format!(
-                    "{what}: expected hash {}, got {hash}",
-                    meta.hash
-                )));
-            }
+            check_hash(hasher.finalize().into(), meta, what)?;
         }
         return sink.into_tensor(meta.clone());
     }
@@ -447,7 +441,11 @@ async fn read_inline_into(
     if dest.len() > HASH_IN_PLACE_MAX {
         return verify::check_all(dest, meta.hash, what);
     }
-    let hash = ContentHash::of(dest);
+    check_hash(ContentHash::of(dest), meta, what)
+}
+
+/// `Corrupt`, naming `what`, unless `hash` is `meta`'s.
+fn check_hash(hash: ContentHash, meta: &TensorMeta, what: &str) -> Result<()> {
     if hash != meta.hash {
         return Err(Error::Corrupt(format!(
             "{what}: expected hash {}, got {hash}",
