@@ -185,8 +185,9 @@ pub(crate) fn spare(len: usize) {
 
 /// Unmaps `map` and closes `fd`, a sealed region's (which never comes back to the pool), on
 /// the pool's thread when the region is large: freeing its pages takes a while (on the
-/// development VM, under strace, ~0.3 ms to unmap 1 MiB and as much to close it), which would otherwise
-/// land on whoever dropped the last reference, typically a `put` evicting an old version.
+/// development VM, under strace, ~0.3 ms to unmap 1 MiB and as much to close it), which
+/// would otherwise land on whoever dropped the last reference, typically a `put` evicting
+/// an old version.
 /// Here when the thread is busy.
 pub(crate) fn release(fd: OwnedFd, map: Mapping, len: usize) {
     if len < SPARE_MIN {
