@@ -86,7 +86,7 @@ pub struct RegistryStore {
     members: sled::Tree,
     meta: sled::Tree,
     /// The writer thread's queue (it ends when the last clone of the store is dropped).
-    writer: std::sync::mpsc::Sender<Write>,
+    writer: std::sync::Arc<Writer>,
     /// Tests close it to hold flushes up (a slow disk).
     #[cfg(test)]
     pub(crate) gate: std::sync::Arc<test_gate::FlushGate>,
@@ -108,7 +108,7 @@ impl RegistryStore {
         })?;
         let entries = db.open_tree("entries")?;
         let members = db.open_tree("members")?;
-        let writer = spawn_writer(entries.clone(), members.clone())?;
+        let writer = std::sync::Arc::new(spawn_writer(entries.clone(), members.clone())?);
         let store = RegistryStore {
             entries,
             members,
@@ -214,18 +214,14 @@ impl RegistryStore {
             };
             members.push((sled::IVec::from(&node.0[..]), value));
         }
-        self.writer
-            .send(Write::Changes { entries, members })
-            .map_err(|_| PersistError::WriterGone)
+        self.writer.send(Write::Changes { entries, members })
     }
 
     /// Waits until the writer thread applied every batch handed to it so far, and returns
     /// the first error it met since the last wait.
     fn drain(&self) -> Result<(), PersistError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.writer
-            .send(Write::Drained(tx))
-            .map_err(|_| PersistError::WriterGone)?;
+        self.writer.send(Write::Drained(tx))?;
         rx.recv().map_err(|_| PersistError::WriterGone)?
     }
 
@@ -285,55 +281,166 @@ impl std::fmt::Debug for Write {
     }
 }
 
+/// The writer thread's queue. A change wakes the thread only when the queue was empty (the
+/// first of a batch) and a drain always: the changes that follow within [`GATHER`] join the
+/// batch without a wake-up each (a thread switch per publish, on a busy broker's cores).
+#[derive(Debug, Default)]
+struct WriteQueue {
+    state: std::sync::Mutex<Queued>,
+    woken: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Queued {
+    writes: Vec<Write>,
+    /// Every [`Writer`] is gone: apply what is queued and end.
+    closed: bool,
+    /// The thread is gone (it panicked): nothing more is queued.
+    dead: bool,
+}
+
+impl WriteQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queued> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `write`; false when the thread is gone (the write is dropped, so a drain's
+    /// answer never comes and its waiter sees the sender gone).
+    fn push(&self, write: Write) -> bool {
+        let mut queued = self.lock();
+        if queued.dead {
+            return false;
+        }
+        let wake = queued.writes.is_empty() || matches!(write, Write::Drained(_));
+        queued.writes.push(write);
+        drop(queued);
+        if wake {
+            self.woken.notify_one();
+        }
+        true
+    }
+
+    /// The next batch: waits for a first write, then up to [`GATHER`] more for others (less
+    /// when a drain is asked). `None` once closed and empty.
+    fn next_batch(&self) -> Option<Vec<Write>> {
+        let mut queued = self.lock();
+        while queued.writes.is_empty() {
+            if queued.closed {
+                return None;
+            }
+            queued = self.woken.wait(queued).unwrap_or_else(|p| p.into_inner());
+        }
+        let until = Instant::now() + GATHER;
+        loop {
+            let drain = queued.writes.iter().any(|w| matches!(w, Write::Drained(_)));
+            let left = until.saturating_duration_since(Instant::now());
+            if drain || queued.closed || left.is_zero() {
+                return Some(std::mem::take(&mut queued.writes));
+            }
+            queued = self
+                .woken
+                .wait_timeout(queued, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// The stores' handle on the writer thread: dropping the last one (with the last clone of
+/// the store) lets the thread apply what is queued and end.
+#[derive(Debug)]
+struct Writer(std::sync::Arc<WriteQueue>);
+
+impl Writer {
+    fn send(&self, write: Write) -> Result<(), PersistError> {
+        match self.0.push(write) {
+            true => Ok(()),
+            false => Err(PersistError::WriterGone),
+        }
+    }
+}
+
+/// Held by the writer thread: when it ends (or unwinds), the queue refuses new writes and
+/// drops those left, so no drain waits for it forever.
+struct Dead(std::sync::Arc<WriteQueue>);
+
+impl Drop for Dead {
+    fn drop(&mut self) {
+        let mut queued = self.0.lock();
+        queued.dead = true;
+        queued.writes.clear();
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.0.lock().closed = true;
+        self.0.woken.notify_one();
+    }
+}
+
 /// Starts the thread that applies [`RegistryStore::save_changed`]'s batches in order; it
-/// ends when every sender is dropped.
-fn spawn_writer(
-    entries: sled::Tree,
-    members: sled::Tree,
-) -> Result<std::sync::mpsc::Sender<Write>, PersistError> {
-    let (tx, rx) = std::sync::mpsc::channel::<Write>();
+/// ends when the last [`Writer`] is dropped.
+fn spawn_writer(entries: sled::Tree, members: sled::Tree) -> Result<Writer, PersistError> {
+    let queue = std::sync::Arc::new(WriteQueue::default());
+    let theirs = queue.clone();
     std::thread::Builder::new()
         .name("registry-writer".into())
         .spawn(move || {
+            let queue = Dead(theirs);
             let mut failed: Option<PersistError> = None;
-            while let Ok(first) = rx.recv() {
-                // Changes that came within `GATHER` of the first (or until a drain is asked),
-                // the latest value of each key: one batch per tree.
-                let until = Instant::now() + GATHER;
-                let mut gathered = (BTreeMap::new(), BTreeMap::new());
-                let mut drained = None;
-                let mut next = Some(first);
-                while let Some(write) = next.take() {
+            while let Some(writes) = queue.0.next_batch() {
+                // The latest value of each key, one sled batch per tree, applied before each
+                // drain in the batch is answered.
+                let mut gathered = Gathered::default();
+                for write in writes {
                     match write {
                         Write::Changes {
                             entries: e,
                             members: m,
                         } => {
-                            gathered.0.extend(e);
-                            gathered.1.extend(m);
+                            gathered.entries.extend(e);
+                            gathered.members.extend(m);
                         }
                         Write::Drained(answer) => {
-                            drained = Some(answer);
-                            break;
+                            gathered.apply(&entries, &members, &mut failed);
+                            let _ = answer.send(failed.take().map_or(Ok(()), Err));
                         }
                     }
-                    let left = until.saturating_duration_since(Instant::now());
-                    next = rx.recv_timeout(left).ok();
                 }
-                let applied = entries
-                    .apply_batch(batch(gathered.0))
-                    .and_then(|()| members.apply_batch(batch(gathered.1)));
-                if let Err(e) = applied {
-                    tracing::warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
-                    failed.get_or_insert(e.into());
-                }
-                if let Some(answer) = drained {
-                    let _ = answer.send(failed.take().map_or(Ok(()), Err));
-                }
+                gathered.apply(&entries, &members, &mut failed);
             }
         })
         .map_err(|e| PersistError::Sled(sled::Error::Io(e)))?;
-    Ok(tx)
+    Ok(Writer(queue))
+}
+
+/// Changes gathered for one batch per tree: the latest value of each key.
+#[derive(Default)]
+struct Gathered {
+    entries: BTreeMap<sled::IVec, Option<sled::IVec>>,
+    members: BTreeMap<sled::IVec, Option<sled::IVec>>,
+}
+
+impl Gathered {
+    /// Applies and clears what was gathered; the first failure is kept in `failed`.
+    fn apply(
+        &mut self,
+        entries: &sled::Tree,
+        members: &sled::Tree,
+        failed: &mut Option<PersistError>,
+    ) {
+        if self.entries.is_empty() && self.members.is_empty() {
+            return;
+        }
+        let applied = entries
+            .apply_batch(batch(std::mem::take(&mut self.entries)))
+            .and_then(|()| members.apply_batch(batch(std::mem::take(&mut self.members))));
+        if let Err(e) = applied {
+            tracing::warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
+            failed.get_or_insert(e.into());
+        }
+    }
 }
 
 /// One sled batch of `changes`.
@@ -575,6 +682,22 @@ mod tests {
         let loaded = store.load(MAX).expect("load");
         assert_eq!(loaded.members().count(), 0, "the deleted row stays deleted");
         assert_eq!(loaded.entry(&name("m/a")), r.entry(&name("m/a")));
+    }
+
+    #[test]
+    fn changes_queued_when_the_last_clone_drops_are_written() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let r = sample();
+        {
+            let store = RegistryStore::open(dir.path()).expect("open");
+            let other = store.clone();
+            store.save_changed(&r, &all_names(&r), &[]).expect("save");
+            drop(store);
+            // The writer still runs for the clone left, and then writes what is queued.
+            other.save_changed(&r, &[], &all_nodes(&r)).expect("save");
+        }
+        let store = RegistryStore::open(dir.path()).expect("reopen");
+        assert_eq!(store.load(MAX).expect("load"), r);
     }
 
     #[test]

@@ -114,6 +114,7 @@ mod observe;
 mod private;
 mod progress;
 pub mod rate;
+pub mod runtime;
 mod serve;
 mod set;
 mod socket_ctl;

@@ -39,7 +39,9 @@ pub(crate) fn runtime() -> PyResult<&'static Runtime> {
             false => Err(errors::forked(*pid)),
         };
     }
+    let threads = tb_node::runtime::worker_threads().map_err(errors::invalid)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
         .enable_all()
         .thread_name("tensor-broker")
         .build()
