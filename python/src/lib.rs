@@ -50,6 +50,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<calls::TensorOut>()?;
     m.add_class::<calls::CancelFlag>()?;
     m.add_class::<stream::StreamHandle>()?;
+    m.add_class::<runtime::LoopWaker>()?;
     m.add("CUDA_COMPILED", tb_node::CUDA_COMPILED)?;
     Ok(())
 }

@@ -14,7 +14,7 @@
 
 use std::{
     future::Future,
-    sync::OnceLock,
+    sync::{Arc, Mutex, OnceLock},
     task::{Context, Poll, Waker},
     time::Duration,
 };
@@ -157,7 +157,12 @@ where
 /// `work` is polled once right here first (GIL released): what is ready at once (a queued
 /// push, a version this node holds) completes the future before it is returned, with no
 /// thread hop, and what is not has already sent its first request when it moves to a
-/// runtime task. Only the completion then crosses threads: `call_soon_threadsafe`.
+/// runtime task. Only the completion then crosses threads, through the loop's
+/// [`LoopWaker`]: the runtime thread queues it and writes a byte the loop reads, and the
+/// loop converts and settles it. No runtime thread waits for the GIL (with one worker, a
+/// loop busy in Python code would hold up every transfer of the process). A loop without
+/// `add_reader` support gets `call_soon_threadsafe` instead, from a runtime thread that
+/// takes the GIL.
 pub(crate) fn start<'py, F, T>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = PyResult<T>> + Send + 'static,
@@ -167,10 +172,14 @@ where
     let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
     let future = event_loop.call_method0("create_future")?;
     let mut work = Box::pin(work);
+    let handoff = Arc::new(Handoff {
+        state: Mutex::new(Handing::Polling),
+        rt: rt.handle().clone(),
+    });
     let first = py.detach(|| {
         let _entered = rt.enter();
-        let mut cx = Context::from_waker(Waker::noop());
-        work.as_mut().poll(&mut cx)
+        let waker = Waker::from(handoff.clone());
+        work.as_mut().poll(&mut Context::from_waker(&waker))
     });
     if let Poll::Ready(out) = first {
         let (ok, value) = outcome(py, out);
@@ -178,16 +187,26 @@ where
         return Ok(future);
     }
     let cancel = CancellationToken::new();
-    future.call_method1("add_done_callback", (CancelOnDone(cancel.clone()),))?;
-    let (event_loop, settled) = (event_loop.unbind(), future.clone().unbind());
-    // The task's first poll registers its waker (the one above was a no-op): nothing that
-    // became ready meanwhile is missed.
-    rt.spawn(async move {
+    let on_done = CancelOnDone {
+        cancel: cancel.clone(),
+        handoff: handoff.clone(),
+    };
+    future.call_method1("add_done_callback", (on_done,))?;
+    let waker = LoopWaker::of(&event_loop)?;
+    let settled = future.clone().unbind();
+    let event_loop = event_loop.unbind();
+    let task = async move {
         let out = tokio::select! {
             biased;
             () = cancel.cancelled() => return,
             out = work => out,
         };
+        if let Some(waker) = waker {
+            waker
+                .get()
+                .complete(settled, Box::new(move |py| outcome(py, out)));
+            return;
+        }
         // Not at all when the interpreter is shutting down: nobody awaits the result.
         Python::try_attach(|py| {
             let (ok, value) = outcome(py, out);
@@ -199,8 +218,173 @@ where
                 .bind(py)
                 .call_method1("call_soon_threadsafe", (settle, settled, ok, value));
         });
-    });
+    };
+    handoff.park(Box::pin(task));
     Ok(future)
+}
+
+/// A call's task, parked until what its first poll waits for wakes it.
+type Parked = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The waker of a call's first poll (on the caller's thread, in [`start`]): the call's task
+/// is spawned only when that waker is woken, from the thread that wakes it, mostly a runtime
+/// worker whose I/O driver saw the answer. The task then runs on that worker next, where
+/// spawning it at once from the event loop's thread would wake a worker for nothing but to
+/// poll it again and wait.
+struct Handoff {
+    state: Mutex<Handing>,
+    rt: tokio::runtime::Handle,
+}
+
+enum Handing {
+    /// The first poll runs (or the task is not parked yet), not woken.
+    Polling,
+    /// Woken before the task was parked: [`Handoff::park`] spawns it at once.
+    Woken,
+    /// Waiting to be woken.
+    Parked(Parked),
+    /// Spawned, or dropped by a cancel.
+    Gone,
+}
+
+impl Handoff {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Handing> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Parks `task` until the first poll's waker is woken, or spawns it if it was.
+    fn park(&self, task: Parked) {
+        let mut state = self.lock();
+        match std::mem::replace(&mut *state, Handing::Gone) {
+            Handing::Polling => *state = Handing::Parked(task),
+            Handing::Woken => {
+                drop(state);
+                self.rt.spawn(task);
+            }
+            // Cancelled meanwhile: dropped here.
+            Handing::Parked(_) | Handing::Gone => {}
+        }
+    }
+
+    /// Drops a parked task (its call cancelled before anything woke it).
+    fn cancel(&self) {
+        let parked = std::mem::replace(&mut *self.lock(), Handing::Gone);
+        drop(parked);
+    }
+}
+
+impl std::task::Wake for Handoff {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let mut state = self.lock();
+        match std::mem::replace(&mut *state, Handing::Gone) {
+            Handing::Polling | Handing::Woken => *state = Handing::Woken,
+            Handing::Parked(task) => {
+                drop(state);
+                self.rt.spawn(task);
+            }
+            Handing::Gone => {}
+        }
+    }
+}
+
+/// A completed call's result, made into Python objects on the loop's thread.
+type Convert = Box<dyn for<'py> FnOnce(Python<'py>) -> (bool, Bound<'py, PyAny>) + Send>;
+
+/// How runtime threads hand completed calls to one asyncio event loop without the GIL: a
+/// queue, and a socket pair whose reading end the loop watches (`add_reader`). A completion
+/// queued into an empty queue writes one byte; the loop's [`drain`](Self::drain) reads the
+/// bytes first and then takes the whole queue, so nothing queued is left without a byte
+/// to wake the loop for it. One per loop, made on its first call.
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub(crate) struct LoopWaker {
+    queue: Mutex<Vec<(Py<PyAny>, Convert)>>,
+    wake: std::os::unix::net::UnixStream,
+    woken: std::os::unix::net::UnixStream,
+}
+
+impl LoopWaker {
+    /// The waker of `event_loop`, made and registered with it on first use; `None` where
+    /// the loop cannot watch a file descriptor or be weakly referenced (the caller falls
+    /// back to `call_soon_threadsafe`).
+    fn of(event_loop: &Bound<'_, PyAny>) -> PyResult<Option<Py<LoopWaker>>> {
+        static WAKERS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let py = event_loop.py();
+        let wakers = WAKERS
+            .get_or_try_init(py, || {
+                py.import("weakref")?
+                    .call_method0("WeakKeyDictionary")
+                    .map(Bound::unbind)
+            })?
+            .bind(py);
+        // A loop that cannot be weakly referenced raises here.
+        let Ok(known) = wakers.call_method1("get", (event_loop,)) else {
+            return Ok(None);
+        };
+        if !known.is_none() {
+            return Ok(Some(known.cast_into::<LoopWaker>()?.unbind()));
+        }
+        let (wake, woken) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| errors::base(format!("making an event loop's waker: {e}")))?;
+        for end in [&wake, &woken] {
+            end.set_nonblocking(true)
+                .map_err(|e| errors::base(format!("making an event loop's waker: {e}")))?;
+        }
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&woken);
+        let waker = Bound::new(
+            py,
+            LoopWaker {
+                queue: Mutex::new(Vec::new()),
+                wake,
+                woken,
+            },
+        )?;
+        if wakers.set_item(event_loop, &waker).is_err() {
+            return Ok(None);
+        }
+        if event_loop
+            .call_method1("add_reader", (fd, waker.getattr("drain")?))
+            .is_err()
+        {
+            let _ = wakers.del_item(event_loop);
+            return Ok(None);
+        }
+        Ok(Some(waker.unbind()))
+    }
+
+    /// Queues `future`'s result (any runtime thread; no GIL needed) and wakes the loop if
+    /// the queue was empty.
+    fn complete(&self, future: Py<PyAny>, convert: Convert) {
+        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let first = queue.is_empty();
+        queue.push((future, convert));
+        drop(queue);
+        if first {
+            // A full socket already holds a byte the loop has yet to read.
+            let _ = std::io::Write::write(&mut &self.wake, &[1]);
+        }
+    }
+}
+
+#[pymethods]
+impl LoopWaker {
+    /// Settles every queued completion (the loop calls it when the socket is readable).
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        let mut bytes = [0u8; 64];
+        while let Ok(1..) = std::io::Read::read(&mut &self.woken, &mut bytes) {}
+        let done = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
+        for (future, convert) in done {
+            let (ok, value) = convert(py);
+            // One future's failure (its loop closed under it) does not strand the others.
+            if let Err(e) = settle(future.bind(py), ok, value) {
+                e.write_unraisable(py, Some(future.bind(py)));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A call's outcome as Python sees it: `(true, result)` or `(false, exception)`.
@@ -237,16 +421,20 @@ fn settler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     Ok(f.bind(py))
 }
 
-/// An asyncio future's done callback that cancels the runtime task behind it when the
-/// future was cancelled.
+/// An asyncio future's done callback that cancels the call behind it when the future was
+/// cancelled: drops its task if still parked, else cancels the running one.
 #[pyclass(frozen, module = "tensor_broker._native")]
-struct CancelOnDone(CancellationToken);
+struct CancelOnDone {
+    cancel: CancellationToken,
+    handoff: Arc<Handoff>,
+}
 
 #[pymethods]
 impl CancelOnDone {
     fn __call__(&self, future: &Bound<'_, PyAny>) -> PyResult<()> {
         if future.call_method0("cancelled")?.is_truthy()? {
-            self.0.cancel();
+            self.cancel.cancel();
+            self.handoff.cancel();
         }
         Ok(())
     }
