@@ -229,3 +229,37 @@ def test_a_cancelled_wait_on_a_subscription_loses_no_version(cluster: tb.LocalCl
             assert asyncio.all_tasks() == {asyncio.current_task()}
 
     run(main())
+
+
+def test_event_loops_in_several_threads_each_get_their_results(cluster: tb.LocalCluster) -> None:
+    # Each loop has its own waker; a loop closed and a new one made (asyncio.run twice in a
+    # thread) gets a new one. Every result reaches the loop that awaited it.
+    import threading
+
+    with cluster.connect() as seed:
+        for i in range(8):
+            seed.put(f"loops/{i}", np.full(16, i, np.int64))
+        failures: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            async def main() -> None:
+                async with await cluster.connect_async() as c:
+                    got = await asyncio.gather(*(c.get(f"loops/{i}") for i in range(8)))
+                    assert [int(g[0]) for g in got] == list(range(8))
+                    await c.put(f"loops/from/{k}", np.full(4, k, np.int32))
+                    # Another client's blocking get on this loop's thread, while c holds it.
+                    assert seed.get(f"loops/from/{k}").tolist() == [k] * 4
+
+            try:
+                for _ in range(2):
+                    run(main())
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(LIMIT_S * 4)
+        assert not any(t.is_alive() for t in threads)
+        assert not failures, failures

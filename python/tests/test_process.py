@@ -80,3 +80,45 @@ def test_local_cluster_workers() -> None:
     assert c._cluster.closed
     with pytest.raises(tb.Unavailable):
         c.connect()
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_runtime_threads_from_the_environment(client: tb.Client, spawn, threads: str) -> None:
+    client.put("threads/x", np.arange(4, dtype=np.int32))
+    # A get, a put seen by this process, and an awaited round trip, on that many workers.
+    child = spawn(
+        """
+import asyncio
+with tb.connect(TICKET, secret_file=SECRET_FILE) as c:
+    say(c.get("threads/x").tolist())
+    c.put("threads/y", np.full(3, 7, np.uint8))
+    async def main():
+        async with await tb.asyncio.connect(TICKET, secret_file=SECRET_FILE) as a:
+            return (await a.get("threads/x")).tolist()
+    import tensor_broker.asyncio
+    say(asyncio.run(main()))
+    wait_for_parent()
+""",
+        env={"TB_RUNTIME_THREADS": threads},
+    )
+    assert child.line() == "[0, 1, 2, 3]"
+    assert child.line() == "[0, 1, 2, 3]"
+    assert client.get("threads/y").tolist() == [7, 7, 7]
+    child.send()
+    child.finish()
+
+
+@pytest.mark.parametrize("bad", ["0", "many", "-2"])
+def test_a_bad_runtime_threads_value_is_a_clear_error(spawn, bad: str) -> None:
+    child = spawn(
+        """
+try:
+    tb.connect(TICKET, secret_file=SECRET_FILE)
+    say("connected")
+except tb.InvalidArgument as e:
+    say("refused", "TB_RUNTIME_THREADS" in str(e))
+""",
+        env={"TB_RUNTIME_THREADS": bad},
+    )
+    assert child.line() == "refused True"
+    child.finish()
