@@ -292,12 +292,31 @@ pub(crate) fn cluster_data(
         .take(MAX_FUNCTIONS_LISTED)
         .filter_map(|(entry, _)| {
             let name = tb_proto::call::function_of(entry)?;
-            let servers = registry.advertisers(entry).into_iter();
-            let servers = servers.take(MAX_SERVERS_LISTED);
-            Some(FunctionView {
+            let servers: Vec<_> = registry
+                .advertisers(entry)
+                .into_iter()
+                .take(MAX_SERVERS_LISTED)
+                .collect();
+            let mut view = FunctionView {
                 name: name.as_str().to_string(),
-                servers: servers.map(|m| m.node.to_string()).collect(),
-            })
+                servers: servers.iter().map(|m| m.node.to_string()).collect(),
+                ..FunctionView::default()
+            };
+            // The figures each server's freshest heartbeat gave for this function.
+            for m in &servers {
+                let Some((stats, _)) = youngest(book.get(&m.node, now), relayed.get(&m.node, now))
+                else {
+                    continue;
+                };
+                if let Some(f) = stats.functions.iter().find(|f| f.name == name) {
+                    view.calls_per_s += f.calls_per_s;
+                    view.calls_total = view.calls_total.saturating_add(f.calls_total);
+                    view.failed_total = view.failed_total.saturating_add(f.failed_total);
+                    view.in_flight = view.in_flight.saturating_add(u64::from(f.in_flight));
+                    view.reporting += 1;
+                }
+            }
+            Some(view)
         })
         .collect();
     ClusterData {
@@ -429,6 +448,65 @@ mod tests {
             (metrics.cluster_alive.get(), metrics.cluster_dead.get()),
             (1, 1)
         );
+    }
+
+    #[test]
+    fn a_functions_figures_are_summed_over_its_servers_heartbeats() {
+        let (w1, w2, w3) = (NodeId([1; 32]), NodeId([2; 32]), NodeId([3; 32]));
+        let stamp = |wall| Stamp {
+            wall_ms: wall,
+            logical: 0,
+            node: NodeId([9; 32]),
+        };
+        let echo = TensorName::new("fn/echo").expect("name");
+        let entry = tb_proto::call::advertised_as(&echo).expect("entry");
+        let mut reg = Registry::new();
+        for node in [w1, w2, w3] {
+            reg.apply(&RegistryOp::Member(Member {
+                node,
+                role: Role::Worker,
+                addrs: vec!["127.0.0.1:1".into()],
+                epoch: 1,
+                alive: true,
+                stamp: stamp(1),
+            }));
+            reg.apply(&RegistryOp::holder(entry.clone(), 1, node, stamp(2), true));
+        }
+        let figures = |calls, failed, rate, in_flight| NodeStats {
+            functions: vec![tb_proto::FunctionStats {
+                name: echo.clone(),
+                calls_total: calls,
+                failed_total: failed,
+                calls_per_s: rate,
+                in_flight,
+            }],
+            ..NodeStats::default()
+        };
+        let now = Instant::now();
+        // w1 heartbeats here, w3 to a peer broker (relayed); w2 was not heard from yet.
+        let book = MemberStatsBook::default();
+        book.record(w1, figures(10, 1, 2.5, 1), now);
+        let relayed = MemberStatsBook::default();
+        relayed.record(w3, figures(5, 0, 1.5, 2), now);
+        let page = Page {
+            after: None,
+            limit: tb_dashboard::api::DEFAULT_PAGE_LIMIT,
+        };
+        let view = cluster_data(
+            &RegistryView::new(Arc::new(reg)),
+            &page,
+            &book,
+            &relayed,
+            now,
+        );
+        assert_eq!(view.functions.len(), 1);
+        let f = &view.functions[0];
+        assert_eq!((f.name.as_str(), f.servers.len()), ("fn/echo", 3));
+        assert_eq!(
+            (f.calls_total, f.failed_total, f.in_flight, f.reporting),
+            (15, 1, 3, 2)
+        );
+        assert!((f.calls_per_s - 4.0).abs() < 1e-9, "{}", f.calls_per_s);
     }
 
     #[test]

@@ -105,6 +105,18 @@ impl Calls {
             metrics: metrics.clone(),
         };
         node.add_service(RequestKind::Call, Arc::new(service))?;
+        // Each heartbeat lists the functions served here with their call figures (the
+        // brokers' dashboards and `tb ls --functions` show them).
+        let served = Arc::downgrade(&table);
+        let last = std::sync::Mutex::new(std::collections::HashMap::new());
+        node.add_stats_hook(Arc::new(move |stats| {
+            if let Some(table) = served.upgrade() {
+                let mut last = last
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                stats.functions = table.stats(&mut last);
+            }
+        }));
         Ok(Calls {
             inner: Arc::new(Inner {
                 table,

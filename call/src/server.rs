@@ -16,15 +16,15 @@ use std::{
     pin::Pin,
     sync::{
         Arc, RwLock,
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use iroh::endpoint::SendStream;
 use tb_node::{ServeCtx, Service, ServiceFuture, ServiceStream, framing};
 use tb_proto::{
-    Access, DataRequest, DataResponse, ErrorCode, TensorName,
+    Access, DataRequest, DataResponse, ErrorCode, FunctionStats, MAX_STATS_FUNCTIONS, TensorName,
     call::{
         ALIVE_INTERVAL_MS, CallFrame, CallHead, CallUp, FailureKind, INPUT_WINDOW, Load,
         MAX_CREDIT, RemoteFailure,
@@ -195,6 +195,11 @@ pub(crate) struct Served {
     slots: Arc<Semaphore>,
     running: AtomicU32,
     queued: AtomicU32,
+    /// Calls admitted and ended (however they ended), and of those the ones that failed.
+    ended: AtomicU64,
+    failed: AtomicU64,
+    /// When this node started serving it (the first heartbeat's rate counts from here).
+    since: Instant,
     /// Cancelled when the function is being unserved: new calls are refused `NotFound`
     /// (callers try another server), those admitted already run to their end.
     pub(crate) closing: CancellationToken,
@@ -208,6 +213,9 @@ impl Served {
             handler,
             running: AtomicU32::new(0),
             queued: AtomicU32::new(0),
+            ended: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            since: Instant::now(),
             closing: CancellationToken::new(),
         }
     }
@@ -217,6 +225,14 @@ impl Served {
             running: self.running.load(Ordering::Relaxed),
             queued: self.queued.load(Ordering::Relaxed),
             concurrency: self.spec.concurrency,
+        }
+    }
+
+    /// Counts an admitted call's end.
+    fn ended(&self, failed: bool) {
+        self.ended.fetch_add(1, Ordering::Relaxed);
+        if failed {
+            self.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -310,6 +326,44 @@ impl Table {
         let mut names: Vec<_> = table.keys().cloned().collect();
         names.sort();
         names
+    }
+
+    /// The heartbeat's figures of the first [`MAX_STATS_FUNCTIONS`] functions by name: each
+    /// rate over the time since `last` saw it (or since it was served), `last` then updated
+    /// to now (and cleared of functions no longer served).
+    pub(crate) fn stats(
+        &self,
+        last: &mut HashMap<TensorName, (u64, Instant)>,
+    ) -> Vec<FunctionStats> {
+        let now = Instant::now();
+        let mut served: Vec<_> = {
+            let table = self.functions.read().unwrap_or_else(|e| e.into_inner());
+            table.values().cloned().collect()
+        };
+        served.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        served.truncate(MAX_STATS_FUNCTIONS);
+        last.retain(|name, _| served.iter().any(|s| &s.spec.name == name));
+        served
+            .iter()
+            .map(|s| {
+                let ended = s.ended.load(Ordering::Relaxed);
+                let (before, at) = last.get(&s.spec.name).copied().unwrap_or((0, s.since));
+                last.insert(s.spec.name.clone(), (ended, now));
+                let secs = now.saturating_duration_since(at).as_secs_f64();
+                let calls_per_s = match secs > 0.0 {
+                    true => ended.saturating_sub(before) as f64 / secs,
+                    false => 0.0,
+                };
+                FunctionStats {
+                    name: s.spec.name.clone(),
+                    calls_total: ended,
+                    // Read after `ended`: never above it.
+                    failed_total: s.failed.load(Ordering::Relaxed).min(ended),
+                    calls_per_s,
+                    in_flight: s.outstanding(),
+                }
+            })
+            .collect()
     }
 }
 
@@ -431,11 +485,13 @@ impl CallService {
                 "",
             )),
             Outcome::Cancelled | Outcome::Gone => {
+                served.ended(false);
                 self.metrics.ended("server", "cancelled");
                 debug!(%function, "the caller stopped waiting: the call was cancelled");
                 return;
             }
         };
+        served.ended(failure.is_some());
         let frame = match failure {
             None => {
                 self.metrics.ended("server", "ok");

@@ -119,15 +119,42 @@ pub async fn ls(join: &Join, prefix: &str) -> Result<()> {
 pub async fn ls_functions(join: &Join, prefix: &str) -> Result<()> {
     let node = join.node().await?;
     let listed = node.functions(prefix).await;
+    // The call figures come from the servers' heartbeats (what `tb status` shows); without
+    // them the list is still printed.
+    let members = match &listed {
+        Ok(functions) if !functions.is_empty() => node.members_with_stats().await.ok(),
+        _ => None,
+    };
     close(&node).await;
     let functions = listed.context("listing the functions")?;
     if functions.is_empty() {
         println!("no functions served{}", in_prefix(prefix));
         return Ok(());
     }
-    println!("{:<40} {:>7}", "FUNCTION", "SERVERS");
+    let stats: Vec<_> = members
+        .iter()
+        .flat_map(|view| &view.members)
+        .filter(|row| row.member.alive)
+        .filter_map(|row| row.heartbeat.as_ref())
+        .flat_map(|heartbeat| &heartbeat.stats.functions)
+        .collect();
+    println!(
+        "{:<40} {:>7} {:>9} {:>9} {:>10} {:>8}",
+        "FUNCTION", "SERVERS", "CALLS/S", "IN-FLIGHT", "CALLS", "FAILED"
+    );
     for (name, servers) in functions {
-        println!("{:<40} {:>7}", name.as_str(), servers);
+        let reported: Vec<_> = stats.iter().filter(|f| f.name == name).collect();
+        let figures = match reported.is_empty() {
+            true => format!("{:>9} {:>9} {:>10} {:>8}", "-", "-", "-", "-"),
+            false => format!(
+                "{:>9.1} {:>9} {:>10} {:>8}",
+                reported.iter().map(|f| f.calls_per_s).sum::<f64>(),
+                reported.iter().map(|f| u64::from(f.in_flight)).sum::<u64>(),
+                reported.iter().map(|f| f.calls_total).sum::<u64>(),
+                reported.iter().map(|f| f.failed_total).sum::<u64>(),
+            ),
+        };
+        println!("{:<40} {:>7} {figures}", name.as_str(), servers);
     }
     Ok(())
 }

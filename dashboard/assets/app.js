@@ -62,6 +62,8 @@
   }
 
   const rate = (n) => (n === null ? "—" : bytes(n) + "/s");
+  const tally = (n) => (n === null ? "—" : String(Math.round(n)));
+  const callRate = (n) => (n === null ? "—" : (n >= 100 ? n.toFixed(0) : n.toFixed(1)) + "/s");
 
   function seconds(s) {
     if (s === null) return "—";
@@ -235,7 +237,18 @@
     for (const f of arr(root.functions, 1000)) {
       const fo = obj(f);
       if (!fo) continue;
-      functions.push({ name: str(fo.name), servers: arr(fo.servers, 64).map(str) });
+      // Call figures summed over the servers whose heartbeats reported them (null from an
+      // older broker, or before any server reported).
+      const reporting = num(fo.reporting);
+      const figure = (v) => (reporting ? num(v) : null);
+      functions.push({
+        name: str(fo.name),
+        servers: arr(fo.servers, 64).map(str),
+        callsPerS: figure(fo.calls_per_s),
+        inFlight: figure(fo.in_flight),
+        calls: figure(fo.calls_total),
+        failed: figure(fo.failed_total),
+      });
     }
     functions.sort((a, b2) => (a.name < b2.name ? -1 : a.name > b2.name ? 1 : 0));
     return { broker: b, self, nodes, entries, totals, more, functions };
@@ -439,6 +452,10 @@
     const rows = m.functions.slice(0, MAX_ROWS).map((f) => el("tr", { "data-function": f.name },
       el("td", { class: "name mono", title: f.name }, f.name),
       el("td", { class: "num", "data-field": "servers" }, String(f.servers.length)),
+      el("td", { class: "num", "data-field": "calls-per-s" }, callRate(f.callsPerS)),
+      el("td", { class: "num", "data-field": "in-flight" }, tally(f.inFlight)),
+      el("td", { class: "num", "data-field": "calls" }, tally(f.calls)),
+      el("td", { class: "num", "data-field": "failed" }, tally(f.failed)),
       el("td", { class: "holders" }, ...f.servers.slice(0, 16).map((id) => el("span", {
         class: "chip mono" + (alive.get(id) === false ? " gone" : ""),
         title: id,

@@ -137,13 +137,29 @@ pub const MAX_FUNCTIONS_LISTED: usize = 1_000;
 /// Most servers listed for one function.
 pub const MAX_SERVERS_LISTED: usize = 64;
 
-/// A remote function and the live nodes serving it (the broker's `Servers` answer).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A remote function, the live nodes serving it (the broker's `Servers` answer) and its call
+/// figures, summed over the servers whose freshest heartbeat reported them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct FunctionView {
     /// The function's name.
     pub name: String,
     /// The nodes serving it now (hex ids, at most [`MAX_SERVERS_LISTED`]).
     pub servers: Vec<String>,
+    /// Calls ended per second (each server's rate since its previous heartbeat).
+    #[serde(default)]
+    pub calls_per_s: f64,
+    /// Calls ended since each server started serving it.
+    #[serde(default)]
+    pub calls_total: u64,
+    /// Of those, the calls that failed (raised, or past their deadline).
+    #[serde(default)]
+    pub failed_total: u64,
+    /// Calls running or queued now.
+    #[serde(default)]
+    pub in_flight: u64,
+    /// How many of the servers reported these figures (a server not heard from yet: none).
+    #[serde(default)]
+    pub reporting: u32,
 }
 
 /// Entries per `/api/v1/cluster` page when the request names no `limit`.

@@ -536,9 +536,11 @@ impl Metrics {
             latency_p50_s: self.latency_quantile(0.5),
             latency_p99_s: self.latency_quantile(0.99),
             metrics_url,
-            // The node fills in its links and upload limit (this crate knows neither).
+            // The node fills in its links, upload limit and served functions (this crate
+            // knows none of them).
             links: Vec::new(),
             upload_limit: 0,
+            functions: Vec::new(),
         }
     }
 }

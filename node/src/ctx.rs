@@ -55,6 +55,38 @@ pub(crate) struct NodeCtx {
     pub(crate) socket_ctl: crate::socket_ctl::SocketCtlSlot,
     /// Tensors lent to one peer each under private names ([`crate::Node::lend`]).
     pub(crate) loans: crate::lend::Loans,
+    /// What adds to each heartbeat's stats ([`crate::Node::add_stats_hook`]).
+    pub(crate) stats_hooks: StatsHooks,
+}
+
+/// The hooks [`crate::Node::add_stats_hook`] added, in order.
+#[derive(Default)]
+pub(crate) struct StatsHooks(std::sync::Mutex<Vec<crate::StatsHook>>);
+
+impl std::fmt::Debug for StatsHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StatsHooks({})", self.hooks().len())
+    }
+}
+
+impl StatsHooks {
+    fn hooks(&self) -> std::sync::MutexGuard<'_, Vec<crate::StatsHook>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(crate) fn add(&self, hook: crate::StatsHook) {
+        self.hooks().push(hook);
+    }
+
+    /// Runs every hook on `stats` (outside the lock: a hook may add another).
+    pub(crate) fn apply(&self, stats: &mut tb_proto::NodeStats) {
+        let hooks = self.hooks().clone();
+        for hook in hooks {
+            hook(stats);
+        }
+    }
 }
 
 impl NodeCtx {

@@ -146,6 +146,9 @@ pub use error::{BrokerFailure, Error, Result};
 pub use inbox::Received;
 pub use lend::{LEND_PREFIX, LENT_VERSION, Lent, MAX_LOANS, is_lent_name};
 pub use node::{Node, PUSH_BYTES_STREAMED_MAX, WeakNode, bind_endpoint};
+
+/// What [`Node::add_stats_hook`] takes: adds to the stats of a heartbeat.
+pub type StatsHook = std::sync::Arc<dyn Fn(&mut tb_proto::NodeStats) + Send + Sync>;
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};

@@ -530,6 +530,14 @@ impl Node {
         self.inner.ctx.services.add(kind, service)
     }
 
+    /// Has `hook` fill in or add to the stats of each heartbeat this node sends its broker,
+    /// after the node made them: how a crate on the extension point reports its figures
+    /// (tb-call: the functions served here and their call rates). Hooks run in the order
+    /// added, on the heartbeat's task: they must not block.
+    pub fn add_stats_hook(&self, hook: crate::StatsHook) {
+        self.inner.ctx.stats_hooks.add(hook);
+    }
+
     /// Answers the control requests that nodes on this host send on the same-host socket
     /// ([`tb_proto::DataRequest::Ctl`]) with `handler`: what a broker registers on the node
     /// it runs, so that a publish or look-up from its host skips a QUIC round trip. Once per
@@ -799,6 +807,7 @@ fn context(config: Config, endpoint: &Endpoint, store: crate::Store) -> Result<A
         services: crate::serve::Services::builtin(),
         socket_ctl: Default::default(),
         loans: Default::default(),
+        stats_hooks: Default::default(),
         config,
     }))
 }

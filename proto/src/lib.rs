@@ -68,10 +68,10 @@ pub use auth::{
 };
 pub use channel::{ChannelKind, ChannelListError, ChannelOffer, ShmHello, ShmPayload, TcpHello};
 pub use ctl::{
-    CtlError, CtlRequest, CtlResponse, Event, HolderAddr, LastHeartbeat, LinkChannel, ListedEntry,
-    MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY, MAX_INLINE_BYTES, MAX_LIST_LIMIT,
-    MAX_LOOKUP_EXCLUDE, MAX_METRICS_URL_LEN, MAX_STATS_LINKS, MAX_SYNC_MEMBERS, MemberStatus,
-    NodeStats, check_offer, check_offered_meta,
+    CtlError, CtlRequest, CtlResponse, Event, FunctionStats, HolderAddr, LastHeartbeat,
+    LinkChannel, ListedEntry, MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY,
+    MAX_INLINE_BYTES, MAX_LIST_LIMIT, MAX_LOOKUP_EXCLUDE, MAX_METRICS_URL_LEN, MAX_STATS_FUNCTIONS,
+    MAX_STATS_LINKS, MAX_SYNC_MEMBERS, MemberStatus, NodeStats, check_offer, check_offered_meta,
 };
 pub use dtype::{DType, UnknownDType};
 pub use frame::{FrameError, LEN_PREFIX, MAX_CONTROL_FRAME};

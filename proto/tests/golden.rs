@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 
 use tb_proto::{
     AccessProof, AuthProof, ByteRange, CTL_ALPN, ChannelKind, ClusterKey, ContentHash, CtlRequest,
-    CtlResponse, DType, DataRequest, DataResponse, Entry, ErrorCode, Event, Hello, HelloReply,
-    HolderAddr, HolderMark, LastHeartbeat, LinkChannel, ListedEntry, Member, MemberStatus,
-    NamePattern, NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp, TensorMeta, TensorName,
-    frame,
+    CtlResponse, DType, DataRequest, DataResponse, Entry, ErrorCode, Event, FunctionStats, Hello,
+    HelloReply, HolderAddr, HolderMark, LastHeartbeat, LinkChannel, ListedEntry, Member,
+    MemberStatus, NamePattern, NodeId, NodeStats, RegistryOp, Role, SYNC_BUCKETS, Stamp,
+    TensorMeta, TensorName, frame,
 };
 
 fn name(s: &str) -> TensorName {
@@ -377,17 +377,26 @@ fn ctl_heartbeat_and_announce() {
                 channel: ChannelKind::Quic,
             }],
             upload_limit: 50_000_000,
+            functions: vec![FunctionStats {
+                name: name("f"),
+                calls_total: 10,
+                failed_total: 1,
+                calls_per_s: 2.0,
+                in_flight: 3,
+            }],
         }),
     };
-    // len 85 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
+    // len 99 | Heartbeat | Worker | 0 addrs | epoch 3 | Some(stats): links 2 | tensors 3 |
     // bytes 300 (varint ac 02) | in 1.5 (f64 LE) | out 0.0 | in total 5 | out total 0 |
     // p50 Some(0.25) | p99 None | url Some("http://a") | 1 link { peer, Quic=1 } |
-    // upload limit 50 MB/s (varint 80 e1 eb 17)
+    // upload limit 50 MB/s (varint 80 e1 eb 17) | 1 function { "f" | 10 calls | 1 failed |
+    // 2.0 calls/s | 3 in flight }
     golden(
         &msg,
         &format!(
-            "55000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
-             01 000000000000d03f 00 01 08 687474703a2f2f61 01 {H_11} 01 80e1eb17"
+            "63000000 00 01 00 03 01 02 03 ac02 000000000000f83f 0000000000000000 05 00 \
+             01 000000000000d03f 00 01 08 687474703a2f2f61 01 {H_11} 01 80e1eb17 \
+             01 0166 0a 01 0000000000000040 03"
         ),
     );
     let msg = CtlRequest::Announce {
@@ -563,14 +572,14 @@ fn ctl_members_and_sync_diff() {
         }],
         last: false,
     };
-    // len 102 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
+    // len 103 | Members | 1 row { member { node, Worker, ... }, Some(heartbeat { stats
     // { links 1 | tensors 2 | bytes 0 | in 0.0 | out 0.0 | totals 0 0 | no p50, p99, url |
-    // no links | unlimited upload }, age 1500 ms (dc 0b) }) } | not last
+    // no links | unlimited upload | no functions }, age 1500 ms (dc 0b) }) } | not last
     golden(
         &msg,
         &format!(
-            "66000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
-             0000000000000000 0000000000000000 00 00 00 00 00 00 00 dc0b 00"
+            "67000000 05 01 {H_11} 01 00 01 01 02 00 {H_11} 01 01 02 00 \
+             0000000000000000 0000000000000000 00 00 00 00 00 00 00 00 dc0b 00"
         ),
     );
     let msg = CtlResponse::SyncDiff {

@@ -196,6 +196,7 @@ fn node_stats() -> impl Strategy<Value = NodeStats> {
                     metrics_url: url,
                     links: channels,
                     upload_limit: cap,
+                    functions: Vec::new(),
                 }
             },
         )

@@ -267,3 +267,21 @@ pub fn init_logs() {
         .with_test_writer()
         .try_init();
 }
+
+/// A 1-D little-endian f32 `.npy` file (format 1.0) of `values`.
+pub fn write_npy(path: &std::path::Path, values: &[f32]) {
+    let mut header = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
+        values.len()
+    );
+    // Magic (6) + version (2) + length (2) + header + '\n', padded to 64 bytes.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut file = b"\x93NUMPY\x01\x00".to_vec();
+    file.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    file.extend_from_slice(header.as_bytes());
+    file.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    std::fs::write(path, file).expect("write .npy");
+}

@@ -157,6 +157,34 @@ async fn a_served_function_is_called_by_name_and_its_errors_come_back_typed() {
     let listed = caller.node().functions("math/").await.expect("functions");
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!((listed[0].0.as_str(), listed[0].1), ("math/add_one", 1));
+
+    // The server's heartbeats report the function's calls: 3 ended, 1 of them failed, none
+    // in flight, and a rate (calls since it was served, over the time since).
+    let server_id = _server_node.id();
+    let figures = || async {
+        let view = caller.node().members_with_stats().await.ok()?;
+        let row = view
+            .members
+            .into_iter()
+            .find(|m| m.member.node.0 == *server_id.as_bytes())?;
+        let stats = row.heartbeat?.stats;
+        stats
+            .functions
+            .into_iter()
+            .find(|f| f.name.as_str() == "math/add_one")
+    };
+    let reported = eventually_async(LIMIT, || async {
+        figures().await.is_some_and(|f| f.calls_total == 3)
+    })
+    .await;
+    let f = figures().await.expect("the function's figures");
+    assert!(reported, "{f:?}");
+    assert_eq!(
+        (f.calls_total, f.failed_total, f.in_flight),
+        (3, 1, 0),
+        "{f:?}"
+    );
+    assert!(f.calls_per_s.is_finite() && f.calls_per_s >= 0.0, "{f:?}");
 }
 
 /// Holds every call until `gate` is released.

@@ -21,7 +21,7 @@ use tb_node::{
 use tb_tests::{
     eventually_async,
     procs::{Proc, bin, broker_command},
-    test_config, within,
+    test_config, within, write_npy,
 };
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -179,24 +179,6 @@ fn run(mut cmd: Command, dir: &Path, what: &str) -> Ran {
     }
 }
 
-/// A 1-D little-endian f32 `.npy` file (format 1.0) of `values`.
-fn write_npy(path: &Path, values: &[f32]) {
-    let mut header = format!(
-        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({},), }}",
-        values.len()
-    );
-    // Magic (6) + version (2) + length (2) + header + '\n', padded to 64 bytes.
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut file = b"\x93NUMPY\x01\x00".to_vec();
-    file.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    file.extend_from_slice(header.as_bytes());
-    file.extend(values.iter().flat_map(|v| v.to_le_bytes()));
-    std::fs::write(path, file).expect("write .npy");
-}
-
 /// A `.npy` file's header text and data bytes (format 1.0).
 fn read_npy(path: &Path) -> (String, Vec<u8>) {
     let file = std::fs::read(path).expect("read .npy");
@@ -282,18 +264,40 @@ async fn tb_call_writes_the_result_and_tb_ls_lists_the_function() {
         "{stdout}"
     );
 
-    // Listed with its one server (this process's node).
-    let ran = c.tb(&["ls", "--functions"]);
-    let listed = ran.ok("tb ls --functions");
-    let row = listed
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some("add_one"))
-        .unwrap_or_else(|| panic!("add_one not listed: {listed}"));
+    // Listed with its one server (this process's node), and once that server's heartbeat
+    // reported it, the one call made: nothing in flight, none failed (a rate, then).
+    let mut listed = String::new();
+    let mut row = Vec::new();
+    for _ in 0..60 {
+        listed = c
+            .tb(&["ls", "--functions"])
+            .ok("tb ls --functions")
+            .to_owned();
+        row = listed
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some("add_one"))
+            .unwrap_or_else(|| panic!("add_one not listed: {listed}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        if row.get(4).map(String::as_str) == Some("1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(row.len(), 6, "{listed}");
     assert_eq!(
-        row.split_whitespace().collect::<Vec<_>>(),
-        ["add_one", "1"],
+        (
+            &row[0][..],
+            &row[1][..],
+            &row[3][..],
+            &row[4][..],
+            &row[5][..]
+        ),
+        ("add_one", "1", "0", "1", "0"),
         "{listed}"
     );
+    assert!(row[2].parse::<f64>().is_ok_and(|r| r >= 0.0), "{listed}");
     let ran = c.tb(&["ls", "--functions", "other/"]);
     assert!(
         ran.ok("tb ls --functions other/")

@@ -468,6 +468,29 @@ fn the_dashboard_shows_a_published_tensor_and_moving_throughput_in_chromium() {
         "echo and add_one served by {server_id} in the functions table: {dom}"
     );
 
+    // Two calls of echo: its row shows them once the server's heartbeat reported them.
+    let arg = c.dir.path().join("x.npy");
+    tb_tests::write_npy(&arg, &[1.0, 2.0, 3.0]);
+    for _ in 0..2 {
+        let out = Command::new(bin("tb"))
+            .arg("call")
+            .arg("echo")
+            .arg(&arg)
+            .arg("--join")
+            .arg(&c.ticket)
+            .arg("--cluster-secret-file")
+            .arg(&c.secret_file)
+            .output()
+            .expect("running tb call");
+        assert!(out.status.success(), "tb call echo: {out:?}");
+    }
+    let (dom, ok) = browser.dom_until(&url, |dom| {
+        function_row(dom, "echo").is_some_and(|tr| {
+            tr.contains("data-field=\"calls\">2<") && tr.contains("data-field=\"failed\">0<")
+        })
+    });
+    assert!(ok, "echo's row counts 2 calls, none failed: {dom}");
+
     // A screenshot, with a few seconds of chart history.
     let shot = target_dir().join("dashboard-screenshot.png");
     let args = [

@@ -217,6 +217,7 @@ impl Cluster {
             let mut stats = ctx.metrics.node_stats(ctx.config.metrics_url.clone());
             stats.links = crate::cluster::stats_links(&ctx.links());
             stats.upload_limit = ctx.config.max_upload_rate;
+            ctx.stats_hooks.apply(&mut stats);
             stats
         });
         let sent = self

@@ -30,7 +30,10 @@ mod validate;
 use serde::{Deserialize, Serialize};
 
 pub use self::{
-    stats::{LinkChannel, MAX_METRICS_URL_LEN, MAX_STATS_LINKS, NodeStats},
+    stats::{
+        FunctionStats, LinkChannel, MAX_METRICS_URL_LEN, MAX_STATS_FUNCTIONS, MAX_STATS_LINKS,
+        NodeStats,
+    },
     status::{LastHeartbeat, MemberStatus},
     validate::{CtlError, check_offer, check_offered_meta},
 };

@@ -379,6 +379,16 @@ fn fat_stats() -> NodeStats {
             MAX_STATS_LINKS
         ],
         upload_limit: u64::MAX,
+        functions: (0..MAX_STATS_FUNCTIONS)
+            .map(|i| FunctionStats {
+                name: TensorName::new(format!("{i:02}{}", "f".repeat(MAX_NAME_LEN - 2)))
+                    .expect("name"),
+                calls_total: u64::MAX,
+                failed_total: u64::MAX,
+                calls_per_s: f64::MAX,
+                in_flight: u32::MAX,
+            })
+            .collect(),
     }
 }
 
@@ -470,6 +480,29 @@ fn member_status_rows_carry_validated_stats() {
     assert_eq!(
         row(crowded).validate(MAX),
         Err(CtlError::BadStat { field: "links" })
+    );
+    let mut crowded = fat_stats();
+    crowded.functions.push(crowded.functions[0].clone());
+    assert_eq!(
+        row(crowded).validate(MAX),
+        Err(CtlError::BadStat { field: "functions" })
+    );
+    let mut fast = fat_stats();
+    fast.functions[3].calls_per_s = f64::INFINITY;
+    assert_eq!(
+        row(fast).validate(MAX),
+        Err(CtlError::BadStat {
+            field: "functions.calls_per_s"
+        })
+    );
+    let mut odd = fat_stats();
+    odd.functions[0].calls_total = 1;
+    odd.functions[0].failed_total = 2;
+    assert_eq!(
+        row(odd).validate(MAX),
+        Err(CtlError::BadStat {
+            field: "functions.failed_total"
+        })
     );
     let mut bad = MemberStatus::without_stats(fat_member(3));
     bad.member.addrs.push("x".into());
