@@ -58,7 +58,7 @@ mod tests {
         assert_eq!(parse_threads(" 8 "), Ok(8));
         assert_eq!(parse_threads("1024"), Ok(1024));
         for bad in ["0", "-1", "", "two", "1025", "1.5"] {
-            let err = parse_threads(bad).unwrap_err();
+            let err = parse_threads(bad).expect_err("refused");
             assert!(err.contains(RUNTIME_THREADS_ENV), "{bad:?}: {err}");
         }
         assert!((1..=DEFAULT_MAX_THREADS).contains(&default_worker_threads()));
