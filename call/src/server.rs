@@ -357,7 +357,7 @@ impl Table {
                 FunctionStats {
                     name: s.spec.name.clone(),
                     calls_total: ended,
-                    // Read after `ended`: never above it.
+                    // Clamped: the two counters are read apart (heartbeats refuse more).
                     failed_total: s.failed.load(Ordering::Relaxed).min(ended),
                     calls_per_s,
                     in_flight: s.outstanding(),

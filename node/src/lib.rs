@@ -127,7 +127,7 @@ mod wire;
 /// kernel that refuses it (the shm channel then switches itself off).
 #[cfg(target_os = "linux")]
 #[doc(hidden)]
-pub use channel::force_map_failures_for_tests;
+pub use channel::{VIEW_COPY_MAX, force_map_failures_for_tests};
 pub use client::{Pulled, RequestStream};
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{

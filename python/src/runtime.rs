@@ -261,8 +261,11 @@ impl Handoff {
                 drop(state);
                 self.rt.spawn(task);
             }
-            // Cancelled meanwhile: dropped here.
-            Handing::Parked(_) | Handing::Gone => {}
+            // Cancelled meanwhile: dropped, outside the lock (a drop may wake this waker).
+            Handing::Parked(_) | Handing::Gone => {
+                drop(state);
+                drop(task);
+            }
         }
     }
 

@@ -56,6 +56,57 @@ impl StreamHandle {
     }
 }
 
+/// Copies above this many bytes in one item are made on the blocking pool, not on the
+/// runtime's worker.
+const READY_INLINE_MAX: usize = 64 << 10;
+
+/// `item` with its tensors that Python would get as private copies (loaned or named node
+/// tensors of at most [`tb_node::VIEW_COPY_MAX`] bytes) copied now into memory of their own,
+/// which Python then takes as it is (`from_value`): the copy is made here, by a prefetching
+/// stage ahead of the consumer, not in the consumer's wait for the item.
+async fn ready_for_python(value: Value) -> tb_call::pipeline::Item {
+    if to_copy(&value) <= READY_INLINE_MAX {
+        return Ok(owned_small_tensors(value));
+    }
+    tokio::task::spawn_blocking(move || owned_small_tensors(value))
+        .await
+        .map_err(|e| PipelineError::Invalid(format!("preparing an item: {e}")))
+}
+
+/// Whether `t` is a node tensor Python would copy (see [`ready_for_python`]).
+fn copied_by_python(t: &tb_call::HostTensor) -> bool {
+    t.node_tensor().is_some() && t.data.len() <= tb_node::VIEW_COPY_MAX
+}
+
+/// The bytes [`owned_small_tensors`] copies in `value`.
+fn to_copy(value: &Value) -> usize {
+    match value {
+        Value::Tensor(t) if copied_by_python(t) => t.data.len(),
+        Value::List(items) => items.iter().map(to_copy).sum(),
+        Value::Map(items) => items.iter().map(|(_, v)| to_copy(v)).sum(),
+        _ => 0,
+    }
+}
+
+fn owned_small_tensors(value: Value) -> Value {
+    match value {
+        Value::Tensor(t) if copied_by_python(&t) => {
+            match tb_call::HostTensor::new(t.dtype, t.shape.clone(), t.data.to_vec()) {
+                Ok(owned) => Value::Tensor(owned),
+                Err(_) => Value::Tensor(t),
+            }
+        }
+        Value::List(items) => Value::List(items.into_iter().map(owned_small_tensors).collect()),
+        Value::Map(items) => Value::Map(
+            items
+                .into_iter()
+                .map(|(k, v)| (k, owned_small_tensors(v)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 fn spent() -> PyErr {
     PyValueError::new_err(
         "this stream was combined into another (map, batch, prefetch, interleave): read that one",
@@ -227,9 +278,12 @@ impl StreamHandle {
         self.then(|p| p.map_call(calls, name, options, one_arg, parallel, ordered))
     }
 
-    /// Up to `k` items pulled ahead by a task of its own.
+    /// Up to `k` items pulled ahead by a task of its own, each made ready for Python there
+    /// (tensors Python would copy are copied by that task, not in the consumer's wait).
     fn prefetch(&self, k: usize) -> PyResult<StreamHandle> {
-        self.then(|p| p.prefetch(k))
+        // Each item is made ready for Python before it is held: what the consumer then
+        // gets is memory of its own, with no copy left for its thread to make.
+        self.then(|p| p.map(ready_for_python, 1, true)?.prefetch(k))
     }
 
     /// `n` items at a time stacked (see `tb_call::Pipeline::batch`).

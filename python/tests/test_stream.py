@@ -136,6 +136,34 @@ def test_streaming_calls_interleaved_mapped_remotely_and_batched(cluster: tb.Loc
             np.testing.assert_array_equal(t["x"].numpy(), sample(0)["x"] + 1)
 
 
+def test_prefetched_loaned_tensors_are_the_consumers_own_memory(cluster: tb.LocalCluster) -> None:
+    # Items of 1 MiB come as loans (the server's memfds); prefetch copies those Python would
+    # copy (4 MiB or less) ahead, and leaves larger ones to be mapped. Either way the bytes
+    # are the items', writable, and changing one changes nothing else.
+    sizes = [1 << 20, 5 << 20, 1 << 20]
+    with cluster.connect() as server, cluster.connect() as consumer:
+
+        @server.share("load/big")
+        def big(n: int):
+            for i in range(n):
+                yield {"x": np.full(sizes[i], i + 1, np.uint8), "i": i}
+
+        with server.serving():
+            f = consumer.function("load/big")
+            for stream in (tb.Stream.call(f, 3).prefetch(2), tb.Stream.call(f, 3)):
+                got = list(stream)
+                assert [g["i"] for g in got] == [0, 1, 2]
+                for g in got:
+                    x = g["x"]
+                    assert x.nbytes == sizes[g["i"]] and x.flags.writeable
+                    assert int(x.min()) == int(x.max()) == g["i"] + 1
+                    x += 1
+                assert [int(g["x"][0]) for g in got] == [2, 3, 4]
+            # The server still serves the same bytes.
+            again = next(iter(tb.Stream.call(f, 1).prefetch(2)))
+            assert int(again["x"].max()) == 1
+
+
 def test_async_for_over_a_stream_and_cancelling_it(cluster: tb.LocalCluster) -> None:
     with cluster.connect() as server, cluster.connect() as consumer:
 

@@ -128,7 +128,7 @@ pub(crate) const PRIVATE_COPY_MAX: usize = 64 << 10;
 /// 210 us (1 MiB), 580 us (4 MiB) and 3.0 ms (16 MiB) with a mapping, 130 us, 300 us and
 /// 1.8 ms with a copy (at 64 MiB the copy lost, 37 ms against 15: its memory is fresh). The
 /// copy doubles the memory of what it copies, hence the bound.
-pub(crate) const VIEW_COPY_MAX: usize = 4 << 20;
+pub const VIEW_COPY_MAX: usize = 4 << 20;
 
 /// Where a host tensor's bytes are received (or copied at publish): on Linux, payloads above
 /// [`PRIVATE_COPY_MAX`] go straight into a memfd that is sealed once full, so the node keeps
