@@ -272,7 +272,7 @@ pub enum Value {
     /// Text.
     Str(String),
     /// Raw bytes.
-    Bytes(Vec<u8>),
+    Bytes(#[serde(with = "serde_bytes")] Vec<u8>),
     /// An ordered list (Python lists and tuples).
     List(Vec<Value>),
     /// String-keyed map, in the sender's order.

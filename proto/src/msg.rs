@@ -309,6 +309,7 @@ pub enum DataResponse {
         meta: TensorMeta,
         /// The bytes: `meta.byte_len` of them, at most
         /// [`MAX_INLINE_BYTES`](crate::MAX_INLINE_BYTES), hashing to `meta.hash`.
+        #[serde(with = "serde_bytes")]
         bytes: Vec<u8>,
     },
     /// The answer to [`DataRequest::Call`] once the server took the call (before it reads

@@ -793,6 +793,8 @@ fn call_messages() {
         Value::Map(vec![("k".into(), Value::Str("v".into()))]),
     ]);
     golden(&value, "0f000000 0603 0201 08010102 0701016b040176");
+    // Bytes=5 | 2 bytes ab cd (one slice, as a sequence of u8 would be)
+    golden(&Value::Bytes(vec![0xab, 0xcd]), "04000000 05 02abcd");
     // A body: the skeleton's u32 LE length, the skeleton, then the tensors' bytes.
     let (head, shape) = Body::head(&value).expect("a small value");
     assert_eq!(

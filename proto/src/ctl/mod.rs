@@ -156,6 +156,7 @@ pub enum CtlRequest {
         ops: Vec<RegistryOp>,
         /// The published version's bytes: at most [`MAX_INLINE_BYTES`], their length and
         /// BLAKE3 hash those of the publish's metadata.
+        #[serde(with = "serde_bytes")]
         bytes: Vec<u8>,
     },
     /// Which live nodes serve `function` now (answered by `Servers`): the members whose
@@ -394,6 +395,7 @@ pub enum Event {
         /// Who published it (and holds it).
         publisher: NodeId,
         /// The bytes, `meta.byte_len` of them, hashing to `meta.hash`.
+        #[serde(with = "serde_bytes")]
         bytes: Vec<u8>,
     },
 }
