@@ -263,3 +263,25 @@ def test_event_loops_in_several_threads_each_get_their_results(cluster: tb.Local
             t.join(LIMIT_S * 4)
         assert not any(t.is_alive() for t in threads)
         assert not failures, failures
+
+
+def test_a_loop_that_cannot_watch_a_socket_still_gets_its_results(cluster: tb.LocalCluster) -> None:
+    # Completions then come through call_soon_threadsafe (from a runtime thread with the GIL).
+    class NoReaders(asyncio.SelectorEventLoop):
+        def add_reader(self, *args, **kwargs):  # type: ignore[override]
+            raise NotImplementedError("no readers here")
+
+    async def main() -> None:
+        async with await cluster.connect_async() as a, await cluster.connect_async() as b:
+            await a.put("noreader/x", np.arange(6, dtype=np.int16))
+            assert (await b.get("noreader/x")).tolist() == list(range(6))
+            waiting = asyncio.create_task(b.recv(timeout=LIMIT_S))
+            await asyncio.sleep(0.05)
+            await a.push(b.addr, "noreader/p", np.ones(3, np.uint8))
+            assert (await waiting).name == "noreader/p"
+
+    loop = NoReaders()
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), LIMIT_S * 4))
+    finally:
+        loop.close()
