@@ -285,3 +285,32 @@ def test_a_loop_that_cannot_watch_a_socket_still_gets_its_results(cluster: tb.Lo
         loop.run_until_complete(asyncio.wait_for(main(), LIMIT_S * 4))
     finally:
         loop.close()
+
+
+def test_ctrl_c_ends_an_asyncio_program_waiting_on_a_call(spawn) -> None:
+    # asyncio.run turns SIGINT into cancelling the main task: the parked recv is dropped and
+    # KeyboardInterrupt reaches the program, which can still use a new client afterwards.
+    child = spawn(
+        """
+import asyncio
+import tensor_broker.asyncio as tba
+async def main():
+    async with await tba.connect(TICKET, secret_file=SECRET_FILE) as c:
+        say("waiting")
+        await c.recv()
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    say("interrupted")
+with tb.connect(TICKET, secret_file=SECRET_FILE) as c:
+    say(c.status()["pushes_queued"])
+"""
+    )
+    assert child.line() == "waiting"
+    import os
+    import signal
+
+    os.kill(child.proc.pid, signal.SIGINT)
+    assert child.line() == "interrupted"
+    assert child.line() == "0"
+    child.finish()

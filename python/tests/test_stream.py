@@ -159,9 +159,15 @@ def test_prefetched_loaned_tensors_are_the_consumers_own_memory(cluster: tb.Loca
                     assert int(x.min()) == int(x.max()) == g["i"] + 1
                     x += 1
                 assert [int(g["x"][0]) for g in got] == [2, 3, 4]
-            # The server still serves the same bytes.
+            # The server still serves the same bytes; torch in-place ops on a prefetched item.
             again = next(iter(tb.Stream.call(f, 1).prefetch(2)))
             assert int(again["x"].max()) == 1
+            torch = pytest.importorskip("torch")
+            t = next(iter(tb.Stream.call(f, 1).prefetch(2).as_torch()))
+            t["x"].add_(5)
+            assert int(t["x"].min()) == int(t["x"].max()) == 6
+            assert int(next(iter(tb.Stream.call(f, 1).prefetch(2)))["x"].max()) == 1
+            assert isinstance(t["x"], torch.Tensor)
 
 
 def test_async_for_over_a_stream_and_cancelling_it(cluster: tb.LocalCluster) -> None:
