@@ -81,8 +81,8 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 
 /// Gives back an unsealed memfd of `len` bytes that never left the process and that nothing
 /// maps any more but `map` (its whole file, read-only, which nothing reads through until the
-/// buffer is taken again). Buffers pushed out to stay within the bounds are closed after the
-/// lock is released (closing frees their pages, which takes a while for large ones).
+/// buffer is taken again). Buffers pushed out to stay within the bounds are freed after the
+/// lock is released, large ones on the pool's thread ([`free`]).
 pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>) {
     if len > MAX_BYTES {
         return;
@@ -101,7 +101,9 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>) {
         pool.idle.push_back(Idle { fd, len, map, at });
         pool.bytes += len;
     }
-    drop(closed);
+    for old in closed {
+        free(old.fd, old.map, old.len);
+    }
     static SWEEPER: Once = Once::new();
     SWEEPER.call_once(|| {
         let spawned = std::thread::Builder::new()
@@ -122,8 +124,8 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>) {
 enum Job {
     /// Make a spare of this size ([`spare`]).
     Spare(usize),
-    /// Unmap and close a sealed region's memfd ([`release`]).
-    Release(OwnedFd, Mapping),
+    /// Unmap and close a memfd ([`free`]).
+    Release(OwnedFd, Option<Mapping>),
 }
 
 /// Hands `job` to the pool's thread; gives it back when the thread is busy (its queue full)
@@ -133,12 +135,16 @@ fn to_thread(job: Job) -> Option<Job> {
     let jobs = JOBS.get_or_init(|| {
         let (tx, rx) = sync_channel::<Job>(JOBS_QUEUED);
         let spawned = std::thread::Builder::new()
-            .name("tb-memfd-spare".into())
+            .name("tb-memfd-jobs".into())
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
                     match job {
                         Job::Spare(len) => make_spare(len),
-                        Job::Release(fd, map) => drop((map, fd)),
+                        Job::Release(fd, map) => {
+                            #[cfg(test)]
+                            freed_here(&fd);
+                            drop((map, fd));
+                        }
                     }
                 }
             });
@@ -155,6 +161,20 @@ fn to_thread(job: Job) -> Option<Job> {
             TrySendError::Full(job) | TrySendError::Disconnected(job) => job,
         }),
         None => Some(job),
+    }
+}
+
+/// The inodes of the memfds the pool's thread freed (tests check where a memfd was freed).
+#[cfg(test)]
+pub(crate) static FREED_ON_THREAD: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+#[cfg(test)]
+fn freed_here(fd: &OwnedFd) {
+    if let Ok(stat) = fs::fstat(fd) {
+        let mut freed = FREED_ON_THREAD
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        freed.push(stat.st_ino);
     }
 }
 
@@ -188,14 +208,17 @@ pub(crate) fn spare(len: usize) {
 /// development VM, under strace, ~0.3 ms to unmap 1 MiB and as much to close it), which
 /// would otherwise land on whoever dropped the last reference, typically a `put` evicting
 /// an old version.
-/// Here when the thread is busy.
 pub(crate) fn release(fd: OwnedFd, map: Mapping, len: usize) {
+    free(fd, Some(map), len);
+}
+
+/// Unmaps `map` and closes `fd` (a memfd of `len` bytes): on the pool's thread when it is
+/// large, here when it is small or the thread is busy.
+fn free(fd: OwnedFd, map: Option<Mapping>, len: usize) {
     if len < SPARE_MIN {
         return drop((map, fd));
     }
-    if let Some(job) = to_thread(Job::Release(fd, map)) {
-        drop(job);
-    }
+    drop(to_thread(Job::Release(fd, map)));
 }
 
 /// A new memfd of `len` bytes (sealable; no page allocated yet).

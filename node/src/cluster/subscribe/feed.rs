@@ -345,9 +345,11 @@ mod tests {
                 inline: Some(Carried::Coming(mut rx)),
                 ..
             }) => {
-                drop(tx);
-                // A watch whose read failed drops its sender: the subscription fetches.
-                assert!(rx.try_recv().is_err());
+                // The channel the watch was handed is the one the subscription waits on.
+                let sent = Tensor::from_bytes(vec![7u8; 3]);
+                assert!(tx.send(sent.clone()).is_ok());
+                let got = rx.try_recv().expect("the watch's bytes");
+                assert_eq!(got.data(), sent.data());
             }
             other => panic!("{other:?}"),
         }

@@ -278,11 +278,19 @@ impl Watching {
         mut watch: crate::channel::ShmWatch,
         name: &TensorName,
     ) -> Error {
+        let peer = watch.peer();
+        // A header or payload that failed its checks (not a link that went away) is counted
+        // and logged; `take` does the same for inline frames.
+        let refused = |e: Error| {
+            if matches!(e, Error::Corrupt(_)) {
+                ctx.metrics.watch_offers_refused.inc();
+                tracing::warn!(%name, peer = %peer.fmt_short(), %e, "refused an offer");
+            }
+            e
+        };
         loop {
             let taken = match watch.next(ctx).await {
-                Ok(crate::channel::WatchOffer::Inline(frame)) => {
-                    self.take(ctx, name, watch.peer(), frame)
-                }
+                Ok(crate::channel::WatchOffer::Inline(frame)) => self.take(ctx, name, peer, frame),
                 Ok(crate::channel::WatchOffer::Mapped { version, tensor }) => {
                     ctx.metrics.watch_offers_in.inc();
                     let meta = tensor.meta().clone();
@@ -298,27 +306,17 @@ impl Watching {
                     let told = meta.clone();
                     self.shared
                         .update(|f| f.published_carrying(name, version, told, coming));
-                    match watch.read_coming(ctx, version, &meta).await {
-                        Ok(tensor) => {
+                    watch
+                        .read_coming(ctx, version, &meta)
+                        .await
+                        .map(|tensor| {
                             ctx.metrics.watch_offers_in.inc();
                             // Gone if the version was coalesced away meanwhile.
                             let _ = tx.send(tensor);
-                            Ok(())
-                        }
-                        Err(e @ Error::Corrupt(_)) => {
-                            ctx.metrics.watch_offers_refused.inc();
-                            tracing::warn!(%name, peer = %watch.peer().fmt_short(), %e, "refused an offer");
-                            Err(e)
-                        }
-                        Err(e) => Err(e),
-                    }
+                        })
+                        .map_err(refused)
                 }
-                Err(e @ Error::Corrupt(_)) => {
-                    ctx.metrics.watch_offers_refused.inc();
-                    tracing::warn!(%name, peer = %watch.peer().fmt_short(), %e, "refused an offer");
-                    Err(e)
-                }
-                Err(e) => Err(e),
+                Err(e) => Err(refused(e)),
             };
             if let Err(e) = taken {
                 return e;

@@ -138,6 +138,9 @@ fn a_large_shared_region_dropped_is_freed_off_the_dropping_thread() {
         !holds_inode(ino)
     });
     assert!(closed, "the sealed memfd was closed");
+    let freed = pool::FREED_ON_THREAD.lock().expect("freed list");
+    assert!(freed.contains(&ino), "closed by the pool's thread");
+    drop(freed);
     assert!(!pool::holds(LEN) || RegionWriter::new(LEN).is_ok_and(|w| inode(w.fd.as_fd()) != ino));
 }
 
