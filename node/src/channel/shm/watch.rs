@@ -24,7 +24,8 @@ use crate::{
 
 /// Serves a watch on a same-host connection until the watcher goes (a write fails) or the
 /// node stops; refused `Busy` past the limits (`Watchers::register` says why). A small version
-/// goes as an `Offer` with its bytes, a larger one as a pull's `Header` and its sealed memfd
+/// goes as an `Offer` with its bytes; a larger one as a pull's `Header` followed by its bytes
+/// on the socket up to 4 MiB (`INLINE_MAX`), above that by its sealed memfd
 /// (`ShmPayload::Memfd`). The connection is not used again after it.
 pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName) {
     let stall = ctx.config.stall_timeout;
