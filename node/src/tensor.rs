@@ -302,6 +302,18 @@ impl Tensor {
         }
     }
 
+    /// The memfd holding exactly these bytes, if one was made or given already (none is made
+    /// here): a tensor of a peer's memfd, a put's copy, or one whose bytes were passed
+    /// before.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn made_region(&self) -> Option<std::sync::Arc<crate::channel::Region>> {
+        let Data::Host(bytes) = &self.data else {
+            return None;
+        };
+        let region = self.shm.get()?;
+        (self.region_at.is_none() && region.len() == bytes.len()).then_some(region)
+    }
+
     /// Wraps device bytes whose hash was already verified against `meta` (the receive path).
     pub(crate) fn from_verified_device(meta: TensorMeta, buffer: DeviceBuffer) -> Self {
         debug_assert_eq!(meta.byte_len, buffer.len() as u64);

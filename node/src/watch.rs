@@ -7,12 +7,15 @@
 //! to the broker rather than after it: one QUIC hop from publisher to subscriber instead of
 //! two through the broker. A watcher on the same host (the watch came over the shm channel's
 //! socket) is offered every host version, however large: a large one goes as a pull's
-//! `Header` and its bytes on the socket up to 4 MiB, beyond that as its sealed memfd
-//! (`ShmPayload::Memfd`), which the subscriber maps without a look-up or a pull; such an offer is queued only to a watcher with none pending, so a slow
-//! watcher pins at most one large version. The broker's event still comes and is a duplicate the
-//! subscription drops; offers are a shortcut, never the only news, so an offer that is late,
-//! dropped (a watcher whose queue is full) or never sent (the stream is down) costs latency,
-//! never a version.
+//! `Header` and, up to 4 MiB, its memfd for the watcher to copy from (a watcher that proved
+//! read-write access) or its bytes on the socket, beyond that as its sealed memfd
+//! (`ShmPayload::Memfd`), which the subscriber maps without a look-up or a pull; such an
+//! offer is queued only to a watcher with none pending, so a slow watcher pins at most one
+//! large version. The broker's event still comes and is a duplicate the subscription drops
+//! (when the event wins the race, a same-host subscription waits a few milliseconds for the
+//! offer instead of fetching the version a second time); offers are a shortcut, never the only
+//! news, so an offer that is late, dropped (a watcher whose queue is full) or never sent (the
+//! stream is down) costs latency, never a version.
 //!
 //! Bounded: at most [`MAX_WATCHERS`] streams per node and [`MAX_WATCHERS_PER_NAME`] per name
 //! (beyond them a `Watch` is refused `Busy`), each with a queue of [`QUEUE`] offers whose

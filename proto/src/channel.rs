@@ -230,6 +230,24 @@ pub enum ShmPayload {
     /// carries no hash). The receiver hashes what arrives and refuses it unless the two
     /// agree; the version's hash is then that one.
     InlineHashAfter,
+    /// The payload is at `offset` of the memfd passed with this frame (SCM_RIGHTS), open
+    /// read-only and possibly unsealed: the sender's own buffer, which it recycles once the
+    /// version goes. The receiver copies the payload out into memory of its own (no mapping,
+    /// no bytes on the socket), closes the memfd, and answers [`ShmCopied`]; the sender keeps
+    /// the bytes unchanged until that answer (or its stall timeout). Offered only to a
+    /// receiver that proved read-write access.
+    MemfdCopy {
+        /// Where the payload starts in the memfd.
+        offset: u64,
+    },
+}
+
+/// On a same-host socket, a receiver's answer to a [`ShmPayload::MemfdCopy`]: it copied
+/// `version`'s bytes and closed the memfd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmCopied {
+    /// The version whose bytes were copied.
+    pub version: u64,
 }
 
 /// The first frame on a TCP-channel socket, from the puller: the one-time token of its

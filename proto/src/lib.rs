@@ -66,7 +66,9 @@ pub use auth::{
     HOW_TO_MAKE_A_SECRET, Hello, HelloReply, MAX_HELLO_FRAME, MAX_SECRET_LEN, MIN_SECRET_LEN,
     READ_ONLY_PREFIX, authorize,
 };
-pub use channel::{ChannelKind, ChannelListError, ChannelOffer, ShmHello, ShmPayload, TcpHello};
+pub use channel::{
+    ChannelKind, ChannelListError, ChannelOffer, ShmCopied, ShmHello, ShmPayload, TcpHello,
+};
 pub use ctl::{
     CtlError, CtlRequest, CtlResponse, Event, FunctionStats, HolderAddr, LastHeartbeat,
     LinkChannel, ListedEntry, MAX_ANNOUNCE_OPS, MAX_CHUNK_BYTES, MAX_HOLDERS_REPLY,

@@ -152,6 +152,10 @@ fn shm_frames() {
     golden(&ShmPayload::Inline, "01000000 00");
     // len 3 | Memfd=1 | offset 300
     golden(&ShmPayload::Memfd { offset: 300 }, "03000000 01 ac02");
+    // len 3 | MemfdCopy=3 | offset 300
+    golden(&ShmPayload::MemfdCopy { offset: 300 }, "03000000 03 ac02");
+    // len 2 | version 300
+    golden(&tb_proto::ShmCopied { version: 300 }, "02000000 ac02");
 }
 
 #[test]

@@ -1,10 +1,10 @@
 //! Arbitrary bytes as the first frames of a channel socket: a same-host `ShmHello` and
-//! `ShmPayload`, and a TCP channel's `TcpHello`, as frames and as bare bodies. Anything may be
+//! `ShmPayload` and `ShmCopied`, and a TCP channel's `TcpHello`, as frames and as bare bodies. Anything may be
 //! refused; nothing may panic, and what decodes must survive a re-encode.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tb_proto::{ShmHello, ShmPayload, TcpHello, frame};
+use tb_proto::{ShmCopied, ShmHello, ShmPayload, TcpHello, frame};
 
 /// Decodes `$data` as a `$t` frame and body; what decodes must re-encode to itself.
 macro_rules! round_trip {
@@ -22,5 +22,6 @@ macro_rules! round_trip {
 fuzz_target!(|data: &[u8]| {
     round_trip!(ShmHello, data);
     round_trip!(ShmPayload, data);
+    round_trip!(ShmCopied, data);
     round_trip!(TcpHello, data);
 });

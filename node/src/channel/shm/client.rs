@@ -333,6 +333,10 @@ async fn pull_on(
             ShmPayload::InlineHashAfter => Err(Error::Io(format!(
                 "{what}: a pull answered with a push's payload"
             ))),
+            // Only watches are sent this way.
+            ShmPayload::MemfdCopy { .. } => Err(Error::Io(format!(
+                "{what}: a pull answered with a watch's payload"
+            ))),
         }
     })
     .await

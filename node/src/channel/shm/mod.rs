@@ -268,6 +268,34 @@ fn tensor_from_memfd(fd: OwnedFd, offset: u64, meta: TensorMeta) -> Result<Tenso
     })
 }
 
+/// A tensor of `meta` made of a copy of the payload at `offset` of a peer's memfd (sent as
+/// [`ShmPayload::MemfdCopy`](tb_proto::ShmPayload)), in a memfd of this process's pool: the
+/// kernel copies it (one copy, no mapping, nothing on the socket) and the peer's fd is closed
+/// before this returns. Hashed, naming `what` when it does not match, when `verify` (the peer
+/// proved only read-only access). At most [`INLINE_MAX`] bytes.
+fn tensor_copied_from_memfd(
+    fd: OwnedFd,
+    offset: u64,
+    meta: &TensorMeta,
+    verify: bool,
+    what: &str,
+) -> Result<Tensor> {
+    let len = inline_len(meta)?;
+    if len == 0 {
+        return Err(Error::Io(format!(
+            "{what}: an empty payload sent as a memfd"
+        )));
+    }
+    let fill = region::RegionFill::new(len)?;
+    fill.copy_from(&fd, offset)?;
+    drop(fd);
+    let tensor = Tensor::from_region(meta.clone(), fill.finish()?);
+    if verify {
+        verify::check_all(tensor.data(), meta.hash, what)?;
+    }
+    Ok(tensor)
+}
+
 /// The length of an inline payload of `meta`, refused unless it is within [`INLINE_MAX`]:
 /// checked before anything is allocated for it (`meta` comes from a peer, validated against
 /// the tensor size limit only).

@@ -187,6 +187,23 @@ impl Region {
         }
     }
 
+    /// The memfd opened a second time, read-only (through `/proc/self/fd`), and not sealed:
+    /// what a [`ShmPayload::MemfdCopy`](tb_proto::ShmPayload) passes, so that the region can
+    /// still go back to the pool. The receiver reads the bytes through it but cannot write
+    /// them or map them writable (a process of the same user that sets out to could reopen
+    /// the file writable: only peers that proved read-write access, and so could publish
+    /// other bytes anyway, are passed one).
+    pub(crate) fn read_only_fd(&self) -> Result<OwnedFd> {
+        use std::os::fd::AsRawFd;
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        fs::open(
+            path,
+            fs::OFlags::RDONLY | fs::OFlags::CLOEXEC,
+            fs::Mode::empty(),
+        )
+        .map_err(|e| io("reopening a memfd read-only", e))
+    }
+
     /// Maps the first `end` bytes of a memfd a peer passed, after checking that it is sealed
     /// as [`Region::copy_of`] seals (so its bytes can never change) and holds at least `end`
     /// bytes. Returns the region and whether the payload is the whole file (then the fd can
@@ -392,6 +409,56 @@ impl RegionFill {
                 return Err(Error::Io("writing a memfd: no progress".into()));
             }
             (bytes, offset) = (&bytes[n..], offset + n);
+        }
+        Ok(())
+    }
+
+    /// Fills the memfd with the bytes at `offset` of the file `src` (a peer's memfd passed
+    /// for [`ShmPayload::MemfdCopy`](tb_proto::ShmPayload)), copied by the kernel from page
+    /// cache to page cache (`copy_file_range`: nothing mapped, no bounce buffer), or read and
+    /// written through a bounce buffer where the kernel cannot. A file shorter than that is
+    /// an error.
+    pub(crate) fn copy_from(&self, src: &OwnedFd, offset: u64) -> Result<()> {
+        let len = self.len as u64;
+        let short = || Error::Io(format!("a peer's memfd ends before byte {offset} + {len}"));
+        let (mut from, mut to) = (offset, 0u64);
+        // Bounded: each round copies at least one byte, or fails, or falls back below.
+        while to < len {
+            let left = usize::try_from(len - to).unwrap_or(usize::MAX);
+            match fs::copy_file_range(src, Some(&mut from), &self.fd, Some(&mut to), left) {
+                Ok(0) => return Err(short()),
+                Ok(_) => {}
+                // Kernels and file systems that cannot copy between these files.
+                Err(rustix::io::Errno::XDEV | rustix::io::Errno::NOSYS)
+                | Err(rustix::io::Errno::INVAL | rustix::io::Errno::OPNOTSUPP)
+                    if to == 0 =>
+                {
+                    return self.read_from(src, offset);
+                }
+                Err(e) => return Err(io("copying a peer's memfd", e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`copy_from`](Self::copy_from) with `pread` and `pwrite` through a bounce buffer.
+    fn read_from(&self, src: &OwnedFd, offset: u64) -> Result<()> {
+        const BOUNCE: usize = 64 << 10;
+        let mut buf = vec![0u8; BOUNCE.min(self.len)];
+        let mut at = 0;
+        // Bounded: each round reads at least one byte, or fails.
+        while at < self.len {
+            let want = BOUNCE.min(self.len - at);
+            let n = rustix::io::pread(src, &mut buf[..want], offset + at as u64)
+                .map_err(|e| io("reading a peer's memfd", e))?;
+            if n == 0 {
+                return Err(Error::Io(format!(
+                    "a peer's memfd ends before byte {offset} + {}",
+                    self.len
+                )));
+            }
+            self.write_at(&buf[..n], at)?;
+            at += n;
         }
         Ok(())
     }

@@ -154,7 +154,7 @@ async fn serve_request(
         }
         DataRequest::Push { name, meta } => serve_push(ctx, conn, peer, name, meta).await,
         DataRequest::Watch { name } => {
-            super::watch::serve(ctx, conn, &name).await;
+            super::watch::serve(ctx, conn, &name, access).await;
             Err(Error::Io("the watch ended".into()))
         }
         DataRequest::Channels { .. } | DataRequest::TcpPull { .. } | DataRequest::Pieces { .. } => {

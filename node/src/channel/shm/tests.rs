@@ -346,3 +346,97 @@ async fn bytes_whose_hash_after_them_disagrees_are_refused() {
         }
     }
 }
+
+/// Opens a same-host watch of `name` at `holder` from `reader`.
+async fn open_watch(reader: &Node, holder: &Node, name: &TensorName) -> super::ShmWatch {
+    let addr = holder.addr();
+    let links = || reader.link(addr);
+    let route = within(
+        "route",
+        crate::channel::route(reader.ctx(), &addr.id, links),
+    )
+    .await;
+    let Ok(Some(crate::channel::Route::Shm(route))) = route else {
+        panic!("no same-host route between two nodes of this process");
+    };
+    let open = super::ShmWatch::open(reader.ctx(), &route, name);
+    match within("watch", open).await {
+        Ok(watch) => watch,
+        Err(_) => panic!("the same-host watch did not open"),
+    }
+}
+
+/// Offers `version` of `name` to `holder`'s watchers until one took it (the watch is
+/// registered when the holder reads its request); bounded: 250 tries, 20 ms apart.
+async fn offer_to_watcher(holder: &Node, name: &TensorName, version: u64, tensor: &Tensor) {
+    for _ in 0..250 {
+        if holder.ctx().watchers.offer(name, version, tensor) == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no watcher of {name} registered at the holder");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_write_watcher_copies_a_version_out_of_the_publishers_memfd_which_stays_unsealed() {
+    let holder = node(ClusterKey::open()).await;
+    // (the watcher's key, whether it is passed the memfd to copy from)
+    for (key, copies) in [
+        (ClusterKey::open(), true),
+        (ClusterKey::open().read_only(), false),
+    ] {
+        let reader = node(key).await;
+        let name = TensorName::new("watch/t").expect("name");
+        let mut watch = open_watch(&reader, &holder, &name).await;
+        let honest =
+            Tensor::copy_from(DType::U8, vec![INLINE_LEN as u64], &bytes_of(INLINE_LEN, 7))
+                .expect("tensor");
+        offer_to_watcher(&holder, &name, 1, &honest).await;
+        let got = match within("offer", watch.next(reader.ctx())).await {
+            Ok(super::WatchOffer::Mapped { version: 1, tensor }) => {
+                assert!(copies, "a read-only watcher was passed the memfd");
+                tensor
+            }
+            Ok(super::WatchOffer::Coming { version: 1, meta }) => {
+                assert!(!copies, "a read-write watcher got the bytes on the socket");
+                within("bytes", watch.read_coming(reader.ctx(), 1, &meta))
+                    .await
+                    .expect("the bytes")
+            }
+            Ok(_) => panic!("an unexpected kind of offer"),
+            Err(e) => panic!("no offer: {e}"),
+        };
+        assert_eq!(got.data(), honest.data());
+        assert!(in_own_memfd(&got), "a copy in the watcher's own memfd");
+        // Either way the publisher's memfd was never sealed: its pool recycles it.
+        assert!(!honest.shm_region().expect("region").is_sealed());
+        drop((watch, got));
+        reader.shutdown().await;
+    }
+
+    // A publisher that proved only read-only access cannot tell a read-write watcher (it
+    // holds no key to check that proof with), so it sends its bytes on the socket, and the
+    // watcher hashes them: bytes other than its version's are Corrupt.
+    let liar = node(ClusterKey::open().read_only()).await;
+    let reader = node(ClusterKey::open()).await;
+    let name = TensorName::new("watch/lie").expect("name");
+    let mut watch = open_watch(&reader, &liar, &name).await;
+    let (_truth, lie) = lie_of(INLINE_LEN);
+    lie.shm_region().expect("the lie in a memfd");
+    offer_to_watcher(&liar, &name, 1, &lie).await;
+    let meta = match within("offer", watch.next(reader.ctx())).await {
+        Ok(super::WatchOffer::Coming { version: 1, meta }) => meta,
+        Ok(_) => panic!("a read-only publisher passed its memfd"),
+        Err(e) => panic!("no offer: {e}"),
+    };
+    match within("bytes", watch.read_coming(reader.ctx(), 1, &meta)).await {
+        Err(Error::Corrupt(message)) => assert!(message.contains("watch/lie"), "{message}"),
+        Err(e) => panic!("expected Corrupt, got {e}"),
+        Ok(_) => panic!("a lie was taken"),
+    }
+    assert!(!lie.shm_region().expect("region").is_sealed());
+    reader.shutdown().await;
+    liar.shutdown().await;
+    holder.shutdown().await;
+}

@@ -28,6 +28,11 @@ pub(crate) enum Carried {
     /// if the read fails: the subscription then fetches the version itself). News of the
     /// version from the broker meanwhile is old news: the bytes are not fetched twice.
     Coming(tokio::sync::oneshot::Receiver<Tensor>),
+    /// Expected on the same-host watch of the version's publisher, whose offer and the
+    /// broker's event raced and the event won: the offer, when it comes, is handed over here
+    /// ([`Feed::published_carrying`]) instead of being dropped as old news. Dropped (the
+    /// subscription fetches the version) when newer news comes first.
+    Expected(tokio::sync::oneshot::Receiver<Carried>),
 }
 
 /// Something waiting to be told about one name.
@@ -56,6 +61,9 @@ struct NameFeed {
     untold_from: Option<u64>,
     /// Items not yet told, oldest first.
     pending: VecDeque<Item>,
+    /// The version heard from the broker whose bytes are expected on a same-host watch, and
+    /// where to hand them ([`Carried::Expected`]).
+    expected: Option<(u64, tokio::sync::oneshot::Sender<Carried>)>,
 }
 
 impl NameFeed {
@@ -130,6 +138,24 @@ impl Feed {
         self.published_with(name, version, meta, None)
     }
 
+    /// [`published`](Self::published), for a version whose publisher offers this subscription
+    /// its versions on a same-host watch: the offer and this news race, and when this news
+    /// wins, the offer that follows is taken as the version's bytes rather than dropped
+    /// ([`Carried::Expected`]), so the version is not fetched a second time.
+    pub(crate) fn published_expected(
+        &mut self,
+        name: &TensorName,
+        version: u64,
+        meta: TensorMeta,
+    ) -> bool {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let news = self.published_carrying(name, version, meta, Some(Carried::Expected(rx)));
+        if news && let Some(feed) = self.names.get_mut(name) {
+            feed.expected = Some((version, tx));
+        }
+        news
+    }
+
     /// [`published`](Self::published), with the version itself when it came with the news.
     pub(crate) fn published_with(
         &mut self,
@@ -151,9 +177,20 @@ impl Feed {
     ) -> bool {
         let feed = self.names.entry(name.clone()).or_default();
         if feed.heard.is_some_and(|h| h >= version) {
+            // Old news, unless it brings the bytes of the version expected on a watch.
+            if let Some(carried) = inline
+                && feed.expected.as_ref().is_some_and(|(v, _)| *v == version)
+                && let Some((_, tx)) = feed.expected.take()
+            {
+                // Gone if the subscription stopped waiting: it fetches the version itself.
+                let _ = tx.send(carried);
+            }
             return false;
         }
         feed.heard = Some(version);
+        // Newer news: a version still expected on a watch is fetched instead (its
+        // subscription stops waiting when the sender drops).
+        feed.expected = None;
         let was_idle = feed.pending.is_empty();
         match feed.pending.back_mut() {
             Some(Item::Version {
@@ -354,6 +391,54 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(feed.pop().is_none());
+    }
+
+    #[test]
+    fn a_version_heard_from_the_broker_first_takes_the_bytes_its_watch_brings_after() {
+        let (a, mut feed) = (name("c/a"), Feed::default());
+        assert!(feed.published_expected(&a, 3, meta(3)));
+        let popped = feed.pop();
+        // The watch's offer of the same version, after: old news, but its bytes are handed
+        // to the version being told rather than dropped.
+        let sent = Tensor::from_bytes(vec![7u8; 3]);
+        assert!(!feed.published_with(&a, 3, meta(3), Some(sent.clone())));
+        match popped {
+            Some(Next::Version {
+                version: 3,
+                inline: Some(Carried::Expected(mut rx)),
+                ..
+            }) => match rx.try_recv() {
+                Ok(Carried::Here(got)) => assert_eq!(got.data(), sent.data()),
+                other => panic!("the watch's bytes, got {other:?}"),
+            },
+            other => panic!("{other:?}"),
+        }
+        // A second offer of it is old news like any other.
+        assert!(!feed.published_with(&a, 3, meta(3), Some(sent)));
+        assert!(feed.pop().is_none());
+    }
+
+    #[test]
+    fn newer_news_ends_the_wait_for_a_watchs_bytes() {
+        let (a, mut feed) = (name("c/a"), Feed::default());
+        assert!(feed.published_expected(&a, 3, meta(3)));
+        let Some(Next::Version {
+            inline: Some(Carried::Expected(mut rx)),
+            ..
+        }) = feed.pop()
+        else {
+            panic!("v3, expected on a watch");
+        };
+        assert!(feed.published(&a, 4, meta(4)));
+        // The subscription stops waiting (and fetches v3) rather than waiting out its grace.
+        assert!(matches!(
+            rx.try_recv(),
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed)
+        ));
+        // v3's offer coming late is dropped.
+        let late = Tensor::from_bytes(vec![7u8; 3]);
+        assert!(!feed.published_with(&a, 3, meta(3), Some(late)));
+        assert!(matches!(feed.pop(), Some(Next::Version { version: 4, .. })));
     }
 
     #[test]

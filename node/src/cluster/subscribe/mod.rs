@@ -49,6 +49,11 @@ use crate::{
     wire,
 };
 
+/// Longest a version heard from the broker waits for its bytes on the publisher's same-host
+/// watch ([`Carried::Expected`]) before it is fetched. Both leave the publisher together,
+/// the event through the broker: the offer trails it by the event's hop or less, unless the
+/// publisher sent none (its watcher had an offer pending).
+const WATCH_GRACE: Duration = Duration::from_millis(10);
 /// Events the subscriber has not taken yet, at most (each may carry a fetched tensor).
 const EVENT_BUFFER: usize = 4;
 /// Tries to subscribe again after the stream to a broker is lost.
@@ -342,7 +347,13 @@ impl Reader {
                     meta,
                     publisher,
                 })) if self.pattern.matches(&name) => {
-                    self.shared.update(|f| f.published(&name, version, meta));
+                    // Its bytes may be on the way on a same-host watch already.
+                    if self.watching.offers_all(&name, publisher) {
+                        self.shared
+                            .update(|f| f.published_expected(&name, version, meta));
+                    } else {
+                        self.shared.update(|f| f.published(&name, version, meta));
+                    }
                     // Its next large versions can come straight from a publisher on this host.
                     self.watching.heard(&name, publisher, Reach::SameHost);
                 }
@@ -483,13 +494,7 @@ impl Deliverer {
         inline: Option<Carried>,
     ) -> Option<Vec<SubEvent>> {
         let carried = match (self.auto_fetch, inline) {
-            (true, Some(Carried::Here(tensor))) => Some(tensor),
-            // Still arriving on a same-host watch (bounded by its stall timeout): fetched
-            // here only if that read fails.
-            (true, Some(Carried::Coming(rx))) => tokio::select! {
-                _ = self.stop.cancelled() => return None,
-                got = rx => got.ok(),
-            },
+            (true, Some(carried)) => self.bytes_of(carried).await?,
             _ => None,
         };
         let tensor = match (self.auto_fetch, carried) {
@@ -528,6 +533,36 @@ impl Deliverer {
             tensor,
         };
         Some(skipped.into_iter().chain([told]).collect())
+    }
+}
+
+impl Deliverer {
+    /// The bytes that came, or are coming, with a version's news; `Some(None)` when they do
+    /// not come (the subscription fetches the version), `None` when the subscription stopped.
+    async fn bytes_of(&self, carried: Carried) -> Option<Option<Tensor>> {
+        let carried = match carried {
+            // Its offer lost the race to the broker's event (or was never sent: a watcher
+            // with an offer pending gets no other): it comes within `WATCH_GRACE` or not at
+            // all, and the version is fetched.
+            Carried::Expected(rx) => tokio::select! {
+                _ = self.stop.cancelled() => return None,
+                got = tokio::time::timeout(WATCH_GRACE, rx) => match got {
+                    Ok(Ok(carried)) => carried,
+                    Ok(Err(_)) | Err(_) => return Some(None),
+                },
+            },
+            carried => carried,
+        };
+        match carried {
+            Carried::Here(tensor) => Some(Some(tensor)),
+            // Still arriving on a same-host watch (bounded by its stall timeout): fetched
+            // only if that read fails.
+            Carried::Coming(rx) => tokio::select! {
+                _ = self.stop.cancelled() => None,
+                got = rx => Some(got.ok()),
+            },
+            Carried::Expected(_) => Some(None),
+        }
     }
 }
 

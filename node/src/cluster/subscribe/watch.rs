@@ -2,8 +2,11 @@
 //! so that their small versions come in one hop (see [`crate::watch`] for the publisher's
 //! side).
 //!
-//! A watch over the same-host socket also brings larger versions, as the publisher's sealed
-//! memfd mapped here (see [`crate::channel::ShmWatch`]).
+//! A watch over the same-host socket also brings larger versions: up to 4 MiB copied out of
+//! the publisher's memfd or read from the socket, beyond that the publisher's sealed memfd
+//! mapped here (see [`crate::channel::ShmWatch`]). Such a watch brings every version of its
+//! name, so news of one from the broker that comes before its offer does not fetch it: the
+//! subscription waits for the offer a little ([`Carried::Expected`](super::feed::Carried)).
 //!
 //! Each broker event names the version's publisher. The first event of a name from a
 //! publisher other than this node starts a watch task: it asks a broker for the publisher's
@@ -62,6 +65,8 @@ pub(super) enum Reach {
 struct Running {
     publisher: NodeId,
     generation: u64,
+    /// The watch runs on the same-host socket (so every version comes on it, however large).
+    same_host: bool,
     _stop: DropGuard,
 }
 
@@ -147,6 +152,7 @@ impl Watching {
             Running {
                 publisher,
                 generation,
+                same_host: false,
                 _stop: stop.clone().drop_guard(),
             },
         );
@@ -156,11 +162,32 @@ impl Watching {
         tracker.spawn(async move {
             let ended = tokio::select! {
                 _ = stop.cancelled() => return,
-                ended = this.watch(&name, publisher, reach) => ended,
+                ended = this.watch(&name, publisher, reach, generation) => ended,
             };
             debug!(%name, publisher = ?publisher, %ended, "a watch ended");
             this.ended(name, publisher, generation);
         });
+    }
+
+    /// Whether `publisher` offers its versions of `name` to this subscription on a same-host
+    /// watch, every one however large (so a version heard from the broker first has its
+    /// bytes on the way: [`Feed::published_expected`](super::feed::Feed::published_expected)).
+    pub(super) fn offers_all(&self, name: &TensorName, publisher: NodeId) -> bool {
+        self.lock()
+            .running
+            .get(name)
+            .is_some_and(|r| r.publisher == publisher && r.same_host)
+    }
+
+    /// Notes that the watch of `name` (the `generation`th started) runs on the same-host
+    /// socket.
+    fn on_same_host(&self, name: &TensorName, generation: u64) {
+        let mut state = self.lock();
+        if let Some(running) = state.running.get_mut(name)
+            && running.generation == generation
+        {
+            running.same_host = true;
+        }
     }
 
     /// Notes that the watch of `name` (the `generation`th started) ended: another may start
@@ -187,7 +214,13 @@ impl Watching {
     }
 
     /// Watches `name` at `publisher` until the stream ends; returns why it ended.
-    async fn watch(&self, name: &TensorName, publisher: NodeId, reach: Reach) -> Error {
+    async fn watch(
+        &self,
+        name: &TensorName,
+        publisher: NodeId,
+        reach: Reach,
+        generation: u64,
+    ) -> Error {
         let addrs = match self.addresses(name, publisher).await {
             Ok(addrs) => addrs,
             Err(e) => return e,
@@ -210,6 +243,7 @@ impl Watching {
             if let Some(watch) = same_host {
                 // The QUIC link is not needed while the socket carries the watch.
                 drop(linked);
+                self.on_same_host(name, generation);
                 return self.watch_same_host(&ctx, watch, name).await;
             }
             match linked {
