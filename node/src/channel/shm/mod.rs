@@ -286,7 +286,7 @@ fn tensor_copied_from_memfd(
             "{what}: an empty payload sent as a memfd"
         )));
     }
-    let fill = region::RegionFill::new(len)?;
+    let mut fill = region::RegionFill::new(len)?;
     fill.copy_from(&fd, offset)?;
     drop(fd);
     let tensor = Tensor::from_region(meta.clone(), fill.finish()?);

@@ -2,11 +2,14 @@
 //! last holder dropped them, and taken by the next [`RegionWriter`](super::RegionWriter) of
 //! the same size, whose writes then land in pages already faulted in instead of fresh ones.
 //!
-//! A buffer comes back with the read-only mapping its region had ([`Mapping`]): the next
-//! region of its size reads through it, so neither side of a reuse pays for page-table work
-//! (mapping 1 MiB and faulting it in took ~110 us on the development VM, about what moving
-//! that MiB between two processes takes). The pages written with `pwrite` in the meantime are
-//! the file's own, which a private read-only mapping shows as they are.
+//! A buffer comes back with the read-only mapping its region had ([`Mapping`]) and the
+//! writable one it was filled through ([`FillMap`], made at its first reuse): the next region
+//! of its size is written through the one and read through the other, so neither side of a
+//! reuse pays for page-table work (mapping 1 MiB and faulting it in took ~110 us on the
+//! development VM, about what moving that MiB between two processes takes). The pages written
+//! in the meantime are the file's own, which a private read-only mapping shows as they are
+//! (a private mapping copies a page only when written through it, which a region's never
+//! is).
 //!
 //! Bounded in bytes and in buffers (the oldest go first), and an idle buffer is closed after
 //! [`IDLE`]: a sweeper thread (one per process, started with the first pooled buffer) checks
@@ -33,7 +36,7 @@ use std::{
 
 use rustix::fs::{self, FallocateFlags, MemfdFlags};
 
-use super::region::Mapping;
+use super::region::{FillMap, Mapping};
 
 /// Most bytes the pool keeps.
 pub(crate) const MAX_BYTES: usize = 1 << 30;
@@ -58,6 +61,8 @@ struct Idle {
     len: usize,
     /// Its read-only mapping, kept for the next region of its size (`None`: made then).
     map: Option<Mapping>,
+    /// Its writable mapping, kept for the next fill (`None`: made then).
+    fill: Option<FillMap>,
     /// When it was given back.
     at: Instant,
 }
@@ -83,7 +88,7 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 /// maps any more but `map` (its whole file, read-only, which nothing reads through until the
 /// buffer is taken again). Buffers pushed out to stay within the bounds are freed after the
 /// lock is released, large ones on the pool's thread ([`free`]).
-pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>) {
+pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>, fill: Option<FillMap>) {
     if len > MAX_BYTES {
         return;
     }
@@ -98,11 +103,17 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>) {
             closed.push(old);
         }
         let at = Instant::now();
-        pool.idle.push_back(Idle { fd, len, map, at });
+        pool.idle.push_back(Idle {
+            fd,
+            len,
+            map,
+            fill,
+            at,
+        });
         pool.bytes += len;
     }
     for old in closed {
-        free(old.fd, old.map, old.len);
+        free(old.fd, old.map, old.fill, old.len);
     }
     static SWEEPER: Once = Once::new();
     SWEEPER.call_once(|| {
@@ -125,7 +136,7 @@ enum Job {
     /// Make a spare of this size ([`spare`]).
     Spare(usize),
     /// Unmap and close a memfd ([`free`]).
-    Release(OwnedFd, Option<Mapping>),
+    Release(OwnedFd, Option<Mapping>, Option<FillMap>),
 }
 
 /// Hands `job` to the pool's thread; gives it back when the thread is busy (its queue full)
@@ -140,10 +151,10 @@ fn to_thread(job: Job) -> Option<Job> {
                 while let Ok(job) = rx.recv() {
                     match job {
                         Job::Spare(len) => make_spare(len),
-                        Job::Release(fd, map) => {
+                        Job::Release(fd, map, fill) => {
                             #[cfg(test)]
                             freed_here(&fd);
-                            drop((map, fd));
+                            drop((map, fill, fd));
                         }
                     }
                 }
@@ -188,7 +199,7 @@ fn make_spare(len: usize) {
         // too, off the writer's path.
         Ok(fd) => {
             let map = Mapping::populated(&fd, len).ok();
-            give(fd, len, map);
+            give(fd, len, map, None);
         }
         Err(e) => tracing::debug!(%e, len, "no spare memfd"),
     }
@@ -209,16 +220,16 @@ pub(crate) fn spare(len: usize) {
 /// would otherwise land on whoever dropped the last reference, typically a `put` evicting
 /// an old version.
 pub(crate) fn release(fd: OwnedFd, map: Mapping, len: usize) {
-    free(fd, Some(map), len);
+    free(fd, Some(map), None, len);
 }
 
 /// Unmaps `map` and closes `fd` (a memfd of `len` bytes): on the pool's thread when it is
 /// large, here when it is small or the thread is busy.
-fn free(fd: OwnedFd, map: Option<Mapping>, len: usize) {
+fn free(fd: OwnedFd, map: Option<Mapping>, fill: Option<FillMap>, len: usize) {
     if len < SPARE_MIN {
-        return drop((map, fd));
+        return drop((map, fill, fd));
     }
-    drop(to_thread(Job::Release(fd, map)));
+    drop(to_thread(Job::Release(fd, map, fill)));
 }
 
 /// A new memfd of `len` bytes (sealable; no page allocated yet).
@@ -243,14 +254,14 @@ fn holds_size(len: usize) -> bool {
     pool().idle.iter().any(|idle| idle.len == len)
 }
 
-/// A pooled memfd of exactly `len` bytes (the most recently given back) and its read-only
-/// mapping when it kept one, if there is one.
-pub(crate) fn take(len: usize) -> Option<(OwnedFd, Option<Mapping>)> {
+/// A pooled memfd of exactly `len` bytes (the most recently given back) and the read-only
+/// and writable mappings it kept, if there is one.
+pub(crate) fn take(len: usize) -> Option<(OwnedFd, Option<Mapping>, Option<FillMap>)> {
     let mut pool = pool();
     let at = pool.idle.iter().rposition(|idle| idle.len == len)?;
     let idle = pool.idle.remove(at)?;
     pool.bytes -= idle.len;
-    Some((idle.fd, idle.map))
+    Some((idle.fd, idle.map, idle.fill))
 }
 
 /// Closes the buffers idle since before `now - IDLE`.

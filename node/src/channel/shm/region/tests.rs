@@ -95,7 +95,7 @@ fn a_pooled_buffer_is_read_again_through_the_mapping_it_kept() {
     let (region, _) = Region::copy_hashed(&first).expect("region");
     let (ino, at) = (inode(region.fd.as_fd()), region.bytes().as_ptr());
     drop(region);
-    // The same memfd and the same mapping, showing what `pwrite` put there since.
+    // The same memfd and the same mapping, showing what the second fill put there.
     let second: Vec<u8> = first.iter().map(|b| b ^ 0x5a).collect();
     let (region, hash) = Region::copy_hashed(&second).expect("region");
     assert_eq!(inode(region.fd.as_fd()), ino, "the pooled memfd");
@@ -108,12 +108,44 @@ fn a_pooled_buffer_is_read_again_through_the_mapping_it_kept() {
     assert_eq!(hash, ContentHash::of(&second));
     // Filled piece by piece, the next region of the size shows every piece.
     drop(region);
-    let fill = RegionFill::new(LEN).expect("fill");
+    let mut fill = RegionFill::new(LEN).expect("fill");
     fill.write_at(&first[..4096], 0).expect("write");
     fill.write_at(&first[4096..], 4096).expect("write");
     assert!(fill.write_at(&[0], LEN).is_err(), "past the end is refused");
     let region = fill.finish().expect("finish");
     assert_eq!((region.bytes().as_ptr(), region.bytes()), (at, &first[..]));
+}
+
+#[test]
+fn a_pooled_buffer_keeps_its_writable_mapping_until_its_region_is_sealed() {
+    // A size no other test uses: the pool is the process's.
+    const LEN: usize = 7 * 4096 + 11;
+    let first: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+    let second: Vec<u8> = first.iter().map(|b| b ^ 0x3c).collect();
+    // A new memfd is written with `pwrite`: nothing mapped writable.
+    let (region, _) = Region::copy_hashed(&first).expect("region");
+    assert!(region.fill_at().is_none());
+    drop(region);
+    // Reused, it is filled through a writable mapping, which it keeps.
+    let (region, hash) = Region::copy_hashed(&second).expect("region");
+    let at = region
+        .fill_at()
+        .expect("a pooled buffer is mapped writable once");
+    assert_eq!(
+        (region.bytes(), hash),
+        (&second[..], ContentHash::of(&second))
+    );
+    drop(region);
+    let (region, hash) = Region::copy_hashed(&first).expect("region");
+    assert_eq!(region.fill_at(), Some(at), "the mapping it kept");
+    assert_eq!(
+        (region.bytes(), hash),
+        (&first[..], ContentHash::of(&first))
+    );
+    // Sealed, it has none: a write seal is refused while one exists.
+    region.shared_fd().expect("sealed");
+    assert!(region.fill_at().is_none());
+    assert!(region.is_sealed());
 }
 
 /// Whether this process has an fd open on the memfd of inode `ino`.
