@@ -788,6 +788,7 @@ fn context(config: Config, endpoint: &Endpoint, store: crate::Store) -> Result<A
     metrics
         .insecure_open
         .set(i64::from(config.cluster_key.is_open()));
+    let written_out = metrics.watch_offers_out.clone();
     Ok(Arc::new(NodeCtx {
         endpoint: endpoint.clone(),
         store,
@@ -803,7 +804,7 @@ fn context(config: Config, endpoint: &Endpoint, store: crate::Store) -> Result<A
         admission: auth::Admission::new(&config),
         channels: Channels::new(&config),
         outlines: Default::default(),
-        watchers: Default::default(),
+        watchers: crate::watch::Watchers::new(written_out),
         services: crate::serve::Services::builtin(),
         socket_ctl: Default::default(),
         loans: Default::default(),

@@ -78,6 +78,56 @@ struct Watcher {
     tx: mpsc::Sender<Offer>,
     /// Watching over the same-host socket: offered large versions too.
     same_host: bool,
+    /// Its socket, for small offers written straight from [`Watchers::offer`].
+    direct: Option<std::sync::Arc<Direct>>,
+}
+
+/// A same-host watcher's socket, which [`Watchers::offer`] writes a small offer to itself
+/// (one non-blocking `send` on the publishing thread) when nothing else is on its way to that
+/// watcher, instead of queueing it for the watch's task: the offer leaves without waking a
+/// runtime worker first. Offers stay in order: one is written here only while no offer
+/// queued for the watcher is unwritten (queued offers are counted until the task wrote
+/// them), and offers are made one at a time (under the watchers' lock).
+#[derive(Debug)]
+pub(crate) struct Direct {
+    /// A duplicate of the watch connection's socket.
+    fd: std::os::fd::OwnedFd,
+    /// Offers queued for the watch's task and not yet written by it.
+    unwritten: AtomicU64,
+}
+
+impl Direct {
+    /// A direct way to the watcher on `socket` (its duplicate); `None` if it cannot be made.
+    pub(crate) fn new(socket: std::os::fd::BorrowedFd<'_>) -> Option<std::sync::Arc<Direct>> {
+        let fd = socket.try_clone_to_owned().ok()?;
+        Some(std::sync::Arc::new(Direct {
+            fd,
+            unwritten: AtomicU64::new(0),
+        }))
+    }
+
+    /// The watch's task wrote (or failed to write) one offer it was queued.
+    pub(crate) fn written(&self) {
+        self.unwritten.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Writes `frame` whole, without waiting; false if it did not go (a full or closed
+    /// socket: the offer is queued instead, and the task finds out). A frame of an inline
+    /// offer (at most ~16 KiB) is one skb of the unix socket, written whole or not at all;
+    /// should one go in part anyway, the socket is shut down: the watch ends (the subscriber
+    /// hears of its versions from the broker and watches again after a backoff) rather than
+    /// carry a torn frame.
+    fn write(&self, frame: &[u8]) -> bool {
+        use rustix::net::{SendFlags, Shutdown};
+        match rustix::net::send(&self.fd, frame, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+            Ok(n) if n == frame.len() => true,
+            Ok(0) | Err(_) => false,
+            Ok(_) => {
+                let _ = rustix::net::shutdown(&self.fd, Shutdown::Both);
+                false
+            }
+        }
+    }
 }
 
 /// The watchers of each name this node publishes.
@@ -85,6 +135,8 @@ struct Watcher {
 pub(crate) struct Watchers {
     by_name: Mutex<HashMap<TensorName, Vec<Watcher>>>,
     next_id: AtomicU64,
+    /// Counts the offers [`Watchers::offer`] writes itself (the tasks count theirs).
+    written_out: Option<tb_dashboard::IntCounter>,
 }
 
 /// One watcher: the offers of its name as frames to write, until it is dropped (which takes
@@ -121,6 +173,15 @@ impl Drop for Registered<'_> {
 }
 
 impl Watchers {
+    /// Watchers counting the offers written straight to a socket in `written_out` (the
+    /// node's `watch_offers_out`).
+    pub(crate) fn new(written_out: tb_dashboard::IntCounter) -> Watchers {
+        Watchers {
+            written_out: Some(written_out),
+            ..Watchers::default()
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TensorName, Vec<Watcher>>> {
         self.by_name.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -131,6 +192,17 @@ impl Watchers {
         &self,
         name: &TensorName,
         same_host: bool,
+    ) -> Result<Watch<'_>, DataResponse> {
+        self.register_with(name, same_host, None)
+    }
+
+    /// [`register`](Self::register), with the watcher's socket for small offers written
+    /// straight to it ([`Direct`]).
+    pub(crate) fn register_with(
+        &self,
+        name: &TensorName,
+        same_host: bool,
+        direct: Option<std::sync::Arc<Direct>>,
     ) -> Result<Watch<'_>, DataResponse> {
         let busy = |message: String| {
             debug!(%message, "refusing a watch");
@@ -152,7 +224,12 @@ impl Watchers {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, offers) = mpsc::channel(QUEUE);
-        list.push(Watcher { id, tx, same_host });
+        list.push(Watcher {
+            id,
+            tx,
+            same_host,
+            direct,
+        });
         let registered = Registered {
             watchers: self,
             name: name.clone(),
@@ -165,8 +242,9 @@ impl Watchers {
     }
 
     /// Offers `version` of `name` (`tensor`, as stored) to its watchers: a small host
-    /// version to each, a larger one to same-host watchers with no offer pending; returns how
-    /// many watchers it was queued for. Never waits.
+    /// version to each (written straight to a same-host watcher's socket when nothing else
+    /// is on its way to it, [`Direct`]), a larger one to same-host watchers with no offer
+    /// pending; returns how many watchers it was written or queued for. Never waits.
     pub(crate) fn offer(&self, name: &TensorName, version: u64, tensor: &Tensor) -> usize {
         if tensor.host_data().is_none() {
             return 0;
@@ -180,10 +258,41 @@ impl Watchers {
             tensor: tensor.clone(),
         };
         let inline = offer.inline();
-        list.iter()
-            .filter(|w| inline || (w.same_host && w.tx.capacity() == QUEUE))
-            .filter(|w| w.tx.try_send(offer.clone()).is_ok())
-            .count()
+        // Encoded once, for the first watcher it is written to.
+        let mut frame: Option<Option<Vec<u8>>> = None;
+        let mut offered = 0;
+        for w in list {
+            if !inline && !(w.same_host && w.tx.capacity() == QUEUE) {
+                continue;
+            }
+            if let Some(direct) = w
+                .direct
+                .as_ref()
+                .filter(|d| inline && d.unwritten.load(Ordering::Acquire) == 0)
+            {
+                let frame =
+                    frame.get_or_insert_with(|| tb_proto::frame::encode(&offer.frame()).ok());
+                if let Some(frame) = frame.as_deref()
+                    && direct.write(frame)
+                {
+                    if let Some(out) = &self.written_out {
+                        out.inc();
+                    }
+                    offered += 1;
+                    continue;
+                }
+            }
+            // Counted before it is queued: the task may write it before `try_send` returns.
+            if let Some(direct) = &w.direct {
+                direct.unwritten.fetch_add(1, Ordering::AcqRel);
+            }
+            if w.tx.try_send(offer.clone()).is_ok() {
+                offered += 1;
+            } else if let Some(direct) = &w.direct {
+                direct.written();
+            }
+        }
+        offered
     }
 
     /// Watchers now, of every name.
@@ -291,6 +400,78 @@ mod tests {
         assert_eq!(got.version, 1);
         assert_eq!(got.tensor.host_data().map(|b| &b[..]), Some(&big[..]));
         assert_eq!(watchers.offer(&w, 3, &tensor(&big)), 1);
+    }
+
+    /// The next frame on `sock` (non-blocking), decoded; `None` when nothing is there.
+    fn frame_on(sock: &mut std::os::unix::net::UnixStream) -> Option<DataResponse> {
+        use std::io::Read;
+        let mut prefix = [0u8; tb_proto::frame::LEN_PREFIX];
+        match sock.read_exact(&mut prefix) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return None,
+            Err(e) => panic!("reading a frame: {e}"),
+        }
+        let mut body = vec![0u8; u32::from_le_bytes(prefix) as usize];
+        sock.set_nonblocking(false).expect("blocking");
+        sock.read_exact(&mut body).expect("the frame's body");
+        sock.set_nonblocking(true).expect("non-blocking");
+        Some(tb_proto::frame::decode_body(&body).expect("a frame"))
+    }
+
+    fn version_of(frame: Option<DataResponse>) -> u64 {
+        match frame {
+            Some(DataResponse::Offer { version, .. }) => version,
+            other => panic!("not an offer: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn small_offers_go_straight_to_a_same_host_socket_in_order() {
+        use std::{io::Read, os::fd::AsFd};
+        let written = tb_dashboard::IntCounter::new("w", "w").expect("counter");
+        let watchers = Watchers::new(written.clone());
+        let w = TensorName::new("w").expect("name");
+        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
+        ours.set_nonblocking(true).expect("non-blocking");
+        theirs.set_nonblocking(true).expect("non-blocking");
+        let direct = Direct::new(ours.as_fd()).expect("direct");
+        let mut watch = watchers
+            .register_with(&w, true, Some(direct.clone()))
+            .expect("watch");
+        let small = tensor(&[5u8; 100]);
+
+        // Nothing on its way: written here, not queued.
+        assert_eq!(watchers.offer(&w, 1, &small), 1);
+        assert_eq!(version_of(frame_on(&mut theirs)), 1);
+        assert_eq!(written.get(), 1);
+        assert!(watch.offers.try_recv().is_err(), "nothing queued");
+
+        // A full socket: the next offer is queued for the task...
+        let junk = [0u8; 64 << 10];
+        let mut filled = 0usize;
+        while let Ok(n) = rustix::net::send(&ours, &junk, rustix::net::SendFlags::DONTWAIT) {
+            filled += n;
+            assert!(filled < 64 << 20, "the socket never filled");
+        }
+        assert_eq!(watchers.offer(&w, 2, &small), 1);
+        let mut sink = vec![0u8; 64 << 10];
+        while filled > 0 {
+            filled -= theirs
+                .read(&mut sink[..filled.min(64 << 10)])
+                .expect("drain");
+        }
+        // ...and while it is unwritten, so is the one after (queued behind it), though the
+        // socket has room again.
+        assert_eq!(watchers.offer(&w, 3, &small), 1);
+        assert!(frame_on(&mut theirs).is_none(), "nothing jumped the queue");
+        for v in [2, 3] {
+            assert_eq!(watch.next().await.expect("queued").version, v);
+            direct.written();
+        }
+        // The task wrote them: the next one goes straight again.
+        assert_eq!(watchers.offer(&w, 4, &small), 1);
+        assert_eq!(version_of(frame_on(&mut theirs)), 4);
+        assert_eq!(written.get(), 2);
     }
 
     #[test]

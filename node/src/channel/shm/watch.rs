@@ -42,7 +42,8 @@ use crate::{
 /// used again after it.
 pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName, access: Access) {
     let stall = ctx.config.stall_timeout;
-    let mut watch = match ctx.watchers.register(name, true) {
+    let direct = crate::watch::Direct::new(conn.socket().as_fd());
+    let mut watch = match ctx.watchers.register_with(name, true, direct.clone()) {
         Ok(watch) => watch,
         Err(refusal) => {
             let _ = within(stall, "a refusal", conn.write_frame(&refusal)).await;
@@ -58,7 +59,11 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
             },
         };
         // A watcher that went shows here: the write fails (its socket is closed).
-        if let Err(e) = within(stall, "an offer", write_offer(conn, &offer, access)).await {
+        let written = within(stall, "an offer", write_offer(conn, &offer, access)).await;
+        if let Some(direct) = &direct {
+            direct.written();
+        }
+        if let Err(e) = written {
             debug!(%e, %name, "a same-host watch ended");
             return;
         }

@@ -51,6 +51,28 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Most (name, publisher) pairs remembered for their backoff.
 const MAX_REMEMBERED: usize = 1024;
 
+/// Most times one watch moves from QUIC to the same-host socket ([`shm_route_appears`]).
+const MOVES: u32 = 3;
+/// How often a QUIC watch checks whether the pair's same-host socket is known now.
+const MOVE_CHECK: Duration = Duration::from_millis(250);
+
+/// Returns once the pair with `peer` has a same-host socket to use (its offers exchanged and
+/// shm picked); never on a machine or build without one.
+async fn shm_route_appears(ctx: &NodeCtx, peer: &EndpointId) {
+    #[cfg(target_os = "linux")]
+    loop {
+        tokio::time::sleep(MOVE_CHECK).await;
+        if ctx.channels.knows(peer) && ctx.channels.pick(peer) == tb_proto::ChannelKind::Shm {
+            return;
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (ctx, peer);
+        std::future::pending::<()>().await
+    }
+}
+
 /// Where a watch is worth having: small versions (inline offers) come over either way; large
 /// ones only on the same-host socket, so news of a large version starts no QUIC watch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,7 +248,12 @@ impl Watching {
             Err(e) => return e,
         };
         let mut last = Error::Io(format!("no address of {publisher:?} to watch \"{name}\""));
-        for addr in addrs {
+        // Each address once, and an address again when its QUIC watch moved to the
+        // same-host socket (at most `MOVES` times).
+        let mut moves = 0;
+        let mut addrs = addrs.into_iter();
+        let mut again = None;
+        while let Some(addr) = again.take().or_else(|| addrs.next()) {
             // The node is held only while linking: a watch never keeps it alive.
             let Some(node) = self.node.upgrade() else {
                 return Error::Shutdown;
@@ -250,7 +277,20 @@ impl Watching {
                 Ok(_) if reach == Reach::SameHost => {
                     last = Error::Io(format!("{publisher:?} is not on this host"));
                 }
-                Ok(link) => return self.watch_on(&ctx, link, name).await,
+                Ok(link) if moves >= MOVES => return self.watch_on(&ctx, link, name).await,
+                Ok(link) => {
+                    // The pair's offers may not be exchanged yet (a link that came from the
+                    // other side first, one that replaced another): move to the same-host
+                    // socket once they say it is there.
+                    tokio::select! {
+                        ended = self.watch_on(&ctx, link, name) => return ended,
+                        () = shm_route_appears(&ctx, &addr.id) => {
+                            debug!(%name, "a QUIC watch moves to the same-host socket");
+                            moves += 1;
+                            again = Some(addr);
+                        }
+                    }
+                }
                 Err(e) => last = e,
             }
         }
