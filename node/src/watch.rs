@@ -262,7 +262,10 @@ impl Watchers {
         let mut frame: Option<Option<Vec<u8>>> = None;
         let mut offered = 0;
         for w in list {
-            if !inline && !(w.same_host && w.tx.capacity() == QUEUE) {
+            // A small version goes to each; a large one to same-host watchers with none
+            // pending.
+            let wanted = inline || (w.same_host && w.tx.capacity() == QUEUE);
+            if !wanted {
                 continue;
             }
             if let Some(direct) = w
