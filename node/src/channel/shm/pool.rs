@@ -63,6 +63,10 @@ struct Idle {
     map: Option<Mapping>,
     /// Its writable mapping, kept for the next fill (`None`: made then).
     fill: Option<FillMap>,
+    /// A region's buffer given back, not a spare: its size is one whose versions are not
+    /// passed on (a spare replaces a buffer that was, and the next one of its size likely
+    /// will be too), so a writable mapping for its fills is worth making.
+    recycled: bool,
     /// When it was given back.
     at: Instant,
 }
@@ -89,6 +93,11 @@ fn pool() -> std::sync::MutexGuard<'static, Pool> {
 /// buffer is taken again). Buffers pushed out to stay within the bounds are freed after the
 /// lock is released, large ones on the pool's thread ([`free`]).
 pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>, fill: Option<FillMap>) {
+    keep(fd, len, map, fill, true);
+}
+
+/// Pools a buffer (see [`give`]; `recycled`: a region's, not a spare).
+fn keep(fd: OwnedFd, len: usize, map: Option<Mapping>, fill: Option<FillMap>, recycled: bool) {
     if len > MAX_BYTES {
         return;
     }
@@ -108,6 +117,7 @@ pub(crate) fn give(fd: OwnedFd, len: usize, map: Option<Mapping>, fill: Option<F
             len,
             map,
             fill,
+            recycled,
             at,
         });
         pool.bytes += len;
@@ -199,7 +209,7 @@ fn make_spare(len: usize) {
         // too, off the writer's path.
         Ok(fd) => {
             let map = Mapping::populated(&fd, len).ok();
-            give(fd, len, map, None);
+            keep(fd, len, map, None, false);
         }
         Err(e) => tracing::debug!(%e, len, "no spare memfd"),
     }
@@ -255,13 +265,14 @@ fn holds_size(len: usize) -> bool {
 }
 
 /// A pooled memfd of exactly `len` bytes (the most recently given back) and the read-only
-/// and writable mappings it kept, if there is one.
-pub(crate) fn take(len: usize) -> Option<(OwnedFd, Option<Mapping>, Option<FillMap>)> {
+/// and writable mappings it kept, if there is one; `true` if it was a region's (not a
+/// spare).
+pub(crate) fn take(len: usize) -> Option<(OwnedFd, Option<Mapping>, Option<FillMap>, bool)> {
     let mut pool = pool();
     let at = pool.idle.iter().rposition(|idle| idle.len == len)?;
     let idle = pool.idle.remove(at)?;
     pool.bytes -= idle.len;
-    Some((idle.fd, idle.map, idle.fill))
+    Some((idle.fd, idle.map, idle.fill, idle.recycled))
 }
 
 /// Closes the buffers idle since before `now - IDLE`.

@@ -454,11 +454,12 @@ fn pooled_or_new(len: usize) -> Result<Buffer> {
         return Err(Error::Io("an empty memfd cannot be mapped".into()));
     }
     match pool::take(len) {
-        Some((fd, map, fill)) => Ok(Buffer {
+        Some((fd, map, fill, recycled)) => Ok(Buffer {
             fd,
             map,
             fill,
             pooled: true,
+            recycled,
         }),
         None => pool::fresh(len)
             .map(|fd| Buffer {
@@ -466,6 +467,7 @@ fn pooled_or_new(len: usize) -> Result<Buffer> {
                 map: None,
                 fill: None,
                 pooled: false,
+                recycled: false,
             })
             .map_err(|e| io("creating a memfd", e)),
     }
@@ -480,6 +482,8 @@ struct Buffer {
     fill: Option<FillMap>,
     /// Taken from the pool (its pages are there).
     pooled: bool,
+    /// A region's buffer given back (not a spare, whose size's versions get passed on).
+    recycled: bool,
 }
 
 /// A memfd being filled: a pooled buffer through its [`FillMap`] (made at its first reuse,
@@ -495,8 +499,11 @@ pub(crate) struct RegionFill {
     len: usize,
     map: Option<Mapping>,
     fill: Option<FillMap>,
-    /// Taken from the pool: its pages are there, and a [`FillMap`] is worth making.
-    pooled: bool,
+    /// A region's buffer given back to the pool (its pages are there, and its versions are
+    /// not passed on): a [`FillMap`] is worth making. A new buffer's pages fault in anyway;
+    /// a spare's size is one whose versions are passed on (sealed), and the mapping would be
+    /// made and unmapped for each.
+    recycled: bool,
 }
 
 impl RegionFill {
@@ -507,24 +514,25 @@ impl RegionFill {
             fd,
             map,
             fill,
-            pooled,
+            recycled,
+            ..
         } = pooled_or_new(len)?;
         Ok(RegionFill {
             fd,
             len,
             map,
             fill,
-            pooled,
+            recycled,
         })
     }
 
-    /// The buffer's writable mapping: the one it kept, or made now for a pooled buffer (once
-    /// in its life: it is kept from then on); `None` for a new buffer, or when mapping fails
-    /// (the caller writes with `pwrite`). Made only by the writes that use it, so a buffer
-    /// filled by the kernel ([`copy_from`](Self::copy_from)) maps nothing.
+    /// The buffer's writable mapping: the one it kept, or made now for a recycled buffer
+    /// (once in its life: it is kept from then on); `None` for a new buffer or a spare, or
+    /// when mapping fails (the caller writes with `pwrite`). Made only by the writes that use
+    /// it, so a buffer filled by the kernel ([`copy_from`](Self::copy_from)) maps nothing.
     fn fill_map(&mut self) -> Option<&mut FillMap> {
-        if self.fill.is_none() && self.pooled {
-            self.pooled = false;
+        if self.fill.is_none() && self.recycled {
+            self.recycled = false;
             self.fill = FillMap::new(&self.fd, self.len).ok();
         }
         self.fill.as_mut()
@@ -646,6 +654,7 @@ impl RegionWriter {
             map: ro,
             fill,
             pooled,
+            ..
         } = pooled_or_new(len)?;
         let populate = match pooled {
             true => MapFlags::POPULATE,
