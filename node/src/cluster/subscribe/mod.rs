@@ -534,9 +534,7 @@ impl Deliverer {
         };
         Some(skipped.into_iter().chain([told]).collect())
     }
-}
 
-impl Deliverer {
     /// The bytes that came, or are coming, with a version's news; `Some(None)` when they do
     /// not come (the subscription fetches the version), `None` when the subscription stopped.
     async fn bytes_of(&self, carried: Carried) -> Option<Option<Tensor>> {
