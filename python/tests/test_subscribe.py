@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import numpy as np
 import pytest
@@ -81,3 +82,47 @@ def test_iteration_yields_updates(client: tb.Client, cluster) -> None:
         for u in sub:
             assert (u.name, u.version, u.dtype, u.shape) == ("it/x", 1, "f64", (3,))
             break
+
+
+def test_mib_versions_by_name_between_processes_are_exact_and_private(client: tb.Client,
+                                                                       spawn) -> None:
+    # 1 MiB versions: over an offer frame's limit, under the same-host socket's 4 MiB, so the
+    # subscriber (another process, read-write) copies each out of the publisher's memfd. It
+    # changes every tensor it gets in place (torch: a private view); what the publisher
+    # serves stays as published, and the update's read-only array is refused a write.
+    n = 1 << 18  # float32s: 1 MiB
+    child = spawn(
+        """
+import torch
+c = tb.connect(TICKET, secret_file=SECRET_FILE)
+with c.subscribe("mib/*") as sub:
+    say("ready")
+    last = 0
+    # Bounded: one update per version, 30 s each at most.
+    while last < 12:
+        u = sub.next(timeout=30)
+        a = u.array()
+        digest = hashlib.sha256(a.tobytes()).hexdigest()
+        try:
+            a += 1.0
+            refused = "no"
+        except ValueError:
+            refused = "yes"
+        t = u.tensor()
+        t.add_(1.0)  # in place, on what arrived
+        same = hashlib.sha256(u.array().tobytes()).hexdigest() == digest
+        say(u.version, u.skipped, digest, refused, same)
+        last = u.version
+"""
+    )
+    assert child.line() == "ready"
+    sent = {}
+    for v in range(1, 13):
+        arr = (np.arange(n, dtype=np.float32) * v) % 1000
+        sent[client.put("mib/w", arr)] = hashlib.sha256(arr.tobytes()).hexdigest()
+        version, skipped, digest, refused, same = child.line().split()
+        assert (int(skipped), refused, same) == (0, "yes", "True")
+        assert digest == sent[int(version)], f"v{version} arrived changed"
+    child.finish()
+    again = client.get("mib/w")
+    assert hashlib.sha256(again.tobytes()).hexdigest() == sent[max(sent)]
