@@ -258,3 +258,34 @@ fn sealing_a_large_region_pools_a_spare_of_its_size_with_its_pages_allocated() {
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert!(!pool::holds(3 * 4096 + 1));
 }
+
+#[test]
+fn a_fill_copies_a_peers_memfd_at_an_offset_by_the_kernel_or_by_reads() {
+    // A size no other test uses: the pool is the process's.
+    const LEN: usize = 3 * 4096 + 17;
+    const AT: u64 = 5000;
+    let data: Vec<u8> = (0..LEN + AT as usize).map(|i| (i % 241) as u8).collect();
+    let peer = Region::copy_of(&data).expect("a peer's memfd");
+    let src = peer.read_only_fd().expect("read-only");
+    assert!(
+        rustix::io::pwrite(&src, b"x", 0).is_err(),
+        "the fd passed on cannot write"
+    );
+    let want = &data[AT as usize..];
+    // `copy_file_range`, and the reads it falls back to where the kernel cannot.
+    let mut fill = RegionFill::new(LEN).expect("fill");
+    fill.copy_from(&src, AT).expect("copied");
+    assert_eq!(fill.finish().expect("region").bytes(), want);
+    let mut fill = RegionFill::new(LEN).expect("fill");
+    fill.read_from(&src, AT).expect("read");
+    assert_eq!(fill.finish().expect("region").bytes(), want);
+    // A file that ends before the payload does is an error either way, never a short copy.
+    let mut fill = RegionFill::new(LEN).expect("fill");
+    assert!(fill.copy_from(&src, AT + 1).is_err());
+    let mut fill = RegionFill::new(LEN).expect("fill");
+    assert!(fill.read_from(&src, AT + 1).is_err());
+    assert!(
+        !peer.is_sealed(),
+        "a read-only fd of it was made, nothing sealed"
+    );
+}
