@@ -86,6 +86,20 @@ fn clients_race_past_a_dead_first_broker() {
     ];
     let put: Vec<&str> = put.into_iter().chain(["--worker", &worker_addr]).collect();
     ok("tb put", &tb(&put, &ticket, &secret, &[]).0);
+    // The put is acknowledged by whichever broker answered first; the name must have reached
+    // the second by gossip before the first dies, or nothing would be left to find.
+    let only_second = Ticket {
+        brokers: vec![printed.brokers[0].clone()],
+    };
+    let replicated = (0..60).any(|_| {
+        let (out, _) = tb(&["ls", "race/"], &only_second, &secret, &[]);
+        let seen = out.status.success() && String::from_utf8_lossy(&out.stdout).contains("race/w");
+        if !seen {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        seen
+    });
+    assert!(replicated, "race/w never reached the second broker in 30 s");
 
     // The first-listed broker dies: no goodbye, its port silent.
     first.kill9();
