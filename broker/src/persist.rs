@@ -257,8 +257,8 @@ type KeyChange = (sled::IVec, Option<sled::IVec>);
 
 /// How long the writer gathers changes after the first one before it applies them together:
 /// a name published a thousand times a second is written to sled ~200 times, its latest entry
-/// each time, not a thousand (one `apply_batch` costs 50-350 us of CPU on a small machine,
-/// taken from the brokers' and nodes' work). A flush does not wait for it.
+/// each time, not a thousand, and the thread wakes once per batch, not per publish. A flush
+/// does not wait for it.
 const GATHER: Duration = Duration::from_millis(5);
 
 /// What the writer thread is asked.
@@ -415,7 +415,11 @@ fn spawn_writer(entries: sled::Tree, members: sled::Tree) -> Result<Writer, Pers
     Ok(Writer(queue))
 }
 
-/// Changes gathered for one batch per tree: the latest value of each key.
+/// Changes gathered by the writer: the latest value of each key, applied key by key. Not
+/// as a `sled::Batch`: sled writes out and syncs (`sync_file_range`, waiting) every batch
+/// as it is applied, two writes per batch (the batch and its marker), where single
+/// inserts wait in sled's buffer for its flush. Keys are independent records (a name's
+/// entry, a member's row), so nothing needs two of them to land together.
 #[derive(Default)]
 struct Gathered {
     entries: BTreeMap<sled::IVec, Option<sled::IVec>>,
@@ -433,9 +437,8 @@ impl Gathered {
         if self.entries.is_empty() && self.members.is_empty() {
             return;
         }
-        let applied = entries
-            .apply_batch(batch(std::mem::take(&mut self.entries)))
-            .and_then(|()| members.apply_batch(batch(std::mem::take(&mut self.members))));
+        let applied = apply(entries, std::mem::take(&mut self.entries))
+            .and_then(|()| apply(members, std::mem::take(&mut self.members)));
         if let Err(e) = applied {
             tracing::warn!(%e, "persisting registry changes (anti-entropy will repair a restart)");
             failed.get_or_insert(e.into());
@@ -443,16 +446,15 @@ impl Gathered {
     }
 }
 
-/// One sled batch of `changes`.
-fn batch(changes: BTreeMap<sled::IVec, Option<sled::IVec>>) -> sled::Batch {
-    let mut batch = sled::Batch::default();
+/// Writes `changes` into `tree` one key at a time (see [`Gathered`]).
+fn apply(tree: &sled::Tree, changes: BTreeMap<sled::IVec, Option<sled::IVec>>) -> sled::Result<()> {
     for (key, value) in changes {
         match value {
-            Some(value) => batch.insert(key, value),
-            None => batch.remove(key),
+            Some(value) => tree.insert(key, value).map(drop)?,
+            None => tree.remove(key).map(drop)?,
         }
     }
-    batch
+    Ok(())
 }
 
 /// A gate tests close to make flushes wait, as on a disk that takes its time to sync.
