@@ -266,6 +266,32 @@ impl tb_node::SocketCtl for CtlProtocol {
             this.answer(peer, access, &life, request).await
         })
     }
+
+    /// A subscription a node on this host opened on the same-host socket: admitted, bounded
+    /// per peer and served as on the ctl link.
+    fn subscribe(
+        &self,
+        peer: tb_proto::NodeId,
+        access: Access,
+        pattern: tb_proto::NamePattern,
+    ) -> tb_node::CtlSubscribed {
+        let this = self.clone();
+        Box::pin(async move {
+            let request = CtlRequest::Subscribe { pattern };
+            let refusal = match this.admit(access, &request) {
+                Ok(()) => None,
+                Err((code, message)) => Some(error(code, message)),
+            };
+            let CtlRequest::Subscribe { pattern } = request else {
+                unreachable!("built above")
+            };
+            if let Some(refusal) = refusal {
+                return Box::pin(n0_future::stream::once(refusal)) as tb_node::CtlFrames;
+            }
+            this.counters.socket_requests.inc();
+            this.subscription(peer, pattern, true).await
+        })
+    }
 }
 
 impl CtlProtocol {
@@ -321,23 +347,8 @@ impl CtlProtocol {
         }
         let answers = match request {
             CtlRequest::Subscribe { pattern } => {
-                let Some(_slot) =
-                    self.per_peer
-                        .take(peer, Held::Subscription, MAX_SUBSCRIPTIONS_PER_PEER)
-                else {
-                    self.counters.refused.inc(Refusal::Subscriptions);
-                    let why = error(
-                        ErrorCode::Busy,
-                        format!(
-                            "this node holds {MAX_SUBSCRIPTIONS_PER_PEER} subscriptions on this \
-                             broker already: close some, or watch a wider pattern"
-                        ),
-                    );
-                    let _ = write_frame(&mut send, &why).await;
-                    let _ = send.finish();
-                    return;
-                };
-                self.subscribe(pattern, send, recv).await;
+                let frames = self.subscription(peer, pattern, false).await;
+                self.serve_subscription(frames, send, recv).await;
                 return;
             }
             CtlRequest::SyncBuckets { buckets, members } => {
@@ -511,13 +522,33 @@ impl CtlProtocol {
     }
 
     /// Forwards events matching `pattern` until the client goes away or the broker stops.
-    async fn subscribe(
+    /// A subscription of `peer` to `pattern`, registered with the actor: its frames, `Ok`
+    /// first (a subscriber's `subscribe` returns once it read it, so a version published
+    /// right after is never missed), then an `Event` per change. Falling a whole buffer
+    /// behind ends it with a `Busy` error the client sees. Refused (an `Error` frame alone)
+    /// past [`MAX_SUBSCRIPTIONS_PER_PEER`]. Dropping the frames unsubscribes and frees the
+    /// peer's slot. `on_socket`: it is served on the same-host socket (counted apart).
+    async fn subscription(
         &self,
+        peer: tb_proto::NodeId,
         pattern: tb_proto::NamePattern,
-        mut send: SendStream,
-        mut recv: RecvStream,
-    ) {
-        let (tx, mut rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        on_socket: bool,
+    ) -> tb_node::CtlFrames {
+        let alone = |frame| Box::pin(n0_future::stream::once(frame)) as tb_node::CtlFrames;
+        let Some(slot) = self
+            .per_peer
+            .take(peer, Held::Subscription, MAX_SUBSCRIPTIONS_PER_PEER)
+        else {
+            self.counters.refused.inc(Refusal::Subscriptions);
+            return alone(error(
+                ErrorCode::Busy,
+                format!(
+                    "this node holds {MAX_SUBSCRIPTIONS_PER_PEER} subscriptions on this broker \
+                     already: close some, or watch a wider pattern"
+                ),
+            ));
+        };
+        let (tx, events) = mpsc::channel(SUBSCRIPTION_BUFFER);
         let lagged = CancellationToken::new();
         let asked = ask(&self.actor, self.request_timeout, |reply| {
             BrokerMsg::Subscribe {
@@ -530,47 +561,52 @@ impl CtlProtocol {
         .await;
         let id = match asked {
             Ok(id) => id,
-            Err(e) => {
-                let _ = write_frame(&mut send, &e).await;
-                let _ = send.finish();
-                return;
-            }
+            Err(e) => return alone(e),
         };
-        // Registered: from now on every change is told on this stream. The `Ok` says so, and
-        // the subscriber's `subscribe` returns only once it read it (a version published right
-        // after is never missed).
-        let stall = self.request_timeout;
-        let acked = tokio::time::timeout(stall, write_frame(&mut send, &CtlResponse::Ok)).await;
-        if !matches!(acked, Ok(Ok(()))) {
-            let _ = self.actor.cast(BrokerMsg::Unsubscribe { id });
-            return;
+        self.counters.subscriptions.inc();
+        if on_socket {
+            self.counters.socket_subscriptions.inc();
         }
-        // The client never writes again: its stream ending (or resetting) is the unsubscribe.
-        // A frame that cannot be written within the request timeout (a subscriber that stopped
-        // reading) ends the subscription; so does falling a whole buffer behind, with an error
-        // the client sees.
+        let state = Subscribed {
+            ok_sent: false,
+            ended: false,
+            events,
+            lagged,
+            counters: self.counters.clone(),
+            _registered: Registered {
+                actor: self.actor.clone(),
+                id,
+                counters: self.counters.clone(),
+            },
+            _slot: slot,
+        };
+        Box::pin(n0_future::stream::unfold(state, |mut state| async move {
+            let frame = state.next().await?;
+            Some((frame, state))
+        }))
+    }
+
+    /// Writes a subscription's `frames` on its QUIC stream until they end, a frame cannot be
+    /// written within the request timeout (a subscriber that stopped reading), or the client
+    /// ends its side: the client never writes again, so its stream ending (or resetting) is
+    /// the unsubscribe.
+    async fn serve_subscription(
+        &self,
+        mut frames: tb_node::CtlFrames,
+        mut send: SendStream,
+        mut recv: RecvStream,
+    ) {
+        use n0_future::StreamExt;
+
+        let stall = self.request_timeout;
         let mut sink = [0u8; 64];
         loop {
             tokio::select! {
-                biased;
-                () = lagged.cancelled() => {
-                    self.counters.refused.inc(Refusal::LaggedSubscription);
-                    let why = error(
-                        ErrorCode::Busy,
-                        format!(
-                            "subscription ended: it fell {SUBSCRIPTION_BUFFER} events behind \
-                             (subscribe again; the versions missed show as skipped)"
-                        ),
-                    );
-                    let _ = tokio::time::timeout(stall, write_frame(&mut send, &why)).await;
-                    let _ = send.finish();
-                    break;
-                }
-                event = rx.recv() => {
-                    let Some(event) = event else { break };
-                    let frame = CtlResponse::Event(event);
+                frame = frames.next() => {
+                    let Some(frame) = frame else { break };
+                    let last = matches!(frame, CtlResponse::Error { .. });
                     match tokio::time::timeout(stall, write_frame(&mut send, &frame)).await {
-                        Ok(Ok(())) => {}
+                        Ok(Ok(())) if !last => {}
                         _ => break,
                     }
                 }
@@ -581,7 +617,67 @@ impl CtlProtocol {
                 }
             }
         }
-        let _ = self.actor.cast(BrokerMsg::Unsubscribe { id });
+        let _ = send.finish();
+    }
+}
+
+/// A registered subscription's state, as its frames are taken.
+struct Subscribed {
+    ok_sent: bool,
+    ended: bool,
+    events: mpsc::Receiver<tb_proto::Event>,
+    lagged: CancellationToken,
+    counters: Arc<BrokerCounters>,
+    _registered: Registered,
+    _slot: PeerSlot,
+}
+
+impl Subscribed {
+    /// The next frame: `Ok`, then the events, a `Busy` error when the subscriber fell behind;
+    /// `None` once ended.
+    async fn next(&mut self) -> Option<CtlResponse> {
+        if self.ended {
+            return None;
+        }
+        if !self.ok_sent {
+            self.ok_sent = true;
+            return Some(CtlResponse::Ok);
+        }
+        tokio::select! {
+            biased;
+            () = self.lagged.cancelled() => {
+                self.ended = true;
+                self.counters.refused.inc(Refusal::LaggedSubscription);
+                Some(error(
+                    ErrorCode::Busy,
+                    format!(
+                        "subscription ended: it fell {SUBSCRIPTION_BUFFER} events behind \
+                         (subscribe again; the versions missed show as skipped)"
+                    ),
+                ))
+            }
+            event = self.events.recv() => match event {
+                Some(event) => Some(CtlResponse::Event(event)),
+                None => {
+                    self.ended = true;
+                    None
+                }
+            },
+        }
+    }
+}
+
+/// Unsubscribes when dropped (the subscription's frames were dropped).
+struct Registered {
+    actor: ActorRef<BrokerMsg>,
+    id: u64,
+    counters: Arc<BrokerCounters>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let _ = self.actor.cast(BrokerMsg::Unsubscribe { id: self.id });
+        self.counters.subscriptions_ended.inc();
     }
 }
 

@@ -43,6 +43,13 @@ pub struct BrokerCounters {
     pub requests: Counter,
     /// Of them, those that came on the same-host socket (`DataRequest::Ctl`).
     pub socket_requests: Counter,
+    /// Subscriptions registered (on the link or the same-host socket).
+    pub subscriptions: Counter,
+    /// Of them, those served on the same-host socket.
+    pub socket_subscriptions: Counter,
+    /// Subscriptions that ended (unsubscribed, their subscriber gone, or cut off): those
+    /// open are `subscriptions` less these.
+    pub subscriptions_ended: Counter,
     /// Peers refused before authenticating, by reason (`tb_auth_failures_total{reason}`,
     /// shared with the broker's data plane).
     pub auth_failures: AuthFailures,
@@ -69,6 +76,9 @@ impl BrokerCounters {
             refused: Refusals::new(metrics)?,
             requests: Counter::default(),
             socket_requests: Counter::default(),
+            subscriptions: Counter::default(),
+            socket_subscriptions: Counter::default(),
+            subscriptions_ended: Counter::default(),
             auth_failures: metrics.auth_failures.clone(),
             gossip_sent: metrics.gossip_out.clone(),
             gossip_received: metrics.gossip_in.clone(),

@@ -68,7 +68,9 @@
 //! On one host, three shortcuts take the shm channel's unix socket instead of QUIC:
 //! - a broker on this node's host is asked on the socket (`DataRequest::Ctl`; the broker
 //!   registers a [`SocketCtl`] on its node with [`Node::serve_ctl_on_socket`]), learnt in the
-//!   background, with QUIC whenever the socket fails;
+//!   background, with QUIC whenever the socket fails; a subscription streams the broker's
+//!   events on a connection of its own, and one opened on QUIC moves there once the broker
+//!   is known to be local;
 //! - a subscriber watches a version's publisher (`Watch`): small versions ride inline beside
 //!   the publish, and larger ones come as the publisher's sealed memfd, mapped without a
 //!   look-up or a pull;
@@ -153,7 +155,7 @@ pub use private::PrivateBytes;
 pub use progress::TransferProgress;
 pub use serve::service::{ServeCtx, Service, ServiceFuture, ServiceStream};
 pub use set::TensorSet;
-pub use socket_ctl::{CtlAnswer, SocketCtl};
+pub use socket_ctl::{CtlAnswer, CtlFrames, CtlSubscribed, SocketCtl};
 pub use store::{Inserted, Lookup, Retention, Store};
 /// Why a peer was refused before authenticating (what `auth::server_hello` reports).
 pub use tb_dashboard::AuthFailure;

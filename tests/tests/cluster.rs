@@ -614,3 +614,84 @@ async fn requests_to_a_broker_on_this_host_take_the_same_host_socket() {
     local.shutdown().await;
     broker.shutdown().await;
 }
+
+/// A subscription to a broker on this host is served on the same-host socket: it opens
+/// there once the node knows the broker is local, and one opened on QUIC before that moves
+/// there. Every version is reported once, in order and byte for byte, across the move; a
+/// QUIC-only node's subscription stays on QUIC; dropping a subscription ends it at the
+/// broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_to_a_broker_on_this_host_move_to_the_same_host_socket() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path(), &[]).await;
+    let brokers = vec![broker.addr().clone()];
+    let local = node(worker_config(brokers.clone())).await;
+    let quic_only = node(Config {
+        channels: vec![ChannelKind::Quic],
+        ..worker_config(brokers.clone())
+    })
+    .await;
+    let publisher = node(worker_config(brokers)).await;
+    let counters = broker.counters();
+    let mut sub = within(LIMIT, "subscribe", local.subscribe("mv/*"))
+        .await
+        .expect("subscribe");
+    let mut theirs = within(LIMIT, "subscribe", quic_only.subscribe("mv/*"))
+        .await
+        .expect("subscribe");
+    // Bounded: 200 versions until the subscription runs on the socket, then 10 more.
+    let mut version = 0;
+    let mut after = 0;
+    while after < 10 {
+        version += 1;
+        assert!(version <= 200, "the subscription never moved to the socket");
+        let tensor = f32_tensor(256, version as u8);
+        publisher
+            .publish("mv/t", tensor.clone())
+            .await
+            .expect("publish");
+        for s in [&mut sub, &mut theirs] {
+            let got = next_version(s, version).await;
+            assert_eq!(got.data(), tensor.data(), "v{version}");
+        }
+        if counters.socket_subscriptions.get() > 0 {
+            after += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(
+        counters.socket_subscriptions.get(),
+        1,
+        "one subscription on the socket: the local node's, once"
+    );
+    // Two open: the local node's on the socket (its first, on QUIC, ended when it moved) and
+    // the QUIC-only node's.
+    let open = || counters.subscriptions.get() - counters.subscriptions_ended.get();
+    let two = eventually_async(LIMIT, || async { open() == 2 }).await;
+    assert!(two, "{} subscriptions open, not 2", open());
+    // Dropped: the broker ends it (its socket closes).
+    drop(sub);
+    let one = eventually_async(LIMIT, || async { open() == 1 }).await;
+    assert!(one, "the broker ended the dropped subscription");
+    drop(theirs);
+    for n in [local, quic_only, publisher] {
+        n.shutdown().await;
+    }
+    broker.shutdown().await;
+}
+
+/// The next event of `sub`: version `want` with its bytes.
+async fn next_version(sub: &mut tb_node::Subscription, want: u64) -> Tensor {
+    match within(LIMIT, "event", sub.next()).await {
+        Some(Ok(SubEvent::Version {
+            version,
+            tensor: Some(tensor),
+            ..
+        })) => {
+            assert_eq!(version, want);
+            tensor
+        }
+        other => panic!("expected version {want} with its bytes, got {other:?}"),
+    }
+}

@@ -41,8 +41,9 @@ use tracing::warn;
 pub use shm::force_map_failures_for_tests;
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
-    INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute, ShmWatch, WatchOffer,
-    ctl::exchange as shm_ctl_exchange, memfds_work,
+    INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute, ShmStream, ShmWatch,
+    WatchOffer, ctl::exchange as shm_ctl_exchange, ctl::open_subscription as shm_open_subscription,
+    ctl::read_event as shm_read_event, memfds_work,
 };
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 

@@ -285,6 +285,35 @@ impl CtlClient {
         Some(answered)
     }
 
+    /// A subscription (`request`) on the same-host socket of the first broker in
+    /// [`order`](Self::order): its connection and the broker, once registered. `None`:
+    /// subscribe over QUIC (see [`SameHost::subscribe`](super::same_host::SameHost::subscribe)).
+    #[cfg(target_os = "linux")]
+    pub(crate) async fn subscribe_on_same_host(
+        &self,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Option<Result<(crate::channel::ShmStream, EndpointId)>> {
+        let i = self.order().first().copied()?;
+        let broker = &self.brokers[i].addr;
+        let opened = match self.same_host.subscribe(broker, request, timeout).await? {
+            Ok(conn) => Ok((conn, broker.id)),
+            Err(Failure::Answered(e)) => Err(e),
+            Err(Failure::Unusable(_)) => return None,
+        };
+        self.remember(i);
+        Some(opened)
+    }
+
+    /// Whether the first broker in [`order`](Self::order) is known to be on this host, so
+    /// that a subscription to it can go on the socket; starts finding out when not known.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn first_broker_is_local(&self) -> bool {
+        self.order()
+            .first()
+            .is_some_and(|&i| self.same_host.is_local(&self.brokers[i].addr))
+    }
+
     /// [`call`](Self::call) without hedging: on the first broker whose link is ready (see
     /// [`race`](Self::race)), moving on to the others only when a broker turns out unusable.
     async fn call_one_at_a_time(

@@ -9,8 +9,13 @@
 //! `tb/data/1` (the broker runs a node on its endpoint) and asks the pair's channel; an shm
 //! route is kept for the broker, anything else (QUIC, a failed dial) is asked again after
 //! [`NOT_LOCAL_FOR`] or [`FAILED_FOR`]. Until then, and whenever the socket fails before an
-//! answer, requests take the QUIC link. Heartbeats, subscriptions and anti-entropy stay on
-//! QUIC: a broker judges a member's life and leave by its ctl link.
+//! answer, requests take the QUIC link. Heartbeats and anti-entropy stay on QUIC: a broker
+//! judges a member's life and leave by its ctl link.
+//!
+//! Subscriptions go on the socket too, each on a connection of its own
+//! ([`SameHost::subscribe`]): a broker's events then cost it a socket write per subscriber,
+//! not a QUIC packet, and the subscriber a socket read. A subscription opened on QUIC before
+//! the broker was known to be on this host moves to the socket once it is.
 
 use std::{
     collections::HashMap,
@@ -68,8 +73,8 @@ fn lock(
     brokers.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Whether `request` may go on the socket: everything but heartbeats, subscriptions and
-/// anti-entropy.
+/// Whether `request` may go on the socket as a request and its answer: everything but
+/// heartbeats, subscriptions (which stream: [`SameHost::subscribe`]) and anti-entropy.
 pub(super) fn eligible(request: &CtlRequest) -> bool {
     !matches!(
         request,
@@ -133,6 +138,55 @@ impl SameHost {
                 None
             }
         }
+    }
+
+    /// A subscription (`request`) to `broker` on the same-host socket: its connection once
+    /// the broker answered `Ok`. `None`: subscribe over QUIC (the broker is not known to be on
+    /// this host, serves no subscriptions on its socket, or the socket failed).
+    pub(super) async fn subscribe(
+        &self,
+        broker: &PeerAddr,
+        request: &CtlRequest,
+        timeout: Duration,
+    ) -> Option<Result<crate::channel::ShmStream, Failure>> {
+        let route = self.route(broker)?;
+        let node = self.node.get()?.upgrade()?;
+        let ctx = node.ctx().clone();
+        drop(node);
+        let opened = crate::channel::shm_open_subscription(&ctx, &route, request, timeout).await;
+        match opened {
+            Ok((conn, CtlResponse::Ok)) => Some(Ok(conn)),
+            // A broker from before subscriptions on the socket: they take QUIC.
+            Ok((
+                _,
+                CtlResponse::Error {
+                    code: tb_proto::ErrorCode::Unsupported,
+                    ..
+                },
+            )) => None,
+            Ok((_, CtlResponse::Error { code, message })) => {
+                let name = broker.id.fmt_short().to_string();
+                Some(Err(failover::answer_error(name, code, message)))
+            }
+            Ok((_, _)) => {
+                let e = "answered a subscription with something other than Ok";
+                warn!(broker = %broker.id.fmt_short(), e, "subscribing over QUIC");
+                None
+            }
+            Err(ChannelError::ViaQuic) => None,
+            Err(ChannelError::Fallback(e) | ChannelError::Final(e)) => {
+                warn!(broker = %broker.id.fmt_short(), %e, "a broker's same-host socket failed: its requests take QUIC for 30 s");
+                ctx.metrics.channels.fallback(tb_proto::ChannelKind::Shm);
+                lock(&self.brokers).insert(broker.id, State::Not(Instant::now() + FAILED_FOR));
+                None
+            }
+        }
+    }
+
+    /// Whether `broker` is known to be on this host (and reached on its socket); starts
+    /// finding out when that is not known yet.
+    pub(super) fn is_local(&self, broker: &PeerAddr) -> bool {
+        self.route(broker).is_some()
     }
 
     /// The route to `broker` when it is known to be on this host; else starts finding out

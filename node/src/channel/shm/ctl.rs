@@ -31,6 +31,9 @@ pub(crate) async fn serve(
         conn.read_frame::<CtlRequest>(MAX_CONTROL_FRAME).await
     })
     .await?;
+    if let CtlRequest::Subscribe { pattern } = request {
+        return serve_subscription(ctx, conn, peer, access, pattern).await;
+    }
     let answers = match ctx.socket_ctl.get() {
         Some(handler) => handler.answer(peer, access, request).await,
         None => vec![CtlResponse::Error {
@@ -46,6 +49,106 @@ pub(crate) async fn serve(
         Ok(())
     })
     .await
+}
+
+/// Serves a subscription on the socket for as long as the peer keeps it: writes the
+/// broker's frames as they come. It ends when the broker ends it, when a frame cannot be
+/// written within the stall timeout, or when the peer closes its end (it never writes after
+/// its request); the connection is not used again (`Err`).
+async fn serve_subscription(
+    ctx: &NodeCtx,
+    conn: &mut ShmStream,
+    peer: NodeId,
+    access: Access,
+    pattern: tb_proto::NamePattern,
+) -> Result<()> {
+    use n0_future::StreamExt;
+
+    let Some(handler) = ctx.socket_ctl.get() else {
+        let refusal = CtlResponse::Error {
+            code: ErrorCode::Unsupported,
+            message: "this node runs no broker".into(),
+        };
+        let stall = ctx.config.stall_timeout;
+        within(stall, "a refusal", conn.write_frame(&refusal)).await?;
+        return Err(Error::Io("no subscription here".into()));
+    };
+    let mut frames = handler.subscribe(peer, access, pattern).await;
+    let stall = ctx.config.stall_timeout;
+    loop {
+        let frame = tokio::select! {
+            _ = ctx.cancel.cancelled() => return Err(Error::Shutdown),
+            frame = frames.next() => frame,
+            gone = peer_closed(conn) => return Err(gone),
+        };
+        let Some(frame) = frame else {
+            return Err(Error::Io("the subscription ended".into()));
+        };
+        let last = matches!(frame, CtlResponse::Error { .. });
+        within(stall, "a subscription's frame", conn.write_frame(&frame)).await?;
+        if last {
+            return Err(Error::Io("the subscription ended".into()));
+        }
+    }
+}
+
+/// Waits until the peer of a connection it never writes to again closes it (or writes,
+/// which breaks the protocol): why the connection ends. Cancel-safe.
+async fn peer_closed(conn: &ShmStream) -> Error {
+    let socket = conn.socket();
+    loop {
+        if let Err(e) = socket.readable().await {
+            return Error::io("waiting on a subscriber's socket", e);
+        }
+        let mut byte = [0u8; 1];
+        match socket.try_read(&mut byte) {
+            Ok(0) => return Error::Io("the subscriber closed its socket".into()),
+            Ok(_) => return Error::Io("a subscriber wrote on its subscription".into()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Error::io("reading a subscriber's socket", e),
+        }
+    }
+}
+
+/// Opens a subscription (`request`, a `Subscribe`) to the broker at the route's peer on a
+/// connection of its own and reads the broker's first answer within `timeout`, validated:
+/// the connection, for [`read_event`], and that answer (`Ok`, or why not). `Fallback`: the
+/// socket failed before an answer.
+pub(crate) async fn open_subscription(
+    ctx: &NodeCtx,
+    route: &ShmRoute,
+    request: &CtlRequest,
+    timeout: std::time::Duration,
+) -> Result<(ShmStream, CtlResponse), ChannelError> {
+    let max = ctx.config.max_tensor_bytes;
+    let broker = route.peer.fmt_short().to_string();
+    let mut conn = connection(ctx, route, route.peer).await?;
+    let opened = async {
+        within(timeout, "a same-host subscription", async {
+            conn.write_frame(&DataRequest::Ctl).await?;
+            conn.write_frame(request).await
+        })
+        .await?;
+        read_answer(&mut conn, &broker, timeout, max).await
+    };
+    match opened.await {
+        Ok(first) => Ok((conn, first)),
+        Err(e) => Err(ChannelError::Fallback(e)),
+    }
+}
+
+/// The next frame of a subscription opened with [`open_subscription`], validated; it waits
+/// as long as the broker has nothing to tell. Not cancel-safe.
+pub(crate) async fn read_event(
+    conn: &mut ShmStream,
+    broker: &str,
+    max_tensor_bytes: u64,
+) -> Result<CtlResponse> {
+    let frame = conn.read_frame::<CtlResponse>(MAX_CONTROL_FRAME).await?;
+    frame
+        .validate(max_tensor_bytes)
+        .map_err(|e| Error::Io(format!("broker {broker} sent an invalid event: {e}")))?;
+    Ok(frame)
 }
 
 /// Sends `request` to the broker at the route's peer on the same-host socket and reads its

@@ -58,7 +58,7 @@ use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKE
 pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionFill, RegionWriter};
 pub(crate) use serve::spawn_listener;
-use socket::ShmStream;
+pub(crate) use socket::ShmStream;
 pub(crate) use watch::{ShmWatch, WatchOffer};
 
 use super::{HostBuf, verify};

@@ -62,6 +62,11 @@ const RESUBSCRIBE_TRIES: u32 = 8;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// Longest wait between two tries.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// How often a subscription on QUIC looks whether its broker is known to be on this host by
+/// now (which a node learns in the background, from its first requests), ...
+const MOVE_LOOK: Duration = Duration::from_millis(250);
+/// ... and how many times, after each stream opened on QUIC (10 s).
+const MOVE_LOOKS: u32 = 40;
 
 /// What a subscription reports about a matching name.
 #[derive(Debug, Clone)]
@@ -153,11 +158,23 @@ impl Shared {
 
 /// An open `Subscribe` stream and the broker it goes to.
 struct Stream {
-    _send: SendStream,
-    recv: RecvStream,
+    source: Source,
     broker: EndpointId,
-    /// The link the stream is on, probed when the stream has been quiet a while.
-    conn: Connection,
+}
+
+/// What a subscription's events come on.
+enum Source {
+    /// A stream of the broker's QUIC ctl link.
+    Quic {
+        _send: SendStream,
+        recv: RecvStream,
+        /// The link the stream is on, probed when the stream has been quiet a while.
+        conn: Connection,
+    },
+    /// A same-host socket connection of its own (a broker on this host): its end is the
+    /// broker's end, so it needs no probe.
+    #[cfg(target_os = "linux")]
+    Socket(crate::channel::ShmStream),
 }
 
 /// Opens a subscription to `pattern` for `node`.
@@ -208,6 +225,10 @@ async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
         pattern: pattern.clone(),
     };
     let timeout = cluster.request_timeout;
+    #[cfg(target_os = "linux")]
+    if let Some(opened) = open_on_same_host(cluster, &request).await {
+        return opened;
+    }
     let mut last = None;
     for _ in 0..cluster.ctl.broker_count().max(1) {
         let (send, mut recv, conn) = cluster.ctl.open_stream(&request, timeout).await?;
@@ -216,12 +237,12 @@ async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
         let max = cluster.ctl.max_tensor_bytes();
         let failure = match read_response(&mut recv, &label, timeout, max).await {
             Ok(CtlResponse::Ok) => {
-                return Ok(Stream {
+                let source = Source::Quic {
                     _send: send,
                     recv,
-                    broker,
                     conn,
-                });
+                };
+                return Ok(Stream { source, broker });
             }
             Ok(CtlResponse::Error { code, message }) => match answer_error(label, code, message) {
                 Failure::Answered(e) => return Err(e),
@@ -239,6 +260,18 @@ async fn open(cluster: &Cluster, pattern: &NamePattern) -> Result<Stream> {
     Err(last.unwrap_or(Error::NoBroker {
         tried: 0,
         failures: Vec::new(),
+    }))
+}
+
+/// A subscription on the same-host socket of the broker [`open`] would ask first, when it
+/// is known to be on this host (see `cluster/same_host.rs`); `None`: open it over QUIC.
+#[cfg(target_os = "linux")]
+async fn open_on_same_host(cluster: &Cluster, request: &CtlRequest) -> Option<Result<Stream>> {
+    let timeout = cluster.request_timeout;
+    let opened = cluster.ctl.subscribe_on_same_host(request, timeout).await?;
+    Some(opened.map(|(conn, broker)| Stream {
+        source: Source::Socket(conn),
+        broker,
     }))
 }
 
@@ -266,6 +299,8 @@ enum Ended {
     Refused(Error),
     /// The stream or its broker went away: subscribe again.
     Lost(Error),
+    /// A subscription on the same-host socket replaces the stream, which was on QUIC.
+    Moved(Stream),
 }
 
 /// The reader task's state.
@@ -286,6 +321,14 @@ impl Reader {
                 Ended::Stopped => return,
                 Ended::Refused(e) => return self.shared.update(|f| f.fail(e)),
                 Ended::Lost(e) => e,
+                Ended::Moved(moved) => {
+                    debug!(pattern = %self.pattern, "subscription moved to the same-host socket");
+                    // Events the old stream had on the way are dropped with it: the listing
+                    // tells what they told.
+                    stream = moved;
+                    self.catch_up().await;
+                    continue;
+                }
             };
             debug!(pattern = %self.pattern, %lost, "subscription stream lost; subscribing again");
             self.cluster.ctl.avoid(&stream.broker);
@@ -294,19 +337,23 @@ impl Reader {
                 Ok(None) => return,
                 Err(e) => return self.shared.update(|f| f.fail(e)),
             };
-            match list_matching(&self.cluster, &self.pattern).await {
-                Ok((entries, complete)) => {
-                    let listing = entries
-                        .into_iter()
-                        .map(|e| (e.name, e.version, e.meta))
-                        .collect();
-                    self.shared.update(|f| f.caught_up(listing, complete));
-                }
-                // Missed versions still show as skipped when the next one comes.
-                Err(e) => {
-                    warn!(pattern = %self.pattern, %e, "could not catch up after resubscribing")
-                }
+            self.catch_up().await;
+        }
+    }
+
+    /// Lists the matching names after a new stream was opened, so that what was missed
+    /// meanwhile becomes news, gaps included.
+    async fn catch_up(&self) {
+        match list_matching(&self.cluster, &self.pattern).await {
+            Ok((entries, complete)) => {
+                let listing = entries
+                    .into_iter()
+                    .map(|e| (e.name, e.version, e.meta))
+                    .collect();
+                self.shared.update(|f| f.caught_up(listing, complete));
             }
+            // Missed versions still show as skipped when the next one comes.
+            Err(e) => warn!(pattern = %self.pattern, %e, "could not catch up on a new stream"),
         }
     }
 
@@ -318,27 +365,50 @@ impl Reader {
         let every = self.cluster.heartbeat_timeout;
         let mut quiet = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         quiet.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A stream on QUIC looks now and then whether its broker turned out to be on this
+        // host (found in the background), and moves to the socket if so.
+        let mut look = tokio::time::interval_at(tokio::time::Instant::now() + MOVE_LOOK, MOVE_LOOK);
+        let mut looks = 0;
         loop {
-            // The read is never dropped half-way (not cancel-safe): a probe only pauses it.
-            let read = wire::read_frame::<CtlResponse>(&mut stream.recv);
-            tokio::pin!(read);
-            let frame = loop {
-                tokio::select! {
-                    _ = self.stop.cancelled() => return Ended::Stopped,
-                    frame = &mut read => break frame,
-                    _ = quiet.tick() => {
-                        if let Err(e) = self.cluster.ctl.probe(&stream.conn, every).await {
-                            return Ended::Lost(e);
+            let frame = match &mut stream.source {
+                Source::Quic { recv, conn, .. } => {
+                    // The read is never dropped half-way (not cancel-safe): a probe only
+                    // pauses it, and a move drops the whole stream.
+                    let read = wire::read_frame::<CtlResponse>(recv);
+                    tokio::pin!(read);
+                    loop {
+                        tokio::select! {
+                            _ = self.stop.cancelled() => return Ended::Stopped,
+                            frame = &mut read => break frame.map_err(|e| {
+                                Error::from(e.into_error(&format!(
+                                    "subscription stream from broker {broker}"
+                                )))
+                            }),
+                            _ = quiet.tick() => {
+                                if let Err(e) = self.cluster.ctl.probe(conn, every).await {
+                                    return Ended::Lost(e);
+                                }
+                            }
+                            _ = look.tick(), if cfg!(target_os = "linux") && looks < MOVE_LOOKS => {
+                                looks += 1;
+                                if let Some(moved) = self.on_socket_now().await {
+                                    return Ended::Moved(moved);
+                                }
+                            }
                         }
+                    }
+                }
+                #[cfg(target_os = "linux")]
+                Source::Socket(conn) => {
+                    let max = self.max_tensor_bytes;
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return Ended::Stopped,
+                        frame = crate::channel::shm_read_event(conn, &broker, max) => frame,
                     }
                 }
             };
             quiet.reset();
-            let frame = frame
-                .map_err(|e| {
-                    Error::from(e.into_error(&format!("subscription stream from broker {broker}")))
-                })
-                .and_then(|f| check_response(f, &broker, self.max_tensor_bytes));
+            let frame = frame.and_then(|f| check_response(f, &broker, self.max_tensor_bytes));
             match frame {
                 Err(e) => return Ended::Lost(e),
                 Ok(CtlResponse::Event(Event::Published {
@@ -390,6 +460,30 @@ impl Reader {
                 }
             }
         }
+    }
+
+    /// A subscription on the same-host socket, when the broker asked first is now known to
+    /// be on this host; `None` otherwise (or when opening it failed: the stream on QUIC
+    /// carries on).
+    async fn on_socket_now(&self) -> Option<Stream> {
+        #[cfg(target_os = "linux")]
+        {
+            if !self.cluster.ctl.first_broker_is_local() {
+                return None;
+            }
+            let request = CtlRequest::Subscribe {
+                pattern: self.pattern.clone(),
+            };
+            match open_on_same_host(&self.cluster, &request).await? {
+                Ok(stream) => Some(stream),
+                Err(e) => {
+                    debug!(pattern = %self.pattern, %e, "subscription stays on QUIC");
+                    None
+                }
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        None
     }
 
     /// Subscribes again, with backoff; `None` when stopped meanwhile.
