@@ -557,12 +557,7 @@ async fn requests_to_a_broker_on_this_host_take_the_same_host_socket() {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path(), &[]).await;
     let brokers = vec![broker.addr().clone()];
-    let local = node(worker_config(brokers.clone())).await;
-    let quic_only = node(Config {
-        channels: vec![ChannelKind::Quic],
-        ..worker_config(brokers)
-    })
-    .await;
+    let (local, quic_only) = local_and_quic_only(&brokers).await;
     let socket = || broker.counters().socket_requests.get();
     // Bounded: 200 publishes until the socket carries one.
     let mut version = 0;
@@ -625,12 +620,7 @@ async fn subscriptions_to_a_broker_on_this_host_move_to_the_same_host_socket() {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path(), &[]).await;
     let brokers = vec![broker.addr().clone()];
-    let local = node(worker_config(brokers.clone())).await;
-    let quic_only = node(Config {
-        channels: vec![ChannelKind::Quic],
-        ..worker_config(brokers.clone())
-    })
-    .await;
+    let (local, quic_only) = local_and_quic_only(&brokers).await;
     let publisher = node(worker_config(brokers)).await;
     let counters = broker.counters();
     let mut sub = within(LIMIT, "subscribe", local.subscribe("mv/*"))
@@ -694,4 +684,16 @@ async fn next_version(sub: &mut tb_node::Subscription, want: u64) -> Tensor {
         }
         other => panic!("expected version {want} with its bytes, got {other:?}"),
     }
+}
+
+/// Two workers of `brokers`: one with every channel (the same-host socket to a broker on
+/// this host), one that runs QUIC only.
+async fn local_and_quic_only(brokers: &[PeerAddr]) -> (tb_node::Node, tb_node::Node) {
+    let local = node(worker_config(brokers.to_vec())).await;
+    let quic_only = node(Config {
+        channels: vec![ChannelKind::Quic],
+        ..worker_config(brokers.to_vec())
+    })
+    .await;
+    (local, quic_only)
 }

@@ -132,9 +132,7 @@ impl SameHost {
             },
             Err(ChannelError::ViaQuic) => None,
             Err(ChannelError::Fallback(e) | ChannelError::Final(e)) => {
-                warn!(broker = %broker.id.fmt_short(), %e, "a broker's same-host socket failed: its requests take QUIC for 30 s");
-                ctx.metrics.channels.fallback(tb_proto::ChannelKind::Shm);
-                lock(&self.brokers).insert(broker.id, State::Not(Instant::now() + FAILED_FOR));
+                self.socket_failed(&ctx, broker, &e);
                 None
             }
         }
@@ -175,12 +173,18 @@ impl SameHost {
             }
             Err(ChannelError::ViaQuic) => None,
             Err(ChannelError::Fallback(e) | ChannelError::Final(e)) => {
-                warn!(broker = %broker.id.fmt_short(), %e, "a broker's same-host socket failed: its requests take QUIC for 30 s");
-                ctx.metrics.channels.fallback(tb_proto::ChannelKind::Shm);
-                lock(&self.brokers).insert(broker.id, State::Not(Instant::now() + FAILED_FOR));
+                self.socket_failed(&ctx, broker, &e);
                 None
             }
         }
+    }
+
+    /// Counts and logs a failed socket to `broker`, whose requests then take QUIC for
+    /// [`FAILED_FOR`].
+    fn socket_failed(&self, ctx: &crate::ctx::NodeCtx, broker: &PeerAddr, e: &crate::Error) {
+        warn!(broker = %broker.id.fmt_short(), %e, "a broker's same-host socket failed: its requests take QUIC for 30 s");
+        ctx.metrics.channels.fallback(tb_proto::ChannelKind::Shm);
+        lock(&self.brokers).insert(broker.id, State::Not(Instant::now() + FAILED_FOR));
     }
 
     /// Whether `broker` is known to be on this host (and reached on its socket); starts
