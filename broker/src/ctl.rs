@@ -589,7 +589,7 @@ impl CtlProtocol {
     /// Writes a subscription's `frames` on its QUIC stream until they end, a frame cannot be
     /// written within the request timeout (a subscriber that stopped reading), or the client
     /// ends its side: the client never writes again, so its stream ending (or resetting) is
-    /// the unsubscribe.
+    /// the unsubscribe. The stream is finished then, after the frames that were ready.
     async fn serve_subscription(
         &self,
         mut frames: tb_node::CtlFrames,
@@ -602,6 +602,10 @@ impl CtlProtocol {
         let mut sink = [0u8; 64];
         loop {
             tokio::select! {
+                // Every frame ready is written before the client's end is looked at: a client
+                // that moves its subscription elsewhere reads this stream to its end, and
+                // the events it held from before the move must be on it.
+                biased;
                 frame = frames.next() => {
                     let Some(frame) = frame else { break };
                     let last = matches!(frame, CtlResponse::Error { .. });

@@ -147,6 +147,15 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    /// Sends `signal` (a name `kill` takes: `STOP`, `CONT`, ...); whether `kill` succeeded.
+    pub fn signal(&self, signal: &str) -> bool {
+        let pid = self.child.id().to_string();
+        Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
     /// SIGTERM, then waits up to `limit` for a graceful exit (SIGKILL after that); returns
     /// whether it exited by itself with success.
     pub fn terminate(&mut self, limit: Duration) -> bool {

@@ -655,6 +655,8 @@ async fn subscriptions_to_a_broker_on_this_host_move_to_the_same_host_socket() {
         1,
         "one subscription on the socket: the local node's, once"
     );
+    assert_eq!(sub.events_channel(), ChannelKind::Shm);
+    assert_eq!(theirs.events_channel(), ChannelKind::Quic);
     // Two open: the local node's on the socket (its first, on QUIC, ended when it moved) and
     // the QUIC-only node's.
     let open = || counters.subscriptions.get() - counters.subscriptions_ended.get();

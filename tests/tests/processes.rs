@@ -9,7 +9,7 @@ use std::{
 };
 
 use tb_node::{
-    Config, Node, Tensor, Ticket,
+    Config, Node, SubEvent, Tensor, Ticket,
     proto::{ChannelKind, ClusterKey},
 };
 use tb_tests::{
@@ -904,4 +904,75 @@ async fn tb_up_runs_a_cluster_whose_ticket_names_every_broker_and_stops_cleanly(
     // Ctrl-C (SIGTERM here) stops everything and removes the ticket it wrote.
     assert!(up.terminate(Duration::from_secs(30)), "tb up exits 0");
     assert!(!data.join("ticket").exists(), "ticket file removed");
+}
+
+/// A subscriber on its broker's host takes the broker's events on the same-host socket. When
+/// that broker freezes (SIGSTOP: its socket stays open, unlike a broker that dies), the quiet
+/// stream's probe on the socket finds it out: the subscription moves to the other broker and
+/// reports the version published meanwhile, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_on_the_socket_leaves_a_frozen_broker() {
+    let c = Cluster::start(2, 0);
+    let subscriber = c.client(0).await;
+    let mut sub = within(LIMIT, "subscribe", subscriber.subscribe("fz/*"))
+        .await
+        .expect("subscribe");
+    // Bounded: versions until the subscription runs on the socket (its node learns in the
+    // background that its broker is local).
+    let first_publisher = c.client(0).await;
+    let mut version = 0;
+    while sub.events_channel() != ChannelKind::Shm {
+        version += 1;
+        assert!(version <= 100, "the subscription never moved to the socket");
+        let got = first_publisher
+            .publish("fz/t", f32_tensor(64, version as u8))
+            .await
+            .expect("publish");
+        assert_eq!(got, version);
+        match within(LIMIT, "event", sub.next()).await {
+            Some(Ok(SubEvent::Version { version: v, .. })) => assert_eq!(v, version),
+            other => panic!("expected fz/t v{version}, got {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    first_publisher.shutdown().await;
+    // Its broker freezes; the other one's clients publish on.
+    let frozen = sub.events_broker().expect("a broker");
+    let i = (c.ticket.brokers.iter().position(|b| b.id == frozen)).expect("a broker of the ticket");
+    let publisher = c.client(1 - i).await;
+    assert!(c.brokers[i].signal("STOP"), "SIGSTOP broker {i}");
+    version += 1;
+    let tensor = f32_tensor(64, version as u8);
+    let got = publisher
+        .publish("fz/t", tensor.clone())
+        .await
+        .expect("publish while a broker is frozen");
+    assert_eq!(got, version);
+    let event = within(LIMIT, "the version published meanwhile", sub.next()).await;
+    let moved_to = sub.events_broker();
+    assert!(c.brokers[i].signal("CONT"), "SIGCONT broker {i}");
+    match event {
+        Some(Ok(SubEvent::Version { version: v, .. })) => assert_eq!(v, version),
+        other => panic!("expected fz/t v{version}, got {other:?}"),
+    }
+    assert_ne!(
+        moved_to,
+        Some(frozen),
+        "the events come from the other broker"
+    );
+    let pulled = subscriber.get("fz/t").await.expect("get");
+    assert_eq!(
+        (pulled.version, pulled.buffer.data()),
+        (version, tensor.data())
+    );
+    // The other broker runs on this host too: the new stream is on its socket, or moves there.
+    let on_socket =
+        eventually_async(LIMIT, || async { sub.events_channel() == ChannelKind::Shm }).await;
+    assert!(
+        on_socket,
+        "the new stream never reached the other broker's socket"
+    );
+    drop(sub);
+    subscriber.shutdown().await;
+    publisher.shutdown().await;
 }

@@ -208,6 +208,26 @@ impl CtlClient {
         }
     }
 
+    /// Closes the cached QUIC link to broker `id`, whose same-host socket just closed under
+    /// a subscription, and drops its pooled socket connections: the process behind them is
+    /// most likely gone, and a link to it would answer nothing until its idle timeout (a
+    /// broker restarted on the same address is a new process: the old link stays dead). The
+    /// next call dials afresh.
+    pub(crate) fn close_link(&self, id: &EndpointId) {
+        #[cfg(target_os = "linux")]
+        self.same_host.drop_idle(id);
+        let Some(i) = self.brokers.iter().position(|b| b.addr.id == *id) else {
+            return;
+        };
+        let ready = match &*self.brokers[i].link() {
+            Link::Ready(conn) => Some(conn.clone()),
+            _ => None,
+        };
+        if let Some(conn) = ready {
+            self.discard(i, &conn);
+        }
+    }
+
     /// The brokers in the order a call tries them: see [`failover::order_avoiding`]. A broker
     /// counts as lost when its cached link is closed (a link being dialed counts as live).
     fn order(&self) -> Vec<usize> {
@@ -430,6 +450,41 @@ impl CtlClient {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// Checks that `broker`, whose subscription runs on the same-host socket, still answers
+    /// there (a one-entry `List` within `timeout`, on a connection of the pool): a broker
+    /// that froze (stopped, deadlocked) keeps its socket open, where one that died closes it.
+    #[cfg(target_os = "linux")]
+    pub(crate) async fn probe_on_same_host(
+        &self,
+        broker: &EndpointId,
+        timeout: Duration,
+    ) -> Result<()> {
+        // Not known as local right now (a request's socket failed a moment ago): no probe;
+        // the socket's close still tells a broker that died.
+        let Some(link) = self.brokers.iter().find(|b| b.addr.id == *broker) else {
+            return Ok(());
+        };
+        if !self.same_host.is_local(&link.addr) {
+            return Ok(());
+        }
+        let request = CtlRequest::List {
+            prefix: String::new(),
+            limit: 1,
+        };
+        match self
+            .same_host
+            .call(&link.addr, &request, timeout, timeout)
+            .await
+        {
+            Some(Ok(_) | Err(Failure::Answered(_))) => Ok(()),
+            Some(Err(Failure::Unusable(e))) => Err(e),
+            None => Err(Error::Io(format!(
+                "broker {} did not answer on the same-host socket",
+                broker.fmt_short()
+            ))),
         }
     }
 

@@ -179,6 +179,14 @@ impl SameHost {
         }
     }
 
+    /// Drops the pooled socket connections to `broker`, whose socket just closed under a
+    /// subscription: they lead to a process that is gone.
+    pub(super) fn drop_idle(&self, broker: &EndpointId) {
+        if let Some(State::Local(route)) = lock(&self.brokers).get(broker) {
+            route.shm.forget(&route.peer);
+        }
+    }
+
     /// Counts and logs a failed socket to `broker`, whose requests then take QUIC for
     /// [`FAILED_FOR`].
     fn socket_failed(&self, ctx: &crate::ctx::NodeCtx, broker: &PeerAddr, e: &crate::Error) {

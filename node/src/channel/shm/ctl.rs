@@ -113,7 +113,8 @@ async fn peer_closed(conn: &ShmStream) -> Error {
 /// Opens a subscription (`request`, a `Subscribe`) to the broker at the route's peer on a
 /// connection of its own and reads the broker's first answer within `timeout`, validated:
 /// the connection, for [`read_event`], and that answer (`Ok`, or why not). `Fallback`: the
-/// socket failed before an answer.
+/// socket failed before an answer (tried once more on a fresh connection first, as a pooled
+/// one may be stale) or the answer is late.
 pub(crate) async fn open_subscription(
     ctx: &NodeCtx,
     route: &ShmRoute,
@@ -122,19 +123,26 @@ pub(crate) async fn open_subscription(
 ) -> Result<(ShmStream, CtlResponse), ChannelError> {
     let max = ctx.config.max_tensor_bytes;
     let broker = route.peer.fmt_short().to_string();
-    let mut conn = connection(ctx, route, route.peer).await?;
-    let opened = async {
-        within(timeout, "a same-host subscription", async {
-            conn.write_frame(&DataRequest::Ctl).await?;
-            conn.write_frame(request).await
-        })
-        .await?;
-        read_answer(&mut conn, &broker, timeout, max).await
-    };
-    match opened.await {
-        Ok(first) => Ok((conn, first)),
-        Err(e) => Err(ChannelError::Fallback(e)),
+    for attempt in 0..2 {
+        let mut conn = connection(ctx, route, route.peer).await?;
+        let opened = async {
+            within(timeout, "a same-host subscription", async {
+                conn.write_frame(&DataRequest::Ctl).await?;
+                conn.write_frame(request).await
+            })
+            .await?;
+            read_answer(&mut conn, &broker, timeout, max).await
+        };
+        match opened.await {
+            Ok(first) => return Ok((conn, first)),
+            Err(e @ Error::Timeout { .. }) => return Err(ChannelError::Fallback(e)),
+            Err(e) if attempt == 1 => return Err(ChannelError::Fallback(e)),
+            Err(_) => continue,
+        }
     }
+    Err(ChannelError::Fallback(Error::Io(
+        "a same-host subscription".into(),
+    )))
 }
 
 /// The next frame of a subscription opened with [`open_subscription`], validated; it waits

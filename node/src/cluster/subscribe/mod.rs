@@ -67,6 +67,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const MOVE_LOOK: Duration = Duration::from_millis(250);
 /// ... and how many times, after each stream opened on QUIC (10 s).
 const MOVE_LOOKS: u32 = 40;
+/// Longest a stream on QUIC replaced by a socket one is read for what it still had on the
+/// way (its end comes one round trip after the subscriber ends its side).
+const DRAIN: Duration = Duration::from_secs(2);
 
 /// What a subscription reports about a matching name.
 #[derive(Debug, Clone)]
@@ -106,6 +109,7 @@ pub enum SubEvent {
 pub struct Subscription {
     pattern: NamePattern,
     events: mpsc::Receiver<Result<SubEvent>>,
+    shared: Arc<Shared>,
     _stop: DropGuard,
 }
 
@@ -113,6 +117,26 @@ impl Subscription {
     /// The pattern it watches.
     pub fn pattern(&self) -> &NamePattern {
         &self.pattern
+    }
+
+    /// The broker whose events the subscription takes now (it changes when that broker
+    /// goes away).
+    pub fn events_broker(&self) -> Option<EndpointId> {
+        *self.shared.broker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What the broker's events come on now: `Shm`, the same-host socket of a broker on
+    /// this host, or `Quic`.
+    pub fn events_channel(&self) -> tb_proto::ChannelKind {
+        if self
+            .shared
+            .on_socket
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            tb_proto::ChannelKind::Shm
+        } else {
+            tb_proto::ChannelKind::Quic
+        }
     }
 
     /// The next event; `Some(Err(_))` once if the subscription ended with an error (no broker
@@ -139,6 +163,10 @@ impl Subscription {
 struct Shared {
     feed: std::sync::Mutex<Feed>,
     wake: Notify,
+    /// The stream the reader holds is on the same-host socket.
+    on_socket: std::sync::atomic::AtomicBool,
+    /// The broker of the stream the reader holds.
+    broker: std::sync::Mutex<Option<EndpointId>>,
 }
 
 impl Shared {
@@ -171,8 +199,9 @@ enum Source {
         /// The link the stream is on, probed when the stream has been quiet a while.
         conn: Connection,
     },
-    /// A same-host socket connection of its own (a broker on this host): its end is the
-    /// broker's end, so it needs no probe.
+    /// A same-host socket connection of its own (a broker on this host): a broker that dies
+    /// closes it; one that froze is found by a probe on the socket when the stream has been
+    /// quiet a while.
     #[cfg(target_os = "linux")]
     Socket(crate::channel::ShmStream),
 }
@@ -202,7 +231,7 @@ pub(crate) async fn start(
     let auto_fetch = ctx.config.auto_fetch;
     let deliverer = Deliverer {
         node: node.downgrade(),
-        shared,
+        shared: shared.clone(),
         tx,
         stop: stop.clone(),
         auto_fetch,
@@ -211,6 +240,7 @@ pub(crate) async fn start(
     Ok(Subscription {
         pattern,
         events: rx,
+        shared,
         _stop: stop.drop_guard(),
     })
 }
@@ -323,15 +353,22 @@ impl Reader {
                 Ended::Lost(e) => e,
                 Ended::Moved(moved) => {
                     debug!(pattern = %self.pattern, "subscription moved to the same-host socket");
-                    // Events the old stream had on the way are dropped with it: the listing
-                    // tells what they told.
-                    stream = moved;
-                    self.catch_up().await;
+                    // Events the old stream still had on the way are read from it; if it
+                    // does not end in time, a listing tells what they told.
+                    let old = std::mem::replace(&mut stream, moved);
+                    if !self.drain(old).await {
+                        self.catch_up().await;
+                    }
                     continue;
                 }
             };
             debug!(pattern = %self.pattern, %lost, "subscription stream lost; subscribing again");
             self.cluster.ctl.avoid(&stream.broker);
+            // A same-host broker's socket closes when its process ends; its QUIC link to
+            // this node is dead then too, though nothing on it says so yet.
+            if !matches!(stream.source, Source::Quic { .. }) {
+                self.cluster.ctl.close_link(&stream.broker);
+            }
             stream = match self.resubscribe().await {
                 Ok(Some(stream)) => stream,
                 Ok(None) => return,
@@ -360,6 +397,9 @@ impl Reader {
     /// Reads events from `stream` into the feed until it ends.
     async fn read(&self, stream: &mut Stream) -> Ended {
         let broker = stream.broker.fmt_short().to_string();
+        let on_socket = !matches!(stream.source, Source::Quic { .. });
+        (self.shared.on_socket).store(on_socket, std::sync::atomic::Ordering::Relaxed);
+        *self.shared.broker.lock().unwrap_or_else(|p| p.into_inner()) = Some(stream.broker);
         // A quiet stream is probed now and then: its broker may have died without closing
         // the link (SIGKILL), which QUIC would notice only at its idle timeout.
         let every = self.cluster.heartbeat_timeout;
@@ -401,62 +441,120 @@ impl Reader {
                 #[cfg(target_os = "linux")]
                 Source::Socket(conn) => {
                     let max = self.max_tensor_bytes;
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return Ended::Stopped,
-                        frame = crate::channel::shm_read_event(conn, &broker, max) => frame,
+                    let read = crate::channel::shm_read_event(conn, &broker, max);
+                    tokio::pin!(read);
+                    loop {
+                        tokio::select! {
+                            _ = self.stop.cancelled() => return Ended::Stopped,
+                            frame = &mut read => break frame,
+                            _ = quiet.tick() => {
+                                let probe = self.cluster.ctl.probe_on_same_host(&stream.broker, every);
+                                if let Err(e) = probe.await {
+                                    return Ended::Lost(e);
+                                }
+                            }
+                        }
                     }
                 }
             };
             quiet.reset();
-            let frame = frame.and_then(|f| check_response(f, &broker, self.max_tensor_bytes));
-            match frame {
-                Err(e) => return Ended::Lost(e),
-                Ok(CtlResponse::Event(Event::Published {
-                    name,
-                    version,
-                    meta,
-                    publisher,
-                })) if self.pattern.matches(&name) => {
-                    // Its bytes may be on the way on a same-host watch already.
-                    if self.watching.offers_all(&name, publisher) {
-                        self.shared
-                            .update(|f| f.published_expected(&name, version, meta));
-                    } else {
-                        self.shared.update(|f| f.published(&name, version, meta));
-                    }
-                    // Its next large versions can come straight from a publisher on this host.
-                    self.watching.heard(&name, publisher, Reach::SameHost);
-                }
-                Ok(CtlResponse::Event(Event::PublishedInline {
-                    name,
-                    version,
-                    meta,
-                    bytes,
-                    publisher,
-                })) if self.pattern.matches(&name) => {
-                    // Checked against `meta` (length and hash) by `check_response`.
-                    let inline = Some(Tensor::from_verified(meta.clone(), Bytes::from(bytes)));
+            if let Some(ended) = self.take(frame, &broker) {
+                return ended;
+            }
+        }
+    }
+
+    /// Puts one frame read from a stream of `broker` into the feed; `Some`: the stream ends.
+    fn take(&self, frame: Result<CtlResponse>, broker: &str) -> Option<Ended> {
+        let frame = frame.and_then(|f| check_response(f, broker, self.max_tensor_bytes));
+        match frame {
+            Err(e) => return Some(Ended::Lost(e)),
+            Ok(CtlResponse::Event(Event::Published {
+                name,
+                version,
+                meta,
+                publisher,
+            })) if self.pattern.matches(&name) => {
+                // Its bytes may be on the way on a same-host watch already.
+                if self.watching.offers_all(&name, publisher) {
                     self.shared
-                        .update(|f| f.published_with(&name, version, meta, inline));
-                    // Its next small versions can come straight from their publisher.
-                    self.watching.heard(&name, publisher, Reach::Any);
+                        .update(|f| f.published_expected(&name, version, meta));
+                } else {
+                    self.shared.update(|f| f.published(&name, version, meta));
                 }
-                Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
-                    self.shared.update(|f| f.deleted(&name));
-                }
-                // Events for other names are not ours (the `Ok` was read by `open`).
-                Ok(CtlResponse::Event(_)) => {}
-                Ok(CtlResponse::Error { code, message }) => {
-                    return match answer_error(broker, code, message) {
-                        Failure::Answered(e) => Ended::Refused(e),
-                        Failure::Unusable(e) => Ended::Lost(e),
-                    };
-                }
-                Ok(_) => {
-                    let e = Error::Io(format!(
-                        "broker {broker} sent a non-event on a subscription"
-                    ));
-                    return Ended::Lost(e);
+                // Its next large versions can come straight from a publisher on this host.
+                self.watching.heard(&name, publisher, Reach::SameHost);
+            }
+            Ok(CtlResponse::Event(Event::PublishedInline {
+                name,
+                version,
+                meta,
+                bytes,
+                publisher,
+            })) if self.pattern.matches(&name) => {
+                // Checked against `meta` (length and hash) by `check_response`.
+                let inline = Some(Tensor::from_verified(meta.clone(), Bytes::from(bytes)));
+                self.shared
+                    .update(|f| f.published_with(&name, version, meta, inline));
+                // Its next small versions can come straight from their publisher.
+                self.watching.heard(&name, publisher, Reach::Any);
+            }
+            Ok(CtlResponse::Event(Event::Deleted { name })) if self.pattern.matches(&name) => {
+                self.shared.update(|f| f.deleted(&name));
+            }
+            // Events for other names are not ours (the `Ok` was read by `open`).
+            Ok(CtlResponse::Event(_)) => {}
+            Ok(CtlResponse::Error { code, message }) => {
+                return Some(match answer_error(broker.to_owned(), code, message) {
+                    Failure::Answered(e) => Ended::Refused(e),
+                    Failure::Unusable(e) => Ended::Lost(e),
+                });
+            }
+            Ok(_) => {
+                let e = Error::Io(format!(
+                    "broker {broker} sent a non-event on a subscription"
+                ));
+                return Some(Ended::Lost(e));
+            }
+        }
+        None
+    }
+
+    /// Reads what a stream on QUIC that a socket one replaced still has on the way: it ends
+    /// its side (the broker's unsubscribe), so the broker finishes its own after the last
+    /// event it sent, and every event up to that end is taken as any. Whether the stream
+    /// ended within [`DRAIN`]: if not, what it had may be lost, and a listing tells it.
+    async fn drain(&self, old: Stream) -> bool {
+        let Source::Quic {
+            _send: mut send,
+            mut recv,
+            ..
+        } = old.source
+        else {
+            return true;
+        };
+        let _ = send.finish();
+        let broker = old.broker.fmt_short().to_string();
+        let deadline = tokio::time::Instant::now() + DRAIN;
+        loop {
+            let read = wire::read_frame::<CtlResponse>(&mut recv);
+            let frame = tokio::select! {
+                _ = self.stop.cancelled() => return true,
+                _ = tokio::time::sleep_until(deadline) => return false,
+                frame = read => frame,
+            };
+            match frame {
+                // The broker's end: everything it sent was read.
+                Err(wire::ReadFrameError::Closed(_)) => return true,
+                frame => {
+                    let frame = frame.map_err(|e| {
+                        Error::from(
+                            e.into_error(&format!("subscription stream from broker {broker}")),
+                        )
+                    });
+                    if self.take(frame, &broker).is_some() {
+                        return false;
+                    }
                 }
             }
         }
