@@ -277,16 +277,12 @@ impl tb_node::SocketCtl for CtlProtocol {
     ) -> tb_node::CtlSubscribed {
         let this = self.clone();
         Box::pin(async move {
-            let request = CtlRequest::Subscribe { pattern };
-            let refusal = match this.admit(access, &request) {
-                Ok(()) => None,
-                Err((code, message)) => Some(error(code, message)),
+            let request = CtlRequest::Subscribe {
+                pattern: pattern.clone(),
             };
-            let CtlRequest::Subscribe { pattern } = request else {
-                unreachable!("built above")
-            };
-            if let Some(refusal) = refusal {
-                return Box::pin(n0_future::stream::once(refusal)) as tb_node::CtlFrames;
+            if let Err((code, message)) = this.admit(access, &request) {
+                return Box::pin(n0_future::stream::once(error(code, message)))
+                    as tb_node::CtlFrames;
             }
             this.counters.socket_requests.inc();
             this.subscription(peer, pattern, true).await

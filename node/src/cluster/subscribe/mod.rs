@@ -122,21 +122,19 @@ impl Subscription {
     /// The broker whose events the subscription takes now (it changes when that broker
     /// goes away).
     pub fn events_broker(&self) -> Option<EndpointId> {
-        *self.shared.broker.lock().unwrap_or_else(|p| p.into_inner())
+        self.source().map(|(broker, _)| broker)
     }
 
     /// What the broker's events come on now: `Shm`, the same-host socket of a broker on
     /// this host, or `Quic`.
     pub fn events_channel(&self) -> tb_proto::ChannelKind {
-        if self
-            .shared
-            .on_socket
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            tb_proto::ChannelKind::Shm
-        } else {
-            tb_proto::ChannelKind::Quic
-        }
+        self.source()
+            .map_or(tb_proto::ChannelKind::Quic, |(_, channel)| channel)
+    }
+
+    /// The broker of the stream the reader holds, and its channel.
+    fn source(&self) -> Option<(EndpointId, tb_proto::ChannelKind)> {
+        *self.shared.source.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The next event; `Some(Err(_))` once if the subscription ended with an error (no broker
@@ -163,10 +161,8 @@ impl Subscription {
 struct Shared {
     feed: std::sync::Mutex<Feed>,
     wake: Notify,
-    /// The stream the reader holds is on the same-host socket.
-    on_socket: std::sync::atomic::AtomicBool,
-    /// The broker of the stream the reader holds.
-    broker: std::sync::Mutex<Option<EndpointId>>,
+    /// The broker of the stream the reader holds, and the channel it is on.
+    source: std::sync::Mutex<Option<(EndpointId, tb_proto::ChannelKind)>>,
 }
 
 impl Shared {
@@ -397,9 +393,13 @@ impl Reader {
     /// Reads events from `stream` into the feed until it ends.
     async fn read(&self, stream: &mut Stream) -> Ended {
         let broker = stream.broker.fmt_short().to_string();
-        let on_socket = !matches!(stream.source, Source::Quic { .. });
-        (self.shared.on_socket).store(on_socket, std::sync::atomic::Ordering::Relaxed);
-        *self.shared.broker.lock().unwrap_or_else(|p| p.into_inner()) = Some(stream.broker);
+        let channel = match stream.source {
+            Source::Quic { .. } => tb_proto::ChannelKind::Quic,
+            #[cfg(target_os = "linux")]
+            Source::Socket(_) => tb_proto::ChannelKind::Shm,
+        };
+        *self.shared.source.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((stream.broker, channel));
         // A quiet stream is probed now and then: its broker may have died without closing
         // the link (SIGKILL), which QUIC would notice only at its idle timeout.
         let every = self.cluster.heartbeat_timeout;
