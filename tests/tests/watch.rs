@@ -106,6 +106,7 @@ async fn small_versions_come_straight_from_their_publisher(channels: &[ChannelKi
         assert!(version <= 200, "no offer came straight from the publisher");
         publish_and_receive(&publisher, &mut sub, version).await;
     }
+    settle_offers(&publisher, &subscriber).await;
     let (taken, sent) = (
         subscriber.metrics().watch_offers_in.get(),
         publisher.metrics().watch_offers_out.get(),
@@ -150,6 +151,25 @@ async fn larger_versions_come_as_their_memfd_on_the_same_host_socket() {
     large_versions_come_straight_on_the_same_host_socket(5 << 18).await;
 }
 
+/// Waits (bounded) until every offer the publisher counted as sent is counted as taken and
+/// the other way round: the publisher counts an offer once its write is done, which on the
+/// same-host socket can be after the subscriber has counted it, so counters read before
+/// this would tell one offer apart.
+async fn settle_offers(publisher: &Node, subscriber: &Node) {
+    let settled = tb_tests::eventually(Duration::from_secs(10), || {
+        publisher.metrics().watch_offers_out.get()
+            == subscriber.metrics().watch_offers_in.get()
+                + subscriber.metrics().watch_offers_refused.get()
+    })
+    .await;
+    assert!(
+        settled,
+        "{} offers sent, {} taken before the counted versions",
+        publisher.metrics().watch_offers_out.get(),
+        subscriber.metrics().watch_offers_in.get()
+    );
+}
+
 /// Versions of `FLOATS` f32s published one after another reach a same-host subscriber
 /// straight from the publisher, each told once with its bytes.
 async fn large_versions_come_straight_on_the_same_host_socket(floats: usize) {
@@ -169,6 +189,7 @@ async fn large_versions_come_straight_on_the_same_host_socket(floats: usize) {
         );
         publish_and_receive_of(&publisher, &mut sub, "big", floats, version).await;
     }
+    settle_offers(&publisher, &subscriber).await;
     let taken = subscriber.metrics().watch_offers_in.get();
     let sent = publisher.metrics().watch_offers_out.get();
     let pulled = subscriber.metrics().bytes_in.get();
