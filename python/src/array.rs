@@ -98,6 +98,22 @@ impl Source {
         self.raw.as_slice()
     }
 
+    /// The bytes copied (and hashed) into a node tensor on this thread, with the GIL
+    /// released: for a blocking call, whose thread waits for the copy either way (handing a
+    /// large copy to the blocking pool would add a thread's wake-up before and after it).
+    pub(crate) fn tensor_here(
+        self,
+        py: Python<'_>,
+        dtype: DType,
+        shape: Vec<u64>,
+    ) -> PyResult<Tensor> {
+        let Source { raw, array } = self;
+        // `raw` moves into the closure (it is `Send`); `array`, held here, keeps its bytes.
+        let copied = py.detach(move || Tensor::copy_from(dtype, shape, raw.as_slice()));
+        drop(array);
+        copied.map_err(to_py)
+    }
+
     /// The bytes copied (and hashed) into a node tensor: on the blocking pool when large,
     /// which then owns the array's reference until the copy is done.
     pub(crate) async fn into_tensor(self, dtype: DType, shape: Vec<u64>) -> PyResult<Tensor> {

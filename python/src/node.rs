@@ -180,6 +180,15 @@ pub struct Pushed {
 /// A call's work: the future the blocking form waits for and the async form runs as a task.
 type Work<T> = PyResult<T>;
 
+/// Publishes `tensor` as the next version of `name` (the end of a put), after setting how
+/// many versions of it this node keeps when `keep` is given.
+async fn publish(node: Node, name: String, keep: Option<usize>, tensor: Tensor) -> Work<u64> {
+    if let Some(keep) = keep {
+        node.set_keep(&name, keep).map_err(to_py)?;
+    }
+    node.publish(&name, tensor).await.map_err(to_py)
+}
+
 // Each operation is one `*_work` method building the future (under the GIL: arguments are
 // checked and Python objects referenced here), awaited by the blocking method (`wait`) or
 // run as a task by the `*_async` one (`start`): one implementation for both.
@@ -197,10 +206,7 @@ impl NodeHandle {
         let source = Source::of(data)?;
         Ok(async move {
             let tensor = source.into_tensor(dtype, shape).await?;
-            if let Some(keep) = keep {
-                node.set_keep(&name, keep).map_err(to_py)?;
-            }
-            node.publish(&name, tensor).await.map_err(to_py)
+            publish(node, name, keep, tensor).await
         })
     }
 
@@ -559,7 +565,11 @@ impl NodeHandle {
         shape: Vec<u64>,
         keep: Option<usize>,
     ) -> PyResult<u64> {
-        wait(py, self.put_work(name, data, dtype, shape, keep)?)?
+        // Copied on this thread: it waits for the put either way.
+        let node = self.node()?.clone();
+        let dtype = parse_dtype(dtype)?;
+        let tensor = Source::of(data)?.tensor_here(py, dtype, shape)?;
+        wait(py, publish(node, name, keep, tensor))?
     }
 
     /// [`put`](Self::put) as an awaitable.

@@ -27,7 +27,11 @@ Systems:
 - ``zmq``: pyzmq REQ/REP over TCP loopback, the floor: each server is one REP socket
   answered by one thread (no handler pool), frames ``[op;dtype;shape, raw bytes]`` sent and
   received with ``copy=False``; each caller thread has its own REQ socket to every server
-  and spreads its calls round robin as gRPC does. No streaming case.
+  and spreads its calls round robin as gRPC does. Streams: a DEALER socket to the first
+  server's ROUTER socket (served by the same thread) asks for ``items`` items of ``size``
+  bytes; the server sends them as ``[header, raw bytes]`` frames (``copy=False``), at most
+  2 ahead of what the caller took: the caller returns a credit for each item it takes, as
+  tensor-broker's ``prefetch=2`` does.
 
 Ops: ``echo`` (returns its argument: ``uint8`` bytes) and ``add_one`` (``x + 1`` of a
 ``float32`` array, a new array), 4 KiB and 16 MiB, 1 and 64 callers, 1 and 4 servers. Every
@@ -42,7 +46,7 @@ server set, untimed), so every connection is up. A case whose calls raise (the s
 failed them, e.g. a lost server) is reported with ``error`` and no figures, the run goes on
 and exits non-zero; a wrong result stops the run at once.
 
-Streaming (``op`` ``stream``, tensor-broker and gRPC, 1 caller, 1 server): ``streams``
+Streaming (``op`` ``stream``, every system, 1 caller, 1 server): ``streams``
 calls each yielding ``items`` items of 1 MiB or 16 MiB (the same read-only array each time),
 each read to its end; ``items_per_s`` and ``mb_s`` over the whole run, ``calls_per_s``
 streams per second, and ``p50_us`` / ``p99_us`` the gaps between consecutive items (the
@@ -79,6 +83,8 @@ SIZES = (4 << 10, 16 << 20)
 CONCURRENCY = (1, 64)
 SERVERS = (1, 4)
 STREAM_SIZES = (1 << 20, 16 << 20)
+# Items a ZeroMQ stream's server runs ahead of its caller (tensor-broker's default prefetch).
+ZMQ_STREAM_AHEAD = 2
 SERVER_PROCESSES = max(SERVERS)
 # Handler threads per server (tensor-broker's share concurrency, gRPC's max_workers) and the
 # queue tensor-broker admits beyond them (all 64 callers may wait on one server).
@@ -197,6 +203,8 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--join")
     p.add_argument("--cluster-secret-file")
     p.add_argument("--servers", default="", help="the servers' addresses, comma-separated")
+    p.add_argument("--stream-server", default="",
+                   help="zmq: the first server's stream (ROUTER) address")
     a = p.parse_args(argv)
     # The orchestrator stops its children (by PID, on errors and Ctrl-C too): a Ctrl-C in
     # the terminal is its to handle, not each child's.
@@ -272,25 +280,48 @@ def _serve_zmq(a: argparse.Namespace) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REP)
     sock.bind(f"{ZMQ_HOST}:*")
+    streams = ctx.socket(zmq.ROUTER)
+    streams.bind(f"{ZMQ_HOST}:*")
     stop = threading.Event()
 
     def answer() -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(streams, zmq.POLLIN)
+        # Per stream (the caller's identity): items still to send, credits in hand.
+        left: dict[bytes, list[int]] = {}
         while not stop.is_set():
-            if not sock.poll(200, zmq.POLLIN):
-                continue
-            frames = sock.recv_multipart(copy=False)
-            op, x = zmq_array(frames)
-            sock.send_multipart(zmq_frames(HANDLERS[op](x)), copy=False)
+            ready = dict(poller.poll(200))
+            if sock in ready:
+                frames = sock.recv_multipart(copy=False)
+                op, x = zmq_array(frames)
+                sock.send_multipart(zmq_frames(HANDLERS[op](x)), copy=False)
+            if streams in ready:
+                who, what, *rest = streams.recv_multipart()
+                if what == b"go":
+                    items, size = struct.unpack("<QQ", rest[0])
+                    left[who] = [items, size, ZMQ_STREAM_AHEAD]
+                elif who in left:  # b"more": the caller took an item
+                    left[who][2] += 1
+                state = left.get(who)
+                while state and state[0] > 0 and state[2] > 0:
+                    streams.send_multipart([who, *zmq_frames(pattern(state[1]))], copy=False)
+                    state[0] -= 1
+                    state[2] -= 1
+                if state and state[0] == 0:
+                    del left[who]
 
     worker = threading.Thread(target=answer, daemon=True)
     worker.start()
     try:
-        say(ready=True, addr=sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        say(ready=True, addr=sock.getsockopt_string(zmq.LAST_ENDPOINT),
+            stream_addr=streams.getsockopt_string(zmq.LAST_ENDPOINT))
         sys.stdin.read()
     finally:
         stop.set()
         worker.join(timeout=5)
         sock.close(linger=0)
+        streams.close(linger=0)
         ctx.term()
 
 
@@ -389,7 +420,9 @@ class ZmqCalls:
         self.zmq = zmq
         self.ctx = zmq.Context()
         self.addrs = a.servers.split(",")
+        self.stream_addr = a.stream_server
         self.socks: list[list[Any]] = []
+        self.streamer: Any = None
 
     def _socket(self, addr: str) -> Any:
         sock = self.ctx.socket(self.zmq.REQ)
@@ -410,12 +443,34 @@ class ZmqCalls:
         socks, turn = self.socks[thread][:servers], itertools.count(thread)
         return lambda x: self._ask(socks[next(turn) % servers], x, op)
 
+    @contextlib.contextmanager
+    def stream(self, items: int, size: int) -> Iterator[Iterator[Any]]:
+        if self.streamer is None:
+            self.streamer = self.ctx.socket(self.zmq.DEALER)
+            self.streamer.connect(self.stream_addr)
+        sock = self.streamer
+
+        def take() -> Iterator[np.ndarray]:
+            sock.send_multipart([b"go", struct.pack("<QQ", items, size)])
+            for _ in range(items):
+                if not sock.poll(int(WAIT_S * 1000), self.zmq.POLLIN):
+                    raise TimeoutError(f"zmq: no stream item within {WAIT_S} s")
+                item = zmq_array(sock.recv_multipart(copy=False))[1]
+                sock.send(b"more")  # the credit for the item taken
+                yield item
+
+        yield take()
+
     def reset(self) -> None:
-        """After a failed call: a REQ socket left waiting for its answer is not reusable."""
+        """After a failed call: a REQ socket left waiting for its answer is not reusable,
+        nor a stream's socket with items of the failed stream still coming."""
         for socks in self.socks:
             for s in socks:
                 s.close(linger=0)
         self.socks = []
+        if self.streamer is not None:
+            self.streamer.close(linger=0)
+            self.streamer = None
 
     def close(self) -> None:
         self.reset()
@@ -635,9 +690,11 @@ def _run_system(system: str, cluster: Any, p: dict[str, Any], children: list[_Pr
         servers.append(_Proc(f"{system} server {i}", [*py, "_bench-call-server", "--system",
                                                         system, "--index", str(i), *join]))
         children.append(servers[-1])
-    addrs = [s.hear()["addr"] for s in servers]
+    ready = [s.hear() for s in servers]
+    addrs = [r["addr"] for r in ready]
+    stream_at = ["--stream-server", ready[0]["stream_addr"]] if system == "zmq" else []
     call = _Proc(f"{system} caller", [*py, "_bench-call-caller", "--system", system,
-                                      "--servers", ",".join(addrs), *join])
+                                      "--servers", ",".join(addrs), *stream_at, *join])
     children.append(call)
     call.hear()
     out = []
@@ -656,20 +713,19 @@ def _run_system(system: str, cluster: Any, p: dict[str, Any], children: list[_Pr
         progress(f"{op} {_bench_report.fmt_size(size)}, {conc} caller(s), {n} server(s): "
                  f"{_n(r['calls_per_s'])} calls/s, p50 {_n(r['p50_us'])} µs, p99 "
                  f"{_n(r['p99_us'])} µs ({r['calls']} calls)")
-    if system != "zmq":
-        for size in STREAM_SIZES:
-            items = p["stream_items"][size]
-            r = _ask(call, {"cmd": "stream", "size": size, "items": items,
-                            "streams": p["streams"]}, slow)
-            case = {"system": system, "op": "stream", "size_bytes": size, "concurrency": 1,
-                    "servers": 1}
-            if "failed" in r:
-                out.append(_failed(case, r["failed"], progress))
-                continue
-            out.append({**case, **r})
-            progress(f"stream of {_bench_report.fmt_size(size)} items: "
-                     f"{_n(r['items_per_s'])} items/s ({_n(r['mb_s'])} MB/s), gap p50 "
-                     f"{_n(r['p50_us'])} µs")
+    for size in STREAM_SIZES:
+        items = p["stream_items"][size]
+        r = _ask(call, {"cmd": "stream", "size": size, "items": items,
+                        "streams": p["streams"]}, slow)
+        case = {"system": system, "op": "stream", "size_bytes": size, "concurrency": 1,
+                "servers": 1}
+        if "failed" in r:
+            out.append(_failed(case, r["failed"], progress))
+            continue
+        out.append({**case, **r})
+        progress(f"stream of {_bench_report.fmt_size(size)} items: "
+                 f"{_n(r['items_per_s'])} items/s ({_n(r['mb_s'])} MB/s), gap p50 "
+                 f"{_n(r['p50_us'])} µs")
     for child in [call, *servers]:
         child.stop(check=True)
     return out
@@ -763,7 +819,8 @@ def main(argv: list[str]) -> int:
     notes.append("grpc and zmq: each caller thread sends its calls to the case's servers "
                  "round robin; tensor-broker spreads them itself")
     notes.append("stream: each stream read to its end; tensor-broker's f.stream with the "
-                 "default prefetch=2, gRPC with its own flow control")
+                 "default prefetch=2, gRPC with its own flow control, zmq with a credit per "
+                 f"item taken ({ZMQ_STREAM_AHEAD} ahead)")
     notes.append(f"{os.cpu_count()} CPU cores seen: every process of a system shares them")
     cases: list[dict[str, Any]] = []
     children: list[_Proc] = []

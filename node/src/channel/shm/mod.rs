@@ -39,6 +39,7 @@
 //!
 mod client;
 pub(crate) mod ctl;
+mod peer_maps;
 mod pool;
 mod region;
 mod serve;
@@ -269,9 +270,10 @@ fn tensor_from_memfd(fd: OwnedFd, offset: u64, meta: TensorMeta) -> Result<Tenso
 }
 
 /// A tensor of `meta` made of a copy of the payload at `offset` of a peer's memfd (sent as
-/// [`ShmPayload::MemfdCopy`](tb_proto::ShmPayload)), in a memfd of this process's pool: the
-/// kernel copies it (one copy, no mapping, nothing on the socket) and the peer's fd is closed
-/// before this returns. Hashed, naming `what` when it does not match, when `verify` (the peer
+/// [`ShmPayload::MemfdCopy`](tb_proto::ShmPayload)), in a memfd of this process's pool: one
+/// copy, nothing on the socket, through the mapping of the peer's buffer kept from its
+/// previous offer ([`peer_maps`]) or, where the buffer cannot be kept mapped, by the kernel;
+/// the peer's fd is closed before this returns. Hashed, naming `what` when it does not match, when `verify` (the peer
 /// proved only read-only access). At most [`INLINE_MAX`] bytes.
 fn tensor_copied_from_memfd(
     fd: OwnedFd,
@@ -287,7 +289,10 @@ fn tensor_copied_from_memfd(
         )));
     }
     let mut fill = region::RegionFill::new(len)?;
-    fill.copy_from(&fd, offset)?;
+    match peer_maps::copy(&fd, offset, &mut fill) {
+        Some(copied) => copied?,
+        None => fill.copy_from(&fd, offset)?,
+    }
     drop(fd);
     let tensor = Tensor::from_region(meta.clone(), fill.finish()?);
     if verify {

@@ -34,9 +34,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rustix::fs::{self, FallocateFlags, MemfdFlags};
+use rustix::fs::{self, FallocateFlags, MemfdFlags, SealFlags};
 
-use super::region::{FillMap, Mapping};
+use super::{
+    peer_maps,
+    region::{FillMap, Mapping},
+};
 
 /// Most bytes the pool keeps.
 pub(crate) const MAX_BYTES: usize = 1 << 30;
@@ -125,6 +128,12 @@ fn keep(fd: OwnedFd, len: usize, map: Option<Mapping>, fill: Option<FillMap>, re
     for old in closed {
         free(old.fd, old.map, old.fill, old.len);
     }
+    start_sweeper();
+}
+
+/// Starts the sweeper thread (one per process, idempotent): every [`SWEEP`] it closes the
+/// pool's idle buffers and drops the peers' memfds kept mapped ([`peer_maps`]) but unused.
+pub(crate) fn start_sweeper() {
     static SWEEPER: Once = Once::new();
     SWEEPER.call_once(|| {
         let spawned = std::thread::Builder::new()
@@ -132,7 +141,9 @@ fn keep(fd: OwnedFd, len: usize, map: Option<Mapping>, fill: Option<FillMap>, re
             .spawn(|| {
                 loop {
                     std::thread::sleep(SWEEP);
-                    sweep(Instant::now());
+                    let now = Instant::now();
+                    sweep(now);
+                    peer_maps::sweep(now);
                 }
             });
         if let Err(e) = spawned {
@@ -242,13 +253,16 @@ fn free(fd: OwnedFd, map: Option<Mapping>, fill: Option<FillMap>, len: usize) {
     drop(to_thread(Job::Release(fd, map, fill)));
 }
 
-/// A new memfd of `len` bytes (sealable; no page allocated yet).
+/// A new memfd of `len` bytes, sealed against resizes (each buffer keeps its size for life,
+/// which lets a peer it is passed to keep it mapped: [`peer_maps`]) and sealable against
+/// writes; no page allocated yet.
 pub(crate) fn fresh(len: usize) -> rustix::io::Result<OwnedFd> {
     let fd = fs::memfd_create(
         "tensor-broker",
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
     )?;
     fs::ftruncate(&fd, len as u64)?;
+    fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW)?;
     Ok(fd)
 }
 

@@ -110,6 +110,27 @@ impl Mapping {
         Ok(Mapping { ptr, len })
     }
 
+    /// Maps the first `len` bytes of a peer's memfd, read-only and private, for
+    /// [`peer_maps`](super::peer_maps): the caller checked that the file is sealed against
+    /// shrinking and holds at least `len` bytes.
+    pub(crate) fn of_sealed_peer(fd: &OwnedFd, len: usize) -> rustix::io::Result<Mapping> {
+        Mapping::new(fd, len, false)
+    }
+
+    /// The mapped length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The mapped bytes. Those of a peer's memfd kept mapped by
+    /// [`peer_maps`](super::peer_maps) are read only while the peer holds them for the
+    /// reader (an offer waiting for its `ShmCopied`), as a kernel copy would read them.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` readable bytes mapped at `ptr` for as long as `self` lives (unmapped
+        // only in `Drop`); the file cannot end before them (see `new`).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
     /// [`Mapping::new`] with its page-table entries made at once (for the pool's spares).
     pub(crate) fn populated(fd: &OwnedFd, len: usize) -> rustix::io::Result<Mapping> {
         Mapping::new(fd, len, true)
@@ -537,6 +558,11 @@ impl RegionFill {
             self.fill = FillMap::new(&self.fd, self.len).ok();
         }
         self.fill.as_mut()
+    }
+
+    /// The memfd's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     /// Writes `bytes` at `offset` (inside the file).
