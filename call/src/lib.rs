@@ -30,7 +30,8 @@
 //! shm, each tensor of at least [`value::LEND_MIN`] is lent to the peer
 //! ([`Node::lend`](tb_node::Node::lend)) and the body names the loan; the reader pulls it over
 //! the channel ([`Node::pull_lent`](tb_node::Node::pull_lent)), which passes the sender's
-//! sealed memfd (no copy, no QUIC). The server pulls lent arguments once it accepted the call;
+//! memfd (nothing on QUIC): up to 16 MiB unsealed, for the reader to copy out of into a
+//! buffer of its own pool (so both sides recycle their buffers), larger ones sealed, mapped. The server pulls lent arguments once it accepted the call;
 //! the caller pulls lent results as it reads them.
 //!
 //! A bidirectional function ([`FunctionSpec::inputs`]) also takes a stream of inputs

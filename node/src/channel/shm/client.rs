@@ -9,8 +9,8 @@ use std::os::fd::{AsFd, OwnedFd};
 
 use iroh::EndpointId;
 use tb_proto::{
-    Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload, TensorMeta,
-    TensorName, frame::MAX_CONTROL_FRAME,
+    Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmCopied, ShmHello, ShmPayload,
+    TensorMeta, TensorName, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixStream;
 
@@ -45,6 +45,15 @@ enum Payload {
     Inline(ShmStream),
     /// The holder's sealed memfd (checked), and where the payload starts in it.
     Memfd { fd: OwnedFd, offset: u64 },
+    /// The holder's memfd to copy out of (not sealed; at most
+    /// [`PULL_COPY_MAX`](super::PULL_COPY_MAX) bytes), where
+    /// the payload starts in it, and the connection to say `ShmCopied` on: the holder keeps
+    /// the version until then (and reuses the memfd after).
+    Copy {
+        fd: OwnedFd,
+        offset: u64,
+        conn: ShmStream,
+    },
 }
 
 impl ShmPull<'_> {
@@ -75,6 +84,14 @@ impl ShmPull<'_> {
                         .map_err(ChannelError::Final)?;
                     super::region::release_resident(tensor.data());
                 }
+                Ok(tensor)
+            }
+            Payload::Copy { fd, offset, conn } => {
+                let verify = self.verify_memfd;
+                let copied =
+                    super::tensor_copied_from_memfd(fd, offset, &self.meta, verify, &self.what);
+                let tensor = copied.map_err(ChannelError::Final)?;
+                self.route.copied(ctx, conn, self.version).await;
                 Ok(tensor)
             }
         }
@@ -113,6 +130,33 @@ impl ShmPull<'_> {
                 }
                 Ok(())
             }
+            Payload::Copy { fd, offset, conn } => {
+                match super::peer_maps::copy_to(&fd, offset, dest) {
+                    Some(copied) => copied?,
+                    None => super::region::pread_all(fd.as_fd(), dest, offset)?,
+                }
+                drop(fd);
+                if self.verify_memfd {
+                    verify::check_all(dest, self.meta.hash, &self.what)?;
+                }
+                self.route.copied(ctx, conn, self.version).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl ShmRoute {
+    /// Tells the holder a `MemfdCopy` payload of `version` was copied out (it may reuse the
+    /// memfd now) and pools the connection; one that fails is dropped (the copy stands).
+    async fn copied(&self, ctx: &NodeCtx, mut conn: ShmStream, version: u64) {
+        let receipt = ShmCopied { version };
+        let said = conn.write_frame(&receipt);
+        if within(ctx.config.stall_timeout, "a pull's receipt", said)
+            .await
+            .is_ok()
+        {
+            self.shm.put_idle(self.peer, conn);
         }
     }
 }
@@ -239,15 +283,16 @@ async fn pull<'r>(
             Ok(Header {
                 version,
                 meta,
-                memfd,
+                body,
             }) => {
-                let payload = match memfd {
-                    Some((fd, offset)) => {
+                let payload = match body {
+                    Body::Memfd(fd, offset) => {
                         route.shm.put_idle(peer, conn);
                         Payload::Memfd { fd, offset }
                     }
-                    // Pooled again once the payload is read.
-                    None => Payload::Inline(conn),
+                    // Pooled again once the payload is read, or its copy said.
+                    Body::Inline => Payload::Inline(conn),
+                    Body::Copy(fd, offset) => Payload::Copy { fd, offset, conn },
                 };
                 return Ok(ShmPull {
                     version,
@@ -283,12 +328,22 @@ enum PullFailure {
     Answered(Error),
 }
 
-/// What a pull's answer announced: the version, its metadata (validated), and the memfd
-/// that holds the payload, or `None` when the payload follows inline.
+/// What a pull's answer announced: the version, its metadata (validated), and where the
+/// payload is.
 struct Header {
     version: u64,
     meta: TensorMeta,
-    memfd: Option<(OwnedFd, u64)>,
+    body: Body,
+}
+
+/// Where a pulled payload is.
+enum Body {
+    /// It follows on the socket.
+    Inline,
+    /// In the holder's sealed memfd (unchecked yet), at this offset.
+    Memfd(OwnedFd, u64),
+    /// In the holder's memfd, to copy out and answer `ShmCopied` for.
+    Copy(OwnedFd, u64),
 }
 
 /// Sends `request` on `conn` and reads the answer up to the payload.
@@ -326,16 +381,17 @@ async fn pull_on(
         match conn.read_frame::<ShmPayload>(MAX_CONTROL_FRAME).await? {
             // Refused before anything is allocated for it.
             ShmPayload::Inline => super::inline_len(&meta)
-                .map(|_| None)
+                .map(|_| Body::Inline)
                 .map_err(|e| Error::Io(format!("{what}: {e}"))),
-            ShmPayload::Memfd { offset } => Ok(Some((conn.take_fd()?, offset))),
+            ShmPayload::Memfd { offset } => Ok(Body::Memfd(conn.take_fd()?, offset)),
+            // Refused above the limit before the fd is looked at.
+            ShmPayload::MemfdCopy { offset } => match super::copy_len(&meta) {
+                Ok(_) => Ok(Body::Copy(conn.take_fd()?, offset)),
+                Err(e) => Err(Error::Io(format!("{what}: {e}"))),
+            },
             // Only pushes are sent this way.
             ShmPayload::InlineHashAfter => Err(Error::Io(format!(
                 "{what}: a pull answered with a push's payload"
-            ))),
-            // Only watches are sent this way.
-            ShmPayload::MemfdCopy { .. } => Err(Error::Io(format!(
-                "{what}: a pull answered with a watch's payload"
             ))),
         }
     })
@@ -344,7 +400,7 @@ async fn pull_on(
     Ok(Header {
         version,
         meta,
-        memfd,
+        body: memfd,
     })
 }
 

@@ -83,6 +83,11 @@ pub(crate) const INLINE_MAX: usize = 4 << 20;
 /// reads its region page by page through its mapping, and two copies with socket hand-offs
 /// cost more than a mapping the reader faults in).
 pub(crate) const PULL_INLINE_MAX: usize = 64 << 10;
+
+/// Largest pulled payload passed as the holder's memfd to copy out of
+/// ([`ShmPayload::MemfdCopy`](tb_proto::ShmPayload), to a read-write reader); larger ones
+/// pass the sealed memfd, which the reader maps.
+pub(crate) const PULL_COPY_MAX: usize = 16 << 20;
 /// Inline payloads up to this size are hashed on the runtime's thread (a few microseconds);
 /// larger ones on every core, with the runtime told first ([`verify::check_all`]).
 const HASH_IN_PLACE_MAX: usize = 64 << 10;
@@ -282,7 +287,7 @@ fn tensor_copied_from_memfd(
     verify: bool,
     what: &str,
 ) -> Result<Tensor> {
-    let len = inline_len(meta)?;
+    let len = copy_len(meta)?;
     if len == 0 {
         return Err(Error::Io(format!(
             "{what}: an empty payload sent as a memfd"
@@ -309,6 +314,19 @@ fn inline_len(meta: &TensorMeta) -> Result<usize> {
         Ok(len) if len <= INLINE_MAX => Ok(len),
         _ => Err(Error::Io(format!(
             "an inline payload of {} bytes (the limit is {INLINE_MAX})",
+            meta.byte_len
+        ))),
+    }
+}
+
+/// The length of a payload of `meta` passed to copy out of, refused unless it is within
+/// [`PULL_COPY_MAX`] (watches pass at most [`INLINE_MAX`]): checked before anything is
+/// allocated for it.
+fn copy_len(meta: &TensorMeta) -> Result<usize> {
+    match usize::try_from(meta.byte_len) {
+        Ok(len) if len <= PULL_COPY_MAX => Ok(len),
+        _ => Err(Error::Io(format!(
+            "a payload of {} bytes to copy out of a memfd (the limit is {PULL_COPY_MAX})",
             meta.byte_len
         ))),
     }

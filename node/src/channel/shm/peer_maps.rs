@@ -101,6 +101,24 @@ fn kernel_at_least(release: &str, min: (u32, u32)) -> bool {
 /// mapped (not sealed against shrinking, too large, an older kernel, or the mapping failed):
 /// the caller copies another way. A file shorter than the payload is an error.
 pub(crate) fn copy(src: &OwnedFd, offset: u64, fill: &mut RegionFill) -> Option<Result<()>> {
+    let len = fill.len();
+    read(src, offset, len, |bytes| fill.write_at(bytes, 0)).map(Result::flatten)
+}
+
+/// Copies the bytes at `offset` of a peer's memfd `src` into `dest` (all of it), as
+/// [`copy`] does.
+pub(crate) fn copy_to(src: &OwnedFd, offset: u64, dest: &mut [u8]) -> Option<Result<()>> {
+    read(src, offset, dest.len(), |bytes| dest.copy_from_slice(bytes))
+}
+
+/// Calls `f` with the `len` bytes at `offset` of a peer's memfd `src`, read through a kept
+/// mapping of it (see [`copy`]).
+fn read<R>(
+    src: &OwnedFd,
+    offset: u64,
+    len: usize,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Option<Result<R>> {
     if !inode_numbers_unique() {
         return None;
     }
@@ -110,7 +128,6 @@ pub(crate) fn copy(src: &OwnedFd, offset: u64, fill: &mut RegionFill) -> Option<
     }
     let stat = fs::fstat(src).ok()?;
     let size = usize::try_from(stat.st_size).ok()?;
-    let len = fill.len();
     let start = usize::try_from(offset).ok()?;
     let Some(end) = start.checked_add(len).filter(|end| *end <= size) else {
         return Some(Err(Error::Io(format!(
@@ -122,7 +139,7 @@ pub(crate) fn copy(src: &OwnedFd, offset: u64, fill: &mut RegionFill) -> Option<
     }
     let map = mapping(src, stat.st_dev, stat.st_ino, size)?;
     // The file cannot shrink below `size` (sealed), and `map` covers `size` bytes of it.
-    Some(fill.write_at(&map.bytes()[start..end], 0))
+    Some(Ok(f(&map.bytes()[start..end])))
 }
 
 /// The kept mapping of the file `(dev, ino)` of `size` bytes, made (and kept) now if there

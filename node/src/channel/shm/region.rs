@@ -822,7 +822,8 @@ pub(crate) async fn pread_parallel(fd: BorrowedFd<'_>, dest: &mut [u8], offset: 
     Ok(())
 }
 
-fn pread_all(fd: BorrowedFd<'_>, dest: &mut [u8], offset: u64) -> Result<()> {
+/// Reads `dest.len()` bytes at `offset` of `fd` (a file that ends before is an error).
+pub(crate) fn pread_all(fd: BorrowedFd<'_>, dest: &mut [u8], offset: u64) -> Result<()> {
     let mut done = 0;
     // Bounded: each round reads at least one byte or fails.
     while done < dest.len() {

@@ -1,18 +1,18 @@
 //! The serving side of the shm channel: accept same-host connections, admit the peers whose
 //! token and user check out, and answer their requests in order on each connection.
 
-use std::sync::Arc;
+use std::{os::fd::AsFd, sync::Arc};
 
 use iroh::EndpointId;
 use tb_dashboard::TransferKind;
 use tb_proto::{
-    Access, AuthProof, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmHello, ShmPayload,
-    TensorMeta, TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
+    Access, AuthProof, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmCopied, ShmHello,
+    ShmPayload, TensorMeta, TensorName, channel::MAX_SHM_HELLO_FRAME, frame::MAX_CONTROL_FRAME,
 };
 use tokio::net::UnixListener;
 use tracing::debug;
 
-use super::{PULL_INLINE_MAX, Shm, socket::ShmStream, socket::within};
+use super::{PULL_COPY_MAX, PULL_INLINE_MAX, Shm, socket::ShmStream, socket::within};
 use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
@@ -145,7 +145,7 @@ async fn serve_request(
             name,
             version,
             range: None,
-        } => serve_pull(ctx, conn, &peer, &name, version).await,
+        } => serve_pull(ctx, conn, &peer, access, &name, version).await,
         DataRequest::Pull { .. } => {
             let message = "ranges are pulled over QUIC".to_owned();
             let code = ErrorCode::InvalidTensor;
@@ -176,6 +176,7 @@ async fn serve_pull(
     ctx: &NodeCtx,
     conn: &mut ShmStream,
     peer: &EndpointId,
+    access: Access,
     name: &TensorName,
     version: Option<u64>,
 ) -> Result<()> {
@@ -214,6 +215,28 @@ async fn serve_pull(
         // Inline when small (a memfd costs more than the copy); larger ones pass the memfd.
         if data.len() <= PULL_INLINE_MAX {
             return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
+        }
+        // Up to 16 MiB, to a peer that proved read-write access, the memfd the version is in
+        // as it is (reopened read-only, not sealed: it goes back to this node's pool when the
+        // version is evicted), for the peer to copy out; the version is held until it says
+        // it did. Sealing it instead would make every version of that size land in fresh
+        // pages on both sides.
+        let copyable = (data.len() <= PULL_COPY_MAX && access == Access::ReadWrite)
+            .then(|| tensor.made_region())
+            .flatten()
+            .and_then(|region| region.read_only_fd().ok());
+        if let Some(fd) = copyable {
+            let memfd = ShmPayload::MemfdCopy { offset: 0 };
+            conn.write_frame_and(&memfd, &[], Some(fd.as_fd())).await?;
+            drop(fd);
+            let copied: ShmCopied = conn.read_frame(MAX_CONTROL_FRAME).await?;
+            if copied.version != version {
+                return Err(Error::Io(format!(
+                    "a same-host pull of \"{name}\" v{version}: the peer copied v{}",
+                    copied.version
+                )));
+            }
+            return Ok(());
         }
         let region = tensor.shm_region()?;
         let memfd = ShmPayload::Memfd { offset: 0 };

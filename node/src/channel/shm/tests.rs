@@ -135,7 +135,8 @@ async fn a_push_above_64_kib_goes_inline_into_a_pooled_memfd_and_a_lie_is_refuse
     let reader = node(ClusterKey::open()).await;
     let channels = &reader.metrics().channels;
 
-    // A pull of that size passes the holder's memfd (sealed), which the reader maps.
+    // A pull of that size passes the holder's memfd to copy out of (unsealed: the holder's
+    // pool recycles it), which the read-write reader does.
     let honest = Tensor::copy_from(DType::U8, vec![INLINE_LEN as u64], &bytes_of(INLINE_LEN, 5))
         .expect("tensor");
     holder
@@ -146,8 +147,12 @@ async fn a_push_above_64_kib_goes_inline_into_a_pooled_memfd_and_a_lie_is_refuse
         .expect("pull");
     assert_eq!(got.buffer.data(), honest.data());
     assert!(
-        honest.shm_region().expect("region").is_sealed(),
-        "the holder's memfd was passed"
+        in_own_memfd(&got.buffer),
+        "a copy in the reader's own memfd"
+    );
+    assert!(
+        !honest.shm_region().expect("region").is_sealed(),
+        "the holder's memfd was passed unsealed"
     );
     let mut dest = vec![0u8; INLINE_LEN];
     let into = reader.pull_into(holder.addr(), "inline/t", None, |_| Ok(&mut dest[..]));
@@ -438,5 +443,47 @@ async fn a_read_write_watcher_copies_a_version_out_of_the_publishers_memfd_which
     assert!(!lie.shm_region().expect("region").is_sealed());
     reader.shutdown().await;
     liar.shutdown().await;
+    holder.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_write_reader_copies_a_pull_out_of_the_holders_memfd_which_stays_unsealed() {
+    let holder = node(ClusterKey::open()).await;
+    // (the reader's key, whether it is passed the memfd to copy from)
+    for (key, copies) in [
+        (ClusterKey::open(), true),
+        (ClusterKey::open().read_only(), false),
+    ] {
+        let reader = node(key).await;
+        for version in 1..=3u8 {
+            let name = format!("pull/copied{}", u8::from(copies));
+            let tensor = Tensor::copy_from(
+                DType::U8,
+                vec![INLINE_LEN as u64],
+                &bytes_of(INLINE_LEN, version),
+            )
+            .expect("tensor");
+            holder
+                .publish_local(&name, tensor.clone())
+                .expect("publish");
+            let got = within("pull", reader.pull(holder.addr(), &name, None))
+                .await
+                .expect("pulled");
+            assert_eq!(got.buffer.data(), tensor.data());
+            let mut dest = vec![0u8; INLINE_LEN];
+            let into = reader.pull_into(holder.addr(), &name, None, |_| Ok(&mut dest[..]));
+            within("pull_into", into).await.expect("pulled into");
+            assert_eq!(&dest[..], tensor.data());
+            // A read-write reader copied the bytes into a memfd of its own and the holder's
+            // stayed unsealed (its pool recycles it); a read-only one mapped it, sealed.
+            assert!(in_own_memfd(&got.buffer));
+            let sealed = tensor.shm_region().expect("region").is_sealed();
+            assert_eq!(sealed, !copies, "v{version}, a copying reader: {copies}");
+        }
+        let channels = &reader.metrics().channels;
+        assert_eq!(channels.fallbacks(ChannelKind::Shm), 0);
+        assert_eq!(channels.transfers(ChannelKind::Shm), 6);
+        reader.shutdown().await;
+    }
     holder.shutdown().await;
 }
