@@ -9,7 +9,8 @@
 //! A large tensor to a peer on this host is not written on the stream at all: it is lent to
 //! that peer (`Node::lend`) and the skeleton names the loan (`Lent`); the reader pulls it
 //! over the pair's channel (`Node::pull_lent`), which on one host hands over the sender's
-//! sealed memfd: no copy on either side, and QUIC's throughput ceiling out of the way.
+//! memfd (up to 16 MiB unsealed, copied into a pooled buffer of the reader's; larger ones
+//! sealed, mapped without a copy): QUIC's throughput ceiling out of the way.
 
 use bytes::{Bytes, BytesMut};
 use iroh::{EndpointId, endpoint::RecvStream};

@@ -142,7 +142,9 @@ _patterns: dict[int, np.ndarray] = {}
 def pattern(size: int) -> np.ndarray:
     """A stream item: byte i is ``i mod 251`` (read-only, one array per size)."""
     if size not in _patterns:
-        arr = (np.arange(size, dtype=np.int64) % 251).astype(np.uint8)
+        # The cycle repeated (a 16 MiB int64 `arange % 251` took ~0.5 s here, which a
+        # stream's first item would wait for).
+        arr = np.resize(np.arange(251, dtype=np.uint8), size)
         arr.flags.writeable = False
         _patterns[size] = arr
     return _patterns[size]
@@ -218,6 +220,8 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
 def serve(argv: list[str]) -> int:
     """A server process: serves echo, add_one (and stream) until its stdin closes."""
     a = _worker_args(argv)
+    for size in STREAM_SIZES:  # made before any stream starts, not within its timing
+        pattern(size)
     run = {"tensor-broker": _serve_tb, "grpc": _serve_grpc, "zmq": _serve_zmq}[a.system]
     run(a)
     return 0

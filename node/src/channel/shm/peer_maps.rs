@@ -165,11 +165,10 @@ fn mapping(src: &OwnedFd, dev: u64, ino: u64, size: usize) -> Option<Arc<Mapping
     {
         let mut kept = kept();
         // Mapped meanwhile by another copy too: this one replaces it.
-        if let Some(at) = (kept.entries.iter()).position(|e| e.dev == dev && e.ino == ino) {
-            if let Some(old) = kept.entries.remove(at) {
-                kept.bytes -= old.map.len();
-                dropped.push(old);
-            }
+        let again = (kept.entries.iter()).position(|e| e.dev == dev && e.ino == ino);
+        if let Some(old) = again.and_then(|at| kept.entries.remove(at)) {
+            kept.bytes -= old.map.len();
+            dropped.push(old);
         }
         while kept.entries.len() >= MAX_ENTRIES || kept.bytes + size > MAX_BYTES {
             let Some(old) = kept.entries.pop_front() else {
