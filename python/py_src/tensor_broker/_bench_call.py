@@ -710,29 +710,32 @@ def _run_system(system: str, cluster: Any, p: dict[str, Any], children: list[_Pr
                  slow)
         case = {"system": system, "op": op, "size_bytes": size, "concurrency": conc,
                 "servers": n}
-        if "failed" in r:
-            out.append(_failed(case, r["failed"], progress))
-            continue
-        out.append({**case, **r})
-        progress(f"{op} {_bench_report.fmt_size(size)}, {conc} caller(s), {n} server(s): "
-                 f"{_n(r['calls_per_s'])} calls/s, p50 {_n(r['p50_us'])} µs, p99 "
-                 f"{_n(r['p99_us'])} µs ({r['calls']} calls)")
+        out.append(_record(case, r, progress, lambda: (
+            f"{op} {_bench_report.fmt_size(size)}, {conc} caller(s), {n} server(s): "
+            f"{_n(r['calls_per_s'])} calls/s, p50 {_n(r['p50_us'])} µs, p99 "
+            f"{_n(r['p99_us'])} µs ({r['calls']} calls)")))
     for size in STREAM_SIZES:
         items = p["stream_items"][size]
         r = _ask(call, {"cmd": "stream", "size": size, "items": items,
                         "streams": p["streams"]}, slow)
         case = {"system": system, "op": "stream", "size_bytes": size, "concurrency": 1,
                 "servers": 1}
-        if "failed" in r:
-            out.append(_failed(case, r["failed"], progress))
-            continue
-        out.append({**case, **r})
-        progress(f"stream of {_bench_report.fmt_size(size)} items: "
-                 f"{_n(r['items_per_s'])} items/s ({_n(r['mb_s'])} MB/s), gap p50 "
-                 f"{_n(r['p50_us'])} µs")
+        out.append(_record(case, r, progress, lambda: (
+            f"stream of {_bench_report.fmt_size(size)} items: "
+            f"{_n(r['items_per_s'])} items/s ({_n(r['mb_s'])} MB/s), gap p50 "
+            f"{_n(r['p50_us'])} µs")))
     for child in [call, *servers]:
         child.stop(check=True)
     return out
+
+
+def _record(case: dict[str, Any], r: dict[str, Any], progress: Callable[[str], None],
+            line: Callable[[], str]) -> dict[str, Any]:
+    """A case's entry of the report: its figures (and ``line()`` shown), or its failure."""
+    if "failed" in r:
+        return _failed(case, r["failed"], progress)
+    progress(line())
+    return {**case, **r}
 
 
 def _n(v: float) -> str:

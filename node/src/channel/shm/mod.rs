@@ -310,23 +310,22 @@ fn tensor_copied_from_memfd(
 /// checked before anything is allocated for it (`meta` comes from a peer, validated against
 /// the tensor size limit only).
 fn inline_len(meta: &TensorMeta) -> Result<usize> {
-    match usize::try_from(meta.byte_len) {
-        Ok(len) if len <= INLINE_MAX => Ok(len),
-        _ => Err(Error::Io(format!(
-            "an inline payload of {} bytes (the limit is {INLINE_MAX})",
-            meta.byte_len
-        ))),
-    }
+    len_within(meta, INLINE_MAX, "an inline payload")
 }
 
 /// The length of a payload of `meta` passed to copy out of, refused unless it is within
 /// [`PULL_COPY_MAX`] (watches pass at most [`INLINE_MAX`]): checked before anything is
 /// allocated for it.
 fn copy_len(meta: &TensorMeta) -> Result<usize> {
+    len_within(meta, PULL_COPY_MAX, "a payload to copy out of a memfd")
+}
+
+/// `meta`'s length, or an error naming `what` when it is above `max`.
+fn len_within(meta: &TensorMeta, max: usize, what: &str) -> Result<usize> {
     match usize::try_from(meta.byte_len) {
-        Ok(len) if len <= PULL_COPY_MAX => Ok(len),
+        Ok(len) if len <= max => Ok(len),
         _ => Err(Error::Io(format!(
-            "a payload of {} bytes to copy out of a memfd (the limit is {PULL_COPY_MAX})",
+            "{what} of {} bytes (the limit is {max})",
             meta.byte_len
         ))),
     }
