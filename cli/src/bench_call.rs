@@ -1,20 +1,23 @@
 //! `tb bench call`: remote calls (tb-call) per second and their latency, against 1 and 4
-//! server processes.
+//! server processes, beside the tools a Rust user would pick instead for the same calls:
+//! gRPC (tonic) and ZeroMQ (libzmq REQ/REP), measured in the same run (`bench_call_base`).
 //!
 //! Process layout: this process runs an embedded broker on 127.0.0.1 (as `tb bench
 //! broadcast` does) and the calling node; each server is a child process of this binary
 //! (`tb bench call-serve`) serving `echo` (returns its argument) and `add_one` (x + 1 on an
-//! f32 tensor), joined to the broker, printing `ready <node>` once both are advertised. Each
-//! server count is measured with a fresh calling node (no server list cached from before).
+//! f32 tensor), joined to the broker, printing `ready <node>` once both are advertised (a
+//! baseline's server prints `ready <address>` once it listens). Each server count is measured
+//! with a fresh calling node (no server list cached from before).
 //!
-//! A case is one op (`echo`, `add_one`), argument size and concurrency: `concurrency` tasks
-//! each call in a loop until the case's time is up (every task makes at least one call), and
-//! calls/s is all calls over the wall time until the last one returned. Warm-up calls first
-//! reach the servers and are checked value for value; measured results are checked too
-//! (`echo`: every byte; `add_one`: dtype, shape and its first and last element), outside the
-//! timed part.
+//! A case is one system, op (`echo`, `add_one`), argument size and concurrency: `concurrency`
+//! callers each call in a loop until the case's time is up (every caller makes at least one
+//! call), and calls/s is all calls over the wall time until the last one returned. Warm-up
+//! calls first reach the servers and are checked value for value; measured results are
+//! checked too (`echo`: every byte; `add_one`: dtype, shape and its first and last element),
+//! outside the timed part.
 
 use std::{
+    future::Future,
     process::Stdio,
     sync::Arc,
     time::{Duration, Instant},
@@ -34,52 +37,64 @@ use tokio::{
     process::{Child, Command},
 };
 
-use crate::fmt;
+use crate::{bench_call_base as base, fmt};
 
-/// What is measured, each by a calling node of its own against the same servers: the label
-/// and the channels the caller offers (the pair's channel: shm between processes on this
-/// host, which carries large arguments and results as loans; or QUIC links only).
-const SYSTEMS: [(&str, &[ChannelKind]); 2] = [
+/// The tensor-broker systems, each measured by a calling node of its own against the same
+/// servers: the label and the channels the caller offers (the pair's channel: shm between
+/// processes on this host, which carries large arguments and results as loans; or QUIC links
+/// only).
+const TB_SYSTEMS: [(&str, &[ChannelKind]); 2] = [
     ("tensor-broker", &ChannelKind::DEFAULT),
     ("tensor-broker-quic", &[ChannelKind::Quic]),
 ];
+/// Every system, in table order: tensor-broker's, then the baselines.
+const SYSTEMS: [&str; 4] = ["tensor-broker", "tensor-broker-quic", base::GRPC, base::ZMQ];
 /// The ops, in table order.
-const OPS: [&str; 2] = ["echo", "add_one"];
+pub(crate) const OPS: [&str; 2] = ["echo", "add_one"];
 /// How long a server process may take to start and advertise.
 const START_LIMIT: Duration = Duration::from_secs(60);
 /// Longest one call may take before the case fails.
-const CALL_LIMIT: Duration = Duration::from_secs(120);
+pub(crate) const CALL_LIMIT: Duration = Duration::from_secs(120);
 /// Arguments at least this big are computed on a blocking thread by the server.
-const BLOCKING_MIN: usize = 1 << 20;
+pub(crate) const BLOCKING_MIN: usize = 1 << 20;
 /// Warm-up calls per server (checked value for value).
-const WARMUP_PER_SERVER: usize = 3;
+pub(crate) const WARMUP_PER_SERVER: usize = 3;
 
 /// Options for `tb bench call`.
 #[derive(Debug, Args)]
 pub struct CallBenchArgs {
     /// Server process counts, measured in turn (ascending).
     #[arg(long, default_value = "1,4", value_delimiter = ',')]
-    servers: Vec<usize>,
+    pub(crate) servers: Vec<usize>,
     /// Argument sizes (f32 tensors: multiples of 4 bytes).
     #[arg(long, default_value = "4KiB,16MiB", value_delimiter = ',', value_parser = parse_size)]
-    sizes: Vec<u64>,
+    pub(crate) sizes: Vec<u64>,
     /// Calls in flight at once.
     #[arg(long, default_value = "1,64", value_delimiter = ',')]
-    concurrency: Vec<usize>,
+    pub(crate) concurrency: Vec<usize>,
     /// Seconds each case keeps starting calls (after its warm-up).
     #[arg(long, default_value_t = 0.5)]
-    seconds: f64,
+    pub(crate) seconds: f64,
+    /// Systems to measure: tensor-broker (the default channels: shm on this host),
+    /// tensor-broker-quic (QUIC links only), grpc (tonic) and zmq (libzmq REQ/REP).
+    #[arg(long, default_value = "tensor-broker,tensor-broker-quic,grpc,zmq",
+          value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SYSTEMS))]
+    pub(crate) systems: Vec<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 /// Options of the internal server process.
 #[derive(Debug, Args)]
 pub struct CallServeArgs {
-    /// The broker to join.
+    /// What it serves with: tensor-broker (a node joined to `--join`), grpc or zmq.
+    #[arg(long, default_value = "tensor-broker",
+          value_parser = clap::builder::PossibleValuesParser::new(["tensor-broker", base::GRPC, base::ZMQ]))]
+    system: String,
+    /// The broker to join (tensor-broker).
     #[arg(long)]
-    join: Ticket,
+    join: Option<Ticket>,
     /// Calls each function runs at once (as many more may wait).
     #[arg(long, default_value_t = 64)]
     concurrency: u32,
@@ -99,15 +114,36 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 /// One measured case, as `--json` prints it.
 #[derive(Debug, Clone, Serialize)]
-struct Case {
-    system: &'static str,
-    op: &'static str,
-    size_bytes: u64,
-    concurrency: usize,
-    servers: usize,
-    calls_per_s: f64,
-    p50_us: f64,
-    p99_us: f64,
+pub(crate) struct Case {
+    pub system: &'static str,
+    pub op: &'static str,
+    pub size_bytes: u64,
+    pub concurrency: usize,
+    pub servers: usize,
+    pub calls_per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+impl Case {
+    /// The case of `system` from its calls' latencies (µs) over `elapsed` seconds.
+    pub(crate) fn of(
+        system: &'static str,
+        (op, size, concurrency, servers): (&'static str, u64, usize, usize),
+        mut latencies_us: Vec<f64>,
+        elapsed: f64,
+    ) -> Case {
+        Case {
+            system,
+            op,
+            size_bytes: size,
+            concurrency,
+            servers,
+            calls_per_s: latencies_us.len() as f64 / elapsed,
+            p50_us: fmt::median(&mut latencies_us),
+            p99_us: fmt::percentile(&mut latencies_us, 0.99),
+        }
+    }
 }
 
 /// What `--json` prints.
@@ -145,25 +181,60 @@ pub async fn bench(args: CallBenchArgs) -> Result<()> {
         brokers: vec![broker.addr().clone()],
     };
     let exe = std::env::current_exe().context("locating the tb binary")?;
-    let mut servers: Vec<Child> = Vec::new();
+    let mut children: Vec<Child> = Vec::new();
     let result = async {
         let mut cases = Vec::new();
+        // The ready lines of each kind of server started so far (node ids, addresses).
+        let mut started: Vec<(&str, Vec<String>)> = Vec::new();
         for &n in &counts {
-            while servers.len() < n {
-                let server = start_server(&exe, &ticket, max_concurrency, !args.json).await?;
-                servers.push(server);
-            }
             if !args.json {
                 eprintln!("measuring with {n} server(s) ...");
             }
-            for system in SYSTEMS {
-                cases.extend(measure(&ticket, n, &args, system).await?);
+            for system in SYSTEMS
+                .into_iter()
+                .filter(|s| args.systems.iter().any(|a| a == s))
+            {
+                let serves = match system {
+                    base::GRPC | base::ZMQ => system,
+                    _ => "tensor-broker",
+                };
+                let at = match started.iter().position(|(kind, _)| *kind == serves) {
+                    Some(at) => at,
+                    None => {
+                        started.push((serves, Vec::new()));
+                        started.len() - 1
+                    }
+                };
+                let ready = &mut started[at].1;
+                while ready.len() < n {
+                    let mut serve = vec!["--system".to_string(), serves.to_string()];
+                    serve.extend(["--concurrency".to_string(), max_concurrency.to_string()]);
+                    if serves == "tensor-broker" {
+                        serve.extend(["--join".to_string(), ticket.to_string()]);
+                    }
+                    let (child, line) = start_server(&exe, &serve, !args.json).await?;
+                    children.push(child);
+                    ready.push(line);
+                }
+                let servers = &ready[..n];
+                cases.extend(match system {
+                    base::GRPC => base::measure_grpc(servers, &args).await?,
+                    base::ZMQ => base::measure_zmq(servers, &args).await?,
+                    _ => {
+                        let channels = TB_SYSTEMS
+                            .into_iter()
+                            .find(|(name, _)| *name == system)
+                            .map(|(_, channels)| channels)
+                            .context("a tensor-broker system")?;
+                        measure(&ticket, n, &args, (system, channels)).await?
+                    }
+                });
             }
         }
         anyhow::Ok(cases)
     }
     .await;
-    for mut server in servers {
+    for mut server in children {
         // Stdin closed: the server shuts down by itself; killed if it takes too long.
         drop(server.stdin.take());
         if tokio::time::timeout(Duration::from_secs(5), server.wait())
@@ -183,16 +254,16 @@ pub async fn bench(args: CallBenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Starts one server process and waits for its ready line.
+/// Starts one server process (`tb bench call-serve` with `serve` after it) and waits for its
+/// ready line; returns the process and what its line says after `ready `.
 async fn start_server(
     exe: &std::path::Path,
-    ticket: &Ticket,
-    concurrency: usize,
+    serve: &[String],
     show_errors: bool,
-) -> Result<Child> {
+) -> Result<(Child, String)> {
     let mut child = Command::new(exe)
-        .args(["bench", "call-serve", "--join", &ticket.to_string()])
-        .args(["--concurrency", &concurrency.to_string()])
+        .args(["bench", "call-serve"])
+        .args(serve)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(if show_errors {
@@ -209,11 +280,69 @@ async fn start_server(
     tokio::time::timeout(START_LIMIT, reader.read_line(&mut line))
         .await
         .with_context(|| format!("a server process did not start within {START_LIMIT:?}"))??;
-    ensure!(
-        line.starts_with("ready "),
-        "a server process printed {line:?} instead of its ready line"
-    );
-    Ok(child)
+    let ready = line
+        .trim_end()
+        .strip_prefix("ready ")
+        .with_context(|| format!("a server process printed {line:?} instead of its ready line"))?;
+    Ok((child, ready.to_string()))
+}
+
+/// The cases `args` asks for, in table order: (op, argument size, concurrency).
+pub(crate) fn cases(args: &CallBenchArgs) -> impl Iterator<Item = (&'static str, u64, usize)> + '_ {
+    OPS.into_iter().flat_map(move |op| {
+        args.sizes
+            .iter()
+            .flat_map(move |&size| args.concurrency.iter().map(move |&c| (op, size, c)))
+    })
+}
+
+/// Prints a measured case's rate when the table (not JSON) is asked for.
+pub(crate) fn progress(args: &CallBenchArgs, case: &Case) {
+    if !args.json {
+        eprintln!(
+            "  {} {} {} x{}: {:.0} calls/s",
+            case.system,
+            case.op,
+            fmt::bytes(case.size_bytes),
+            case.concurrency,
+            case.calls_per_s
+        );
+    }
+}
+
+/// Runs `concurrency` callers, each calling `call(its index)` in a loop (the future measures
+/// and checks one call and returns its latency in µs) until `seconds` are up, every caller
+/// at least once; returns every latency and the wall time in seconds until the last call
+/// returned.
+pub(crate) async fn timed<F, Fut>(
+    concurrency: usize,
+    seconds: f64,
+    call: F,
+) -> Result<(Vec<f64>, f64)>
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<f64>> + Send,
+{
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(seconds);
+    let mut tasks = tokio::task::JoinSet::new();
+    for caller in 0..concurrency {
+        let call = call.clone();
+        tasks.spawn(async move {
+            let mut latencies_us = Vec::new();
+            loop {
+                latencies_us.push(call(caller).await?);
+                if Instant::now() >= deadline {
+                    return anyhow::Ok(latencies_us);
+                }
+            }
+        });
+    }
+    let mut latencies = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        latencies.extend(joined.context("a calling task")??);
+    }
+    Ok((latencies, start.elapsed().as_secs_f64()))
 }
 
 /// Every case against `servers` servers, from a fresh calling node.
@@ -236,25 +365,17 @@ async fn measure(
         let calls = Calls::attach(&node)?;
         wait_for_servers(&node, servers).await?;
         let mut cases = Vec::new();
-        for op in OPS {
-            for &size in &args.sizes {
-                for &concurrency in &args.concurrency {
-                    let case =
-                        run_case(&calls, system, op, size, concurrency, servers, args.seconds)
-                            .await
-                            .with_context(|| {
-                                format!("{op} of {size} bytes at concurrency {concurrency}")
-                            })?;
-                    if !args.json {
-                        eprintln!(
-                            "  {op} {} x{concurrency}: {:.0} calls/s",
-                            fmt::bytes(size),
-                            case.calls_per_s
-                        );
-                    }
-                    cases.push(case);
-                }
-            }
+        for (op, size, concurrency) in self::cases(args) {
+            let case = run_case(
+                &calls,
+                system,
+                (op, size, concurrency, servers),
+                args.seconds,
+            )
+            .await
+            .with_context(|| format!("{system}: {op} of {size} bytes x{concurrency}"))?;
+            progress(args, &case);
+            cases.push(case);
         }
         anyhow::Ok(cases)
     }
@@ -283,7 +404,7 @@ async fn wait_for_servers(node: &Node, n: usize) -> Result<()> {
 }
 
 /// The argument of a case: `size / 4` f32 values `i % 251`.
-fn argument(size: u64) -> Result<HostTensor> {
+pub(crate) fn argument(size: u64) -> Result<HostTensor> {
     let n = usize::try_from(size / 4)?;
     let data: Vec<u8> = (0..n)
         .flat_map(|i| ((i % 251) as f32).to_le_bytes())
@@ -303,11 +424,22 @@ fn check(op: &str, arg: &HostTensor, result: &Value, full: bool) -> Result<()> {
         got.dtype.name(),
         got.shape
     );
+    check_bytes(op, &arg.data, &got.data, full)
+}
+
+/// [`check`] on the f32 tensors' bytes alone (what the baselines carry).
+pub(crate) fn check_bytes(op: &str, arg: &[u8], got: &[u8], full: bool) -> Result<()> {
+    ensure!(
+        got.len() == arg.len(),
+        "{op} returned {} bytes for {}",
+        got.len(),
+        arg.len()
+    );
     if op == "echo" {
-        ensure!(got.data == arg.data, "echo returned other bytes");
+        ensure!(got == arg, "echo returned other bytes");
         return Ok(());
     }
-    let n = arg.data.len() / 4;
+    let n = arg.len() / 4;
     let value = |d: &[u8], i: usize| {
         f32::from_le_bytes([d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]])
     };
@@ -316,7 +448,7 @@ fn check(op: &str, arg: &HostTensor, result: &Value, full: bool) -> Result<()> {
     } else {
         Box::new([0, n.saturating_sub(1)].into_iter().filter(move |&i| i < n))
     };
-    if let Some(i) = indices.find(|&i| value(&got.data, i) != value(&arg.data, i) + 1.0) {
+    if let Some(i) = indices.find(|&i| value(got, i) != value(arg, i) + 1.0) {
         bail!("add_one returned a wrong element {i}");
     }
     Ok(())
@@ -325,10 +457,7 @@ fn check(op: &str, arg: &HostTensor, result: &Value, full: bool) -> Result<()> {
 async fn run_case(
     calls: &Calls,
     system: &'static str,
-    op: &'static str,
-    size: u64,
-    concurrency: usize,
-    servers: usize,
+    (op, size, concurrency, servers): (&'static str, u64, usize, usize),
     seconds: f64,
 ) -> Result<Case> {
     let arg = argument(size)?;
@@ -341,41 +470,21 @@ async fn run_case(
         let result = calls.call(op, &value, &options).await?;
         check(op, &arg, &result, true)?;
     }
-    let (arg, value) = (Arc::new(arg), Arc::new(value));
-    let start = Instant::now();
-    let deadline = start + Duration::from_secs_f64(seconds);
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..concurrency {
-        let (calls, arg, value, options) =
-            (calls.clone(), arg.clone(), value.clone(), options.clone());
-        tasks.spawn(async move {
-            let mut latencies_us = Vec::new();
-            loop {
-                let t0 = Instant::now();
-                let result = calls.call(op, &value, &options).await?;
-                latencies_us.push(t0.elapsed().as_secs_f64() * 1e6);
-                check(op, &arg, &result, false)?;
-                if Instant::now() >= deadline {
-                    return anyhow::Ok(latencies_us);
-                }
-            }
-        });
-    }
-    let mut latencies = Vec::new();
-    while let Some(joined) = tasks.join_next().await {
-        latencies.extend(joined.context("a calling task")??);
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    Ok(Case {
-        system,
-        op,
-        size_bytes: size,
-        concurrency,
-        servers,
-        calls_per_s: latencies.len() as f64 / elapsed,
-        p50_us: fmt::median(&mut latencies),
-        p99_us: fmt::percentile(&mut latencies, 0.99),
+    let shared = Arc::new((calls.clone(), arg, value, options));
+    let (latencies, elapsed) = timed(concurrency, seconds, move |_| {
+        let shared = shared.clone();
+        async move {
+            let (calls, arg, value, options) = &*shared;
+            let t0 = Instant::now();
+            let result = calls.call(op, value, options).await?;
+            let latency = t0.elapsed().as_secs_f64() * 1e6;
+            check(op, arg, &result, false)?;
+            Ok(latency)
+        }
     })
+    .await?;
+    let case = (op, size, concurrency, servers);
+    Ok(Case::of(system, case, latencies, elapsed))
 }
 
 fn print_table(cases: &[Case]) {
@@ -396,20 +505,81 @@ fn print_table(cases: &[Case]) {
             c.p99_us
         );
     }
+    print_ratios(cases);
+}
+
+/// tensor-broker's calls/s over each baseline's in the same case, where both were measured.
+fn print_ratios(cases: &[Case]) {
+    let baselines: Vec<&str> = [base::GRPC, base::ZMQ]
+        .into_iter()
+        .filter(|b| cases.iter().any(|c| c.system == *b))
+        .collect();
+    let ours = cases.iter().filter(|c| !baselines.contains(&c.system));
+    let rows: Vec<(&Case, Vec<Option<f64>>)> = ours
+        .map(|c| {
+            let ratios = baselines.iter().map(|b| {
+                cases
+                    .iter()
+                    .find(|o| {
+                        o.system == *b
+                            && (o.op, o.size_bytes, o.concurrency, o.servers)
+                                == (c.op, c.size_bytes, c.concurrency, c.servers)
+                    })
+                    .map(|o| c.calls_per_s / o.calls_per_s)
+            });
+            (c, ratios.collect())
+        })
+        .collect();
+    if baselines.is_empty() || rows.is_empty() {
+        return;
+    }
+    println!("\ncalls/s over the baseline's in the same case (> 1: tensor-broker is faster):");
+    let head: Vec<String> = baselines.iter().map(|b| format!("x {b}")).collect();
+    println!(
+        "{:<20} {:>8} {:>9} {:>5} {:>8} {}",
+        "system",
+        "op",
+        "size",
+        "conc",
+        "servers",
+        head.iter().map(|h| format!("{h:>9}")).collect::<String>()
+    );
+    for (c, ratios) in rows {
+        let cells: String = ratios
+            .iter()
+            .map(|r| match r {
+                Some(r) => format!("{r:>9.2}"),
+                None => format!("{:>9}", "-"),
+            })
+            .collect();
+        println!(
+            "{:<20} {:>8} {:>9} {:>5} {:>8} {cells}",
+            c.system,
+            c.op,
+            fmt::bytes(c.size_bytes),
+            c.concurrency,
+            c.servers
+        );
+    }
 }
 
 /// The server process: serves `echo` and `add_one` on a node joined to the broker, prints
 /// `ready <node>`, and serves until its stdin closes (the orchestrator ended or went away).
 pub async fn serve(args: CallServeArgs) -> Result<()> {
+    let join = match args.system.as_str() {
+        base::GRPC => return base::serve_grpc().await,
+        base::ZMQ => return base::serve_zmq().await,
+        _ => args
+            .join
+            .clone()
+            .context("a tensor-broker server needs --join")?,
+    };
     let cluster_key = match &args.cluster_secret_file {
-        Some(file) => {
-            let join = Some(args.join.clone());
-            tb_node::discover::resolve(join, Some(file), None)?.1
-        }
+        Some(file) => tb_node::discover::resolve(Some(join.clone()), Some(file), None)?.1,
         None => Config::default().cluster_key,
     };
     let node = Node::spawn(Config {
-        brokers: args.join.brokers.clone(),
+        brokers: join.brokers.clone(),
         cluster_key,
         auto_fetch: false,
         heartbeat_interval: Duration::from_millis(500),
@@ -460,14 +630,16 @@ fn add_one(args: Value, _cx: CallContext) -> Output {
 }
 
 fn plus_one(t: &HostTensor) -> Result<Value, RemoteFailure> {
-    let data: Vec<u8> = t
-        .data
-        .chunks_exact(4)
-        .flat_map(|c| (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + 1.0).to_le_bytes())
-        .collect();
-    let out = HostTensor::new(t.dtype, t.shape.clone(), data)
+    let out = HostTensor::new(t.dtype, t.shape.clone(), plus_one_bytes(&t.data))
         .map_err(|e| RemoteFailure::new(FailureKind::Raised, "ValueError", e.to_string(), ""))?;
     Ok(Value::Tensor(out))
+}
+
+/// x + 1 of each f32 in `data` (little-endian; a trailing part of an element is dropped).
+pub(crate) fn plus_one_bytes(data: &[u8]) -> Vec<u8> {
+    data.chunks_exact(4)
+        .flat_map(|c| (f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + 1.0).to_le_bytes())
+        .collect()
 }
 
 fn bad_argument(args: &Value) -> RemoteFailure {

@@ -17,6 +17,7 @@
 
 mod bench;
 mod bench_call;
+mod bench_call_base;
 mod bench_client;
 mod bench_cluster;
 mod bench_recv;

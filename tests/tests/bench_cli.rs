@@ -110,10 +110,11 @@ fn bench_call_prints_the_promised_json() {
     ]);
     assert_eq!(v.as_object().map(|o| o.len()), Some(1), "{v}");
     let cases = v["cases"].as_array().expect("cases");
-    // Two systems (the default channels, and QUIC only) x servers x ops x sizes x concurrency.
-    assert_eq!(cases.len(), 2 * 2 * 2 * 2 * 2, "{v}");
+    // Four systems (the default channels, QUIC only, and the gRPC and ZeroMQ baselines) x
+    // servers x ops x sizes x concurrency.
+    assert_eq!(cases.len(), 4 * 2 * 2 * 2 * 2, "{v}");
     let each = [1, 2].into_iter().flat_map(|servers| {
-        ["tensor-broker", "tensor-broker-quic"]
+        ["tensor-broker", "tensor-broker-quic", "grpc", "zmq"]
             .into_iter()
             .map(move |system| (servers, system))
     });
@@ -275,6 +276,7 @@ fn bench_refuses_bad_sizes_and_rates() {
         &["broadcast", "--chain-min-size", "lots"],
         &["p2p", "--channels", "udp"],
         &["call", "--sizes", "6"],
+        &["call", "--systems", "redis"],
     ] {
         let out = Command::new(bin("tb"))
             .arg("bench")
