@@ -171,11 +171,28 @@ impl Directory {
     }
 }
 
+/// A number below `n` (0 when `n` is 0), from a per-thread xorshift generator seeded once
+/// from the OS (a choice of servers needs no secret randomness, and a system call per pick
+/// showed as two per call).
 fn random_below(n: usize) -> usize {
-    let mut bytes = [0u8; 8];
-    // Falls back to the first server should the OS refuse randomness.
-    let _ = getrandom::fill(&mut bytes);
-    (u64::from_le_bytes(bytes) % n.max(1) as u64) as usize
+    use std::cell::Cell;
+    thread_local! {
+        static STATE: Cell<u64> = Cell::new({
+            let mut bytes = [0u8; 8];
+            // Should the OS refuse randomness, a fixed odd seed still spreads the picks.
+            let _ = getrandom::fill(&mut bytes);
+            u64::from_le_bytes(bytes) | 1
+        });
+    }
+    let next = STATE.with(|state| {
+        let mut x = state.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        state.set(x);
+        x
+    });
+    (next % n.max(1) as u64) as usize
 }
 
 /// The less loaded of two random servers not in `tried`, free ones first, suspects last.
@@ -222,6 +239,15 @@ pub(crate) struct Started {
     /// The arguments lent to the server (it pulls them before the handler runs): held until
     /// the call ends.
     pub(crate) _loans: Vec<tb_node::Lent>,
+}
+
+/// Reads the end of a finished call's stream when it has already arrived (it comes with the
+/// server's `Done`). A stream dropped unread to its end is stopped, which costs a packet to
+/// the server, and a wake-up of its process, per call.
+pub(crate) fn read_end(started: &mut Started) {
+    use futures_util::FutureExt;
+    let mut byte = [0u8; 1];
+    let _ = started.stream.recv.read(&mut byte).now_or_never();
 }
 
 /// What a server said of the function when it accepted a call.
@@ -320,9 +346,13 @@ impl Caller {
         // A server answers at once (before reading arguments or queueing): one that says
         // nothing within the liveness timeout is lost, and the call never started there.
         let answer_within = Duration::from_millis(LIVENESS_TIMEOUT_MS);
+        // A unary call with inline arguments sends nothing after them (the server watches
+        // for the caller stopping its side, not for more frames): the stream's end rides in
+        // the request's last packet.
+        let sent_all = head.inline() && !head.stream;
         let opened = self
             .node
-            .open_request(server, &request, preamble, answer_within);
+            .open_request(server, &request, preamble, sent_all, answer_within);
         let mut stream = match opened.await {
             Ok(stream) => stream,
             Err(tb_node::Error::Shutdown) => return Err(tb_node::Error::Shutdown.into()),
@@ -359,7 +389,7 @@ impl Caller {
                 .map_err(|e| lost(e, true))?;
         }
         self.metrics.bytes("out", sent_bytes);
-        if !head.stream {
+        if !head.stream && !sent_all {
             let _ = stream.send.finish();
         }
         Ok((stream, declared, loans))
@@ -639,5 +669,24 @@ fn server_lost(
         server: server.id.fmt_short().to_string(),
         maybe_ran,
         reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_picks_stay_below_their_bound_and_reach_every_value() {
+        assert_eq!(random_below(0), 0);
+        assert_eq!(random_below(1), 0);
+        let mut seen = [0u32; 4];
+        for _ in 0..1_000 {
+            let i = random_below(4);
+            assert!(i < 4);
+            seen[i] += 1;
+        }
+        // Each value's chance of never showing in 1,000 draws is (3/4)^1000.
+        assert!(seen.iter().all(|&n| n > 0), "{seen:?}");
     }
 }

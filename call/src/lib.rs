@@ -246,6 +246,7 @@ impl Calls {
                         })?;
                 // `Done` (or a late failure) follows the one result.
                 caller.next_item(function, &mut started).await?;
+                caller::read_end(&mut started);
                 Ok(value)
             }
             .await;

@@ -451,14 +451,15 @@ pub struct RequestStream {
     pub link: LinkGuard,
 }
 
-/// Opens a stream on a link from `links`, writes `request` then `preamble`, and reads the
-/// first answer within `timeout`; redials once when the peer closed the link gracefully
-/// before answering.
+/// Opens a stream on a link from `links`, writes `request` then `preamble` (then finishes
+/// the send side when `finish`), and reads the first answer within `timeout`; redials once
+/// when the peer closed the link gracefully before answering.
 pub(crate) async fn open_request<L, LF>(
     ctx: &NodeCtx,
     links: L,
     request: &DataRequest,
     preamble: &[&[u8]],
+    finish: bool,
     timeout: std::time::Duration,
 ) -> Result<RequestStream>
 where
@@ -480,6 +481,11 @@ where
                         unwritten = Some(Error::Io(format!("{what}: writing: {e}")));
                         break;
                     }
+                }
+                // The end of the stream goes out in the request's last packet, not in one of
+                // its own (which the peer would acknowledge in one more).
+                if finish && unwritten.is_none() {
+                    let _ = send.finish();
                 }
                 let read = tokio::time::timeout(timeout, wire::read_frame(&mut recv));
                 let answer = match read.await {

@@ -560,7 +560,9 @@ impl Node {
 
     /// Opens a stream to the peer at `addr` on its pooled link (dialing it on first
     /// contact), writes `request` and then `preamble` (what its service reads right after
-    /// the request, such as a call's inline arguments), and reads the first answer frame
+    /// the request, such as a call's inline arguments), finishes the send side when `finish`
+    /// (the request is all this side sends: the end of the stream rides in its last packet
+    /// instead of one of its own), and reads the first answer frame
     /// within `timeout` (a service that answers at once can be held to less than the node's
     /// request timeout, so a peer killed under the link is noticed sooner). Redials once when the peer closed the link gracefully
     /// before answering (it never served the request). The extension point's client half: a
@@ -571,11 +573,12 @@ impl Node {
         addr: &PeerAddr,
         request: &tb_proto::DataRequest,
         preamble: &[&[u8]],
+        finish: bool,
         timeout: Duration,
     ) -> Result<crate::RequestStream> {
         let links = || self.link(addr);
         let ctx = &self.inner.ctx;
-        let open = client::open_request(ctx, links, request, preamble, timeout);
+        let open = client::open_request(ctx, links, request, preamble, finish, timeout);
         self.guarded(open).await
     }
 

@@ -225,7 +225,7 @@ async fn serve_pull(
             .then(|| tensor.made_region())
             .flatten()
             .and_then(|region| region.read_only_fd().ok())
-            .and_then(|fd| Copying::admit(data.len()).map(|held| (fd, held)));
+            .and_then(|fd| COPYING.admit(data.len()).map(|held| (fd, held)));
         if let Some((fd, _held)) = copyable {
             let memfd = ShmPayload::MemfdCopy { offset: 0 };
             conn.write_frame_and(&memfd, &[], Some(fd.as_fd())).await?;
@@ -266,27 +266,44 @@ async fn serve_pull(
 const COPYING_MAX: usize = 64 << 20;
 
 /// The bytes of pulls being copied out of this process's memfds now (see [`COPYING_MAX`]).
-static COPYING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static COPYING: CopyBudget = CopyBudget::new(COPYING_MAX);
 
-/// A pull's share of [`COPYING`], given back on drop.
-struct Copying(usize);
+/// Bytes of pulls in flight, up to a most.
+struct CopyBudget {
+    held: std::sync::atomic::AtomicUsize,
+    max: usize,
+}
 
-impl Copying {
-    /// Takes `len` bytes of the budget, or `None` when it would go over [`COPYING_MAX`].
-    fn admit(len: usize) -> Option<Copying> {
+/// A pull's share of a [`CopyBudget`], given back on drop.
+struct Copying<'a> {
+    budget: &'a CopyBudget,
+    len: usize,
+}
+
+impl CopyBudget {
+    const fn new(max: usize) -> CopyBudget {
+        CopyBudget {
+            held: std::sync::atomic::AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    /// Takes `len` bytes of the budget, or `None` when it would go over its most.
+    fn admit(&self, len: usize) -> Option<Copying<'_>> {
         use std::sync::atomic::Ordering;
-        COPYING
+        self.held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(len).filter(|total| *total <= COPYING_MAX)
+                held.checked_add(len).filter(|total| *total <= self.max)
             })
             .ok()
-            .map(|_| Copying(len))
+            .map(|_| Copying { budget: self, len })
     }
 }
 
-impl Drop for Copying {
+impl Drop for Copying<'_> {
     fn drop(&mut self) {
-        COPYING.fetch_sub(self.0, std::sync::atomic::Ordering::AcqRel);
+        let held = &self.budget.held;
+        held.fetch_sub(self.len, std::sync::atomic::Ordering::AcqRel);
     }
 }
 
@@ -375,5 +392,34 @@ async fn receive(conn: &mut ShmStream, meta: &TensorMeta) -> Result<Tensor> {
         other => Err(Error::Io(format!(
             "a same-host push of {len} bytes sent as {other:?}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_copy_budget_admits_pulls_up_to_its_most_and_takes_back_what_ends() {
+        const MIB: usize = 1 << 20;
+        let budget = CopyBudget::new(64 * MIB);
+        let mut held: Vec<Copying<'_>> = (0..4)
+            .map(|_| budget.admit(16 * MIB).expect("within the budget"))
+            .collect();
+        assert!(
+            budget.admit(1).is_none(),
+            "a full budget refuses a byte more"
+        );
+        assert!(budget.admit(usize::MAX).is_none(), "no overflow");
+        held.pop();
+        assert!(budget.admit(16 * MIB + 1).is_none());
+        let again = budget
+            .admit(16 * MIB)
+            .expect("an ended pull's bytes come back");
+        drop((held, again));
+        let none = std::sync::atomic::Ordering::Acquire;
+        assert_eq!(budget.held.load(none), 0, "every share given back");
+        assert!(budget.admit(64 * MIB).is_some());
+        assert!(budget.admit(64 * MIB + 1).is_none());
     }
 }
