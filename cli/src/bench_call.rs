@@ -287,27 +287,40 @@ async fn start_server(
     Ok((child, ready.to_string()))
 }
 
-/// The cases `args` asks for, in table order: (op, argument size, concurrency).
-pub(crate) fn cases(args: &CallBenchArgs) -> impl Iterator<Item = (&'static str, u64, usize)> + '_ {
-    OPS.into_iter().flat_map(move |op| {
-        args.sizes
-            .iter()
-            .flat_map(move |&size| args.concurrency.iter().map(move |&c| (op, size, c)))
-    })
-}
-
-/// Prints a measured case's rate when the table (not JSON) is asked for.
-pub(crate) fn progress(args: &CallBenchArgs, case: &Case) {
-    if !args.json {
-        eprintln!(
-            "  {} {} {} x{}: {:.0} calls/s",
-            case.system,
-            case.op,
-            fmt::bytes(case.size_bytes),
-            case.concurrency,
-            case.calls_per_s
-        );
+/// Measures every case `args` asks for (ops, sizes, concurrency, in table order) of `system`
+/// against `servers` servers: `run(op, size, concurrency)` gives one case's latencies (µs)
+/// and wall time (s). Prints each case's rate when the table (not JSON) is asked for.
+pub(crate) async fn each_case<F, Fut>(
+    args: &CallBenchArgs,
+    system: &'static str,
+    servers: usize,
+    mut run: F,
+) -> Result<Vec<Case>>
+where
+    F: FnMut(&'static str, u64, usize) -> Fut,
+    Fut: Future<Output = Result<(Vec<f64>, f64)>>,
+{
+    let mut out = Vec::new();
+    for op in OPS {
+        for &size in &args.sizes {
+            for &concurrency in &args.concurrency {
+                let (latencies, elapsed) = run(op, size, concurrency)
+                    .await
+                    .with_context(|| format!("{system}: {op} of {size} bytes x{concurrency}"))?;
+                let key = (op, size, concurrency, servers);
+                let case = Case::of(system, key, latencies, elapsed);
+                if !args.json {
+                    eprintln!(
+                        "  {system} {op} {} x{concurrency}: {:.0} calls/s",
+                        fmt::bytes(size),
+                        case.calls_per_s
+                    );
+                }
+                out.push(case);
+            }
+        }
     }
+    Ok(out)
 }
 
 /// Runs `concurrency` callers, each calling `call(its index)` in a loop (the future measures
@@ -364,20 +377,10 @@ async fn measure(
     let result = async {
         let calls = Calls::attach(&node)?;
         wait_for_servers(&node, servers).await?;
-        let mut cases = Vec::new();
-        for (op, size, concurrency) in self::cases(args) {
-            let case = run_case(
-                &calls,
-                system,
-                (op, size, concurrency, servers),
-                args.seconds,
-            )
-            .await
-            .with_context(|| format!("{system}: {op} of {size} bytes x{concurrency}"))?;
-            progress(args, &case);
-            cases.push(case);
-        }
-        anyhow::Ok(cases)
+        each_case(args, system, servers, |op, size, concurrency| {
+            run_case(&calls, (op, size, concurrency, servers), args.seconds)
+        })
+        .await
     }
     .await;
     node.shutdown().await;
@@ -454,12 +457,12 @@ pub(crate) fn check_bytes(op: &str, arg: &[u8], got: &[u8], full: bool) -> Resul
     Ok(())
 }
 
+/// One case: every call's latency (µs) and the wall time (s).
 async fn run_case(
     calls: &Calls,
-    system: &'static str,
     (op, size, concurrency, servers): (&'static str, u64, usize, usize),
     seconds: f64,
-) -> Result<Case> {
+) -> Result<(Vec<f64>, f64)> {
     let arg = argument(size)?;
     let value = Value::Tensor(arg.clone());
     let options = CallOptions {
@@ -471,7 +474,7 @@ async fn run_case(
         check(op, &arg, &result, true)?;
     }
     let shared = Arc::new((calls.clone(), arg, value, options));
-    let (latencies, elapsed) = timed(concurrency, seconds, move |_| {
+    timed(concurrency, seconds, move |_| {
         let shared = shared.clone();
         async move {
             let (calls, arg, value, options) = &*shared;
@@ -482,9 +485,7 @@ async fn run_case(
             Ok(latency)
         }
     })
-    .await?;
-    let case = (op, size, concurrency, servers);
-    Ok(Case::of(system, case, latencies, elapsed))
+    .await
 }
 
 fn print_table(cases: &[Case]) {

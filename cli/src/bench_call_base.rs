@@ -37,8 +37,8 @@ use tonic::{
 };
 
 use crate::bench_call::{
-    BLOCKING_MIN, CALL_LIMIT, CallBenchArgs, Case, WARMUP_PER_SERVER, argument, cases, check_bytes,
-    plus_one_bytes, progress, timed,
+    BLOCKING_MIN, CALL_LIMIT, CallBenchArgs, Case, WARMUP_PER_SERVER, argument, check_bytes,
+    each_case, plus_one_bytes, timed,
 };
 
 /// The gRPC baseline's system name.
@@ -228,45 +228,46 @@ pub(crate) async fn measure_grpc(servers: &[String], args: &CallBenchArgs) -> Re
     for addr in servers {
         clients.push(grpc_client(addr).await?);
     }
-    let mut out = Vec::new();
-    for (op, size, concurrency) in cases(args) {
-        let arg = Bytes::from(argument(size)?.data.to_vec());
-        for i in 0..WARMUP_PER_SERVER * servers.len() {
-            let got = grpc_call(&mut clients[i % servers.len()].clone(), op, arg.clone()).await?;
-            check_bytes(op, &arg, &got, true).with_context(|| format!("grpc: {op}"))?;
-        }
-        let shared = Arc::new((clients.clone(), arg));
-        // Each caller's next server, in turn from its own first one.
-        let turns = Arc::new(
-            (0..concurrency)
-                .map(std::sync::atomic::AtomicUsize::new)
-                .collect::<Vec<_>>(),
-        );
-        let (latencies, elapsed) = timed(concurrency, args.seconds, move |caller| {
-            let (shared, turns) = (shared.clone(), turns.clone());
-            async move {
-                let (clients, arg) = &*shared;
-                let turn = turns[caller].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let mut client = clients[turn % clients.len()].clone();
-                let t0 = Instant::now();
-                let got = grpc_call(&mut client, op, arg.clone()).await?;
-                let latency = t0.elapsed().as_secs_f64() * 1e6;
-                check_bytes(op, arg, &got, false)?;
-                Ok(latency)
-            }
-        })
-        .await
-        .with_context(|| format!("grpc: {op} of {size} bytes x{concurrency}"))?;
-        let case = Case::of(
-            GRPC,
-            (op, size, concurrency, servers.len()),
-            latencies,
-            elapsed,
-        );
-        progress(args, &case);
-        out.push(case);
+    each_case(args, GRPC, servers.len(), |op, size, concurrency| {
+        grpc_case(clients.clone(), op, size, concurrency, args.seconds)
+    })
+    .await
+}
+
+/// One case: every call's latency (µs) and the wall time (s).
+async fn grpc_case(
+    clients: Vec<Grpc<Channel>>,
+    op: &'static str,
+    size: u64,
+    concurrency: usize,
+    seconds: f64,
+) -> Result<(Vec<f64>, f64)> {
+    let arg = Bytes::from(argument(size)?.data.to_vec());
+    for i in 0..WARMUP_PER_SERVER * clients.len() {
+        let got = grpc_call(&mut clients[i % clients.len()].clone(), op, arg.clone()).await?;
+        check_bytes(op, &arg, &got, true)?;
     }
-    Ok(out)
+    let shared = Arc::new((clients, arg));
+    // Each caller's next server, in turn from its own first one.
+    let turns = Arc::new(
+        (0..concurrency)
+            .map(std::sync::atomic::AtomicUsize::new)
+            .collect::<Vec<_>>(),
+    );
+    timed(concurrency, seconds, move |caller| {
+        let (shared, turns) = (shared.clone(), turns.clone());
+        async move {
+            let (clients, arg) = &*shared;
+            let turn = turns[caller].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut client = clients[turn % clients.len()].clone();
+            let t0 = Instant::now();
+            let got = grpc_call(&mut client, op, arg.clone()).await?;
+            let latency = t0.elapsed().as_secs_f64() * 1e6;
+            check_bytes(op, arg, &got, false)?;
+            Ok(latency)
+        }
+    })
+    .await
 }
 
 // ---- ZeroMQ ----
@@ -394,24 +395,14 @@ impl ZmqCaller {
 
 /// Every case of `args` against the ZeroMQ servers at `servers`.
 pub(crate) async fn measure_zmq(servers: &[String], args: &CallBenchArgs) -> Result<Vec<Case>> {
-    let mut out = Vec::new();
-    for (op, size, concurrency) in cases(args) {
+    each_case(args, ZMQ, servers.len(), |op, size, concurrency| {
         let (endpoints, seconds) = (servers.to_vec(), args.seconds);
-        let (latencies, elapsed) = tokio::task::spawn_blocking(move || {
-            zmq_case(&endpoints, op, size, concurrency, seconds)
-        })
-        .await?
-        .with_context(|| format!("zmq: {op} of {size} bytes x{concurrency}"))?;
-        let case = Case::of(
-            ZMQ,
-            (op, size, concurrency, servers.len()),
-            latencies,
-            elapsed,
-        );
-        progress(args, &case);
-        out.push(case);
-    }
-    Ok(out)
+        async move {
+            let case = move || zmq_case(&endpoints, op, size, concurrency, seconds);
+            tokio::task::spawn_blocking(case).await?
+        }
+    })
+    .await
 }
 
 /// One case on `concurrency` threads: every latency and the wall time in seconds.
