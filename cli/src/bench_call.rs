@@ -50,7 +50,7 @@ const TB_SYSTEMS: [(&str, &[ChannelKind]); 2] = [
 /// Every system, in table order: tensor-broker's, then the baselines.
 const SYSTEMS: [&str; 4] = ["tensor-broker", "tensor-broker-quic", base::GRPC, base::ZMQ];
 /// The ops, in table order.
-pub(crate) const OPS: [&str; 2] = ["echo", "add_one"];
+const OPS: [&str; 2] = ["echo", "add_one"];
 /// How long a server process may take to start and advertise.
 const START_LIMIT: Duration = Duration::from_secs(60);
 /// Longest one call may take before the case fails.
@@ -65,13 +65,13 @@ pub(crate) const WARMUP_PER_SERVER: usize = 3;
 pub struct CallBenchArgs {
     /// Server process counts, measured in turn (ascending).
     #[arg(long, default_value = "1,4", value_delimiter = ',')]
-    pub(crate) servers: Vec<usize>,
+    servers: Vec<usize>,
     /// Argument sizes (f32 tensors: multiples of 4 bytes).
     #[arg(long, default_value = "4KiB,16MiB", value_delimiter = ',', value_parser = parse_size)]
-    pub(crate) sizes: Vec<u64>,
+    sizes: Vec<u64>,
     /// Calls in flight at once.
     #[arg(long, default_value = "1,64", value_delimiter = ',')]
-    pub(crate) concurrency: Vec<usize>,
+    concurrency: Vec<usize>,
     /// Seconds each case keeps starting calls (after its warm-up).
     #[arg(long, default_value_t = 0.5)]
     pub(crate) seconds: f64,
@@ -79,10 +79,10 @@ pub struct CallBenchArgs {
     /// tensor-broker-quic (QUIC links only), grpc (tonic) and zmq (libzmq REQ/REP).
     #[arg(long, default_value = "tensor-broker,tensor-broker-quic,grpc,zmq",
           value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SYSTEMS))]
-    pub(crate) systems: Vec<String>,
+    systems: Vec<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
-    pub(crate) json: bool,
+    json: bool,
 }
 
 /// Options of the internal server process.
@@ -115,19 +115,19 @@ fn parse_size(s: &str) -> Result<u64, String> {
 /// One measured case, as `--json` prints it.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Case {
-    pub system: &'static str,
-    pub op: &'static str,
-    pub size_bytes: u64,
-    pub concurrency: usize,
-    pub servers: usize,
-    pub calls_per_s: f64,
-    pub p50_us: f64,
-    pub p99_us: f64,
+    system: &'static str,
+    op: &'static str,
+    size_bytes: u64,
+    concurrency: usize,
+    servers: usize,
+    calls_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
 }
 
 impl Case {
     /// The case of `system` from its calls' latencies (µs) over `elapsed` seconds.
-    pub(crate) fn of(
+    fn of(
         system: &'static str,
         (op, size, concurrency, servers): (&'static str, u64, usize, usize),
         mut latencies_us: Vec<f64>,
