@@ -51,6 +51,9 @@ const TB_SYSTEMS: [(&str, &[ChannelKind]); 2] = [
 const SYSTEMS: [&str; 4] = ["tensor-broker", "tensor-broker-quic", base::GRPC, base::ZMQ];
 /// The ops, in table order.
 const OPS: [&str; 2] = ["echo", "add_one"];
+/// The streaming function the servers serve: `[items, size]` -> `items` f32 tensors of
+/// `size` bytes (the argument pattern).
+const STREAM_OP: &str = "stream";
 /// How long a server process may take to start and advertise.
 const START_LIMIT: Duration = Duration::from_secs(60);
 /// Longest one call may take before the case fails.
@@ -80,6 +83,13 @@ pub struct CallBenchArgs {
     #[arg(long, default_value = "tensor-broker,tensor-broker-quic,grpc,zmq",
           value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(SYSTEMS))]
     systems: Vec<String>,
+    /// Stream item sizes: each system streams items of each size from one server
+    /// (`streams` in `--json`).
+    #[arg(long, default_value = "1MiB,16MiB", value_delimiter = ',', value_parser = parse_size)]
+    stream_sizes: Vec<u64>,
+    /// Skip the streams.
+    #[arg(long)]
+    no_streams: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -150,6 +160,122 @@ impl Case {
 #[derive(Debug, Serialize)]
 struct Report {
     cases: Vec<Case>,
+    streams: Vec<StreamCase>,
+}
+
+/// Streams of each size, one after the other, per system (after an untimed one of one item).
+pub(crate) const STREAMS: u64 = 3;
+/// Bytes of one stream: its items are this over their size, 4 to 64 of them.
+const STREAM_BYTES: u64 = 128 << 20;
+
+/// One measured stream case, as `--json` prints it: items/s and MB/s over the wall time of
+/// all its streams, and the gap before each item (the first's from its stream's start).
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct StreamCase {
+    system: &'static str,
+    size_bytes: u64,
+    streams: u64,
+    items_per_stream: u64,
+    items_per_s: f64,
+    mb_s: f64,
+    gap_p50_us: f64,
+    gap_p99_us: f64,
+}
+
+/// Times a run of streams: the gap before each item, and the items over the wall time.
+pub(crate) struct StreamTimer {
+    start: Instant,
+    last: Instant,
+    gaps_us: Vec<f64>,
+}
+
+impl StreamTimer {
+    pub(crate) fn start() -> StreamTimer {
+        let now = Instant::now();
+        StreamTimer {
+            start: now,
+            last: now,
+            gaps_us: Vec::new(),
+        }
+    }
+
+    /// A stream is asked for now.
+    pub(crate) fn stream(&mut self) {
+        self.last = Instant::now();
+    }
+
+    /// An item arrived now.
+    pub(crate) fn item(&mut self) {
+        let now = Instant::now();
+        self.gaps_us
+            .push(now.duration_since(self.last).as_secs_f64() * 1e6);
+        self.last = now;
+    }
+}
+
+/// Checks a stream's item: byte for byte against `pattern` when `full`, else its length.
+pub(crate) fn check_item(got: &[u8], pattern: &[u8], full: bool) -> Result<()> {
+    ensure!(
+        got.len() == pattern.len(),
+        "a stream item of {} bytes, not {}",
+        got.len(),
+        pattern.len()
+    );
+    ensure!(!full || got == pattern, "a stream item with other bytes");
+    Ok(())
+}
+
+/// Measures a stream case of each `--stream-sizes` size for `system`: `run(size, items)`
+/// checks one untimed stream of one item (every byte), then times [`STREAMS`] streams of
+/// `items` items (checking each item's length, the first's every byte) with a timer it
+/// returns.
+pub(crate) async fn each_stream<F, Fut>(
+    args: &CallBenchArgs,
+    system: &'static str,
+    mut run: F,
+) -> Result<Vec<StreamCase>>
+where
+    F: FnMut(u64, u64) -> Fut,
+    Fut: Future<Output = Result<StreamTimer>>,
+{
+    let mut out = Vec::new();
+    if args.no_streams {
+        return Ok(out);
+    }
+    for &size in &args.stream_sizes {
+        let items = (STREAM_BYTES / size).clamp(4, 64);
+        let timer = run(size, items)
+            .await
+            .with_context(|| format!("{system}: a stream of {size}-byte items"))?;
+        let wall = timer.start.elapsed().as_secs_f64();
+        let mut gaps = timer.gaps_us;
+        let taken = gaps.len() as f64;
+        ensure!(
+            gaps.len() as u64 == STREAMS * items,
+            "{system}: {} stream items taken, not {}",
+            gaps.len(),
+            STREAMS * items
+        );
+        let case = StreamCase {
+            system,
+            size_bytes: size,
+            streams: STREAMS,
+            items_per_stream: items,
+            items_per_s: taken / wall,
+            mb_s: taken * size as f64 / wall / 1e6,
+            gap_p50_us: fmt::median(&mut gaps),
+            gap_p99_us: fmt::percentile(&mut gaps, 0.99),
+        };
+        if !args.json {
+            eprintln!(
+                "  {system} stream of {} items: {:.0} items/s",
+                fmt::bytes(size),
+                case.items_per_s
+            );
+        }
+        out.push(case);
+    }
+    Ok(out)
 }
 
 /// Runs `tb bench call`.
@@ -183,10 +309,12 @@ pub async fn bench(args: CallBenchArgs) -> Result<()> {
     let exe = std::env::current_exe().context("locating the tb binary")?;
     let mut children: Vec<Child> = Vec::new();
     let result = async {
-        let mut cases = Vec::new();
+        let (mut cases, mut streams) = (Vec::new(), Vec::new());
         // The ready lines of each kind of server started so far (node ids, addresses).
         let mut started: Vec<(&str, Vec<String>)> = Vec::new();
-        for &n in &counts {
+        for (round, &n) in counts.iter().enumerate() {
+            // Streams run once per system, against the first round's servers.
+            let stream_too = round == 0;
             if !args.json {
                 eprintln!("measuring with {n} server(s) ...");
             }
@@ -217,21 +345,24 @@ pub async fn bench(args: CallBenchArgs) -> Result<()> {
                     ready.push(line);
                 }
                 let servers = &ready[..n];
-                cases.extend(match system {
-                    base::GRPC => base::measure_grpc(servers, &args).await?,
-                    base::ZMQ => base::measure_zmq(servers, &args).await?,
+                let (measured, streamed) = match system {
+                    base::GRPC => base::measure_grpc(servers, &args, stream_too).await?,
+                    base::ZMQ => base::measure_zmq(servers, &args, stream_too).await?,
                     _ => {
                         let channels = TB_SYSTEMS
                             .into_iter()
                             .find(|(name, _)| *name == system)
                             .map(|(_, channels)| channels)
                             .context("a tensor-broker system")?;
-                        measure(&ticket, n, &args, (system, channels)).await?
+                        let system = (system, channels);
+                        measure(&ticket, n, &args, system, stream_too).await?
                     }
-                });
+                };
+                cases.extend(measured);
+                streams.extend(streamed);
             }
         }
-        anyhow::Ok(cases)
+        anyhow::Ok((cases, streams))
     }
     .await;
     for mut server in children {
@@ -245,11 +376,12 @@ pub async fn bench(args: CallBenchArgs) -> Result<()> {
         }
     }
     broker.shutdown().await;
-    let cases = result?;
+    let (cases, streams) = result?;
     if args.json {
-        println!("{}", serde_json::to_string(&Report { cases })?);
+        println!("{}", serde_json::to_string(&Report { cases, streams })?);
     } else {
         print_table(&cases);
+        print_streams(&streams);
     }
     Ok(())
 }
@@ -364,7 +496,8 @@ async fn measure(
     servers: usize,
     args: &CallBenchArgs,
     (system, channels): (&'static str, &[ChannelKind]),
-) -> Result<Vec<Case>> {
+    stream_too: bool,
+) -> Result<(Vec<Case>, Vec<StreamCase>)> {
     let node = Node::spawn(Config {
         brokers: ticket.brokers.clone(),
         channels: channels.to_vec(),
@@ -377,10 +510,15 @@ async fn measure(
     let result = async {
         let calls = Calls::attach(&node)?;
         wait_for_servers(&node, servers).await?;
-        each_case(args, system, servers, |op, size, concurrency| {
+        let cases = each_case(args, system, servers, |op, size, concurrency| {
             run_case(&calls, (op, size, concurrency, servers), args.seconds)
         })
-        .await
+        .await?;
+        let streams = match stream_too {
+            true => each_stream(args, system, |size, items| stream_tb(&calls, size, items)).await?,
+            false => Vec::new(),
+        };
+        anyhow::Ok((cases, streams))
     }
     .await;
     node.shutdown().await;
@@ -390,7 +528,7 @@ async fn measure(
 /// Waits until the broker lists `n` servers of every op.
 async fn wait_for_servers(node: &Node, n: usize) -> Result<()> {
     let deadline = Instant::now() + START_LIMIT;
-    for op in OPS {
+    for op in OPS.into_iter().chain([STREAM_OP]) {
         let name = op.parse().context("function name")?;
         loop {
             let found = node.servers(&name).await.map(|s| s.len()).unwrap_or(0);
@@ -486,6 +624,65 @@ async fn run_case(
         }
     })
     .await
+}
+
+/// One stream case of tensor-broker: see [`each_stream`].
+async fn stream_tb(calls: &Calls, size: u64, items: u64) -> Result<StreamTimer> {
+    let pattern = argument(size)?.data;
+    let ask = |items: u64| -> Result<Value> {
+        Ok(Value::List(vec![
+            Value::Int(i64::try_from(items)?),
+            Value::Int(i64::try_from(size)?),
+        ]))
+    };
+    let take = |value: Value, full: bool| -> Result<()> {
+        let item = value
+            .as_tensor()
+            .with_context(|| format!("a stream item {value:?}, not a tensor"))?;
+        check_item(&item.data, &pattern, full)
+    };
+    let mut warm = calls.stream(STREAM_OP, &ask(1)?, 2).await?;
+    let mut taken = 0;
+    while let Some(item) = warm.next().await {
+        take(item?, true)?;
+        taken += 1;
+    }
+    ensure!(taken == 1, "a warm-up stream of {taken} items, not 1");
+    let mut timer = StreamTimer::start();
+    for run in 0..STREAMS {
+        timer.stream();
+        let mut stream = calls.stream(STREAM_OP, &ask(items)?, 2).await?;
+        let mut taken = 0;
+        while let Some(item) = stream.next().await {
+            timer.item();
+            take(item?, run == 0 && taken == 0)?;
+            taken += 1;
+        }
+        ensure!(taken == items, "a stream of {taken} items, not {items}");
+    }
+    Ok(timer)
+}
+
+fn print_streams(streams: &[StreamCase]) {
+    if streams.is_empty() {
+        return;
+    }
+    println!(
+        "\n{:<20} {:>9} {:>8} {:>11} {:>9} {:>12} {:>12}",
+        "stream", "item", "items", "items/s", "MB/s", "gap p50 us", "gap p99 us"
+    );
+    for c in streams {
+        println!(
+            "{:<20} {:>9} {:>8} {:>11.0} {:>9.0} {:>12.0} {:>12.0}",
+            c.system,
+            fmt::bytes(c.size_bytes),
+            c.streams * c.items_per_stream,
+            c.items_per_s,
+            c.mb_s,
+            c.gap_p50_us,
+            c.gap_p99_us
+        );
+    }
 }
 
 fn print_table(cases: &[Case]) {
@@ -597,15 +794,86 @@ pub async fn serve(args: CallServeArgs) -> Result<()> {
         };
         let echo = calls.serve(spec("echo")?, echo).await?;
         let add_one = calls.serve(spec("add_one")?, add_one).await?;
+        let items = StreamItems::default();
+        let stream = calls
+            .serve(spec(STREAM_OP)?, move |args, cx| items.stream(args, cx))
+            .await?;
         println!("ready {}", node.addr());
         let mut sink = Vec::new();
         let _ = tokio::io::stdin().read_to_end(&mut sink).await;
-        drop((echo, add_one));
+        drop((echo, add_one, stream));
         anyhow::Ok(())
     }
     .await;
     crate::cluster::close(&node).await;
     result
+}
+
+/// The stream function's items, one tensor per size (made on its first stream, in a memfd
+/// of the node's: lent as it is, as a version would be).
+#[derive(Clone, Default)]
+struct StreamItems(Arc<std::sync::Mutex<std::collections::HashMap<u64, HostTensor>>>);
+
+impl StreamItems {
+    fn item(&self, size: u64) -> Result<HostTensor, RemoteFailure> {
+        let failed = |e: String| RemoteFailure::new(FailureKind::Raised, "ValueError", e, "");
+        let mut items = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(item) = items.get(&size) {
+            return Ok(item.clone());
+        }
+        let pattern = argument(size).map_err(|e| failed(e.to_string()))?;
+        let tensor = tb_node::Tensor::copy_from(DType::F32, pattern.shape, &pattern.data)
+            .map_err(|e| failed(e.to_string()))?;
+        let item = HostTensor::from_node(tensor).map_err(|e| failed(e.to_string()))?;
+        items.insert(size, item.clone());
+        Ok(item)
+    }
+
+    /// `[items, size]`: `items` tensors of `size` bytes, sent as the caller takes them.
+    fn stream(&self, args: Value, _cx: CallContext) -> Output {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let asked = match &args {
+                Value::List(v) => match v.as_slice() {
+                    [Value::Int(items), Value::Int(size)] => Some((*items, *size)),
+                    _ => None,
+                },
+                _ => None,
+            };
+            let item = match asked {
+                Some((items, size)) if items >= 0 && size > 0 && size % 4 == 0 => {
+                    let size = size as u64;
+                    tokio::task::spawn_blocking(move || me.item(size))
+                        .await
+                        .map_err(|e| {
+                            RemoteFailure::new(FailureKind::Raised, "Panic", e.to_string(), "")
+                        })
+                        .and_then(|made| made)
+                        .map(|item| (items, item))
+                }
+                _ => Err(RemoteFailure::new(
+                    FailureKind::Raised,
+                    "ValueError",
+                    format!("stream takes [items, size], not {args:?}"),
+                    "",
+                )),
+            };
+            let (items, item) = match item {
+                Ok(made) => made,
+                Err(failure) => {
+                    let _ = tx.send(Err(failure)).await;
+                    return;
+                }
+            };
+            for _ in 0..items {
+                if tx.send(Ok(Value::Tensor(item.clone()))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Output::Stream(rx)
+    }
 }
 
 fn echo(args: Value, _cx: CallContext) -> Output {

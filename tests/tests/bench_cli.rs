@@ -107,8 +107,27 @@ fn bench_call_prints_the_promised_json() {
         "1,4",
         "--seconds",
         "0.2",
+        "--stream-sizes",
+        "256KiB",
     ]);
-    assert_eq!(v.as_object().map(|o| o.len()), Some(1), "{v}");
+    assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{v}");
+    // A stream of 256 KiB items per system, 3 streams of 64 items, every item counted.
+    let streams = v["streams"].as_array().expect("streams");
+    assert_eq!(streams.len(), 4, "{v}");
+    for system in ["tensor-broker", "tensor-broker-quic", "grpc", "zmq"] {
+        let found: Vec<_> = streams.iter().filter(|c| c["system"] == system).collect();
+        assert_eq!(found.len(), 1, "{system}: {v}");
+        let case = found[0];
+        assert_eq!(case["size_bytes"], 256 << 10, "{case}");
+        assert_eq!(case["streams"], 3, "{case}");
+        assert_eq!(case["items_per_stream"], 64, "{case}");
+        positive(&case["items_per_s"], "items_per_s");
+        positive(&case["mb_s"], "mb_s");
+        let p50 = positive(&case["gap_p50_us"], "gap_p50_us");
+        let p99 = positive(&case["gap_p99_us"], "gap_p99_us");
+        assert!(p50 <= p99, "{case}");
+        assert_eq!(case.as_object().map(|o| o.len()), Some(8), "{case}");
+    }
     let cases = v["cases"].as_array().expect("cases");
     // Four systems (the default channels, QUIC only, and the gRPC and ZeroMQ baselines) x
     // servers x ops x sizes x concurrency.
