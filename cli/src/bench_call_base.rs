@@ -477,16 +477,15 @@ fn zmq_answer(
             continue;
         }
         let op = socket.recv_msg(0)?;
-        ensure!(socket.get_rcvmore()?, "a request without its argument");
-        let x = socket.recv_msg(0)?;
-        // A request of more parts than two is drained and refused.
-        let mut extra = false;
+        // A request of other than two parts is drained and refused (REP answers each one).
+        let mut parts = 1;
+        let mut x = zmq::Message::new();
         while socket.get_rcvmore()? {
-            socket.recv_msg(0)?;
-            extra = true;
+            x = socket.recv_msg(0)?;
+            parts += 1;
         }
-        let reply = match (op.as_str(), extra) {
-            (_, true) => Err("a request is [op, argument]".to_string()),
+        let reply = match (op.as_str(), parts != 2) {
+            (_, true) => Err(format!("a request is [op, argument], not {parts} parts")),
             (Some("echo"), false) => {
                 socket.send(x, 0)?;
                 continue;

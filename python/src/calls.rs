@@ -343,12 +343,13 @@ fn stream_items(
             .map_err(|e| failure_of(py, e))
     });
     let iter = match iter {
-        Ok(iter) => iter,
+        Ok(iter) => Closing(Some(iter)),
         Err(failure) => {
             let _ = tx.blocking_send(Err(failure));
             return;
         }
     };
+    let Closing(Some(iter)) = &iter else { return };
     while !flag.is_cancelled() {
         let next = Python::attach(|py| {
             let it = iter.bind(py);
@@ -362,6 +363,27 @@ fn stream_items(
         let failed = item.is_err();
         if tx.blocking_send(item).is_err() || failed {
             return;
+        }
+    }
+}
+
+/// A streaming handler's iterator, closed and let go with the GIL held however its stream
+/// ends. A generator suspended at a `yield` when its call is cancelled runs its `finally`
+/// now: an iterator dropped without the GIL is only let go the next time some thread takes
+/// it through this extension, which may be never.
+struct Closing(Option<Py<PyAny>>);
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        if let Some(iter) = self.0.take() {
+            Python::attach(|py| {
+                let it = iter.bind(py);
+                if let Ok(close) = it.getattr("close") {
+                    // A close that raises is the handler's own error, after its stream ended.
+                    let _ = close.call0();
+                }
+                drop(iter);
+            });
         }
     }
 }

@@ -298,6 +298,30 @@ def test_cancelling_the_awaiting_task_cancels_the_handler(cluster: tb.LocalClust
             assert saw_cancel.wait(LIMIT_S), "an asyncio cancel did not reach the handler"
 
 
+def test_a_cancelled_stream_closes_its_generator_at_once(cluster: tb.LocalCluster) -> None:
+    # The generator is suspended at a `yield` (its next item has no credit) when the call
+    # ends: its `finally` runs then, not whenever the extension next takes the GIL.
+    closed = threading.Event()
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("gen/endless")
+        def endless():
+            try:
+                i = 0
+                while True:
+                    i += 1
+                    yield np.full(4, i, np.float32)
+            finally:
+                closed.set()
+
+        with server.serving():
+            items = caller.function("gen/endless").stream(prefetch=1)
+            got = [int(next(items)[0]) for _ in range(3)]
+            items.close()
+            assert got == [1, 2, 3]
+            assert closed.wait(LIMIT_S), "the cancelled stream's generator was not closed"
+
+
 def test_cancelling_a_bidirectional_stream_ends_its_handler_and_its_inputs(
     cluster: tb.LocalCluster,
 ) -> None:
