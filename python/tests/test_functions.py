@@ -322,6 +322,33 @@ def test_a_cancelled_stream_closes_its_generator_at_once(cluster: tb.LocalCluste
             assert closed.wait(LIMIT_S), "the cancelled stream's generator was not closed"
 
 
+def test_a_cancelled_stream_closes_its_async_generator_at_once(
+    cluster: tb.LocalCluster,
+) -> None:
+    # As above, for an async generator handler: its `finally` runs on its loop when the
+    # call ends, not when the generator object is collected.
+    closed = threading.Event()
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("gen/endless-async")
+        async def endless():
+            try:
+                i = 0
+                while True:
+                    i += 1
+                    await asyncio.sleep(0)
+                    yield np.full(4, i, np.float32)
+            finally:
+                closed.set()
+
+        with server.serving():
+            items = caller.function("gen/endless-async").stream(prefetch=1)
+            got = [int(next(items)[0]) for _ in range(3)]
+            items.close()
+            assert got == [1, 2, 3]
+            assert closed.wait(LIMIT_S), "the cancelled stream's async generator was not closed"
+
+
 def test_cancelling_a_bidirectional_stream_ends_its_handler_and_its_inputs(
     cluster: tb.LocalCluster,
 ) -> None:

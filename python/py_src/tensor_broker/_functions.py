@@ -173,6 +173,20 @@ async def _async_inputs(items: Iterator[Any]) -> Any:
         yield item
 
 
+async def _aclose(agen: Any) -> None:
+    """Closes an async generator handler, its error (from its `finally`) to the loop's
+    exception handler: no caller is left to receive it. A generator still running (its step
+    was cancelled and has not finished unwinding) is left to finish on its own."""
+    try:
+        await agen.aclose()
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the stream is over
+        if isinstance(e, RuntimeError) and "already running" in str(e):
+            return
+        asyncio.get_running_loop().call_exception_handler(
+            {"message": "closing a streaming handler raised", "exception": e}
+        )
+
+
 class Shared:
     """A function shared by a client (``@client.share``), served while the client serves."""
 
@@ -258,12 +272,18 @@ class Shared:
         return handle
 
     def _async_items(self, agen: Any, flag: Any) -> Iterator[Any]:
-        while True:
-            try:
-                item = self._run_async(agen.__anext__(), flag)
-            except StopAsyncIteration:
-                return
-            yield _encode(item)
+        try:
+            while True:
+                try:
+                    item = self._run_async(agen.__anext__(), flag)
+                except StopAsyncIteration:
+                    return
+                yield _encode(item)
+        finally:
+            # The stream ended early (cancelled, or its caller stopped taking items, and
+            # the native layer closed this iterator): the handler's own `finally` runs now,
+            # on its loop, not when the async generator is collected (if ever).
+            asyncio.run_coroutine_threadsafe(_aclose(agen), self._event_loop())
 
     def stop(self) -> None:
         with self._lock:
