@@ -15,7 +15,7 @@ use std::{
 
 use tokio::sync::Semaphore;
 
-use tb_node::{Node, PeerAddr, RequestStream, framing};
+use tb_node::{Node, PeerAddr, RequestRecv, RequestSend, RequestStream};
 use tb_proto::{
     DataRequest, DataResponse, ErrorCode, TensorName,
     call::{CallFrame, CallHead, CallUp, LIVENESS_TIMEOUT_MS, Load, MAX_CREDIT},
@@ -361,6 +361,7 @@ impl Caller {
                 return Err(lost(e.to_string(), false));
             }
         };
+        self.metrics.stream("caller", stream.send.is_same_host());
         let declared = match std::mem::replace(&mut stream.answer, DataResponse::Ack) {
             DataResponse::Accepted {
                 load,
@@ -390,7 +391,7 @@ impl Caller {
         }
         self.metrics.bytes("out", sent_bytes);
         if !head.stream && !sent_all {
-            let _ = stream.send.finish();
+            let _ = stream.send.finish().await;
         }
         Ok((stream, declared, loans))
     }
@@ -402,8 +403,9 @@ impl Caller {
         started: &mut Started,
     ) -> Result<Option<(u64, Value)>, CallError> {
         let Started { stream, server, .. } = started;
-        let (link, recv) = (&stream.link, &mut stream.recv);
-        self.read_item(function, server, link, recv, None).await
+        let heard = stream.heard();
+        self.read_item(function, server, &heard, &mut stream.recv, None)
+            .await
     }
 
     /// [`next_item`](Self::next_item) of a bidirectional call: while it waits, the caller's
@@ -416,15 +418,14 @@ impl Caller {
         feed: &mut InputFeed,
     ) -> Result<Option<(u64, Value)>, CallError> {
         let Started { stream, server, .. } = started;
-        let RequestStream {
-            send, recv, link, ..
-        } = stream;
+        let heard = stream.heard();
+        let RequestStream { send, recv, .. } = stream;
         let InputFeed {
             items,
             credit,
             ended,
         } = feed;
-        let read = self.read_item(function, server, link, recv, Some(credit));
+        let read = self.read_item(function, server, &heard, recv, Some(credit));
         tokio::pin!(read);
         loop {
             tokio::select! {
@@ -446,7 +447,7 @@ impl Caller {
         &self,
         function: &TensorName,
         server: &PeerAddr,
-        send: &mut iroh::endpoint::SendStream,
+        send: &mut RequestSend,
         value: &Value,
     ) -> Result<(), CallError> {
         let mut lender = Lender::new(&self.node, server.id, crate::server::RESULT_LOAN_TTL);
@@ -474,10 +475,10 @@ impl Caller {
         &self,
         function: &TensorName,
         server: &PeerAddr,
-        send: &mut iroh::endpoint::SendStream,
+        send: &mut RequestSend,
         up: &CallUp,
     ) -> Result<(), CallError> {
-        framing::write_frame(send, up)
+        send.write_frame(up)
             .await
             .map_err(|e| server_lost(function, server, true, e.to_string()))
     }
@@ -488,8 +489,8 @@ impl Caller {
         &self,
         function: &TensorName,
         server: &PeerAddr,
-        link: &tb_node::LinkGuard,
-        recv: &mut iroh::endpoint::RecvStream,
+        heard: &(dyn Fn() -> u64 + Sync),
+        recv: &mut RequestRecv,
         input_credit: Option<&Semaphore>,
     ) -> Result<Option<(u64, Value)>, CallError> {
         let lost = |reason: String| server_lost(function, server, true, reason);
@@ -497,10 +498,8 @@ impl Caller {
         // The server's frames for this call can wait behind other streams' bytes on a busy
         // link (many large results at once): silence here is tolerated while the link as a
         // whole receives bytes, and the server is lost only when the whole link is quiet.
-        let conn = link.connection().clone();
-        let heard = move || conn.stats().udp_rx.bytes;
         let frame = loop {
-            let read = framing::read_frame(recv);
+            let read = recv.read_frame();
             tokio::pin!(read);
             let mut seen = heard();
             let frame = loop {

@@ -1,6 +1,6 @@
 //! The call metrics, registered in the node's registry beside the data plane's: calls by side
 //! and result, their duration, the calls in flight, the calls queued for a slot and the
-//! bytes they moved. No per-function
+//! bytes they moved, and the calls' streams by channel. No per-function
 //! labels: a cluster may serve many functions, and label cardinality is a scrape's cost.
 
 use std::time::Duration;
@@ -10,7 +10,8 @@ use prometheus::{
 };
 
 /// `tb_calls_total{side,result}`, `tb_call_duration_seconds{side}`,
-/// `tb_calls_in_flight{side}`, `tb_call_queue_depth`, `tb_call_bytes_total{direction}`.
+/// `tb_calls_in_flight{side}`, `tb_call_queue_depth`, `tb_call_bytes_total{direction}`,
+/// `tb_call_streams_total{side,channel}`.
 #[derive(Debug, Clone)]
 pub struct CallMetrics {
     calls: IntCounterVec,
@@ -18,6 +19,7 @@ pub struct CallMetrics {
     in_flight: IntGaugeVec,
     queue_depth: IntGauge,
     bytes: IntCounterVec,
+    streams: IntCounterVec,
 }
 
 impl CallMetrics {
@@ -62,8 +64,17 @@ impl CallMetrics {
             &["direction"],
         )
         .expect("valid metric");
+        let streams = IntCounterVec::new(
+            Opts::new(
+                "tb_call_streams_total",
+                "Calls opened (caller) or taken (server), by the channel their stream took: shm (the pair's same-host socket) or quic",
+            ),
+            &["side", "channel"],
+        )
+        .expect("valid metric");
         for family in [
             Box::new(calls.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(streams.clone()),
             Box::new(durations.clone()),
             Box::new(in_flight.clone()),
             Box::new(queue_depth.clone()),
@@ -77,7 +88,20 @@ impl CallMetrics {
             in_flight,
             queue_depth,
             bytes,
+            streams,
         }
+    }
+
+    /// A call's stream opened (`caller`) or taken (`server`), on a same-host connection
+    /// (`same_host`) or a QUIC stream.
+    pub fn stream(&self, side: &str, same_host: bool) {
+        let channel = if same_host { "shm" } else { "quic" };
+        self.streams.with_label_values(&[side, channel]).inc();
+    }
+
+    /// The calls' streams counted so far on `side` and `channel` (`shm`, `quic`).
+    pub fn streams(&self, side: &str, channel: &str) -> u64 {
+        self.streams.with_label_values(&[side, channel]).get()
     }
 
     /// A call ended on `side` with `result`.

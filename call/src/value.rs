@@ -13,7 +13,8 @@
 //! sealed, mapped without a copy): QUIC's throughput ceiling out of the way.
 
 use bytes::{Bytes, BytesMut};
-use iroh::{EndpointId, endpoint::RecvStream};
+use iroh::EndpointId;
+use tb_node::RequestRecv;
 use tb_proto::{
     ChannelKind, DType, TensorName, byte_len_for,
     call::{Body, CallError as WireError, TensorSlot, Value as Skeleton},
@@ -302,7 +303,7 @@ impl Encoded {
     }
 
     /// Writes the body on `send`.
-    pub async fn write(&self, send: &mut iroh::endpoint::SendStream) -> Result<(), String> {
+    pub async fn write(&self, send: &mut tb_node::RequestSend) -> Result<(), String> {
         for part in self.parts() {
             send.write_all(part).await.map_err(|e| e.to_string())?;
         }
@@ -339,7 +340,7 @@ pub struct Stall<'a> {
 
 /// Fills `buf` from `recv` within `stall`.
 async fn read_within(
-    recv: &mut RecvStream,
+    recv: &mut RequestRecv,
     buf: &mut [u8],
     stall: Stall<'_>,
 ) -> Result<(), ReadError> {
@@ -379,7 +380,7 @@ pub struct ReadBody {
 /// is allocated), then each tensor into a buffer of its own. A peer not heard from within
 /// `stall` fails the read.
 pub async fn read_body(
-    recv: &mut RecvStream,
+    recv: &mut RequestRecv,
     body_len: u64,
     stall: Stall<'_>,
 ) -> Result<ReadBody, ReadError> {

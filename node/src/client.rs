@@ -437,24 +437,74 @@ pub(crate) fn remote_error_from(peer: String, code: ErrorCode, message: String) 
     }
 }
 
-/// A stream on a peer's pooled link with its request sent and the first answer read
-/// ([`Node::open_request`](crate::Node::open_request)): the link stays in use while it lives.
+/// A request's stream with its request sent and the first answer read
+/// ([`Node::open_request`](crate::Node::open_request)): a connection of the pair's
+/// same-host socket, or a stream on the peer's pooled link (held in use while it lives).
 #[derive(Debug)]
 pub struct RequestStream {
     /// The rest of what the requester sends.
-    pub send: SendStream,
+    pub send: crate::RequestSend,
     /// What the peer sends after its first answer.
-    pub recv: RecvStream,
+    pub recv: crate::RequestRecv,
     /// The peer's first answer frame.
     pub answer: DataResponse,
-    /// The link (held in use until the stream is dropped).
-    pub link: LinkGuard,
+    /// The link of a QUIC stream (held in use until the stream is dropped); `None` on a
+    /// same-host connection.
+    pub link: Option<LinkGuard>,
 }
 
-/// Opens a stream on a link from `links`, writes `request` then `preamble` (then finishes
-/// the send side when `finish`), and reads the first answer within `timeout`; redials once
-/// when the peer closed the link gracefully before answering.
+impl RequestStream {
+    /// A counter that grows while the peer is heard from: the bytes its link received (a
+    /// stream's frames can wait behind other streams' bytes on a busy link), or those its
+    /// same-host connection received.
+    pub fn heard(&self) -> impl Fn() -> u64 + Send + Sync + 'static {
+        let link = self.link.as_ref().map(|l| l.connection().clone());
+        let socket = self.recv.socket_heard();
+        move || match (&link, &socket) {
+            (Some(conn), _) => conn.stats().udp_rx.bytes,
+            (None, Some(heard)) => heard.load(std::sync::atomic::Ordering::Relaxed),
+            (None, None) => 0,
+        }
+    }
+}
+
+/// Opens a request to `peer`: on the pair's same-host socket when the pair runs shm and the
+/// peer serves the kind there, else on a stream of a link from `links`; writes `request`
+/// then `preamble` (then finishes the send side when `finish`), and reads the first answer
+/// within `timeout`. Redials once when the peer closed the link (or a pooled connection)
+/// gracefully before answering.
 pub(crate) async fn open_request<L, LF>(
+    ctx: &NodeCtx,
+    peer: &iroh::EndpointId,
+    links: L,
+    request: &DataRequest,
+    preamble: &[&[u8]],
+    finish: bool,
+    timeout: std::time::Duration,
+) -> Result<RequestStream>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+{
+    #[cfg(target_os = "linux")]
+    {
+        let on_socket = async |route: &crate::channel::Route| match route {
+            crate::channel::Route::Shm(route) => {
+                crate::channel::open_socket_request(ctx, route, request, preamble, finish, timeout)
+                    .await
+            }
+            _ => Err(crate::channel::ChannelError::ViaQuic),
+        };
+        // Not a transfer: untimed (the service counts its own).
+        if let Some(stream) = crate::channel::first(ctx, peer, &links, None, on_socket).await? {
+            return Ok(stream);
+        }
+    }
+    open_quic_request(ctx, links, request, preamble, finish, timeout).await
+}
+
+/// [`open_request`] on a stream of a link from `links`.
+async fn open_quic_request<L, LF>(
     ctx: &NodeCtx,
     links: L,
     request: &DataRequest,
@@ -500,10 +550,10 @@ where
             };
             match sent.await {
                 Ok((send, recv, answer)) => Ok(RequestStream {
-                    send,
-                    recv,
+                    send: send.into(),
+                    recv: recv.into(),
                     answer,
-                    link,
+                    link: Some(link),
                 }),
                 Err(err) => Err((link, err)),
             }

@@ -362,7 +362,7 @@ impl Node {
             })
         };
         let pull = async |route: &channel::Route| route.pull(ctx, name, version).await;
-        let first = channel::first(ctx, &peer, links, TransferKind::Pull, pull);
+        let first = channel::first(ctx, &peer, links, Some(TransferKind::Pull), pull);
         if let Some(pulled) = self.guarded(first).await? {
             return Ok(pulled.buffer);
         }
@@ -410,7 +410,7 @@ impl Node {
         transfer: impl AsyncFnOnce(&channel::Route) -> Result<T, channel::ChannelError>,
     ) -> Result<Option<T>> {
         let links = || self.link(addr);
-        let first = channel::first(&self.inner.ctx, &addr.id, links, kind, transfer);
+        let first = channel::first(&self.inner.ctx, &addr.id, links, Some(kind), transfer);
         self.guarded(first).await
     }
 
@@ -578,7 +578,7 @@ impl Node {
     ) -> Result<crate::RequestStream> {
         let links = || self.link(addr);
         let ctx = &self.inner.ctx;
-        let open = client::open_request(ctx, links, request, preamble, finish, timeout);
+        let open = client::open_request(ctx, &addr.id, links, request, preamble, finish, timeout);
         self.guarded(open).await
     }
 

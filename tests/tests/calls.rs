@@ -105,10 +105,30 @@ async fn call(calls: &Calls, name: &str, args: &Value) -> Result<Value, CallErro
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_served_function_is_called_by_name_and_its_errors_come_back_typed() {
+    called_by_name(false).await;
+}
+
+/// The same between two nodes of one host: every call goes on the pair's same-host socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_served_on_this_host_is_called_over_the_same_host_socket() {
+    called_by_name(true).await;
+}
+
+/// A worker's config: the default channels (`same_host`: shm between two nodes here), or
+/// QUIC only; and the channel its calls take, then the other.
+fn pair(broker: &Broker, same_host: bool) -> (Config, [&'static str; 2]) {
+    match same_host {
+        true => (same_host_worker(broker), ["shm", "quic"]),
+        false => (worker(broker), ["quic", "shm"]),
+    }
+}
+
+async fn called_by_name(same_host: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path()).await;
-    let (_server_node, server) = calls(worker(&broker)).await;
-    let (_caller_node, caller) = calls(worker(&broker)).await;
+    let (config, [taken, not]) = pair(&broker, same_host);
+    let (_server_node, server) = calls(config.clone()).await;
+    let (_caller_node, caller) = calls(config).await;
     let spec = FunctionSpec::new("math/add_one")
         .expect("name")
         .concurrency(4);
@@ -185,6 +205,12 @@ async fn a_served_function_is_called_by_name_and_its_errors_come_back_typed() {
         "{f:?}"
     );
     assert!(f.calls_per_s.is_finite() && f.calls_per_s >= 0.0, "{f:?}");
+
+    // Every call's stream took the pair's channel, on both sides.
+    for (calls, side) in [(&caller, "caller"), (&server, "server")] {
+        assert_eq!(calls.metrics().streams(side, taken), 3, "{side} on {taken}");
+        assert_eq!(calls.metrics().streams(side, not), 0, "{side} on {not}");
+    }
 }
 
 /// Holds every call until `gate` is released.
@@ -203,10 +229,22 @@ fn gated(gate: Arc<tokio::sync::Semaphore>, ran: Arc<AtomicU32>) -> impl tb_call
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_server_refuses_before_a_large_argument_moves_and_a_timeout_cancels_the_handler() {
+    busy_then_cancelled(false).await;
+}
+
+/// The same on a same-host pair's socket: a cancelled call closes its connection, and the
+/// calls after it take others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cancelled_on_the_same_host_socket_cancels_its_handler() {
+    busy_then_cancelled(true).await;
+}
+
+async fn busy_then_cancelled(same_host: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path()).await;
-    let (_server_node, server) = calls(worker(&broker)).await;
-    let (_caller_node, caller) = calls(worker(&broker)).await;
+    let (config, [taken, not]) = pair(&broker, same_host);
+    let (_server_node, server) = calls(config.clone()).await;
+    let (_caller_node, caller) = calls(config).await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let ran = Arc::new(AtomicU32::new(0));
     let spec = FunctionSpec::new("slow")
@@ -264,6 +302,8 @@ async fn a_busy_server_refuses_before_a_large_argument_moves_and_a_timeout_cance
     let held = within(LIMIT, "held call", holder).await.expect("joins");
     assert_eq!(held.expect("the held call ends"), Value::Int(2));
     assert_eq!(ran.load(Ordering::SeqCst), 2, "the refused call never ran");
+    assert_eq!(server.metrics().streams("server", taken), 3, "on {taken}");
+    assert_eq!(server.metrics().streams("server", not), 0, "on {not}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

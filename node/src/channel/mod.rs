@@ -41,8 +41,8 @@ use tracing::warn;
 pub use shm::force_map_failures_for_tests;
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
-    INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute, ShmStream, ShmWatch,
-    WatchOffer, ctl::exchange as shm_ctl_exchange, ctl::open_subscription as shm_open_subscription,
+    CallRecv, CallSend, INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute,
+    ShmStream, ShmWatch, WatchOffer, open_socket_request, ctl::exchange as shm_ctl_exchange, ctl::open_subscription as shm_open_subscription,
     ctl::read_event as shm_read_event, memfds_work,
 };
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
@@ -568,13 +568,13 @@ where
 
 /// The one "the pair's channel first, then QUIC" step every transfer takes: when the pair
 /// with `peer` runs a channel other than QUIC, runs `transfer` on its route, timed as `timed`
-/// (see [`attempt`]). `Ok(None)`: do it over QUIC (the pair runs QUIC, or the channel left
+/// when it is a transfer (see [`attempt`]; a request of a service kind is not). `Ok(None)`: do it over QUIC (the pair runs QUIC, or the channel left
 /// this transfer to QUIC); `Err` final.
 pub(crate) async fn first<T, L, LF>(
     ctx: &NodeCtx,
     peer: &EndpointId,
     links: L,
-    timed: TransferKind,
+    timed: Option<TransferKind>,
     transfer: impl AsyncFnOnce(&Route) -> Result<T, ChannelError>,
 ) -> Result<Option<T>>
 where
@@ -595,28 +595,28 @@ where
 pub(crate) async fn attempt<T>(
     ctx: &NodeCtx,
     route: &Route,
-    timed: TransferKind,
+    timed: Option<TransferKind>,
     transfer: impl Future<Output = Result<T, ChannelError>>,
 ) -> Result<Option<T>> {
     let (peer, kind) = (route.peer(), route.kind());
-    let timer = ctx.metrics.start_transfer(timed);
+    let timer = timed.map(|timed| ctx.metrics.start_transfer(timed));
     let result = transfer.await;
     match result {
         Ok(done) => {
-            timer.ok();
+            timer.map(|t| t.ok());
             ctx.channels.succeeded(&peer, kind);
             Ok(Some(done))
         }
         Err(ChannelError::Final(err)) => {
-            timer.error();
+            timer.map(|t| t.error());
             Err(err)
         }
         Err(ChannelError::ViaQuic) => {
-            timer.discard();
+            timer.map(|t| t.discard());
             Ok(None)
         }
         Err(ChannelError::Fallback(err)) => {
-            timer.discard();
+            timer.map(|t| t.discard());
             let backoff = ctx.channels.failed(&peer, kind);
             tracing::warn!(peer = %peer.fmt_short(), channel = kind.as_str(), %err,
                 retry_in = ?backoff, "channel failed: this transfer and the next go over QUIC");

@@ -29,7 +29,7 @@ use iroh::{
 use tb_proto::{Access, DataRequest, DataResponse, ErrorCode, RequestKind};
 
 use super::{pull, push, reply_error, upload};
-use crate::{channel, ctx::NodeCtx, error::Error, wire};
+use crate::{RequestRecv, RequestSend, channel, ctx::NodeCtx, error::Error, wire};
 
 /// The future a [`Service`] answers one stream with.
 pub type ServiceFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
@@ -43,6 +43,39 @@ pub type ServiceFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 pub trait Service: Send + Sync + 'static {
     /// Answers one admitted request.
     fn serve<'a>(&'a self, node: &'a ServeCtx, stream: ServiceStream) -> ServiceFuture<'a>;
+
+    /// Answers one admitted request that came on the pair's same-host socket instead of the
+    /// link ([`Node::open_request`](crate::Node::open_request) takes it when the pair runs
+    /// shm): the future, as [`serve`](Self::serve)'s, or the stream handed back when this
+    /// service answers on links only (the default), in which case the peer is told
+    /// `Unsupported` there and sends the request on the link instead.
+    fn serve_local<'a>(
+        &'a self,
+        node: &'a ServeCtx,
+        stream: LocalStream,
+    ) -> Result<ServiceFuture<'a>, LocalStream> {
+        let _ = node;
+        Err(stream)
+    }
+}
+
+/// One admitted request on a same-host connection, as [`Service::serve_local`] gets it: the
+/// same frames and bytes as on a QUIC stream, on [`RequestSend`] and [`RequestRecv`] (the
+/// connection goes back to serving the peer's next request once both directions ended, and
+/// closes otherwise).
+#[derive(Debug)]
+pub struct LocalStream {
+    /// The request: the peer's access allows it and it passed `DataRequest::validate`
+    /// within this node's size limit.
+    pub request: DataRequest,
+    /// The peer whose connection it came on (admitted by its token and user).
+    pub peer: EndpointId,
+    /// What the peer proved on its link.
+    pub access: Access,
+    /// Where the answer goes.
+    pub send: RequestSend,
+    /// The rest of what the peer sends.
+    pub recv: RequestRecv,
 }
 
 /// One admitted request and its stream, as a [`Service`] gets it.
@@ -159,7 +192,7 @@ impl Services {
     }
 
     /// The service for `kind`, if any.
-    fn get(&self, kind: RequestKind) -> Option<Arc<dyn Service>> {
+    pub(crate) fn get(&self, kind: RequestKind) -> Option<Arc<dyn Service>> {
         self.read().get(&kind).cloned()
     }
 

@@ -37,6 +37,7 @@
 //! - a pull from a holder that proved only read-only access, and every push, is hashed on
 //!   every core before anyone sees the bytes; a mismatch is `Corrupt`.
 //!
+mod call;
 mod client;
 pub(crate) mod ctl;
 mod peer_maps;
@@ -58,6 +59,7 @@ use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKE
 
 pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionFill, RegionWriter};
+pub(crate) use call::{CallRecv, CallSend, open_socket_request};
 pub(crate) use serve::spawn_listener;
 pub(crate) use socket::ShmStream;
 pub(crate) use watch::{ShmWatch, WatchOffer};

@@ -57,7 +57,7 @@ pub(crate) fn spawn_listener(ctx: &Arc<NodeCtx>, shm: &Arc<Shm>) -> Result<()> {
 
 /// Admits a connection (same user, valid token) and serves its requests until it closes or
 /// stays idle past the idle timeout.
-async fn serve_connection(ctx: &NodeCtx, shm: &Shm, mut conn: ShmStream) {
+async fn serve_connection(ctx: &Arc<NodeCtx>, shm: &Shm, mut conn: ShmStream) {
     let (peer, access) = match admit(ctx, shm, &mut conn).await {
         Ok(admitted) => admitted,
         Err(err) => {
@@ -73,6 +73,14 @@ async fn serve_connection(ctx: &NodeCtx, shm: &Shm, mut conn: ShmStream) {
                 .await
         });
         let Ok(request) = read.await else { return };
+        // A request of a service kind takes the connection over until it ends.
+        if matches!(request, DataRequest::Call { .. }) {
+            match serve_service(ctx, conn, peer, access, request).await {
+                Some(back) => conn = back,
+                None => return,
+            }
+            continue;
+        }
         if let Err(err) = serve_request(ctx, &mut conn, peer, access, request).await {
             debug!(peer = %peer.fmt_short(), %err, "same-host connection closed");
             return;
@@ -122,6 +130,67 @@ async fn admit(ctx: &NodeCtx, shm: &Shm, conn: &mut ShmStream) -> Result<(Endpoi
     Ok((peer, access))
 }
 
+/// Hands a request of a service kind (admitted as on a link) to the service for its kind
+/// with the connection as its stream ([`Service::serve_local`](crate::Service)); a refusal
+/// is its first answer. Returns the connection once both directions ended cleanly, `None`
+/// when it must close.
+async fn serve_service(
+    ctx: &Arc<NodeCtx>,
+    conn: ShmStream,
+    peer: EndpointId,
+    access: Access,
+    request: DataRequest,
+) -> Option<ShmStream> {
+    let (back, returned) = tokio::sync::oneshot::channel();
+    let (send, recv) = super::call::halves(conn, super::call::Back::Serve(back));
+    let (mut send, recv) = (crate::RequestSend::from(send), crate::RequestRecv::from(recv));
+    let kind = request.kind();
+    let refusal = match crate::serve::admit_request(ctx, access, &request) {
+        Err(refused) => Some(refused),
+        Ok(()) => match ctx.services.get(kind) {
+            None => Some((
+                ErrorCode::Unsupported,
+                format!("this node serves no {kind} requests"),
+            )),
+            Some(service) => {
+                let node = crate::ServeCtx::new(ctx.clone());
+                let stream = crate::LocalStream {
+                    request,
+                    peer,
+                    access,
+                    send,
+                    recv,
+                };
+                match service.serve_local(&node, stream) {
+                    Ok(serving) => {
+                        serving.await;
+                        return returned.await.ok();
+                    }
+                    // Served on links only: the peer sends it there.
+                    Err(stream) => {
+                        send = stream.send;
+                        drop(stream.recv);
+                        Some((
+                            ErrorCode::Unsupported,
+                            format!("{kind} requests are served on the link only"),
+                        ))
+                    }
+                }
+            }
+        },
+    };
+    if let Some((code, message)) = refusal {
+        let stall = ctx.config.stall_timeout;
+        let refused = DataResponse::Error { code, message };
+        if send.write_frame_within(&refused, stall).await.is_ok() {
+            let _ = within(stall, "a refusal", send.finish()).await;
+        }
+    }
+    drop(send);
+    // The peer's unread request bytes keep the connection from being served again.
+    None
+}
+
 /// Serves one request. `Err`: the connection must close (the protocol broke, or bytes of a
 /// refused push are still on it).
 async fn serve_request(
@@ -160,7 +229,7 @@ async fn serve_request(
         DataRequest::Channels { .. } | DataRequest::TcpPull { .. } | DataRequest::Pieces { .. } => {
             Err(Error::Io("a channel request on a same-host socket".into()))
         }
-        // Calls are served by the service table, on the pooled QUIC link.
+        // Taken by `serve_service` before this.
         DataRequest::Call { .. } => Err(Error::Io("a call on a same-host socket".into())),
         DataRequest::Ctl => {
             let node = crate::auth::node_id(&peer);

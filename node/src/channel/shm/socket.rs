@@ -47,6 +47,30 @@ impl ShmStream {
         }
     }
 
+    /// The socket and the bytes read from it but not yet consumed (a request's stream
+    /// takes them over: `call`); descriptors waiting for a frame are dropped.
+    pub(crate) fn into_parts(self) -> (UnixStream, Vec<u8>) {
+        let ShmStream {
+            stream,
+            mut buf,
+            start,
+            ..
+        } = self;
+        buf.drain(..start);
+        (stream, buf)
+    }
+
+    /// A connection over `stream` whose next bytes are `buffered` (read before, not yet
+    /// consumed).
+    pub(crate) fn from_parts(stream: UnixStream, buffered: Vec<u8>) -> Self {
+        ShmStream {
+            stream,
+            buf: buffered,
+            start: 0,
+            fds: VecDeque::new(),
+        }
+    }
+
     /// The socket, for its peer credentials.
     pub(crate) fn socket(&self) -> &UnixStream {
         &self.stream

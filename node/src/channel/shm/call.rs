@@ -1,0 +1,531 @@
+//! Requests of a service kind (a remote call: [`Node::open_request`](crate::Node::open_request))
+//! on a same-host connection: the pair's socket instead of a QUIC stream, a fraction of a QUIC
+//! round trip (no encryption, acknowledgements or endpoint task between the two processes).
+//!
+//! After the `DataRequest` frame, each direction is a sequence of chunks, `[u32 LE length]`
+//! then that many bytes, up to [`MAX_CHUNK`]: a length of 0 ends the direction (a QUIC
+//! stream's finish) and [`RESET`] aborts it. A connection is pooled again (the caller's) or
+//! served again (the server's) only when both directions ended with their end chunk and
+//! nothing was left half written; anything else (a cancelled call, a dropped half, a peer
+//! gone) closes it, which the other side reads as the peer gone: the server's
+//! [`stopped`](CallSend::stopped) completes, the caller's read fails.
+//!
+//! The reading state lives behind a lock that is never held across an await, so
+//! [`CallSend::stopped`] can consume the peer's end chunk while nothing else reads (a unary
+//! call's server reads the arguments, then only watches for the caller going).
+
+use std::{
+    io::IoSlice,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use std::time::Duration;
+
+use iroh::EndpointId;
+use rustix::net::{RecvFlags, SendFlags};
+use tb_proto::{DataRequest, DataResponse, ErrorCode, frame};
+use tokio::{io::Interest, net::UnixStream, sync::oneshot};
+
+use super::{Shm, ShmRoute, socket::ShmStream, socket::within};
+use crate::{
+    RequestRecv, RequestStream,
+    channel::ChannelError,
+    ctx::NodeCtx,
+    error::{Error, Result},
+};
+
+/// Most bytes one chunk carries (a larger length breaks the protocol).
+pub(crate) const MAX_CHUNK: usize = 4 << 20;
+/// The length that aborts a direction.
+const RESET: u32 = u32::MAX;
+/// Room the reading buffer has for each `recv`.
+const READ_PIECE: usize = 64 << 10;
+/// Reads at least this large go from the socket straight into the reader's buffer.
+const DIRECT_MIN: usize = 16 << 10;
+
+/// Where a connection goes once a request on it ended cleanly.
+pub(crate) enum Back {
+    /// The caller's: into the pool, for its next request to `peer`.
+    Pool(Arc<Shm>, EndpointId),
+    /// The server's: back to the loop that serves the connection.
+    Serve(oneshot::Sender<ShmStream>),
+}
+
+/// The two halves of one request's connection.
+pub(crate) fn halves(conn: ShmStream, back: Back) -> (CallSend, CallRecv) {
+    let (stream, leftover) = conn.into_parts();
+    let shared = Arc::new(Shared {
+        stream: Some(stream),
+        heard: Arc::new(AtomicU64::new(0)),
+        reader: Mutex::new(Reader::new(leftover)),
+        written: Mutex::new(Written::Open),
+        back: Mutex::new(Some(back)),
+    });
+    let send = CallSend {
+        shared: shared.clone(),
+    };
+    (send, CallRecv { shared })
+}
+
+struct Shared {
+    /// `None` only while the last half drops (the connection is handed back then).
+    stream: Option<UnixStream>,
+    /// Bytes read from the peer (how a caller tells a quiet peer from a lost one).
+    heard: Arc<AtomicU64>,
+    reader: Mutex<Reader>,
+    written: Mutex<Written>,
+    back: Mutex<Option<Back>>,
+}
+
+/// How far this side's direction got.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Written {
+    Open,
+    /// A chunk went out in part (a write failed or was cancelled): the connection is done.
+    Torn,
+    /// The end chunk went out.
+    Ended,
+}
+
+/// What was read of the peer's direction and not yet consumed: `buf[start..end]`.
+struct Reader {
+    buf: Vec<u8>,
+    start: usize,
+    end_at: usize,
+    /// Bytes left of the current chunk (0: a length comes next).
+    left: usize,
+    /// The peer's end chunk was consumed.
+    end: bool,
+    /// Why nothing more can be read (the peer closed, reset, or broke the protocol).
+    gone: Option<String>,
+}
+
+impl Reader {
+    fn new(leftover: Vec<u8>) -> Self {
+        let end_at = leftover.len();
+        Reader {
+            buf: leftover,
+            start: 0,
+            end_at,
+            left: 0,
+            end: false,
+            gone: None,
+        }
+    }
+
+    fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end_at]
+    }
+
+    /// Consumes the lengths buffered at chunk boundaries (empty chunks never come: a
+    /// length of 0 is the end).
+    fn parse(&mut self) {
+        while self.left == 0 && !self.end && self.gone.is_none() {
+            let Some(prefix) = self.buffered().first_chunk::<4>() else {
+                return;
+            };
+            let len = u32::from_le_bytes(*prefix);
+            self.start += 4;
+            match len {
+                0 => self.end = true,
+                RESET => self.gone = Some("the peer abandoned the request".into()),
+                n if n as usize > MAX_CHUNK => {
+                    self.gone = Some(format!("a chunk of {n} bytes (the most is {MAX_CHUNK})"));
+                }
+                n => self.left = n as usize,
+            }
+        }
+    }
+
+    /// Copies buffered bytes of the current chunk into `dest`.
+    fn take(&mut self, dest: &mut [u8]) -> usize {
+        let n = dest.len().min(self.left).min(self.buffered().len());
+        dest[..n].copy_from_slice(&self.buffered()[..n]);
+        self.start += n;
+        self.left -= n;
+        n
+    }
+
+    /// One non-blocking `recv` of what the socket holds into the buffer: `true` when
+    /// something happened (bytes came, or the peer is gone), `false` when nothing is there
+    /// yet (the socket's readiness is cleared).
+    fn fill(&mut self, stream: &UnixStream, heard: &AtomicU64) -> bool {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end_at, 0);
+            self.end_at -= self.start;
+            self.start = 0;
+        }
+        if self.buf.len() - self.end_at < READ_PIECE / 2 {
+            self.buf.resize(self.end_at + READ_PIECE, 0);
+        }
+        let at = self.end_at;
+        let got = stream.try_io(Interest::READABLE, || {
+            rustix::net::recv(stream, &mut self.buf[at..], RecvFlags::empty())
+                .map(|(n, _)| n)
+                .map_err(std::io::Error::from)
+        });
+        match got {
+            Ok(0) => self.gone = Some("the peer closed the connection".into()),
+            Ok(n) => {
+                self.end_at += n;
+                heard.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) => self.gone = Some(format!("reading from a same-host peer: {e}")),
+        }
+        true
+    }
+}
+
+impl Shared {
+    fn stream(&self) -> Result<&UnixStream> {
+        self.stream
+            .as_ref()
+            .ok_or_else(|| Error::Io("the same-host connection is gone".into()))
+    }
+
+    fn reader(&self) -> MutexGuard<'_, Reader> {
+        self.reader.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn written(&self) -> MutexGuard<'_, Written> {
+        self.written.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Shared {
+    /// Hands the connection back when both directions ended cleanly (the peer's end chunk
+    /// read, or waiting in the socket: read now without blocking); else it closes here.
+    fn drop(&mut self) {
+        let Some(stream) = self.stream.take() else {
+            return;
+        };
+        let heard = self.heard.clone();
+        let reader = self.reader.get_mut().unwrap_or_else(|p| p.into_inner());
+        reader.parse();
+        if !reader.end && reader.left == 0 && reader.gone.is_none() && reader.fill(&stream, &heard)
+        {
+            reader.parse();
+        }
+        let written = *self.written.get_mut().unwrap_or_else(|p| p.into_inner());
+        let clean = reader.end && reader.gone.is_none() && written == Written::Ended;
+        let back = self.back.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        let (true, Some(back)) = (clean, back) else {
+            return;
+        };
+        let leftover = reader.buffered().to_vec();
+        let conn = ShmStream::from_parts(stream, leftover);
+        match back {
+            Back::Pool(shm, peer) => shm.put_idle(peer, conn),
+            Back::Serve(tx) => {
+                let _ = tx.send(conn);
+            }
+        }
+    }
+}
+
+/// This side's direction of a request on a same-host connection.
+pub(crate) struct CallSend {
+    shared: Arc<Shared>,
+}
+
+impl CallSend {
+    /// Writes `bytes` (nothing for none).
+    pub(crate) async fn write_all(&mut self, bytes: &[u8]) -> Result<()> {
+        self.write_parts(&[], &[bytes], false).await
+    }
+
+    /// Writes `prefix` as it is (a frame before the chunks begin), then `parts` as chunks
+    /// (one for all of them when they fit in one), then the end chunk when `end`: one
+    /// `sendmsg` for all of it when it fits.
+    pub(crate) async fn write_parts(
+        &mut self,
+        prefix: &[u8],
+        parts: &[&[u8]],
+        end: bool,
+    ) -> Result<()> {
+        if *self.shared.written() != Written::Open {
+            return Err(Error::Io("writing a same-host request that ended".into()));
+        }
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let one = total <= MAX_CHUNK;
+        let chunks: Vec<&[u8]> = match one {
+            true => parts.to_vec(),
+            false => parts.iter().flat_map(|p| p.chunks(MAX_CHUNK)).collect(),
+        };
+        // The lengths first (the pieces borrow them), then the pieces in order.
+        let lens: Vec<[u8; 4]> = match one {
+            true if total > 0 => vec![(total as u32).to_le_bytes()],
+            true => Vec::new(),
+            false => chunks.iter().map(|c| (c.len() as u32).to_le_bytes()).collect(),
+        };
+        let end_len = 0u32.to_le_bytes();
+        let mut pieces: Vec<&[u8]> = Vec::with_capacity(chunks.len() * 2 + 2);
+        pieces.push(prefix);
+        match one {
+            true => {
+                pieces.extend(lens.iter().map(|l| &l[..]));
+                pieces.extend(chunks.iter().copied());
+            }
+            false => {
+                for (len, chunk) in lens.iter().zip(&chunks) {
+                    pieces.push(len);
+                    pieces.push(chunk);
+                }
+            }
+        }
+        if end {
+            pieces.push(&end_len);
+        }
+        *self.shared.written() = Written::Torn;
+        send_all(self.shared.stream()?, &pieces).await?;
+        *self.shared.written() = if end { Written::Ended } else { Written::Open };
+        Ok(())
+    }
+
+    /// Ends this direction (the peer reads its end); again: nothing.
+    pub(crate) async fn finish(&mut self) -> Result<()> {
+        if *self.shared.written() == Written::Ended {
+            return Ok(());
+        }
+        self.write_parts(&[], &[], true).await
+    }
+
+    /// Completes when the peer is gone (it closed the connection: a cancelled call) or broke
+    /// the protocol; also consumes the peer's end chunk when nothing else reads.
+    pub(crate) fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let shared = self.shared.clone();
+        async move {
+            // Bounded by the peer: each round reads what arrived or waits for more.
+            loop {
+                {
+                    let Ok(stream) = shared.stream() else { return };
+                    let mut reader = shared.reader();
+                    reader.parse();
+                    // Bytes after the peer's end, before this side's: the protocol broke.
+                    let after_end = reader.end && !reader.buffered().is_empty();
+                    if reader.gone.is_some() || after_end {
+                        return;
+                    }
+                    // Mid-chunk bytes are the other half's to read; only a peer that ended
+                    // its direction, or whose next length is due, is read here.
+                    let idle = reader.end || reader.left == 0;
+                    if idle && reader.fill(stream, &shared.heard) {
+                        continue;
+                    }
+                }
+                let Ok(stream) = shared.stream() else { return };
+                match stream.ready(Interest::READABLE).await {
+                    Ok(ready) if ready.is_read_closed() => return,
+                    Ok(_) => {
+                        // The other half reads these bytes; look again after it had a turn.
+                        let read_now = shared.reader().left > 0;
+                        if read_now {
+                            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+        }
+    }
+}
+
+/// The peer's direction of a request on a same-host connection.
+pub(crate) struct CallRecv {
+    shared: Arc<Shared>,
+}
+
+impl CallRecv {
+    /// Reads into `dest`: `Some(n)` bytes, or `None` at the peer's end. Cancel-safe.
+    pub(crate) async fn read(&mut self, dest: &mut [u8]) -> Result<Option<usize>> {
+        if dest.is_empty() {
+            return Ok(Some(0));
+        }
+        // Bounded by the peer: each round reads what arrived or waits for more.
+        loop {
+            {
+                let stream = self.shared.stream()?;
+                let mut reader = self.shared.reader();
+                reader.parse();
+                if reader.left > 0 && !reader.buffered().is_empty() {
+                    return Ok(Some(reader.take(dest)));
+                }
+                if reader.end {
+                    return Ok(None);
+                }
+                if let Some(why) = &reader.gone {
+                    return Err(Error::Io(why.clone()));
+                }
+                if reader.left >= DIRECT_MIN && dest.len() >= DIRECT_MIN {
+                    let n = dest.len().min(reader.left);
+                    match read_direct(stream, &mut dest[..n], &self.shared.heard) {
+                        Ok(Some(n)) => {
+                            reader.left -= n;
+                            return Ok(Some(n));
+                        }
+                        Ok(None) => {}
+                        Err(why) => {
+                            reader.gone = Some(why.clone());
+                            return Err(Error::Io(why));
+                        }
+                    }
+                } else if reader.fill(stream, &self.shared.heard) {
+                    continue;
+                }
+            }
+            self.shared
+                .stream()?
+                .readable()
+                .await
+                .map_err(|e| Error::io("reading from a same-host peer", e))?;
+        }
+    }
+
+    /// Reads exactly `dest.len()` bytes; the peer's end before them is an error.
+    pub(crate) async fn read_exact(&mut self, dest: &mut [u8]) -> Result<()> {
+        let mut at = 0;
+        // Bounded: each round reads at least one byte or fails.
+        while at < dest.len() {
+            match self.read(&mut dest[at..]).await? {
+                Some(n) => at += n,
+                None => {
+                    return Err(Error::Io(format!(
+                        "the peer ended its side after {at} of {} bytes",
+                        dest.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A counter of the bytes read from the peer.
+    pub(crate) fn heard(&self) -> Arc<AtomicU64> {
+        self.shared.heard.clone()
+    }
+}
+
+/// One non-blocking `recv` straight into `dest`: `Ok(None)` when nothing is there yet.
+fn read_direct(
+    stream: &UnixStream,
+    dest: &mut [u8],
+    heard: &AtomicU64,
+) -> std::result::Result<Option<usize>, String> {
+    let got = stream.try_io(Interest::READABLE, || {
+        rustix::net::recv(stream, &mut *dest, RecvFlags::empty())
+            .map(|(n, _)| n)
+            .map_err(std::io::Error::from)
+    });
+    match got {
+        Ok(0) => Err("the peer closed the connection".into()),
+        Ok(n) => {
+            heard.fetch_add(n as u64, Ordering::Relaxed);
+            Ok(Some(n))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(format!("reading from a same-host peer: {e}")),
+    }
+}
+
+/// Writes every piece in order (`sendmsg` with as many as one call takes).
+async fn send_all(stream: &UnixStream, pieces: &[&[u8]]) -> Result<()> {
+    let (mut piece, mut at) = (0, 0);
+    // Bounded: each round sends at least one byte or fails.
+    while piece < pieces.len() {
+        if at == pieces[piece].len() {
+            piece += 1;
+            at = 0;
+            continue;
+        }
+        let iov: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&pieces[piece][at..]))
+            .chain(pieces[piece + 1..].iter().map(|p| IoSlice::new(p)))
+            .take(64)
+            .collect();
+        let sent = stream
+            .async_io(Interest::WRITABLE, || {
+                rustix::net::sendmsg(stream, &iov, &mut Default::default(), SendFlags::NOSIGNAL)
+                    .map_err(std::io::Error::from)
+            })
+            .await
+            .map_err(|e| Error::io("writing to a same-host peer", e))?;
+        if sent == 0 {
+            return Err(Error::Io("same-host peer: socket closed".into()));
+        }
+        let mut left = sent;
+        while left > 0 && piece < pieces.len() {
+            let here = (pieces[piece].len() - at).min(left);
+            at += here;
+            left -= here;
+            if at == pieces[piece].len() {
+                piece += 1;
+                at = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Opens a request of a service kind on a same-host connection to `route`'s peer: writes
+/// `request`, then `preamble` as one chunk (then the end chunk when `finish`) in one
+/// `sendmsg`, and reads the first answer within `timeout`. A pooled connection that the peer
+/// closed while it was idle (nothing read back, not even an answer) is tried once more on a
+/// new one. `ViaQuic` when the peer serves the kind on its link only (`Unsupported`);
+/// `Fallback` when the socket failed.
+pub(crate) async fn open_socket_request(
+    ctx: &NodeCtx,
+    route: &ShmRoute,
+    request: &DataRequest,
+    preamble: &[&[u8]],
+    finish: bool,
+    timeout: Duration,
+) -> std::result::Result<RequestStream, ChannelError> {
+    let peer = route.peer;
+    let what = format!("a {} request to {} (shm)", request.kind(), peer.fmt_short());
+    let head = frame::encode(request)
+        .map_err(|e| ChannelError::Final(Error::io("encoding a frame", e)))?;
+    let stall = ctx.config.stall_timeout;
+    for attempt in 0..2 {
+        let pooled = route.shm.take_idle(&peer);
+        let retry = pooled.is_some() && attempt == 0;
+        let conn = match pooled {
+            Some(conn) => conn,
+            None => super::client::connection(ctx, route, peer).await?,
+        };
+        let (mut send, recv) = halves(conn, Back::Pool(route.shm.clone(), peer));
+        let heard = recv.heard();
+        let written = within(stall, &what, send.write_parts(&head, preamble, finish)).await;
+        let mut recv = RequestRecv::from(recv);
+        let answer = match written {
+            Err(_) if retry => continue,
+            Err(e) => return Err(ChannelError::Fallback(e)),
+            Ok(()) => tokio::time::timeout(timeout, recv.read_frame::<DataResponse>()).await,
+        };
+        match answer {
+            Err(_) => {
+                let e = Error::timeout(format!("answer for {what}"), timeout);
+                return Err(ChannelError::Final(e));
+            }
+            Ok(Err(_)) if retry && heard.load(Ordering::Relaxed) == 0 => continue,
+            Ok(Err(e)) => return Err(ChannelError::Fallback(e.into_error(&what))),
+            Ok(Ok(DataResponse::Error {
+                code: ErrorCode::Unsupported,
+                ..
+            })) => return Err(ChannelError::ViaQuic),
+            Ok(Ok(answer)) => {
+                return Ok(RequestStream {
+                    send: send.into(),
+                    recv,
+                    answer,
+                    link: None,
+                });
+            }
+        }
+    }
+    Err(ChannelError::Fallback(Error::Io(format!(
+        "{what}: the pooled connection and a new one both failed"
+    ))))
+}

@@ -1,0 +1,241 @@
+//! [`RequestSend`] and [`RequestRecv`]: the two directions of a request of a service kind
+//! ([`Node::open_request`](crate::Node::open_request) on the caller's side, a [`Service`]'s
+//! [`LocalStream`] or [`ServiceStream`](crate::ServiceStream) on the server's). Between two
+//! nodes on one host they are a connection of the pair's same-host socket; otherwise a QUIC
+//! stream of the pair's pooled link. Both carry the same bytes and frames: a service written
+//! against these types serves both.
+//!
+//! [`Service`]: crate::Service
+//! [`LocalStream`]: crate::LocalStream
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{Arc, atomic::AtomicU64},
+    time::Duration,
+};
+
+use iroh::endpoint::{RecvStream, SendStream};
+use serde::{Serialize, de::DeserializeOwned};
+use tb_proto::frame;
+
+use crate::error::{Error, Result};
+
+/// A future that completes when the peer stopped listening (see [`RequestSend::stopped`]).
+pub type Stopped = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// What this side sends of a request's stream.
+pub struct RequestSend(SendHalf);
+
+enum SendHalf {
+    Quic(SendStream),
+    #[cfg(target_os = "linux")]
+    Socket(crate::channel::CallSend),
+}
+
+impl std::fmt::Debug for RequestSend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            SendHalf::Quic(_) => "RequestSend(quic)",
+            #[cfg(target_os = "linux")]
+            SendHalf::Socket(_) => "RequestSend(socket)",
+        })
+    }
+}
+
+impl From<SendStream> for RequestSend {
+    fn from(stream: SendStream) -> Self {
+        RequestSend(SendHalf::Quic(stream))
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl From<crate::channel::CallSend> for RequestSend {
+    fn from(half: crate::channel::CallSend) -> Self {
+        RequestSend(SendHalf::Socket(half))
+    }
+}
+
+impl RequestSend {
+    /// Writes all of `bytes`.
+    pub async fn write_all(&mut self, bytes: &[u8]) -> Result<()> {
+        match &mut self.0 {
+            SendHalf::Quic(s) => s
+                .write_all(bytes)
+                .await
+                .map_err(|e| Error::io("sending on a stream", e)),
+            #[cfg(target_os = "linux")]
+            SendHalf::Socket(s) => s.write_all(bytes).await,
+        }
+    }
+
+    /// Writes one length-prefixed frame.
+    pub async fn write_frame<T: Serialize>(&mut self, msg: &T) -> Result<()> {
+        let bytes = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
+        self.write_all(&bytes).await
+    }
+
+    /// Writes one frame, failing with `Timeout` if the peer does not take it within `stall`
+    /// (a server's every write is bounded: a peer that stops reading cannot hold it).
+    pub async fn write_frame_within<T: Serialize>(
+        &mut self,
+        msg: &T,
+        stall: Duration,
+    ) -> Result<()> {
+        match tokio::time::timeout(stall, self.write_frame(msg)).await {
+            Ok(written) => written,
+            Err(_) => Err(Error::timeout("a peer taking a frame", stall)),
+        }
+    }
+
+    /// Ends this direction: the peer reads the end after what was written. Again: nothing.
+    pub async fn finish(&mut self) -> Result<()> {
+        match &mut self.0 {
+            // QUIC queues the end; it rides in the last packet.
+            SendHalf::Quic(s) => match s.finish() {
+                Ok(()) => Ok(()),
+                Err(e) => Err(Error::io("finishing a stream", e)),
+            },
+            #[cfg(target_os = "linux")]
+            SendHalf::Socket(s) => s.finish().await,
+        }
+    }
+
+    /// Completes when the peer stopped listening: it cancelled the request or is gone (a
+    /// QUIC stream stopped or reset, the same-host connection closed). Borrows nothing, so
+    /// it can be awaited while this side writes.
+    pub fn stopped(&self) -> Stopped {
+        match &self.0 {
+            SendHalf::Quic(s) => {
+                let stopped = s.stopped();
+                Box::pin(async move {
+                    let _ = stopped.await;
+                })
+            }
+            #[cfg(target_os = "linux")]
+            SendHalf::Socket(s) => Box::pin(s.stopped()),
+        }
+    }
+
+    /// Whether this is a same-host connection (not a QUIC stream).
+    pub fn is_same_host(&self) -> bool {
+        !matches!(self.0, SendHalf::Quic(_))
+    }
+}
+
+/// What the peer sends of a request's stream.
+pub struct RequestRecv(RecvHalf);
+
+enum RecvHalf {
+    Quic(RecvStream),
+    #[cfg(target_os = "linux")]
+    Socket(crate::channel::CallRecv),
+}
+
+impl std::fmt::Debug for RequestRecv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            RecvHalf::Quic(_) => "RequestRecv(quic)",
+            #[cfg(target_os = "linux")]
+            RecvHalf::Socket(_) => "RequestRecv(socket)",
+        })
+    }
+}
+
+impl From<RecvStream> for RequestRecv {
+    fn from(stream: RecvStream) -> Self {
+        RequestRecv(RecvHalf::Quic(stream))
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl From<crate::channel::CallRecv> for RequestRecv {
+    fn from(half: crate::channel::CallRecv) -> Self {
+        RequestRecv(RecvHalf::Socket(half))
+    }
+}
+
+/// Why a frame could not be read.
+#[derive(Debug)]
+pub enum ReadFrameError {
+    /// The stream ended (or failed) before a whole frame arrived.
+    Closed(String),
+    /// The bytes are not a valid frame (too large, malformed).
+    Invalid(tb_proto::FrameError),
+}
+
+impl ReadFrameError {
+    /// The error for this failure, with `context` naming what was being read.
+    pub fn into_error(self, context: &str) -> Error {
+        match self {
+            ReadFrameError::Closed(reason) => Error::Io(format!("{context}: {reason}")),
+            ReadFrameError::Invalid(tb_proto::FrameError::TooLarge { len, max }) => {
+                Error::TooLarge(format!(
+                    "{context}: frame of {len} bytes, the limit is {max}"
+                ))
+            }
+            ReadFrameError::Invalid(e) => Error::Io(format!("{context}: {e}")),
+        }
+    }
+}
+
+impl std::fmt::Display for ReadFrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadFrameError::Closed(reason) => f.write_str(reason),
+            ReadFrameError::Invalid(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl RequestRecv {
+    /// Reads into `buf`: `Some(n)` bytes, `None` at the peer's end. Cancel-safe: a read
+    /// dropped before it completes loses no byte.
+    pub async fn read(&mut self, buf: &mut [u8]) -> Result<Option<usize>> {
+        match &mut self.0 {
+            RecvHalf::Quic(s) => s
+                .read(buf)
+                .await
+                .map_err(|e| Error::io("reading a stream", e)),
+            #[cfg(target_os = "linux")]
+            RecvHalf::Socket(s) => s.read(buf).await,
+        }
+    }
+
+    /// Reads exactly `buf.len()` bytes; the peer's end before them is an error.
+    pub async fn read_exact(&mut self, buf: &mut [u8]) -> Result<()> {
+        match &mut self.0 {
+            RecvHalf::Quic(s) => s
+                .read_exact(buf)
+                .await
+                .map_err(|e| Error::io("reading a stream", e)),
+            #[cfg(target_os = "linux")]
+            RecvHalf::Socket(s) => s.read_exact(buf).await,
+        }
+    }
+
+    /// Reads one length-prefixed frame of at most the control-frame cap, checked before the
+    /// body is allocated.
+    pub async fn read_frame<T: DeserializeOwned>(
+        &mut self,
+    ) -> std::result::Result<T, ReadFrameError> {
+        let mut prefix = [0u8; frame::LEN_PREFIX];
+        let closed = |e: Error| ReadFrameError::Closed(e.to_string());
+        self.read_exact(&mut prefix).await.map_err(closed)?;
+        let len = frame::body_len_within(prefix, frame::MAX_CONTROL_FRAME)
+            .map_err(ReadFrameError::Invalid)?;
+        let mut body = vec![0u8; len];
+        self.read_exact(&mut body).await.map_err(closed)?;
+        frame::decode_body(&body).map_err(ReadFrameError::Invalid)
+    }
+
+    /// A counter of the bytes received from the peer, for a same-host connection (how a
+    /// reader tells a quiet peer from a lost one there; a QUIC stream's is its link's).
+    pub(crate) fn socket_heard(&self) -> Option<Arc<AtomicU64>> {
+        match &self.0 {
+            RecvHalf::Quic(_) => None,
+            #[cfg(target_os = "linux")]
+            RecvHalf::Socket(s) => Some(s.heard()),
+        }
+    }
+}
