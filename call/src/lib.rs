@@ -20,14 +20,16 @@
 //!   `prefetch` and `batch` (one buffer per tensor position).
 //!
 //! How a call flows: the caller looks the function's servers up (a broker's `Servers`
-//! answer, cached for [`caller::STALE`]), picks one, opens a stream on the pooled link and
+//! answer, cached for [`caller::STALE`]), picks one, opens a stream to it
+//! ([`Node::open_request`](tb_node::Node::open_request): a connection of the pair's
+//! same-host socket when both run on one host, else a QUIC stream on the pooled link) and
 //! sends `Call` with the deadline left and — when small — the arguments. The server refuses
 //! (`Busy`, `NotFound`, `Unauthorized`) or accepts before reading any large argument; then
 //! it runs the handler when a slot frees and sends the result items and `Done`. The caller
 //! dropping the stream (a timeout, a cancel) cancels the call on the server.
 //!
-//! Large tensors to a peer on this host do not go on the stream: when the pair's channel is
-//! shm, each tensor of at least [`value::LEND_MIN`] is lent to the peer
+//! The largest tensors to a peer on this host do not go on the stream: when the pair's
+//! channel is shm, each tensor of at least [`value::LEND_MIN`] (1 MiB) is lent to the peer
 //! ([`Node::lend`](tb_node::Node::lend)) and the body names the loan; the reader pulls it over
 //! the channel ([`Node::pull_lent`](tb_node::Node::pull_lent)), which passes the sender's
 //! memfd (nothing on QUIC): up to 16 MiB unsealed, for the reader to copy out of into a

@@ -21,13 +21,14 @@ use tb_proto::{
 };
 
 /// Tensors of at least this many bytes go to a peer on this host as loans (pulled over the
-/// pair's channel), not on the call's stream. Echo calls from Rust between two processes, one
-/// caller / 16 callers: 64 KiB lent 240-243 us / 12,748-14,429 calls/s against 252-257 us /
-/// 5,675-6,455 on the QUIC stream (whose p99 reached 28 ms with 16 callers), 128 KiB 217-290
-/// us against 351-354 us; at 32-48 KiB one caller was faster on the stream (141-172 us
-/// against 207-227 us). A body over 64 KiB also waits for `Accepted` before it is written,
-/// one round trip a loan pays anyway.
-pub const LEND_MIN: usize = 64 << 10;
+/// pair's channel), not on the call's stream, which on one host is a connection of the pair's
+/// same-host socket. Echo calls from Rust between two processes (2-core VM), lent against on
+/// the socket, one caller / 64 callers, calls/s: 64 KiB 4,594 / 12,795 against 9,200 /
+/// 27,309; 256 KiB 3,961 / 5,379 against 4,475 / 9,647; 512 KiB 3,260 / 3,651 against 2,430
+/// / 5,272 (`add_one`: 1,828 / 1,481 against 2,600 / 4,213); 1 MiB 1,672 / 1,931 against 1,229
+/// / 3,024; 4 MiB 614 / 452 against 342 / 586. A loan costs a pull's round trip and a copy
+/// out of the lender's memfd; the socket, a copy into the kernel and one out of it, each way.
+pub const LEND_MIN: usize = 1 << 20;
 
 /// A tensor in host memory, as calls carry it: element type, C-contiguous shape, bytes.
 #[derive(Clone)]

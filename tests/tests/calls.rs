@@ -368,10 +368,21 @@ async fn calls_spread_over_servers_and_an_unserved_or_dead_server_is_not_offered
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_calls_yield_every_item_in_order() {
+    streams_in_order(false).await;
+}
+
+/// The same on a same-host pair's socket, where a stream is a connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_calls_on_the_same_host_socket_yield_every_item_in_order() {
+    streams_in_order(true).await;
+}
+
+async fn streams_in_order(same_host: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let broker = broker(dir.path()).await;
-    let (_s, server) = calls(worker(&broker)).await;
-    let (_c, caller) = calls(worker(&broker)).await;
+    let (config, [taken, _]) = pair(&broker, same_host);
+    let (_s, server) = calls(config.clone()).await;
+    let (_c, caller) = calls(config).await;
     let count = |args: Value, _cx: tb_call::CallContext| {
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(async move {
@@ -396,6 +407,27 @@ async fn streaming_calls_yield_every_item_in_order() {
         got.push(item.expect("an item"));
     }
     assert_eq!(got, (0..50).map(Value::Int).collect::<Vec<_>>());
+    drop(stream);
+    // A stream cut short: the server's handler stops, and a call after it works.
+    let mut cut = within(LIMIT, "stream", caller.stream("count", &Value::Int(1 << 20), 2))
+        .await
+        .expect("starts");
+    let first = within(LIMIT, "item", cut.next()).await;
+    assert_eq!(first.map(|i| i.expect("an item")), Some(Value::Int(0)));
+    drop(cut);
+    let mut again = within(LIMIT, "stream", caller.stream("count", &Value::Int(3), 2))
+        .await
+        .expect("starts");
+    let mut got = Vec::new();
+    while let Some(item) = within(LIMIT, "item", again.next()).await {
+        got.push(item.expect("an item"));
+    }
+    assert_eq!(got, (0..3).map(Value::Int).collect::<Vec<_>>());
+    assert_eq!(server.metrics().streams("server", taken), 3, "on {taken}");
+    let cancelled = eventually_async(LIMIT, || async {
+        server.metrics().count("server", "cancelled") == 1
+    });
+    assert!(cancelled.await, "the cut stream ended its handler");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -529,3 +529,112 @@ pub(crate) async fn open_socket_request(
         "{what}: the pooled connection and a new one both failed"
     ))))
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// This side's halves over one end of a socket pair (handed back on `rx` when clean),
+    /// and the raw other end.
+    fn pair() -> (CallSend, CallRecv, oneshot::Receiver<ShmStream>, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().expect("socket pair");
+        let (tx, rx) = oneshot::channel();
+        let (send, recv) = halves(ShmStream::new(ours), Back::Serve(tx));
+        (send, recv, rx, theirs)
+    }
+
+    fn chunk(bytes: &[u8]) -> Vec<u8> {
+        let mut out = (bytes.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(bytes);
+        out
+    }
+
+    async fn read_all(recv: &mut CallRecv) -> Result<Vec<u8>> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 7];
+        // Bounded by the bytes written in each test.
+        while let Some(n) = recv.read(&mut buf).await? {
+            got.extend_from_slice(&buf[..n]);
+        }
+        Ok(got)
+    }
+
+    #[tokio::test]
+    async fn both_directions_ended_hand_the_connection_back_with_the_bytes_after_them() {
+        let (mut send, mut recv, back, mut theirs) = pair();
+        send.write_parts(b"head", &[b"abc", b"defgh"], true)
+            .await
+            .expect("written");
+        let mut wire = vec![0u8; 4 + 4 + 8 + 4];
+        theirs.read_exact(&mut wire).await.expect("read");
+        let mut want = b"head".to_vec();
+        want.extend(chunk(b"abcdefgh"));
+        want.extend(0u32.to_le_bytes());
+        assert_eq!(wire, want, "the prefix, one chunk for both parts, the end");
+        // Theirs: two chunks, the end, then the next request's first bytes.
+        let mut theirs_out = chunk(b"hello ");
+        theirs_out.extend(chunk(b"world"));
+        theirs_out.extend(0u32.to_le_bytes());
+        theirs_out.extend(b"next");
+        theirs.write_all(&theirs_out).await.expect("write");
+        assert_eq!(read_all(&mut recv).await.expect("read"), b"hello world");
+        drop((send, recv));
+        let mut conn = back.await.expect("handed back: both ends clean");
+        let mut next = [0u8; 4];
+        conn.read_exact(&mut next).await.expect("buffered");
+        assert_eq!(&next, b"next", "what came after the end is the next request's");
+    }
+
+    #[tokio::test]
+    async fn an_unended_direction_closes_the_connection() {
+        let (mut send, recv, back, mut theirs) = pair();
+        send.write_all(b"partial").await.expect("written");
+        theirs.write_all(&0u32.to_le_bytes()).await.expect("write");
+        drop((send, recv));
+        assert!(back.await.is_err(), "not handed back");
+        let mut sent = vec![0u8; chunk(b"partial").len()];
+        theirs.read_exact(&mut sent).await.expect("read");
+        assert_eq!(sent, chunk(b"partial"));
+        let mut more = [0u8; 1];
+        let after = theirs.read(&mut more).await;
+        assert!(matches!(after, Ok(0) | Err(_)), "then closed: {after:?}");
+    }
+
+    #[tokio::test]
+    async fn a_chunk_over_the_limit_a_reset_or_a_close_mid_chunk_fail_the_read() {
+        let too_long = (MAX_CHUNK as u32 + 1).to_le_bytes().to_vec();
+        let reset = RESET.to_le_bytes().to_vec();
+        let mut cut = 10u32.to_le_bytes().to_vec();
+        cut.extend(b"abc");
+        for (wire, why) in [
+            (too_long, "a chunk of"),
+            (reset, "abandoned"),
+            (cut, "closed"),
+        ] {
+            let (send, mut recv, back, mut theirs) = pair();
+            theirs.write_all(&wire).await.expect("write");
+            drop(theirs);
+            let err = read_all(&mut recv).await.expect_err("refused");
+            assert!(err.to_string().contains(why), "{why}: {err}");
+            drop((send, recv));
+            assert!(back.await.is_err(), "{why}: not handed back");
+        }
+    }
+
+    #[tokio::test]
+    async fn stopped_takes_the_peers_end_and_completes_when_it_closes() {
+        let (send, recv, _back, mut theirs) = pair();
+        theirs.write_all(&chunk(b"args")).await.expect("write");
+        theirs.write_all(&0u32.to_le_bytes()).await.expect("write");
+        let stopped = send.stopped();
+        tokio::pin!(stopped);
+        let early = tokio::time::timeout(std::time::Duration::from_millis(50), &mut stopped).await;
+        assert!(early.is_err(), "a peer that ended its side still listens");
+        drop(theirs);
+        let done = tokio::time::timeout(std::time::Duration::from_secs(10), stopped).await;
+        assert!(done.is_ok(), "a closed peer stopped listening");
+        drop((send, recv));
+    }
+}
