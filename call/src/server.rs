@@ -402,14 +402,16 @@ impl Service for CallService {
         &'a self,
         node: &'a ServeCtx,
         stream: LocalStream,
-    ) -> Result<ServiceFuture<'a>, LocalStream> {
+    ) -> Result<ServiceFuture<'a>, Box<LocalStream>> {
         Ok(Box::pin(self.serve_call(node, stream)))
     }
 }
 
 /// Answers a refusal as the call's first answer.
 async fn refuse(send: &mut RequestSend, code: ErrorCode, message: String) {
-    let _ = send.write_frame(&DataResponse::Error { code, message }).await;
+    let _ = send
+        .write_frame(&DataResponse::Error { code, message })
+        .await;
     let _ = send.finish().await;
 }
 
@@ -784,10 +786,7 @@ impl Call<'_> {
         };
         if taken.is_some() {
             let grant = CallFrame::InputCredit(INPUT_WINDOW);
-            if send.write_frame_within(&grant, self.stall)
-                .await
-                .is_err()
-            {
+            if send.write_frame_within(&grant, self.stall).await.is_err() {
                 return Outcome::Gone;
             }
         }
@@ -824,10 +823,7 @@ impl Call<'_> {
                     Wake::Up(Some(Up::Ended) | None) => return Outcome::Cancelled,
                     Wake::Taken => {
                         let grant = CallFrame::InputCredit(1);
-                        if send.write_frame_within(&grant, self.stall)
-                            .await
-                            .is_err()
-                        {
+                        if send.write_frame_within(&grant, self.stall).await.is_err() {
                             return Outcome::Gone;
                         }
                     }

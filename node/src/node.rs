@@ -558,16 +558,22 @@ impl Node {
         self.inner.ctx.services.remove(kind)
     }
 
-    /// Opens a stream to the peer at `addr` on its pooled link (dialing it on first
-    /// contact), writes `request` and then `preamble` (what its service reads right after
-    /// the request, such as a call's inline arguments), finishes the send side when `finish`
-    /// (the request is all this side sends: the end of the stream rides in its last packet
-    /// instead of one of its own), and reads the first answer frame
-    /// within `timeout` (a service that answers at once can be held to less than the node's
-    /// request timeout, so a peer killed under the link is noticed sooner). Redials once when the peer closed the link gracefully
-    /// before answering (it never served the request). The extension point's client half: a
-    /// crate that adds a request kind ([`add_service`](Self::add_service)) calls it with its
-    /// own messages; what follows the first answer is the service's protocol.
+    /// Opens a request's stream to the peer at `addr`: a connection of the pair's same-host
+    /// socket when the pair runs shm and the peer's service takes requests there
+    /// ([`Service::serve_local`](crate::Service::serve_local)), else a stream on its pooled
+    /// link (dialing it on first contact). Writes `request` and then `preamble` (what its
+    /// service reads right after the request, such as a call's inline arguments), finishes
+    /// the send side when `finish` (the request is all this side sends: the end rides with
+    /// it instead of going on its own), and reads the first answer frame within `timeout` (a
+    /// service that answers at once can be held to less than the node's request timeout, so
+    /// a peer killed under the link is noticed sooner). Redials once when the peer closed the
+    /// link (or a pooled connection) gracefully before answering (it never served the
+    /// request); a socket that fails leaves the pair's shm channel aside for a backoff, as
+    /// any transfer's failure does, and the request goes over QUIC. The extension point's
+    /// client half: a crate that adds a request kind ([`add_service`](Self::add_service))
+    /// calls it with its own messages; what follows the first answer is the service's
+    /// protocol, on [`RequestSend`](crate::RequestSend) and
+    /// [`RequestRecv`](crate::RequestRecv).
     pub async fn open_request(
         &self,
         addr: &PeerAddr,

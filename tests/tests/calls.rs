@@ -409,9 +409,13 @@ async fn streams_in_order(same_host: bool) {
     assert_eq!(got, (0..50).map(Value::Int).collect::<Vec<_>>());
     drop(stream);
     // A stream cut short: the server's handler stops, and a call after it works.
-    let mut cut = within(LIMIT, "stream", caller.stream("count", &Value::Int(1 << 20), 2))
-        .await
-        .expect("starts");
+    let mut cut = within(
+        LIMIT,
+        "stream",
+        caller.stream("count", &Value::Int(1 << 20), 2),
+    )
+    .await
+    .expect("starts");
     let first = within(LIMIT, "item", cut.next()).await;
     assert_eq!(first.map(|i| i.expect("an item")), Some(Value::Int(0)));
     drop(cut);

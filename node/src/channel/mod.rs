@@ -42,8 +42,9 @@ pub use shm::force_map_failures_for_tests;
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
     CallRecv, CallSend, INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute,
-    ShmStream, ShmWatch, WatchOffer, open_socket_request, ctl::exchange as shm_ctl_exchange, ctl::open_subscription as shm_open_subscription,
-    ctl::read_event as shm_read_event, memfds_work,
+    ShmStream, ShmWatch, WatchOffer, ctl::exchange as shm_ctl_exchange,
+    ctl::open_subscription as shm_open_subscription, ctl::read_event as shm_read_event,
+    memfds_work, open_socket_request,
 };
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
@@ -603,20 +604,28 @@ pub(crate) async fn attempt<T>(
     let result = transfer.await;
     match result {
         Ok(done) => {
-            timer.map(|t| t.ok());
+            if let Some(timer) = timer {
+                timer.ok();
+            }
             ctx.channels.succeeded(&peer, kind);
             Ok(Some(done))
         }
         Err(ChannelError::Final(err)) => {
-            timer.map(|t| t.error());
+            if let Some(timer) = timer {
+                timer.error();
+            }
             Err(err)
         }
         Err(ChannelError::ViaQuic) => {
-            timer.map(|t| t.discard());
+            if let Some(timer) = timer {
+                timer.discard();
+            }
             Ok(None)
         }
         Err(ChannelError::Fallback(err)) => {
-            timer.map(|t| t.discard());
+            if let Some(timer) = timer {
+                timer.discard();
+            }
             let backoff = ctx.channels.failed(&peer, kind);
             tracing::warn!(peer = %peer.fmt_short(), channel = kind.as_str(), %err,
                 retry_in = ?backoff, "channel failed: this transfer and the next go over QUIC");

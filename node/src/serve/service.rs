@@ -53,9 +53,9 @@ pub trait Service: Send + Sync + 'static {
         &'a self,
         node: &'a ServeCtx,
         stream: LocalStream,
-    ) -> Result<ServiceFuture<'a>, LocalStream> {
+    ) -> Result<ServiceFuture<'a>, Box<LocalStream>> {
         let _ = node;
-        Err(stream)
+        Err(Box::new(stream))
     }
 }
 

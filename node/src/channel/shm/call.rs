@@ -212,7 +212,11 @@ impl Drop for Shared {
         }
         let written = *self.written.get_mut().unwrap_or_else(|p| p.into_inner());
         let clean = reader.end && reader.gone.is_none() && written == Written::Ended;
-        let back = self.back.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        let back = self
+            .back
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         let (true, Some(back)) = (clean, back) else {
             return;
         };
@@ -260,7 +264,10 @@ impl CallSend {
         let lens: Vec<[u8; 4]> = match one {
             true if total > 0 => vec![(total as u32).to_le_bytes()],
             true => Vec::new(),
-            false => chunks.iter().map(|c| (c.len() as u32).to_le_bytes()).collect(),
+            false => chunks
+                .iter()
+                .map(|c| (c.len() as u32).to_le_bytes())
+                .collect(),
         };
         let end_len = 0u32.to_le_bytes();
         let mut pieces: Vec<&[u8]> = Vec::with_capacity(chunks.len() * 2 + 2);
@@ -584,7 +591,10 @@ mod tests {
         let mut conn = back.await.expect("handed back: both ends clean");
         let mut next = [0u8; 4];
         conn.read_exact(&mut next).await.expect("buffered");
-        assert_eq!(&next, b"next", "what came after the end is the next request's");
+        assert_eq!(
+            &next, b"next",
+            "what came after the end is the next request's"
+        );
     }
 
     #[tokio::test]

@@ -57,9 +57,9 @@ use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKET_NAME_LEN};
 
+pub(crate) use call::{CallRecv, CallSend, open_socket_request};
 pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionFill, RegionWriter};
-pub(crate) use call::{CallRecv, CallSend, open_socket_request};
 pub(crate) use serve::spawn_listener;
 pub(crate) use socket::ShmStream;
 pub(crate) use watch::{ShmWatch, WatchOffer};

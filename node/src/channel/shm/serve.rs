@@ -143,7 +143,10 @@ async fn serve_service(
 ) -> Option<ShmStream> {
     let (back, returned) = tokio::sync::oneshot::channel();
     let (send, recv) = super::call::halves(conn, super::call::Back::Serve(back));
-    let (mut send, recv) = (crate::RequestSend::from(send), crate::RequestRecv::from(recv));
+    let (mut send, recv) = (
+        crate::RequestSend::from(send),
+        crate::RequestRecv::from(recv),
+    );
     let kind = request.kind();
     let refusal = match crate::serve::admit_request(ctx, access, &request) {
         Err(refused) => Some(refused),
@@ -168,6 +171,7 @@ async fn serve_service(
                     }
                     // Served on links only: the peer sends it there.
                     Err(stream) => {
+                        let stream = *stream;
                         send = stream.send;
                         drop(stream.recv);
                         Some((

@@ -85,7 +85,8 @@ pub(super) async fn by_channel(
     let ctx = node.ctx();
     let links = || node.link(peer);
     let pull = async |route: &channel::Route| route.pull(ctx, name, Some(version)).await;
-    let Some(pulled) = channel::first(ctx, &peer.id, links, Some(TransferKind::Pull), pull).await? else {
+    let Some(pulled) = channel::first(ctx, &peer.id, links, Some(TransferKind::Pull), pull).await?
+    else {
         return Ok(None);
     };
     if pulled.version != version || pulled.meta != *expected {
