@@ -408,11 +408,9 @@ impl Service for CallService {
 }
 
 /// Answers a refusal as the call's first answer.
-async fn refuse(send: &mut RequestSend, code: ErrorCode, message: String) {
-    let _ = send
-        .write_frame(&DataResponse::Error { code, message })
-        .await;
-    let _ = send.finish().await;
+async fn refuse(send: &mut RequestSend, code: ErrorCode, message: String, stall: Duration) {
+    let refusal = DataResponse::Error { code, message };
+    let _ = send.write_frame_and_finish(&refusal, stall).await;
 }
 
 impl CallService {
@@ -426,11 +424,12 @@ impl CallService {
             ..
         } = stream;
         self.metrics.stream("server", send.is_same_host());
+        let stall = node.stall_timeout();
         let DataRequest::Call { function, head } = request else {
-            return refuse(&mut send, ErrorCode::Internal, "not a call".into()).await;
+            return refuse(&mut send, ErrorCode::Internal, "not a call".into(), stall).await;
         };
         if let Err(e) = head.validate(node.max_tensor_bytes()) {
-            return refuse(&mut send, ErrorCode::TooLarge, e.to_string()).await;
+            return refuse(&mut send, ErrorCode::TooLarge, e.to_string(), stall).await;
         }
         let Some(served) = self
             .table
@@ -438,14 +437,14 @@ impl CallService {
             .filter(|s| !s.closing.is_cancelled())
         else {
             let message = format!("function \"{function}\" is not served by this node");
-            return refuse(&mut send, ErrorCode::NotFound, message).await;
+            return refuse(&mut send, ErrorCode::NotFound, message, stall).await;
         };
         if access == Access::ReadOnly && !served.spec.read_only_callers {
             let message = format!(
                 "function \"{function}\" takes read-write callers only (this caller proved read-only access)"
             );
             self.metrics.ended("server", "refused");
-            return refuse(&mut send, ErrorCode::Unauthorized, message).await;
+            return refuse(&mut send, ErrorCode::Unauthorized, message, stall).await;
         }
         let Some(mut place) = served.admit(&self.metrics) else {
             let load = served.load();
@@ -454,7 +453,7 @@ impl CallService {
                 load.running, load.queued, served.spec.concurrency, served.spec.queue
             );
             self.metrics.ended("server", "overloaded");
-            return refuse(&mut send, ErrorCode::Busy, message).await;
+            return refuse(&mut send, ErrorCode::Busy, message, stall).await;
         };
         let accepted = DataResponse::Accepted {
             load: served.load(),
@@ -533,9 +532,9 @@ impl CallService {
                 CallFrame::Failed(failure)
             }
         };
-        let stall = node.stall_timeout();
-        let _ = send.write_frame_within(&frame, stall).await;
-        let _ = send.finish().await;
+        let _ = send
+            .write_frame_and_finish(&frame, node.stall_timeout())
+            .await;
     }
 }
 
@@ -763,7 +762,11 @@ impl Call<'_> {
             index,
             body_len: encoded.len(),
         };
-        if send.write_frame(&item).await.is_err() || encoded.write(send).await.is_err() {
+        if send
+            .write_frame_then(&item, &encoded.parts())
+            .await
+            .is_err()
+        {
             return (Outcome::Gone, Vec::new());
         }
         let lent = lender.as_ref().map_or(0, Lender::lent_bytes);

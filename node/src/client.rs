@@ -471,7 +471,7 @@ impl RequestStream {
 /// Opens a request to `peer`: on the pair's same-host socket when the pair runs shm and the
 /// peer serves the kind there, else on a stream of a link from `links`; writes `request`
 /// then `preamble` (then finishes the send side when `finish`), and reads the first answer
-/// within `timeout`. Redials once when the peer closed the link (or a pooled connection)
+/// within `timeout` (on a link that keeps receiving meanwhile, up to the request timeout). Redials once when the peer closed the link (or a pooled connection)
 /// gracefully before answering.
 pub(crate) async fn open_request<L, LF>(
     ctx: &NodeCtx,
@@ -537,14 +537,36 @@ where
                 if finish && unwritten.is_none() {
                     let _ = send.finish();
                 }
-                let read = tokio::time::timeout(timeout, wire::read_frame(&mut recv));
-                let answer = match read.await {
-                    Ok(Ok(answer)) => answer,
-                    Ok(Err(e)) => {
+                // The answer can wait behind other streams' bytes on a busy link (many large
+                // calls at once): past `timeout` it is waited for while the link as a whole
+                // still receives, up to the node's request timeout; a quiet link fails it.
+                let conn = link.connection().clone();
+                let heard = || conn.stats().udp_rx.bytes;
+                let longest = timeout.max(ctx.config.request_timeout);
+                let started = tokio::time::Instant::now();
+                let read = {
+                    let read = wire::read_frame(&mut recv);
+                    tokio::pin!(read);
+                    let mut seen = heard();
+                    loop {
+                        match tokio::time::timeout(timeout, &mut read).await {
+                            Ok(read) => break read,
+                            Err(_) if heard() != seen && started.elapsed() < longest => {
+                                seen = heard();
+                            }
+                            Err(_) => {
+                                let waited = started.elapsed();
+                                return Err(Error::timeout(format!("answer for {what}"), waited));
+                            }
+                        }
+                    }
+                };
+                let answer = match read {
+                    Ok(answer) => answer,
+                    Err(e) => {
                         let unread = e.into_error(&format!("answer for {what}")).into();
                         return Err(unwritten.unwrap_or(unread));
                     }
-                    Err(_) => return Err(Error::timeout(format!("answer for {what}"), timeout)),
                 };
                 Ok::<_, Error>((send, recv, answer))
             };

@@ -88,6 +88,56 @@ impl RequestSend {
         }
     }
 
+    /// Writes one frame and then `payload`'s parts right behind it (on a same-host
+    /// connection, one `sendmsg`: one wake-up of the reader, not one per part).
+    pub async fn write_frame_then<T: Serialize>(
+        &mut self,
+        msg: &T,
+        payload: &[&[u8]],
+    ) -> Result<()> {
+        let head = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
+        match &mut self.0 {
+            SendHalf::Quic(_) => {
+                self.write_all(&head).await?;
+                for part in payload {
+                    self.write_all(part).await?;
+                }
+                Ok(())
+            }
+            #[cfg(target_os = "linux")]
+            SendHalf::Socket(s) => {
+                let parts: Vec<&[u8]> = std::iter::once(&head[..])
+                    .chain(payload.iter().copied())
+                    .collect();
+                s.write_parts(&[], &parts, false).await
+            }
+        }
+    }
+
+    /// Writes one frame and ends this direction, within `stall` (on a same-host
+    /// connection, one `sendmsg`).
+    pub async fn write_frame_and_finish<T: Serialize>(
+        &mut self,
+        msg: &T,
+        stall: Duration,
+    ) -> Result<()> {
+        let head = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
+        let written = async {
+            match &mut self.0 {
+                SendHalf::Quic(_) => {
+                    self.write_all(&head).await?;
+                    self.finish().await
+                }
+                #[cfg(target_os = "linux")]
+                SendHalf::Socket(s) => s.write_parts(&[], &[&head], true).await,
+            }
+        };
+        match tokio::time::timeout(stall, written).await {
+            Ok(written) => written,
+            Err(_) => Err(Error::timeout("a peer taking a frame", stall)),
+        }
+    }
+
     /// Ends this direction: the peer reads the end after what was written. Again: nothing.
     pub async fn finish(&mut self) -> Result<()> {
         match &mut self.0 {

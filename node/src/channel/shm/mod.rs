@@ -9,7 +9,8 @@
 //! (`SO_PEERCRED`). Nothing is assumed from an IP address.
 //!
 //! Once connected, the pair's requests (`Pull`, `Push`, `Watch`) travel on the socket in the
-//! same frames as on QUIC ([`socket`]). Pulled payloads up to [`PULL_INLINE_MAX`] (64 KiB),
+//! same frames as on QUIC ([`socket`]); so do requests of a service kind (remote calls), whose
+//! two directions are chunk-framed after the request ([`call`]). Pulled payloads up to [`PULL_INLINE_MAX`] (64 KiB),
 //! and pushed ones and a watch's offers up to [`INLINE_MAX`] (4 MiB), follow inline: a
 //! `pull_into` reads into the caller's buffer, the others into plain memory up to 64 KiB and
 //! above that a memfd from this process's pool, 64 KiB at a time through a bounce buffer
@@ -93,8 +94,13 @@ pub(crate) const PULL_COPY_MAX: usize = 16 << 20;
 /// Inline payloads up to this size are hashed on the runtime's thread (a few microseconds);
 /// larger ones on every core, with the runtime told first ([`verify::check_all`]).
 const HASH_IN_PLACE_MAX: usize = 64 << 10;
-/// Idle client connections kept per peer.
-const MAX_IDLE_PER_PEER: usize = 4;
+/// Idle client connections kept per peer: as many as calls in flight to one server commonly
+/// are (each call takes a connection of its own while it runs; one found idle saves a
+/// connect, a hello and the peer's admission).
+const MAX_IDLE_PER_PEER: usize = 64;
+/// Idle client connections kept over all peers (each holds a descriptor here and a serving
+/// task at the peer, until its idle timeout).
+const MAX_IDLE: usize = 512;
 /// Peers with idle client connections, at most: a peer's entry is dropped with its link, but a
 /// transfer that ends after that may pool its connection again, so the table is bounded too.
 const MAX_IDLE_PEERS: usize = 256;
@@ -245,8 +251,9 @@ impl Shm {
         if idle.len() >= MAX_IDLE_PEERS && !idle.contains_key(&peer) {
             return;
         }
+        let total: usize = idle.values().map(Vec::len).sum();
         let conns = idle.entry(peer).or_default();
-        if conns.len() < MAX_IDLE_PER_PEER {
+        if conns.len() < MAX_IDLE_PER_PEER && total < MAX_IDLE {
             conns.push(conn);
         }
     }

@@ -269,8 +269,11 @@ async fn idle_connections_are_kept_for_a_bounded_number_of_peers() {
     };
     let first = iroh::SecretKey::generate().public();
     shm.put_idle(first, conn());
+    let mut others = Vec::new();
     for _ in 0..super::MAX_IDLE_PEERS + 10 {
-        shm.put_idle(iroh::SecretKey::generate().public(), conn());
+        let peer = iroh::SecretKey::generate().public();
+        shm.put_idle(peer, conn());
+        others.push(peer);
     }
     assert_eq!(shm.idle().len(), super::MAX_IDLE_PEERS);
     // A peer already in the table still pools (up to its own limit); a new one does not.
@@ -281,6 +284,14 @@ async fn idle_connections_are_kept_for_a_bounded_number_of_peers() {
     shm.forget(&first);
     assert!(shm.take_idle(&first).is_none());
     assert_eq!(shm.idle().len(), super::MAX_IDLE_PEERS - 1);
+    // Over all peers, at most `MAX_IDLE` connections wait.
+    for peer in &others[..8] {
+        for _ in 0..super::MAX_IDLE_PER_PEER {
+            shm.put_idle(*peer, conn());
+        }
+    }
+    let total: usize = shm.idle().values().map(Vec::len).sum();
+    assert_eq!(total, super::MAX_IDLE);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
