@@ -424,6 +424,7 @@ impl Caller {
             items,
             credit,
             ended,
+            loans,
         } = feed;
         let read = self.read_item(function, server, &heard, recv, Some(credit));
         tokio::pin!(read);
@@ -431,7 +432,10 @@ impl Caller {
             tokio::select! {
                 got = &mut read => return got,
                 next = next_input(credit, items), if !*ended => match next {
-                    Some(value) => self.write_input(function, server, send, &value).await?,
+                    Some(value) => {
+                        self.write_input(function, server, send, &value, loans)
+                            .await?
+                    }
                     None => {
                         *ended = true;
                         self.write_up(function, server, send, &CallUp::InputEnd).await?;
@@ -449,6 +453,7 @@ impl Caller {
         server: &PeerAddr,
         send: &mut RequestSend,
         value: &Value,
+        loans: &mut std::collections::VecDeque<tb_node::Lent>,
     ) -> Result<(), CallError> {
         let mut lender = Lender::new(&self.node, server.id, crate::server::RESULT_LOAN_TTL);
         let encoded =
@@ -459,14 +464,14 @@ impl Caller {
         let up = CallUp::Input {
             body_len: encoded.len(),
         };
-        self.write_up(function, server, send, &up).await?;
-        let written = encoded.write(send).await;
-        written.map_err(|reason| server_lost(function, server, true, reason))?;
+        let written = send.write_frame_then(&up, &encoded.parts()).await;
+        written.map_err(|e| server_lost(function, server, true, e.to_string()))?;
         self.metrics
             .bytes("out", encoded.len() + lender.lent_bytes());
-        for loan in std::mem::take(&mut lender.loans) {
-            loan.until_pulled();
+        while loans.front().is_some_and(tb_node::Lent::ended) {
+            loans.pop_front();
         }
+        loans.extend(std::mem::take(&mut lender.loans));
         Ok(())
     }
 
@@ -615,6 +620,9 @@ pub(crate) struct InputFeed {
     pub(crate) credit: Semaphore,
     /// `InputEnd` was sent.
     pub(crate) ended: bool,
+    /// The loans of inputs sent (the server pulls each as it reads the input): held until
+    /// pulled or until the stream ends, when those the server never read end with it.
+    pub(crate) loans: std::collections::VecDeque<tb_node::Lent>,
 }
 
 impl InputFeed {
@@ -624,6 +632,7 @@ impl InputFeed {
             items,
             credit: Semaphore::new(0),
             ended: false,
+            loans: Default::default(),
         }
     }
 }

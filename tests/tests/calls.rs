@@ -281,7 +281,11 @@ async fn busy_then_cancelled(same_host: bool) {
                 .await
         })
     };
-    assert!(eventually_async(LIMIT, || async { serving.outstanding() == 1 }).await);
+    // Running its handler (so its argument's bytes are counted already).
+    let holding = eventually_async(LIMIT, || async {
+        serving.outstanding() == 1 && ran.load(Ordering::SeqCst) == 2
+    });
+    assert!(holding.await, "the holder runs");
     let before = server.metrics().count("server", "overloaded");
     let bytes_in = server.metrics().bytes_moved("in");
     let big =
