@@ -471,8 +471,9 @@ impl RequestStream {
 /// Opens a request to `peer`: on the pair's same-host socket when the pair runs shm and the
 /// peer serves the kind there, else on a stream of a link from `links`; writes `request`
 /// then `preamble` (then finishes the send side when `finish`), and reads the first answer
-/// within `timeout` (on a link that keeps receiving meanwhile, up to the request timeout). Redials once when the peer closed the link (or a pooled connection)
-/// gracefully before answering.
+/// within `timeout` (on a link that keeps receiving meanwhile, up to the request timeout).
+/// Redials once when the peer closed the link (or a pooled connection) gracefully before
+/// answering.
 pub(crate) async fn open_request<L, LF>(
     ctx: &NodeCtx,
     peer: &iroh::EndpointId,
