@@ -154,7 +154,7 @@ pub use node::{Node, PUSH_BYTES_STREAMED_MAX, WeakNode, bind_endpoint};
 pub type StatsHook = std::sync::Arc<dyn Fn(&mut tb_proto::NodeStats) + Send + Sync>;
 pub use private::PrivateBytes;
 pub use progress::TransferProgress;
-pub use request::{ReadFrameError as RequestFrameError, RequestRecv, RequestSend, Stopped};
+pub use request::{RequestRecv, RequestSend, Stopped};
 pub use serve::service::{LocalStream, ServeCtx, Service, ServiceFuture, ServiceStream};
 pub use set::TensorSet;
 pub use socket_ctl::{CtlAnswer, CtlFrames, CtlSubscribed, SocketCtl};

@@ -17,6 +17,7 @@ use std::{
 
 use iroh::endpoint::{RecvStream, SendStream};
 use serde::{Serialize, de::DeserializeOwned};
+use tb_link::framing::ReadFrameError;
 use tb_proto::frame;
 
 use crate::error::{Error, Result};
@@ -202,39 +203,6 @@ impl From<RecvStream> for RequestRecv {
 impl From<crate::channel::CallRecv> for RequestRecv {
     fn from(half: crate::channel::CallRecv) -> Self {
         RequestRecv(RecvHalf::Socket(half))
-    }
-}
-
-/// Why a frame could not be read.
-#[derive(Debug)]
-pub enum ReadFrameError {
-    /// The stream ended (or failed) before a whole frame arrived.
-    Closed(String),
-    /// The bytes are not a valid frame (too large, malformed).
-    Invalid(tb_proto::FrameError),
-}
-
-impl ReadFrameError {
-    /// The error for this failure, with `context` naming what was being read.
-    pub fn into_error(self, context: &str) -> Error {
-        match self {
-            ReadFrameError::Closed(reason) => Error::Io(format!("{context}: {reason}")),
-            ReadFrameError::Invalid(tb_proto::FrameError::TooLarge { len, max }) => {
-                Error::TooLarge(format!(
-                    "{context}: frame of {len} bytes, the limit is {max}"
-                ))
-            }
-            ReadFrameError::Invalid(e) => Error::Io(format!("{context}: {e}")),
-        }
-    }
-}
-
-impl std::fmt::Display for ReadFrameError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReadFrameError::Closed(reason) => f.write_str(reason),
-            ReadFrameError::Invalid(e) => write!(f, "{e}"),
-        }
     }
 }
 

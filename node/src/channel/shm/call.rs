@@ -203,11 +203,10 @@ impl Drop for Shared {
         let Some(stream) = self.stream.take() else {
             return;
         };
-        let heard = self.heard.clone();
         let reader = self.reader.get_mut().unwrap_or_else(|p| p.into_inner());
         reader.parse();
-        if !reader.end && reader.left == 0 && reader.gone.is_none() && reader.fill(&stream, &heard)
-        {
+        let unread_end = !reader.end && reader.left == 0 && reader.gone.is_none();
+        if unread_end && reader.fill(&stream, &self.heard) {
             reader.parse();
         }
         let written = *self.written.get_mut().unwrap_or_else(|p| p.into_inner());
@@ -517,7 +516,7 @@ pub(crate) async fn open_socket_request(
                 return Err(ChannelError::Final(e));
             }
             Ok(Err(_)) if retry && heard.load(Ordering::Relaxed) == 0 => continue,
-            Ok(Err(e)) => return Err(ChannelError::Fallback(e.into_error(&what))),
+            Ok(Err(e)) => return Err(ChannelError::Fallback(e.into_error(&what).into())),
             Ok(Ok(DataResponse::Error {
                 code: ErrorCode::Unsupported,
                 ..
