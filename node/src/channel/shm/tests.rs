@@ -398,12 +398,14 @@ async fn offer_to_watcher(holder: &Node, name: &TensorName, version: u64, tensor
 async fn a_read_write_watcher_copies_a_version_out_of_the_publishers_memfd_which_stays_unsealed() {
     let holder = node(ClusterKey::open()).await;
     // (the watcher's key, whether it is passed the memfd to copy from)
-    for (key, copies) in [
-        (ClusterKey::open(), true),
-        (ClusterKey::open().read_only(), false),
+    for (round, key, copies) in [
+        (0, ClusterKey::open(), true),
+        (1, ClusterKey::open().read_only(), false),
     ] {
         let reader = node(key).await;
-        let name = TensorName::new("watch/t").expect("name");
+        // A name per round: the holder may not have seen the previous round's watcher go
+        // yet, and must not count it as this one's.
+        let name = TensorName::new(format!("watch/t{round}")).expect("name");
         let mut watch = open_watch(&reader, &holder, &name).await;
         let honest =
             Tensor::copy_from(DType::U8, vec![INLINE_LEN as u64], &bytes_of(INLINE_LEN, 7))
