@@ -14,9 +14,10 @@
 //! it; see `bench_recv.rs` for how that instant is read across the two processes).
 //!
 //! With `--device cuda[:N]` the serving node also holds copies of the tensors on that GPU, and
-//! a further receiver pulls them over the network straight into device memory (pinned staging
-//! on both sides; CUDA IPC is not used), so device throughput is reported next to host
-//! throughput.
+//! two further receivers pull them into device memory: `tensor-broker-cuda` over the network
+//! (CUDA IPC off: pinned staging on both sides), whose throughput is reported next to host
+//! throughput, and `tensor-broker-cuda-ipc` as users get it on one host (device to device by
+//! CUDA IPC from 1 MiB, the IPC minimum).
 
 use std::{collections::BTreeMap, process::Stdio, time::Duration};
 
@@ -133,8 +134,10 @@ pub(crate) enum System {
     TensorBrokerTcp,
     /// Same-host shared memory first.
     TensorBrokerShm,
-    /// Device tensors pulled into device memory (`--device`).
+    /// Device tensors pulled into device memory over the network (`--device`).
     TensorBrokerCuda,
+    /// Device tensors pulled into device memory by the default route (CUDA IPC on one host).
+    TensorBrokerCudaIpc,
     /// A bare iroh connection, no hashing.
     RawIroh,
     /// One plain TCP stream.
@@ -199,6 +202,7 @@ impl System {
             System::TensorBrokerTcp => "tensor-broker-tcp",
             System::TensorBrokerShm => "tensor-broker-shm",
             System::TensorBrokerCuda => "tensor-broker-cuda",
+            System::TensorBrokerCudaIpc => "tensor-broker-cuda-ipc",
             System::RawIroh => "raw-iroh",
             System::RawTcp => "raw-tcp",
             System::Memcpy => "memcpy",
@@ -210,7 +214,7 @@ impl System {
     pub(crate) fn config(self) -> Option<Config> {
         let mut config = Config::default();
         match self {
-            System::TensorBroker => {}
+            System::TensorBroker | System::TensorBrokerCudaIpc => {}
             System::TensorBrokerQuic => {
                 config.channels = vec![ChannelKind::Quic];
                 config.quic_stripes = 1;
@@ -242,7 +246,7 @@ impl System {
         match self {
             System::RawIroh | System::RawTcp => &[Op::PullInto, Op::Get, Op::Rtt],
             System::Memcpy => &[Op::Get],
-            System::TensorBrokerCuda => &[Op::PullInto, Op::Rtt],
+            System::TensorBrokerCuda | System::TensorBrokerCudaIpc => &[Op::PullInto, Op::Rtt],
             _ => &[Op::PullInto, Op::Get, Op::Push, Op::Rtt],
         }
     }
@@ -265,7 +269,9 @@ impl ServeInfo {
             System::RawIroh => self.raw.clone(),
             System::RawTcp => self.tcp.clone(),
             System::Memcpy => String::new(),
-            System::TensorBrokerCuda => self.addr_of(System::TensorBroker)?,
+            System::TensorBrokerCuda | System::TensorBrokerCudaIpc => {
+                self.addr_of(System::TensorBroker)?
+            }
             s => self
                 .tb
                 .get(s.label())
@@ -439,7 +445,7 @@ fn systems(args: &P2pArgs) -> Vec<System> {
         .filter(|s| s.channel().is_none_or(|c| args.channels.0.contains(&c)))
         .collect();
     if args.device.cuda_ordinal().is_some() {
-        systems.push(System::TensorBrokerCuda);
+        systems.extend([System::TensorBrokerCuda, System::TensorBrokerCudaIpc]);
     }
     systems.extend([System::RawIroh, System::RawTcp, System::Memcpy]);
     systems

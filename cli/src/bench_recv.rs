@@ -18,7 +18,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use clap::Args;
 use iroh::{Endpoint, endpoint::Connection};
-use tb_node::{Config, DeviceBuffer, Node, PeerAddr, Tensor};
+use tb_node::{Config, Device, DeviceBuffer, Node, PeerAddr, Tensor};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -65,12 +65,14 @@ enum Client {
         node: Node,
         from: PeerAddr,
     },
-    /// Pulls the GPU copies into a reused device buffer.
+    /// Pulls the GPU copies into a reused device buffer over the network, or (`routed`) into
+    /// fresh device memory by the route a user's `pull_to` takes (CUDA IPC on one host).
     TbCuda {
         node: Node,
         from: PeerAddr,
         ordinal: usize,
         buf: Option<DeviceBuffer>,
+        routed: bool,
     },
     Raw {
         ep: Endpoint,
@@ -101,11 +103,12 @@ impl Client {
             System::Memcpy => Client::Memcpy {
                 data: payload(LARGEST.min(args.max_size))?,
             },
-            System::TensorBrokerCuda => Client::TbCuda {
-                node: Node::spawn(System::TensorBrokerCuda.config().context("config")?).await?,
+            System::TensorBrokerCuda | System::TensorBrokerCudaIpc => Client::TbCuda {
+                node: Node::spawn(args.system.config().context("config")?).await?,
                 from: args.from.parse()?,
                 ordinal: args.ordinal,
                 buf: None,
+                routed: args.system == System::TensorBrokerCudaIpc,
             },
             system => Client::Tb {
                 node: Node::spawn(system.config().context("config")?).await?,
@@ -129,6 +132,20 @@ impl Client {
                 from,
                 ordinal,
                 buf,
+                routed: true,
+            } => {
+                let device = Device::Cuda(*ordinal);
+                let pulled = node
+                    .pull_to(from, &device_tensor_name(size), None, device)
+                    .await?;
+                *buf = pulled.buffer.device_buffer().cloned();
+            }
+            Client::TbCuda {
+                node,
+                from,
+                ordinal,
+                buf,
+                routed: false,
             } => {
                 let len = usize::try_from(size)?;
                 let dest = match buf.take() {

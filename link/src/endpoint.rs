@@ -175,9 +175,9 @@ pub const OPEN_PROTOCOL_UNI_STREAMS: u32 = 8;
 // endpoint panicked is dead. Turn it back on (`AckFrequencyConfig`, `max_ack_delay` 1 ms)
 // once the QUIC stack checks that space.
 
-/// ALPNs that start with this open with the cluster-secret hello (`tb/data/1`, `tb/ctl/1`,
-/// tb-node's `tb/cuda-ipc/1`, which checks that it does) and keep the pre-auth limits until it is verified; any other protocol on
-/// the endpoint (gossip) gets the open-protocol limits when its QUIC handshake ends.
+/// ALPNs that start with this open with the cluster-secret hello (`tb/data/1`, `tb/ctl/1`)
+/// and keep the pre-auth limits until it is verified; any other protocol on the endpoint
+/// (gossip) gets the open-protocol limits when its QUIC handshake ends.
 pub const HELLO_ALPN_PREFIX: &[u8] = b"tb/";
 
 // The rules above, checked when the crate compiles.

@@ -81,14 +81,13 @@
 //! published, pushed and served like any other; [`Node::pull_to`] and
 //! [`Node::pull_into_device`] receive into device memory. Device bytes cross the network
 //! through pinned host staging buffers, copies overlapping the network; between two nodes on
-//! one host a device-to-device pull uses CUDA IPC instead ([`device::route`] decides). The
+//! one host a device-to-device pull uses CUDA IPC instead, and a host-held version comes over
+//! the pair's channel and is copied up once (one route decision, in `channel`). The
 //! driver is loaded at run time: a build with the feature runs everywhere, and a missing
 //! driver or device is [`Error::DeviceUnavailable`]. See [`device`] for the details.
 //!
-//! CUDA IPC runs on its own ALPN (`tb/cuda-ipc/1`), its two messages in `tb_proto::ipc`
-//! (golden bytes, bounds checked before use). What is left is making it a channel beside shm
-//! and tcp: a request kind served through the table on the pooled `tb/data/1` link, so the
-//! extra ALPN, its unpooled connection and `device::route`'s second router go.
+//! CUDA IPC is a channel beside shm and tcp: a request kind (`DataRequest::CudaIpc`, its
+//! messages in `tb_proto::ipc`) served through the table on the pooled `tb/data/1` link.
 //!
 //! ## The process around a node: tb-daemon
 //! Flags, logging set-up, signals, the metrics HTTP server, the worker's dashboard source and

@@ -31,7 +31,7 @@ use crate::{
     cluster::{self, Cluster},
     config::Config,
     ctx::NodeCtx,
-    device::{self, Device, DeviceBuffer, route},
+    device::{self, Device, DeviceBuffer},
     error::{Error, Result},
     inbox::{Inbox, Received},
     inflight::Inflight,
@@ -148,8 +148,6 @@ impl Node {
             pool: pool.clone(),
         };
         let router = Router::builder(endpoint).accept(DATA_ALPN, protocol);
-        #[cfg(feature = "cuda")]
-        let router = router.accept(device::IPC_ALPN, device::IpcProtocol { ctx: ctx.clone() });
         let router = extra
             .into_iter()
             .fold(router, |router, (alpn, handler)| {
@@ -438,10 +436,10 @@ impl Node {
     }
 
     /// Pulls `name` (the newest version, or `version`) from the peer at `addr` into memory on
-    /// `device`. To a CUDA device, the bytes are received through pinned staging straight
-    /// into device memory — or, when the peer is on this host and holds the tensor on a
-    /// device, copied device to device by CUDA IPC (falling back to the network when IPC is
-    /// not possible). `DeviceUnavailable` before any traffic when there is no such device.
+    /// `device`. To a CUDA device: copied device to device by CUDA IPC when the peer is on
+    /// this host and holds the version on a device; else received over the pair's channel
+    /// (host bytes, then one copy up) or through pinned staging straight into device memory
+    /// (QUIC). `DeviceUnavailable` before any traffic when there is no such device.
     pub async fn pull_to(
         &self,
         addr: &PeerAddr,
@@ -454,25 +452,14 @@ impl Node {
         };
         let tensor_name = TensorName::new(name)?;
         device::ensure(ordinal, &self.config().cuda)?;
-        let local = self.endpoint().bound_sockets();
-        if route::pull_route(device, addr.addr, &local, &self.config().cuda)
-            == route::Route::CudaIpc
-        {
-            let ctx = &self.inner.ctx;
-            let by_ipc = device::ipc_pull(ctx, addr, &tensor_name, version, ordinal);
-            if let Some(pulled) = self.guarded(by_ipc).await? {
-                self.inner.ipc_pulls.fetch_add(1, Ordering::Relaxed);
-                return Ok(into_tensor(pulled));
-            }
+        let links = || self.link(addr);
+        let ctx = &self.inner.ctx;
+        let pull = channel::pull_to_device(ctx, addr, links, &tensor_name, version, ordinal);
+        let (pulled, via) = self.guarded(pull).await?;
+        if via == channel::DeviceVia::CudaIpc {
+            self.inner.ipc_pulls.fetch_add(1, Ordering::Relaxed);
         }
-        let pulled = self
-            .pull_into_device(addr, name, version, |meta| {
-                let len = usize::try_from(meta.byte_len)
-                    .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
-                DeviceBuffer::alloc(ordinal, len)
-            })
-            .await?;
-        Ok(into_tensor(pulled))
+        Ok(pulled)
     }
 
     /// Pulls `name` over the network into a device buffer the caller supplies once it knows
@@ -754,16 +741,6 @@ async fn sweep_loans(loans: crate::lend::Loans, cancel: tokio_util::sync::Cancel
 /// benchmarks' raw endpoints).
 pub async fn bind_endpoint(config: &Config, key: iroh::SecretKey) -> Result<Endpoint> {
     Ok(tb_link::bind_endpoint(config.bind_addr, key).await?)
-}
-
-/// A verified device pull as a tensor.
-fn into_tensor(pulled: Pulled<DeviceBuffer>) -> Pulled<Tensor> {
-    Pulled {
-        buffer: Tensor::from_verified_device(pulled.meta.clone(), pulled.buffer),
-        name: pulled.name,
-        version: pulled.version,
-        meta: pulled.meta,
-    }
 }
 
 /// Raises this process's soft limit on open files to its hard limit, once: every host tensor

@@ -1,11 +1,13 @@
-//! The same-host CUDA IPC handle exchange (`tb/cuda-ipc/1`): a puller on the node's host asks
-//! for a version's IPC handle ([`IpcRequest::Open`]) and maps the holder's device memory with
-//! it ([`IpcResponse::Handle`]), or is told to use the network ([`IpcResponse::Declined`]).
+//! The same-host CUDA IPC handle exchange: a puller on the node's host asks for a version's
+//! IPC handle ([`IpcRequest::Open`]) and maps the holder's device memory with it
+//! ([`IpcResponse::Handle`]), or is told to use the network ([`IpcResponse::Declined`]).
 //!
-//! The exchange runs on an ALPN of its own (tb-node's `device::cuda::ipc`); its messages live
-//! here with every other message on the wire, golden-byte tested and checked with explicit
-//! limits before they are acted on: a request is read under [`MAX_IPC_REQUEST_FRAME`] and its
-//! host id is bounded; a handle is exactly [`IPC_HANDLE_LEN`] bytes.
+//! It is one request kind on the pooled data link: the request rides in
+//! [`DataRequest::CudaIpc`](crate::DataRequest::CudaIpc), the answer in
+//! [`DataResponse::CudaIpc`](crate::DataResponse::CudaIpc) (tb-node's `channel::cuda_ipc`).
+//! Its messages are golden-byte tested and checked with explicit limits before they are
+//! acted on: a request's host id is bounded (and the whole data request frame is read under
+//! 4 KiB); a handle is exactly [`IPC_HANDLE_LEN`] bytes.
 
 use serde::{Deserialize, Serialize};
 
@@ -17,11 +19,7 @@ pub const IPC_HANDLE_LEN: usize = 64;
 /// The longest host id a request may carry (a Linux boot id is 36 characters).
 pub const MAX_HOST_ID_LEN: usize = 128;
 
-/// The largest [`IpcRequest`] frame body a node reads (a 256-byte name and a bounded host id
-/// are well under it), checked on the length prefix before anything is allocated.
-pub const MAX_IPC_REQUEST_FRAME: u32 = 4 << 10;
-
-/// What a puller sends on a `tb/cuda-ipc/1` stream.
+/// What a puller asks (inside [`DataRequest::CudaIpc`](crate::DataRequest::CudaIpc)).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum IpcRequest {
     /// Export this tensor's device memory to me.

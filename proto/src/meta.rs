@@ -38,6 +38,9 @@ pub enum MetaError {
     /// A peer's channel offers are malformed (too many, a kind twice).
     #[error(transparent)]
     Offers(#[from] crate::channel::OfferError),
+    /// A CUDA IPC request out of bounds (a host id too long).
+    #[error(transparent)]
+    Ipc(Box<crate::ipc::IpcError>),
 }
 
 /// `product(shape) * itemsize`, overflow-checked; rank 0 is a scalar of one element.

@@ -112,6 +112,10 @@ pub enum DataRequest {
     /// host skips a QUIC round trip per publish and look-up); elsewhere, and by a node that
     /// runs no broker, answered `Unsupported`.
     Ctl,
+    /// Export this tensor's device memory to me by CUDA IPC (see [`crate::ipc`]): answered
+    /// with [`DataResponse::CudaIpc`] (a handle, or declined: use the network), or `Error`.
+    /// Needs read-write access (the mapping is writable); sent only to a peer on this host.
+    CudaIpc(crate::ipc::IpcRequest),
 }
 
 /// The kind of a [`DataRequest`]: what a node's table of request services is keyed by. A
@@ -135,11 +139,13 @@ pub enum RequestKind {
     Call,
     /// [`DataRequest::Ctl`].
     Ctl,
+    /// [`DataRequest::CudaIpc`].
+    CudaIpc,
 }
 
 impl RequestKind {
     /// Every kind.
-    pub const ALL: [RequestKind; 8] = [
+    pub const ALL: [RequestKind; 9] = [
         RequestKind::Pull,
         RequestKind::Push,
         RequestKind::Channels,
@@ -148,6 +154,7 @@ impl RequestKind {
         RequestKind::Watch,
         RequestKind::Call,
         RequestKind::Ctl,
+        RequestKind::CudaIpc,
     ];
 
     /// Its name in logs and refusals.
@@ -161,6 +168,7 @@ impl RequestKind {
             RequestKind::Watch => "watch",
             RequestKind::Call => "call",
             RequestKind::Ctl => "ctl",
+            RequestKind::CudaIpc => "cuda-ipc",
         }
     }
 }
@@ -183,6 +191,7 @@ impl DataRequest {
             DataRequest::Watch { .. } => RequestKind::Watch,
             DataRequest::Call { .. } => RequestKind::Call,
             DataRequest::Ctl => RequestKind::Ctl,
+            DataRequest::CudaIpc(_) => RequestKind::CudaIpc,
         }
     }
 
@@ -193,7 +202,8 @@ impl DataRequest {
             | DataRequest::Push { name, .. }
             | DataRequest::TcpPull { name, .. }
             | DataRequest::Pieces { name, .. }
-            | DataRequest::Watch { name } => Some(name),
+            | DataRequest::Watch { name }
+            | DataRequest::CudaIpc(crate::ipc::IpcRequest::Open { name, .. }) => Some(name),
             DataRequest::Channels { .. } | DataRequest::Call { .. } | DataRequest::Ctl => None,
         }
     }
@@ -213,13 +223,17 @@ impl DataRequest {
             DataRequest::Call { .. } => None,
             // The broker authorizes the control request that follows, as on its own link.
             DataRequest::Ctl => None,
+            // The exporter's memory is mapped writable by the requester.
+            DataRequest::CudaIpc(_) => {
+                Some("CUDA IPC (a writable mapping of this node's device memory)")
+            }
         }
     }
 
     /// Checks what can be checked before acting on the request: a push's metadata (rank,
     /// byte length, size limit), that a pull's range end fits in 64 bits, that channel
-    /// offers are few and one per kind, and that a TCP pull asks for a bounded number of
-    /// sockets.
+    /// offers are few and one per kind, that a TCP pull asks for a bounded number of
+    /// sockets, and that a CUDA IPC request's host id is bounded.
     pub fn validate(&self, max_tensor_bytes: u64) -> Result<(), MetaError> {
         match self {
             DataRequest::Channels { offers } => validate_offers(offers).map_err(MetaError::from),
@@ -238,6 +252,9 @@ impl DataRequest {
             // The arguments' size is the function's to limit (`CallHead::validate`).
             DataRequest::Call { .. } => Ok(()),
             DataRequest::Ctl => Ok(()),
+            DataRequest::CudaIpc(request) => {
+                request.validate().map_err(|e| MetaError::Ipc(Box::new(e)))
+            }
         }
     }
 }
@@ -328,6 +345,9 @@ pub enum DataResponse {
         /// [`CallFrame::InputCredit`](crate::call::CallFrame::InputCredit).
         inputs: bool,
     },
+    /// The answer to [`DataRequest::CudaIpc`]: a handle to map (the requester finishes its
+    /// send side when done with it), or declined.
+    CudaIpc(crate::ipc::IpcResponse),
 }
 
 impl DataResponse {

@@ -691,6 +691,13 @@ fn cuda_ipc_messages() {
     let body = format!("00{meta_body}0240{}", "22".repeat(IPC_HANDLE_LEN));
     let len = hex::encode(u32::try_from(body.len() / 2).expect("small").to_le_bytes());
     golden(&handle, &format!("{len}{body}"));
+    // On the data link: DataRequest::CudaIpc = 8 wraps the request, DataResponse::CudaIpc = 9
+    // the answer.
+    golden(
+        &DataRequest::CudaIpc(open),
+        "08000000 08 00 0177 00 0168 01",
+    );
+    golden(&DataResponse::CudaIpc(declined), "05000000 09 01 026e6f");
 }
 
 #[test]

@@ -2,8 +2,8 @@
 //! device to host and host to device, hashing, corrupt transfers, and running out of device
 //! memory.
 //!
-//! Every test but the last needs a CUDA device and is `#[ignore = "needs a CUDA GPU"]`, so a
-//! machine without one reports them as ignored, not passed; on a GPU machine run them with
+//! Every test but the last two needs a CUDA device and is `#[ignore = "needs a CUDA GPU"]`, so
+//! a machine without one reports them as ignored, not passed; on a GPU machine run them with
 //! `cargo test --release -p tb-tests --test gpu -- --include-ignored` (they fail, saying why,
 //! if no device answers). The file compiles against the same API either way.
 
@@ -15,9 +15,10 @@ use iroh::{
     endpoint::Connection,
     protocol::{AcceptError, ProtocolHandler, Router},
 };
+use tb_dashboard::Direction;
 use tb_node::{
     Config, ContentHash, DType, Device, DeviceBuffer, Error, PeerAddr, Tensor, TensorMeta, device,
-    proto::{DATA_ALPN, DataRequest, DataResponse, frame},
+    proto::{ChannelKind, DATA_ALPN, DataRequest, DataResponse, frame},
 };
 use tb_tests::{node, pattern, raw_server_hello, test_config, within};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -78,9 +79,11 @@ async fn device_to_host_and_host_to_device() {
         .expect("pull");
     assert_eq!(pulled.buffer.device(), Device::Host);
     assert_eq!(pulled.buffer.data(), host.data());
-    // Host -> device: a serves host bytes, b receives straight into device memory (a host
-    // tensor is not exported by IPC, so this takes the network even on one host).
+    // Host -> device: a serves host bytes; a host tensor is not exported by IPC, so b takes
+    // the pair's channel (shm: the two share a host) and copies the bytes up once.
     a.publish_local("cpu/w", host.clone()).expect("publish");
+    let shm_in = || b.metrics().channels.bytes(ChannelKind::Shm, Direction::In);
+    let shm_before = shm_in();
     let pulled = within(
         LIMIT,
         "pull_to",
@@ -90,6 +93,11 @@ async fn device_to_host_and_host_to_device() {
     .expect("pull_to");
     assert_eq!(pulled.buffer.device(), Device::Cuda(gpu));
     assert_eq!(b.cuda_ipc_pulls(), 0);
+    assert_eq!(b.channel_to(&a.addr().id), ChannelKind::Shm);
+    assert!(
+        shm_in() - shm_before >= BIG as u64,
+        "the bytes came over shm"
+    );
     let back = pulled.buffer.to_device(Device::Host).expect("to host");
     assert_eq!(back.data(), host.data());
     // Push from the device to a node that places pushes on its device.
@@ -256,7 +264,16 @@ impl ProtocolHandler for Liar {
                 continue;
             }
             let Ok(DataRequest::Pull { .. }) = request else {
-                return Ok(());
+                // Anything else (CUDA IPC): not served here, as a node without it answers.
+                let no = DataResponse::Error {
+                    code: tb_node::proto::ErrorCode::Unsupported,
+                    message: "not served here".into(),
+                };
+                if let Ok(bytes) = frame::encode(&no) {
+                    let _ = send.write_all(&bytes).await;
+                    let _ = send.finish();
+                }
+                continue;
             };
             let header = DataResponse::Header {
                 meta: self.meta.clone(),
@@ -377,4 +394,79 @@ async fn without_a_device_device_calls_fail_with_device_unavailable() {
     assert_eq!(pulled.buffer.data(), &pattern(64, 1));
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Runs everywhere: CUDA IPC is a request kind on the pooled data link. A host tensor is
+/// declined (use the network), a tensor nobody holds is declined, a read-only asker is refused
+/// (the mapping would be writable), and an oversized host id is refused before anything is
+/// looked up; the same-host socket sends the kind back to the link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_ipc_requests_on_the_data_link_are_declined_or_refused_with_reasons() {
+    use tb_node::proto::{
+        ErrorCode, TensorName,
+        ipc::{IpcRequest, IpcResponse, MAX_HOST_ID_LEN},
+    };
+    let (a, b) = (node(test_config()).await, node(test_config()).await);
+    b.publish_local("ipc/host", u8_tensor(1 << 20, 2))
+        .expect("publish");
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|id| id.trim().to_string())
+        .unwrap_or_default();
+    let open = |name: &str, host: String| {
+        DataRequest::CudaIpc(IpcRequest::Open {
+            name: TensorName::new(name).expect("name"),
+            version: None,
+            host,
+            min_bytes: 0,
+        })
+    };
+    let ask = |node: &tb_node::Node, request: DataRequest| {
+        let peer = b.addr().clone();
+        let node = node.clone();
+        async move {
+            let opened = node.open_request(&peer, &request, &[], true, LIMIT);
+            within(LIMIT, "a CUDA IPC request", opened)
+                .await
+                .expect("answered")
+                .answer
+        }
+    };
+    for name in ["ipc/host", "ipc/missing"] {
+        match ask(&a, open(name, boot.clone())).await {
+            DataResponse::CudaIpc(IpcResponse::Declined { reason }) => {
+                let why = if name == "ipc/host" {
+                    "host memory"
+                } else {
+                    "not held"
+                };
+                assert!(reason.contains(why), "{name}: {reason}");
+            }
+            other => panic!("{name}: expected a refusal to export, got {other:?}"),
+        }
+    }
+    match ask(&a, open("ipc/host", "b".repeat(MAX_HOST_ID_LEN + 1))).await {
+        DataResponse::Error { code, message } => {
+            assert_eq!(code, ErrorCode::InvalidTensor, "{message}");
+        }
+        other => panic!("expected an invalid request, got {other:?}"),
+    }
+    let read_only = node(Config {
+        cluster_key: tb_node::proto::ClusterKey::open().read_only(),
+        ..test_config()
+    })
+    .await;
+    match ask(&read_only, open("ipc/host", boot.clone())).await {
+        DataResponse::Error { code, message } => {
+            assert_eq!(code, ErrorCode::Unauthorized, "{message}");
+        }
+        other => panic!("expected Unauthorized, got {other:?}"),
+    }
+    // The host tensor still comes, over the pair's channel, after the declined request.
+    let pulled = within(LIMIT, "pull", a.pull(b.addr(), "ipc/host", None))
+        .await
+        .expect("pull");
+    assert_eq!(pulled.buffer.data(), &pattern(1 << 20, 2));
+    for n in [a, b, read_only] {
+        n.shutdown().await;
+    }
 }

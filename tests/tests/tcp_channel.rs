@@ -249,7 +249,8 @@ impl FakeHolder {
             DataRequest::Pieces { .. }
             | DataRequest::Watch { .. }
             | DataRequest::Call { .. }
-            | DataRequest::Ctl => {
+            | DataRequest::Ctl
+            | DataRequest::CudaIpc(_) => {
                 // This holder serves in one stream only, nobody subscribes and nobody calls.
                 let no = DataResponse::Error {
                     code: tb_node::proto::ErrorCode::NotFound,

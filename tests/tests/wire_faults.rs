@@ -341,7 +341,8 @@ impl ProtocolHandler for IdleRacingServer {
                     DataRequest::Pieces { .. }
                     | DataRequest::Watch { .. }
                     | DataRequest::Call { .. }
-                    | DataRequest::Ctl,
+                    | DataRequest::Ctl
+                    | DataRequest::CudaIpc(_),
                 )
                 | Err(_) => break,
             };

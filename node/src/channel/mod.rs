@@ -19,7 +19,15 @@
 //!   socket whose name only it was told.
 //! - `tcp` (opt-in): plain TCP sockets admitted by one-time tokens, every piece verified,
 //!   for trusted networks.
+//! - `cuda_ipc`: a version on a same-host peer's GPU, mapped by CUDA IPC and copied device to
+//!   device; a request kind on the link, tried first by pulls into device memory only.
+//!
+//! A pull into device memory takes one route ([`pull_to_device`]): CUDA IPC from a same-host
+//! holder that keeps the version on a GPU; else the pair's channel for host bytes, then one
+//! copy up to the device; else QUIC, received through pinned staging straight into device
+//! memory.
 
+mod cuda_ipc;
 pub(crate) mod quic;
 #[cfg(target_os = "linux")]
 mod shm;
@@ -37,6 +45,7 @@ use tb_dashboard::TransferKind;
 use tb_proto::{Access, ChannelKind, ChannelOffer, TensorMeta, TensorName};
 use tracing::warn;
 
+pub(crate) use cuda_ipc::service as cuda_ipc_service;
 #[cfg(target_os = "linux")]
 pub use shm::force_map_failures_for_tests;
 #[cfg(target_os = "linux")]
@@ -49,10 +58,11 @@ pub(crate) use shm::{
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
 use crate::{
-    LinkGuard,
-    client::Pulled,
+    LinkGuard, PeerAddr,
+    client::{self, Pulled},
     config::Config,
     ctx::NodeCtx,
+    device::{Device, DeviceBuffer},
     error::{Error, Result},
     tensor::Tensor,
 };
@@ -449,6 +459,11 @@ impl Channels {
         self.offered().contains_key(peer)
     }
 
+    /// The access `peer` proved on its latest link, once a link exchanged offers with it.
+    pub(crate) fn access_of(&self, peer: &EndpointId) -> Option<Access> {
+        self.offered().get(peer).map(|offered| offered.access)
+    }
+
     /// Withdraws `kind` for `peer` after it failed (e.g. its shm socket cannot be reached
     /// from here: another network namespace) for a backoff ([`CHANNEL_BACKOFF`], doubling
     /// with each failure in a row up to [`MAX_CHANNEL_BACKOFF`]): meanwhile its transfers use
@@ -586,6 +601,67 @@ where
         return Ok(None);
     };
     attempt(ctx, &route, timed, transfer(&route)).await
+}
+
+/// How a pull into device memory came: by CUDA IPC (device to device), or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeviceVia {
+    /// Mapped from a same-host holder's device memory and copied device to device.
+    CudaIpc,
+    /// The pair's channel (then one copy to the device), or QUIC through pinned staging.
+    Network,
+}
+
+/// Pulls `name` (the newest version, or `version`) from the peer at `addr` into new memory on
+/// CUDA device `ordinal`, by the one route a device pull takes: CUDA IPC when the peer looks
+/// local and keeps the version on a GPU ([`cuda_ipc`]); else the pair's channel (shm, TCP) for
+/// host bytes, copied up once they are in; else QUIC through pinned staging, hashed on the
+/// way. The caller checked that the device exists.
+pub(crate) async fn pull_to_device<L, LF>(
+    ctx: &NodeCtx,
+    addr: &PeerAddr,
+    links: L,
+    name: &TensorName,
+    version: Option<u64>,
+    ordinal: usize,
+) -> Result<(Pulled<Tensor>, DeviceVia)>
+where
+    L: Fn() -> LF,
+    LF: Future<Output = Result<LinkGuard>>,
+{
+    let local = ctx.endpoint.bound_sockets();
+    if cuda_ipc::wanted(&ctx.config.cuda, addr.addr, &local) {
+        let by_ipc = cuda_ipc::pull(ctx, &links, &addr.id, name, version, ordinal);
+        if let Some(pulled) = by_ipc.await? {
+            return Ok((device_tensor(pulled), DeviceVia::CudaIpc));
+        }
+    }
+    let on_channel = async |route: &Route| route.pull(ctx, name, version).await;
+    let timed = Some(TransferKind::Pull);
+    if let Some(pulled) = first(ctx, &addr.id, &links, timed, on_channel).await? {
+        let device = Device::Cuda(ordinal);
+        let buffer = verify::blocking(|| pulled.buffer.to_device(device))?;
+        let pulled = Pulled { buffer, ..pulled };
+        return Ok((pulled, DeviceVia::Network));
+    }
+    let alloc = |meta: &TensorMeta| {
+        let len = usize::try_from(meta.byte_len)
+            .map_err(|_| Error::TooLarge(format!("{} bytes", meta.byte_len)))?;
+        DeviceBuffer::alloc(ordinal, len)
+    };
+    let pulled = client::pull_into_device(ctx, links, name.clone(), version, alloc).await?;
+    Ok((device_tensor(pulled), DeviceVia::Network))
+}
+
+/// A pull into a device buffer as a tensor (its bytes were verified, or came from a holder
+/// that proved read-write access).
+pub(crate) fn device_tensor(pulled: Pulled<DeviceBuffer>) -> Pulled<Tensor> {
+    Pulled {
+        buffer: Tensor::from_verified_device(pulled.meta.clone(), pulled.buffer),
+        name: pulled.name,
+        version: pulled.version,
+        meta: pulled.meta,
+    }
 }
 
 /// What a channel's attempt at a transfer came to: `Ok(Some)` done; `Ok(None)` do it over

@@ -4,8 +4,10 @@
 //! - [`Device`]: `Host` or `Cuda(ordinal)`; a [`crate::Tensor`] records its device.
 //! - [`DeviceBuffer`]: bytes on one CUDA device. Cloning shares the allocation.
 //! - [`CudaConfig`]: staging chunk size, staging buffers per device, copies in flight, IPC.
-//! - [`route`]: the one place that decides how a device tensor travels between two nodes
-//!   (network through pinned staging, or CUDA IPC on one host).
+//!
+//! How a pull into device memory travels (CUDA IPC from a same-host device holder, the pair's
+//! channel then one copy up, or QUIC through pinned staging) is decided with every other
+//! route, in the crate's `channel` module.
 //!
 //! With the `cuda` feature, `cuda/` drives the driver through cudarc with dynamic loading:
 //! nothing CUDA is touched until a device is first used, and then a missing driver or device
@@ -34,18 +36,17 @@ use crate::{config::Config, error::Result, progress::TransferProgress, tensor::T
 mod cuda;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod quota;
-pub mod route;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{DeviceBuffer, IPC_ALPN, probe};
+pub use cuda::{DeviceBuffer, probe};
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{IpcProtocol, ensure, ipc_pull, recv_payload, send_payload};
+pub(crate) use cuda::{ensure, ipc_export, ipc_import, recv_payload, send_payload};
 #[cfg(not(feature = "cuda"))]
 pub use stub::{DeviceBuffer, probe};
 #[cfg(not(feature = "cuda"))]
-pub(crate) use stub::{ensure, ipc_pull, recv_payload, send_payload};
+pub(crate) use stub::{ensure, ipc_export, ipc_import, recv_payload, send_payload};
 
 /// Whether this build can drive CUDA devices (the `cuda` feature). Even then a device may be
 /// unavailable at run time: [`probe`] says.

@@ -7,15 +7,8 @@ use std::{convert::Infallible, ops::Range};
 use iroh::endpoint::{RecvStream, SendStream};
 use tb_proto::ContentHash;
 
-use tb_proto::TensorName;
-
 use super::{CudaConfig, DeviceInfo};
-use crate::{
-    PeerAddr,
-    client::Pulled,
-    ctx::NodeCtx,
-    error::{Error, Result},
-};
+use crate::error::{Error, Result};
 
 fn unavailable() -> Error {
     Error::DeviceUnavailable("this build has no CUDA support (enable the `cuda` feature)".into())
@@ -94,15 +87,19 @@ pub(crate) fn ensure(_ordinal: usize, _cfg: &CudaConfig) -> Result<()> {
     Err(unavailable())
 }
 
-/// CUDA IPC is never possible in this build: the caller uses the network.
-pub(crate) async fn ipc_pull(
-    _ctx: &NodeCtx,
-    _peer: &PeerAddr,
-    _name: &TensorName,
-    _version: Option<u64>,
+/// There is no device memory to export in this build.
+pub(crate) fn ipc_export(buf: &DeviceBuffer, _cfg: &CudaConfig) -> Result<[u8; 64], String> {
+    match buf.never {}
+}
+
+/// There is no device to copy to in this build.
+pub(crate) async fn ipc_import(
+    _cfg: &CudaConfig,
     _ordinal: usize,
-) -> Result<Option<Pulled<DeviceBuffer>>> {
-    Ok(None)
+    _handle: &[u8; 64],
+    _len: u64,
+) -> Result<Option<DeviceBuffer>> {
+    Err(unavailable())
 }
 
 pub(crate) async fn send_payload(

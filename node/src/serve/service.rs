@@ -6,10 +6,11 @@
 //! node's limits), and hand it to the [`Service`] registered for its [`RequestKind`]. A kind
 //! nobody registered is answered [`ErrorCode::Unsupported`].
 //!
-//! The built-ins (pull, push, the channel exchange, TCP pulls, pieces, watches) register in
-//! the table like any other service, at node start. A crate above tb-node adds a kind with
-//! [`Node::add_service`](crate::Node::add_service): its messages are defined in tb-proto (so
-//! the wire stays one sans-IO crate with golden bytes), its code lives in the crate.
+//! The built-ins (pull, push, the channel exchange, TCP pulls, pieces, watches, CUDA IPC)
+//! register in the table like any other service, at node start. A crate above tb-node adds a
+//! kind with [`Node::add_service`](crate::Node::add_service): its messages are defined in
+//! tb-proto (so the wire stays one sans-IO crate with golden bytes), its code lives in the
+//! crate.
 //!
 //! The same-host shm channel is not a link: its socket answers pulls, pushes and watches
 //! itself (`channel::shm::serve`), through the same admission and store look-ups.
@@ -158,13 +159,14 @@ impl Services {
         let services = Services {
             table: RwLock::new(HashMap::new()),
         };
-        let builtins: [(RequestKind, Arc<dyn Service>); 6] = [
+        let builtins: [(RequestKind, Arc<dyn Service>); 7] = [
             (RequestKind::Pull, Arc::new(Pull)),
             (RequestKind::Push, Arc::new(Push)),
             (RequestKind::Channels, Arc::new(Channels)),
             (RequestKind::TcpPull, Arc::new(TcpPull)),
             (RequestKind::Pieces, Arc::new(Pieces)),
             (RequestKind::Watch, Arc::new(Watch)),
+            (RequestKind::CudaIpc, channel::cuda_ipc_service()),
         ];
         for (kind, service) in builtins {
             // An empty table takes each kind once.
@@ -235,7 +237,12 @@ pub(super) async fn dispatch(
 
 /// A built-in handed a request of another kind: the table is keyed by kind, so this is a
 /// bug; the peer is told so rather than left waiting.
-async fn mismatched(node: &ServeCtx, send: &mut SendStream, got: RequestKind, served: RequestKind) {
+pub(crate) async fn mismatched(
+    node: &ServeCtx,
+    send: &mut SendStream,
+    got: RequestKind,
+    served: RequestKind,
+) {
     let message = format!("a {got} request was given to the {served} service");
     let _ = reply_error(send, node.stall_timeout(), ErrorCode::Internal, message).await;
 }

@@ -1,6 +1,6 @@
-//! Arbitrary bytes as a CUDA IPC request and answer (`tb/cuda-ipc/1`): as frames and as bare
-//! bodies, then `validate` on whatever decodes. Anything may be refused; nothing may panic,
-//! and what decodes re-encodes to itself.
+//! Arbitrary bytes as a CUDA IPC request and answer (inside `DataRequest::CudaIpc` and
+//! `DataResponse::CudaIpc`): as frames and as bare bodies, then `validate` on whatever
+//! decodes. Anything may be refused; nothing may panic, and what decodes re-encodes to itself.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

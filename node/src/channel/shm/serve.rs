@@ -73,8 +73,9 @@ async fn serve_connection(ctx: &Arc<NodeCtx>, shm: &Shm, mut conn: ShmStream) {
                 .await
         });
         let Ok(request) = read.await else { return };
-        // A request of a service kind takes the connection over until it ends.
-        if matches!(request, DataRequest::Call { .. }) {
+        // A request of a service kind takes the connection over until it ends (one that
+        // answers on links only tells the peer `Unsupported` there).
+        if matches!(request, DataRequest::Call { .. } | DataRequest::CudaIpc(_)) {
             match serve_service(ctx, conn, peer, access, request).await {
                 Some(back) => conn = back,
                 None => return,
@@ -234,7 +235,9 @@ async fn serve_request(
             Err(Error::Io("a channel request on a same-host socket".into()))
         }
         // Taken by `serve_service` before this.
-        DataRequest::Call { .. } => Err(Error::Io("a call on a same-host socket".into())),
+        DataRequest::Call { .. } | DataRequest::CudaIpc(_) => {
+            Err(Error::Io("a service request on a same-host socket".into()))
+        }
         DataRequest::Ctl => {
             let node = crate::auth::node_id(&peer);
             super::ctl::serve(ctx, conn, node, access).await

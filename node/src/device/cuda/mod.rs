@@ -5,7 +5,8 @@
 //! - [`DeviceBuffer`] (`buffer.rs`): bytes on one device.
 //! - `staging.rs`: the pinned host buffers device bytes pass through.
 //! - `transfer.rs`: the pipelined copies between a QUIC stream and a device.
-//! - `ipc.rs`: the same-host path, CUDA IPC.
+//! - `ipc.rs`: CUDA IPC's driver half (export a handle; open one and copy out of it), which
+//!   the `cuda-ipc` channel uses.
 //!
 //! cudarc panics (and keeps panicking) when the driver library is missing, so nothing here
 //! calls it before [`driver`] has checked that the library loads; calls that can fail to find
@@ -25,9 +26,7 @@ use std::{
 
 pub use buffer::DeviceBuffer;
 use cudarc::driver::{CudaContext, CudaEvent, DriverError, sys};
-pub use ipc::IPC_ALPN;
-pub(crate) use ipc::IpcProtocol;
-pub(crate) use ipc::ipc_pull;
+pub(crate) use ipc::{export_handle as ipc_export, import as ipc_import};
 pub(crate) use transfer::{recv_payload, send_payload};
 
 use self::staging::StagingPool;
