@@ -9,7 +9,8 @@
 //! numpy's `frombuffer`, `memoryview`), as read-only numpy arrays, and as a 1-D `uint8`
 //! DLPack capsule (`torch.from_dlpack`). A tensor on a CUDA device is lent as a DLPack
 //! capsule of that device (`kDLCUDA`) over a private device-to-device copy (one per buffer,
-//! at device memory speed), so in-place ops on it never reach the node's buffer either. The bytes live
+//! at device memory speed; none for a get received into fresh device memory, which nothing
+//! else holds), so in-place ops on it never reach the node's buffer either. The bytes live
 //! until the last array or tensor made from them is gone.
 
 // The buffer protocol and DLPack are C interfaces: raw pointers handed to Python, checked
@@ -60,13 +61,18 @@ impl Buffer {
 
     /// The private copy of the device bytes (one device-to-device copy, made on first call
     /// with the GIL released), so a consumer's in-place writes never reach the node's buffer.
+    /// Bytes that only this buffer holds (a get received into fresh device memory, which the
+    /// node does not keep) are lent as they are: they are private already.
     fn device_view(&self, py: Python<'_>, buf: &DeviceBuffer) -> PyResult<&DeviceBuffer> {
         if let Some(view) = self.device_view.get() {
             return Ok(view);
         }
-        let made = py
-            .detach(|| buf.duplicate())
-            .map_err(crate::errors::to_py)?;
+        let made = match buf.is_unique() {
+            true => buf.clone(),
+            false => py
+                .detach(|| buf.duplicate())
+                .map_err(crate::errors::to_py)?,
+        };
         Ok(self.device_view.get_or_init(|| made))
     }
 

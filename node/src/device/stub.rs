@@ -46,6 +46,11 @@ impl DeviceBuffer {
         match self.never {}
     }
 
+    /// Whether this handle is the allocation's only one.
+    pub fn is_unique(&self) -> bool {
+        match self.never {}
+    }
+
     /// The device address of the first byte.
     pub fn device_ptr(&self) -> u64 {
         match self.never {}

@@ -1,5 +1,5 @@
-"""``python -m tensor_broker``: ``bench``, ``bench call``, ``bench loader`` (and the benchmarks' internal
-steps)."""
+"""``python -m tensor_broker``: ``bench``, ``bench call``, ``bench loader``, ``bench device``
+(and the benchmarks' internal steps)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "device"]:
+        # Gets onto a GPU vs torch.multiprocessing (needs torch with CUDA).
+        from . import _bench_device
+
+        return _bench_device.main(argv[2:])
     if argv[:2] == ["bench", "loader"] or argv[:1] == ["_bench-loader-server"]:
         # tb.Stream loaders vs torch's DataLoader.
         from . import _bench_loader
@@ -37,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="python -m tensor_broker bench call [--json] [--quick] [--no-install]: remote "
         "calls (echo, add_one, streaming) vs gRPC and ZeroMQ between processes, and tb.Stream "
         "loaders vs torch's DataLoader; python -m tensor_broker bench loader [--json] [--quick]: "
-        "the loaders only")
+        "the loaders only; python -m tensor_broker bench device [--json]: a tensor got onto a "
+        "GPU between two processes vs torch.multiprocessing (needs CUDA)")
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
         "bench",

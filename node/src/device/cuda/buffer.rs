@@ -163,6 +163,13 @@ impl DeviceBuffer {
         unsafe { DeviceBuffer::copy_from_device_ptr(self.ordinal(), self.device_ptr(), self.len()) }
     }
 
+    /// Whether this handle is the allocation's only one (no clone lives, so nothing else reads
+    /// or serves these bytes): its holder may lend them writable instead of a
+    /// [`duplicate`](Self::duplicate).
+    pub fn is_unique(&self) -> bool {
+        Arc::strong_count(&self.mem) == 1
+    }
+
     /// The device address of the first byte, for C interfaces that share device memory
     /// (DLPack, `__cuda_array_interface__`). Valid while this buffer (or a clone) lives.
     pub fn device_ptr(&self) -> u64 {
