@@ -142,3 +142,29 @@ def test_systems_picks_what_runs_and_an_unknown_one_is_refused() -> None:
     done = subprocess.run([*run, "--systems", "python-push,carrier-pigeon"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "carrier-pigeon" in done.stderr
+
+
+def test_bench_device_says_what_it_needs_or_reports_every_case() -> None:
+    """``bench device`` without a CUDA device exits 2 saying why (CI); with one, every case
+    reports positive times and its ratio to torch.multiprocessing."""
+    run = [sys.executable, "-m", "tensor_broker", "bench", "device", "--json", "--sizes", "1",
+           "--iters"]
+    bad = subprocess.run([*run, "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--iters" in bad.stderr
+    done = subprocess.run([*run, "1"], capture_output=True, text=True, timeout=300)
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        assert done.returncode == 2, done.stderr
+        assert "needs" in done.stderr and ("CUDA" in done.stderr or "torch" in done.stderr)
+        return
+    assert done.returncode == 0, done.stderr
+    cases = json.loads(done.stdout)["cases"]
+    assert {(c["held"], c["size_bytes"]) for c in cases} == {("cuda", 1 << 20),
+                                                               ("host", 1 << 20)}
+    for c in cases:
+        assert c["tensor_broker_ms"] > 0 and c["torch_mp_ms"] > 0 and c["x_torch"] > 0

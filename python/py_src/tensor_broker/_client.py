@@ -443,8 +443,8 @@ class Client:
         memory; through pinned staging from others; this node does not keep that copy), or this
         node's own device copy after its ``put`` of a CUDA tensor. ``Unavailable`` without
         CUDA. The tensor is a private view (host: copy-on-write, no copy of the payload;
-        device: a private device copy): changing it in place never changes what this node
-        holds and serves to others.
+        device: the memory it was received into, or a private device copy of this node's
+        own): changing it in place never changes what this node holds and serves to others.
         """
         ordinal = _convert.cuda_ordinal(device)
         return _convert.to_torch(self._node.get(name, version, timeout, ordinal))

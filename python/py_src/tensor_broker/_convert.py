@@ -106,7 +106,8 @@ def to_torch(buf: Buffer) -> Any:
     """A torch tensor over ``buf``'s private view through DLPack (no copy of the payload), on
     the CPU or on the CUDA device holding them. Writing into it in place is safe: it changes
     this view only, never what the node holds and serves (a host view is copy-on-write; a
-    device one is a private device copy)."""
+    device one is the memory a get received into, which the node does not keep, or a private
+    device copy)."""
     import torch
 
     if buf.dtype == "set":

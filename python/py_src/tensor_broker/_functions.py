@@ -8,7 +8,9 @@ pickled: nothing received can run code. A call's positional and keyword argument
 in that form (a call from ``tb call`` or Rust) is passed as the single positional argument.
 
 Arrays arrive as writable numpy arrays (or torch tensors, where the arguments were torch
-tensors and torch is loaded) that own their memory: in-place ops on them are safe.
+tensors and torch is loaded) that own their memory: in-place ops on them are safe. A CUDA
+tensor is copied to host memory to travel (calls carry host tensors); the caller's
+``device=`` puts a result's tensors back on a GPU.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def _encode(obj: Any, depth: int = 0) -> Any:
         return obj.item()
     if isinstance(obj, RefArg):
         return obj
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        # Calls carry host tensors (CUDA IPC for call bodies is not there yet): a GPU tensor
+        # is copied to host memory to travel (``.cpu()`` waits for the work that made it).
+        obj = obj.detach().cpu()
     data, dtype, shape = to_bytes(obj)
     flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
     return TensorArg(flat, dtype, list(shape))
