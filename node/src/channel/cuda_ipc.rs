@@ -5,8 +5,10 @@
 //! ([`DataRequest::CudaIpc`]). The holder exports it only when the version is on one of its
 //! devices, large enough, and the asker's boot id is its own ([`refusal`]); the asker maps
 //! the holder's memory, copies it device to device into its own buffer, unmaps it, and
-//! finishes its side of the stream, which is when the holder lets go of the version. Any
-//! refusal, a peer without CUDA (`Unsupported`), or a handle that does not open sends the
+//! finishes its side of the stream, which is when the holder lets go of the version (a
+//! caller that stops waiting cannot cut that short: the copy runs to its end on a thread of
+//! its own). Any refusal (a build without CUDA declines every request; an older node answers
+//! `Malformed`), a mapping shorter than the tensor, or a handle that does not open sends the
 //! pull on to the pair's other channels: the bytes never leave device memory on this path.
 //!
 //! Trust: an IPC handle maps the holder's memory writable, so it is exported only to peers
@@ -217,6 +219,11 @@ where
     });
     let (link, (mut send, answer)) = match asked.await {
         Ok(asked) => asked,
+        // The peer cannot be reached, or refused this node's link: the network path would
+        // dial again only to fail the same way.
+        Err(err @ (Error::PeerUnreachable { .. } | Error::TooManyConnections { .. })) => {
+            return Err(err);
+        }
         Err(err) => {
             // The network path reports the failure, with its own fallbacks.
             debug!(%err, "no CUDA IPC with this peer");
@@ -256,11 +263,14 @@ where
     let Ok(handle) = <[u8; IPC_HANDLE_LEN]>::try_from(handle.as_slice()) else {
         return Ok(None);
     };
-    let copied = device::ipc_import(&ctx.config.cuda, ordinal, &handle, meta.byte_len).await?;
-    // Done with the mapping (or it never opened): the holder may let go.
-    let _ = send.finish();
-    drop(link);
-    let Some(buffer) = copied else {
+    // Once the mapping is closed (or never opened), the holder may let go: the send side
+    // finishes, and the link is no longer in use for this request.
+    let done = move || {
+        let _ = send.finish();
+        drop(link);
+    };
+    let copied = device::ipc_import(&ctx.config.cuda, ordinal, &handle, meta.byte_len, done);
+    let Some(buffer) = copied.await? else {
         return Ok(None);
     };
     // A holder that proved only read-only access may not publish: its bytes are hashed

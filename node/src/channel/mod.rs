@@ -23,9 +23,8 @@
 //!   device; a request kind on the link, tried first by pulls into device memory only.
 //!
 //! A pull into device memory takes one route ([`pull_to_device`]): CUDA IPC from a same-host
-//! holder that keeps the version on a GPU; else the pair's channel for host bytes, then one
-//! copy up to the device; else QUIC, received through pinned staging straight into device
-//! memory.
+//! holder that keeps the version on a GPU; else the shm channel for host bytes, then one copy
+//! up to the device; else QUIC, received through pinned staging straight into device memory.
 
 mod cuda_ipc;
 pub(crate) mod quic;
@@ -62,7 +61,7 @@ use crate::{
     client::{self, Pulled},
     config::Config,
     ctx::NodeCtx,
-    device::{Device, DeviceBuffer},
+    device::DeviceBuffer,
     error::{Error, Result},
     tensor::Tensor,
 };
@@ -614,8 +613,8 @@ pub(crate) enum DeviceVia {
 
 /// Pulls `name` (the newest version, or `version`) from the peer at `addr` into new memory on
 /// CUDA device `ordinal`, by the one route a device pull takes: CUDA IPC when the peer looks
-/// local and keeps the version on a GPU ([`cuda_ipc`]); else the pair's channel (shm, TCP) for
-/// host bytes, copied up once they are in; else QUIC through pinned staging, hashed on the
+/// local and keeps the version on a GPU ([`cuda_ipc`]); else, when the pair runs shm, host
+/// bytes over it, copied up once they are in; else QUIC through pinned staging, hashed on the
 /// way. The caller checked that the device exists.
 pub(crate) async fn pull_to_device<L, LF>(
     ctx: &NodeCtx,
@@ -636,13 +635,19 @@ where
             return Ok((device_tensor(pulled), DeviceVia::CudaIpc));
         }
     }
-    let on_channel = async |route: &Route| route.pull(ctx, name, version).await;
-    let timed = Some(TransferKind::Pull);
-    if let Some(pulled) = first(ctx, &addr.id, &links, timed, on_channel).await? {
-        let device = Device::Cuda(ordinal);
-        let buffer = verify::blocking(|| pulled.buffer.to_device(device))?;
-        let pulled = Pulled { buffer, ..pulled };
-        return Ok((pulled, DeviceVia::Network));
+    // Host bytes over shm (a mapping of the holder's memfd: no host copy), then one copy up.
+    // Not over TCP: that would hold the whole tensor in host memory, where pinned staging
+    // holds a few chunks and overlaps the copies with the network.
+    #[cfg(target_os = "linux")]
+    if let Some(shm @ Route::Shm(_)) = route(ctx, &addr.id, &links).await? {
+        let timed = Some(TransferKind::Pull);
+        let pulled = attempt(ctx, &shm, timed, shm.pull(ctx, name, version)).await?;
+        if let Some(pulled) = pulled {
+            let device = crate::device::Device::Cuda(ordinal);
+            let buffer = verify::blocking(|| pulled.buffer.to_device(device))?;
+            let pulled = Pulled { buffer, ..pulled };
+            return Ok((pulled, DeviceVia::Network));
+        }
     }
     let alloc = |meta: &TensorMeta| {
         let len = usize::try_from(meta.byte_len)

@@ -2,8 +2,9 @@
 //!
 //! To a CUDA device, the version is pulled from its holders with [`Node::pull_to`], best
 //! first: from a holder on this host that keeps it on a device, device to device by CUDA IPC;
-//! from any other, through pinned staging straight into device memory (no host copy of the
-//! whole tensor). The tensor is the caller's: this node does not keep or serve it (like
+//! from one on this host that keeps it in host memory, over the shm channel and copied up
+//! once; from any other, through pinned staging straight into device memory (no host copy of
+//! the whole tensor). The tensor is the caller's: this node does not keep or serve it (like
 //! `get_into`). When no holder can be pulled from that way, the version is got as
 //! [`Node::get`] does and copied to the device once.
 

@@ -59,9 +59,11 @@ def _encode(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, RefArg):
         return obj
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
         # Calls carry host tensors (CUDA IPC for call bodies is not there yet): a GPU tensor
-        # is copied to host memory to travel (``.cpu()`` waits for the work that made it).
+        # is copied to host memory to travel, once every stream of its device is done (as
+        # for ``put``: torch does not record which stream wrote a tensor).
+        torch.cuda.synchronize(obj.device)
         obj = obj.detach().cpu()
     data, dtype, shape = to_bytes(obj)
     flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)

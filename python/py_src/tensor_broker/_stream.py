@@ -38,7 +38,7 @@ class Stream:
     dicts of them; plain numbers and strings), built from a source:
 
     - ``Stream(iterable)``: a Python iterable's items, read on a thread of its own, one
-      item ahead;
+      item ahead (a CUDA tensor among them is copied to host memory, as in calls);
     - :meth:`Stream.call`: a streaming function's items;
     - :meth:`Stream.subscribe`: the tensor of each new version of matching names;
     - :meth:`Stream.interleave`: the items of several streams as they come.

@@ -12,10 +12,7 @@ use cudarc::driver::{CudaContext, DevicePtrMut, result, sys};
 use tb_proto::ipc::IPC_HANDLE_LEN;
 use tracing::debug;
 
-use super::{
-    DeviceBuffer, driver_error, gpu,
-    transfer::{drain, transfer_stream},
-};
+use super::{DeviceBuffer, driver_error, gpu, transfer::transfer_stream};
 use crate::{
     device::CudaConfig,
     error::{Error, Result},
@@ -60,15 +57,38 @@ impl Drop for Mapping {
 }
 
 /// Maps `handle`, copies the `len` bytes it starts with into a new buffer on `ordinal`, and
-/// unmaps it. `Ok(None)`: the handle did not open (another machine, a stale handle: use the
-/// network); `Err`: what the network path would hit too (out of device memory, no device).
+/// unmaps it. `Ok(None)`: the handle did not open (another machine, a stale handle), or maps
+/// less than `len` bytes: use the network; `Err`: what the network path would hit too (out of
+/// device memory, no device).
+///
+/// The work runs on a blocking thread to its end, and calls `done` (which lets the exporter
+/// release its memory: the request's send side finishes) once the mapping is closed, so a
+/// caller that gives up waiting (a timeout, a cancelled get) can neither unmap nor release
+/// the memory under a copy still running on the device.
 pub(crate) async fn import(
     cfg: &CudaConfig,
     ordinal: usize,
     handle: &[u8; HANDLE_LEN],
     len: u64,
+    done: impl FnOnce() + Send + 'static,
 ) -> Result<Option<DeviceBuffer>> {
     let len = usize::try_from(len).map_err(|_| Error::TooLarge(format!("{len} bytes")))?;
+    let (cfg, handle) = (cfg.clone(), *handle);
+    let work = tokio::task::spawn_blocking(move || {
+        let copied = import_blocking(&cfg, ordinal, &handle, len);
+        done();
+        copied
+    });
+    work.await
+        .map_err(|e| Error::Io(format!("a CUDA IPC copy's thread: {e}")))?
+}
+
+fn import_blocking(
+    cfg: &CudaConfig,
+    ordinal: usize,
+    handle: &[u8; HANDLE_LEN],
+    len: usize,
+) -> Result<Option<DeviceBuffer>> {
     let gpu = gpu(ordinal, cfg)?;
     gpu.ctx
         .bind_to_thread()
@@ -88,18 +108,32 @@ pub(crate) async fn import(
         ctx: gpu.ctx.clone(),
         ptr: src,
     };
+    // The exporter says how long the tensor is; the mapping says how much it may be read.
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-parameters; `src` is a live mapping on the bound context.
+    let range = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, mapping.ptr) };
+    let mapped_from_src = (base + size as sys::CUdeviceptr).saturating_sub(mapping.ptr);
+    if range.result().is_err() || (mapped_from_src as u128) < len as u128 {
+        debug!(
+            len,
+            mapped_from_src, "a CUDA IPC mapping shorter than the tensor"
+        );
+        return Ok(None);
+    }
     let mut dest = DeviceBuffer::alloc(ordinal, len)?;
     let stream = transfer_stream(&gpu)?;
     {
         let slice = dest.slice_mut()?;
         let (dst, _record_write) = slice.device_ptr_mut(&stream);
-        // SAFETY: `dst` is our fresh allocation of `len` bytes and `src` maps the exporter's
-        // allocation holding the tensor's `len` bytes; the mapping stays open until the copy
-        // is drained below.
+        // SAFETY: `dst` is our fresh allocation of `len` bytes and `src` maps at least `len`
+        // readable bytes of the exporter's allocation (checked above); the mapping stays open
+        // until the copy is synchronized below.
         unsafe { result::memcpy_dtod_async(dst, mapping.ptr, len, stream.cu_stream()) }
             .map_err(|e| driver_error("copying from a CUDA IPC mapping", e))?;
     }
-    drain(&stream).await?;
+    stream
+        .synchronize()
+        .map_err(|e| driver_error("waiting for a CUDA IPC copy", e))?;
     drop(mapping);
     Ok(Some(dest))
 }
