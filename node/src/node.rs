@@ -437,9 +437,9 @@ impl Node {
 
     /// Pulls `name` (the newest version, or `version`) from the peer at `addr` into memory on
     /// `device`. To a CUDA device: copied device to device by CUDA IPC when the peer is on
-    /// this host and holds the version on a device; else received over the pair's channel
-    /// (host bytes, then one copy up) or through pinned staging straight into device memory
-    /// (QUIC). `DeviceUnavailable` before any traffic when there is no such device.
+    /// this host and holds the version on a device; else received over the shm channel when
+    /// the pair runs it (host bytes, then one copy up) or through pinned staging straight into
+    /// device memory (QUIC). `DeviceUnavailable` before any traffic when there is no such device.
     pub async fn pull_to(
         &self,
         addr: &PeerAddr,

@@ -439,7 +439,7 @@ class Client:
         ``device``: ``None``/``"cpu"`` for host memory, or ``"cuda"``, ``"cuda:N"``, a torch
         device or an ordinal: the tensor on that CUDA device, received into device memory
         (device to device by CUDA IPC from a holder on this host that keeps it on a GPU;
-        over the pair's channel and one copy up from a same-host holder that keeps it in host
+        over the shm channel and one copy up from a same-host holder that keeps it in host
         memory; through pinned staging from others; this node does not keep that copy), or this
         node's own device copy after its ``put`` of a CUDA tensor. ``Unavailable`` without
         CUDA. The tensor is a private view (host: copy-on-write, no copy of the payload;

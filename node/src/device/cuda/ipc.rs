@@ -108,17 +108,24 @@ fn import_blocking(
         ctx: gpu.ctx.clone(),
         ptr: src,
     };
-    // The exporter says how long the tensor is; the mapping says how much it may be read.
+    // The exporter says how long the tensor is; the mapping says how much may be read. A
+    // driver that cannot say leaves the exporter (a read-write member) trusted, as before.
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: valid out-parameters; `src` is a live mapping on the bound context.
     let range = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, mapping.ptr) };
-    let mapped_from_src = (base + size as sys::CUdeviceptr).saturating_sub(mapping.ptr);
-    if range.result().is_err() || (mapped_from_src as u128) < len as u128 {
-        debug!(
-            len,
-            mapped_from_src, "a CUDA IPC mapping shorter than the tensor"
-        );
-        return Ok(None);
+    match range.result() {
+        Ok(()) => {
+            let end = base.saturating_add(size as sys::CUdeviceptr);
+            let mapped_from_src = end.saturating_sub(mapping.ptr);
+            if (mapped_from_src as u128) < len as u128 {
+                debug!(
+                    len,
+                    mapped_from_src, "a CUDA IPC mapping shorter than the tensor"
+                );
+                return Ok(None);
+            }
+        }
+        Err(e) => debug!(?e, "the size of a CUDA IPC mapping is unknown"),
     }
     let mut dest = DeviceBuffer::alloc(ordinal, len)?;
     let stream = transfer_stream(&gpu)?;
