@@ -102,3 +102,26 @@ def test_cuda_tensors_round_trip_device_to_device(
         assert torch.equal(got, t)
         # And as host bytes for a reader without a GPU in mind.
         assert torch.equal(other.get_torch("torch/cuda", v), t.cpu())
+
+
+@pytest.mark.skipif(not CUDA_HERE, reason=NO_CUDA)
+def test_a_call_with_cuda_tensors_copies_them_to_host_and_device_puts_the_result_back(
+    cluster: tb.LocalCluster,
+) -> None:
+    with cluster.connect() as server, cluster.connect() as caller:
+
+        @server.share("torch/cuda-scale")
+        def scale(x: torch.Tensor, k: float) -> torch.Tensor:
+            assert x.device.type == "cpu"  # calls carry host tensors
+            return x * k
+
+        with server.serving():
+            f = caller.function("torch/cuda-scale")
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):  # written on a side stream: the call waits for it
+                x = torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 2
+            got = f(x, 3.0, device="cuda", timeout=60)
+            assert got.device.type == "cuda"
+            assert torch.equal(got, torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 6)
+            got += 1  # the result is the caller's own
+            assert torch.equal(f(x, 1.0, timeout=60), x.cpu())

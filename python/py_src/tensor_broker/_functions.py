@@ -58,16 +58,22 @@ def _encode(obj: Any, depth: int = 0) -> Any:
         return obj.item()
     if isinstance(obj, RefArg):
         return obj
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
-        # Calls carry host tensors (CUDA IPC for call bodies is not there yet): a GPU tensor
-        # is copied to host memory to travel, once every stream of its device is done (as
-        # for ``put``: torch does not record which stream wrote a tensor).
-        torch.cuda.synchronize(obj.device)
-        obj = obj.detach().cpu()
+    if not isinstance(obj, np.ndarray):
+        obj = _on_host(obj)
     data, dtype, shape = to_bytes(obj)
     flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
     return TensorArg(flat, dtype, list(shape))
+
+
+def _on_host(obj: Any) -> Any:
+    """``obj``, or a host copy of it when it is a CUDA torch tensor: calls carry host tensors
+    (CUDA IPC for call bodies is not there yet). The copy waits for every stream of the
+    tensor's device, as ``put`` does (torch does not record which stream wrote a tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
+        torch.cuda.synchronize(obj.device)
+        return obj.detach().cpu()
+    return obj
 
 
 def _decode(obj: Any, torch: bool) -> Any:
