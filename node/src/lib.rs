@@ -130,6 +130,12 @@ mod wire;
 #[cfg(target_os = "linux")]
 #[doc(hidden)]
 pub use channel::{VIEW_COPY_MAX, force_map_failures_for_tests};
+/// Fuzzing hooks (`node/fuzz`): the same-host request connection's chunk reader and writer.
+#[cfg(target_os = "linux")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::channel::{ChunksRead, frame_chunks, read_chunks};
+}
 pub use client::{Pulled, RequestStream};
 pub use cluster::{MembersView, SubEvent, Subscription};
 pub use config::{

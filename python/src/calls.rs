@@ -625,7 +625,7 @@ impl CallsHandle {
         let options = call_options(timeout, idempotent)?;
         let calls = self.calls.clone();
         let call = async move { calls.call(&name, &value, &options).await };
-        let out = runtime::wait_task(py, call)?;
+        let out = runtime::wait_call(py, call)?;
         from_value(py, out.map_err(call_error)?)
     }
 

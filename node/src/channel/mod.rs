@@ -46,14 +46,14 @@ use tracing::warn;
 
 pub(crate) use cuda_ipc::service as cuda_ipc_service;
 #[cfg(target_os = "linux")]
-pub use shm::force_map_failures_for_tests;
-#[cfg(target_os = "linux")]
 pub(crate) use shm::{
     CallRecv, CallSend, INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute,
     ShmStream, ShmWatch, WatchOffer, ctl::exchange as shm_ctl_exchange,
     ctl::open_subscription as shm_open_subscription, ctl::read_event as shm_read_event,
     memfds_work, open_socket_request,
 };
+#[cfg(target_os = "linux")]
+pub use shm::{ChunksRead, force_map_failures_for_tests, frame_chunks, read_chunks};
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
 use crate::{

@@ -149,10 +149,9 @@ impl Reader {
         n
     }
 
-    /// One non-blocking `recv` of what the socket holds into the buffer: `true` when
-    /// something happened (bytes came, or the peer is gone), `false` when nothing is there
-    /// yet (the socket's readiness is cleared).
-    fn fill(&mut self, stream: &UnixStream, heard: &AtomicU64) -> bool {
+    /// Room for the next read at the buffer's end, the consumed bytes dropped first; what is
+    /// read into it is [`filled`](Self::filled).
+    fn room(&mut self) -> &mut [u8] {
         if self.start > 0 {
             self.buf.copy_within(self.start..self.end_at, 0);
             self.end_at -= self.start;
@@ -161,9 +160,15 @@ impl Reader {
         if self.buf.len() - self.end_at < READ_PIECE / 2 {
             self.buf.resize(self.end_at + READ_PIECE, 0);
         }
-        let at = self.end_at;
+        &mut self.buf[self.end_at..]
+    }
+
+    /// One non-blocking `recv` of what the socket holds into the buffer: `true` when
+    /// something happened (bytes came, or the peer is gone), `false` when nothing is there
+    /// yet (the socket's readiness is cleared).
+    fn fill(&mut self, stream: &UnixStream, heard: &AtomicU64) -> bool {
         let got = stream.try_io(Interest::READABLE, || {
-            rustix::net::recv(stream, &mut self.buf[at..], RecvFlags::empty())
+            rustix::net::recv(stream, self.room(), RecvFlags::empty())
                 .map(|(n, _)| n)
                 .map_err(std::io::Error::from)
         });
@@ -253,39 +258,8 @@ impl CallSend {
         if *self.shared.written() != Written::Open {
             return Err(Error::Io("writing a same-host request that ended".into()));
         }
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        let one = total <= MAX_CHUNK;
-        let chunks: Vec<&[u8]> = match one {
-            true => parts.to_vec(),
-            false => parts.iter().flat_map(|p| p.chunks(MAX_CHUNK)).collect(),
-        };
-        // The lengths first (the pieces borrow them), then the pieces in order.
-        let lens: Vec<[u8; 4]> = match one {
-            true if total > 0 => vec![(total as u32).to_le_bytes()],
-            true => Vec::new(),
-            false => chunks
-                .iter()
-                .map(|c| (c.len() as u32).to_le_bytes())
-                .collect(),
-        };
-        let end_len = 0u32.to_le_bytes();
-        let mut pieces: Vec<&[u8]> = Vec::with_capacity(chunks.len() * 2 + 2);
-        pieces.push(prefix);
-        match one {
-            true => {
-                pieces.extend(lens.iter().map(|l| &l[..]));
-                pieces.extend(chunks.iter().copied());
-            }
-            false => {
-                for (len, chunk) in lens.iter().zip(&chunks) {
-                    pieces.push(len);
-                    pieces.push(chunk);
-                }
-            }
-        }
-        if end {
-            pieces.push(&end_len);
-        }
+        let mut lens = Vec::new();
+        let pieces = framed(prefix, parts, end, &mut lens);
         *self.shared.written() = Written::Torn;
         send_all(self.shared.stream()?, &pieces).await?;
         *self.shared.written() = if end { Written::Ended } else { Written::Open };
@@ -413,6 +387,106 @@ impl CallRecv {
     pub(crate) fn heard(&self) -> Arc<AtomicU64> {
         self.shared.heard.clone()
     }
+}
+
+/// What [`CallSend::write_parts`] sends, in order: `prefix` as it is, then `parts` as chunks
+/// (one for all of them when they fit in one, else each part split at [`MAX_CHUNK`]), then
+/// the end chunk when `end`. `lens` holds the chunks' lengths the pieces borrow.
+fn framed<'a>(
+    prefix: &'a [u8],
+    parts: &[&'a [u8]],
+    end: bool,
+    lens: &'a mut Vec<[u8; 4]>,
+) -> Vec<&'a [u8]> {
+    const END: [u8; 4] = 0u32.to_le_bytes();
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let one = total <= MAX_CHUNK;
+    let chunks: Vec<&[u8]> = match one {
+        true => parts.iter().copied().filter(|p| !p.is_empty()).collect(),
+        false => parts.iter().flat_map(|p| p.chunks(MAX_CHUNK)).collect(),
+    };
+    // One length for one chunk made of every part (none for no bytes: a length of 0 is the
+    // end), else one per chunk.
+    match one {
+        true if total > 0 => lens.push((total as u32).to_le_bytes()),
+        true => {}
+        false => lens.extend(chunks.iter().map(|c| (c.len() as u32).to_le_bytes())),
+    }
+    let lens: &'a [[u8; 4]] = lens;
+    let mut pieces: Vec<&[u8]> = Vec::with_capacity(chunks.len() * 2 + 2);
+    pieces.push(prefix);
+    match one {
+        true => {
+            pieces.extend(lens.iter().map(|l| &l[..]));
+            pieces.extend(chunks.iter().copied());
+        }
+        false => {
+            for (len, chunk) in lens.iter().zip(&chunks) {
+                pieces.push(len);
+                pieces.push(chunk);
+            }
+        }
+    }
+    if end {
+        pieces.push(&END);
+    }
+    pieces
+}
+
+/// What [`read_chunks`] read of a same-host request's direction.
+#[doc(hidden)]
+#[derive(Debug, PartialEq, Eq)]
+pub struct ChunksRead {
+    /// The chunks' bytes, in order.
+    pub payload: Vec<u8>,
+    /// Bytes of the input parsed (lengths and payload).
+    pub consumed: usize,
+    /// The end chunk was read.
+    pub end: bool,
+    /// Why reading stopped before the end (an abort or a chunk over [`MAX_CHUNK`]).
+    pub gone: Option<String>,
+}
+
+/// Fuzzing hook: `input` as the peer's direction of a same-host request (after its request
+/// frame), arriving `piece` bytes at a time and read `take` bytes at a time by the reader a
+/// request's [`CallRecv`] reads with. Reading stops at the end chunk, an abort, a chunk over
+/// the limit, or the input's end.
+#[doc(hidden)]
+pub fn read_chunks(input: &[u8], piece: usize, take: usize) -> ChunksRead {
+    let mut reader = Reader::new(Vec::new());
+    let (mut fed, mut payload) = (0, Vec::new());
+    let mut dest = vec![0u8; take.clamp(1, MAX_CHUNK)];
+    // Bounded: each round takes at least one byte, feeds at least one, or stops.
+    loop {
+        reader.parse();
+        if reader.left > 0 && !reader.buffered().is_empty() {
+            let n = reader.take(&mut dest);
+            payload.extend_from_slice(&dest[..n]);
+            continue;
+        }
+        if reader.end || reader.gone.is_some() || fed == input.len() {
+            break;
+        }
+        let room = reader.room();
+        let n = room.len().min(piece.max(1)).min(input.len() - fed);
+        room[..n].copy_from_slice(&input[fed..fed + n]);
+        reader.end_at += n;
+        fed += n;
+    }
+    ChunksRead {
+        payload,
+        consumed: fed - reader.buffered().len(),
+        end: reader.end,
+        gone: reader.gone,
+    }
+}
+
+/// Fuzzing hook: `parts` framed as a same-host request's direction ending with its end
+/// chunk, the bytes [`CallSend::write_parts`] writes.
+#[doc(hidden)]
+pub fn frame_chunks(parts: &[&[u8]]) -> Vec<u8> {
+    let mut lens = Vec::new();
+    framed(&[], parts, true, &mut lens).concat()
 }
 
 /// One non-blocking `recv` straight into `dest`: `Ok(None)` when nothing is there yet.
@@ -645,5 +719,41 @@ mod tests {
         let done = tokio::time::timeout(std::time::Duration::from_secs(10), stopped).await;
         assert!(done.is_ok(), "a closed peer stopped listening");
         drop((send, recv));
+    }
+
+    /// What the fuzz target `call_chunks` checks, on inputs it would take long to find: a
+    /// payload over one chunk, an abort, a length over the limit, bytes after the end.
+    #[test]
+    fn the_chunk_reader_reads_the_same_however_the_bytes_arrive() {
+        let big: Vec<u8> = (0..MAX_CHUNK + 5).map(|i| (i % 251) as u8).collect();
+        let framed = frame_chunks(&[&b""[..], &big[..7], &big[7..]]);
+        assert_eq!(framed.len(), big.len() + 4 * 3, "two chunks and the end");
+        let mut after_end = frame_chunks(&[b"abc"]);
+        after_end.extend(b"next");
+        let mut aborted = frame_chunks(&[b"abc"]);
+        aborted.truncate(7);
+        aborted.extend(RESET.to_le_bytes());
+        let over = (MAX_CHUNK as u32 + 1).to_le_bytes().to_vec();
+        for (input, payload, end, gone) in [
+            (&framed, &big[..], true, None),
+            (&after_end, &b"abc"[..], true, None),
+            (&aborted, &b"abc"[..], false, Some("abandoned")),
+            (&over, &b""[..], false, Some("the most is")),
+        ] {
+            let whole = read_chunks(input, usize::MAX, usize::MAX);
+            assert_eq!(whole.payload, payload);
+            assert_eq!(whole.end, end);
+            match gone {
+                Some(why) => assert!(whole.gone.as_deref().is_some_and(|g| g.contains(why))),
+                None => assert_eq!(whole.gone, None),
+            }
+            for (piece, take) in [(1, 1), (3, 1000), (65_536, 7)] {
+                if input.len() > 1 << 20 && piece < 1000 {
+                    continue;
+                }
+                assert_eq!(read_chunks(input, piece, take), whole, "{piece}/{take}");
+            }
+        }
+        assert_eq!(read_chunks(&after_end, 5, 2).consumed, after_end.len() - 4);
     }
 }
