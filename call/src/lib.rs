@@ -453,11 +453,17 @@ impl CallStream {
                 }
                 Some(Ok(value))
             }
+            // The server ended the call (its `Done` or `Failed` came): this side ends too, so
+            // a same-host connection goes back to its pool (the server waits for this end).
             Ok(None) => {
+                let _ = started.stream.send.finish().await;
                 self.started = None;
                 None
             }
             Err(e) => {
+                if matches!(e, CallError::Remote { .. }) {
+                    let _ = started.stream.send.finish().await;
+                }
                 self.started = None;
                 Some(Err(e))
             }

@@ -46,6 +46,15 @@ pub const RESULT_LOAN_TTL: Duration = Duration::from_secs(30);
 /// not pulled when it ends (but for the last items of a stream that ended well).
 pub const STREAM_LOAN_TTL: Duration = Duration::from_secs(600);
 
+/// How long a streaming call's server waits, after its last frame, for the caller to end
+/// its side on a same-host connection (it does once it reads that frame), so that the
+/// connection is served again instead of closed under the caller's pool.
+const CALLER_END_WAIT: Duration = Duration::from_secs(1);
+
+/// The most a streaming call's caller may still send after the server's last frame (credit
+/// and inputs it sent before it read that frame) for the connection to be kept.
+const CALLER_END_MAX: usize = 1 << 20;
+
 /// What a handler's call ends with: a value, or a failure the caller gets as a remote error.
 pub type HandlerResult = Result<Value, RemoteFailure>;
 
@@ -471,6 +480,7 @@ impl CallService {
         let cancel = CancellationToken::new();
         let _cancel_on_drop = cancel.clone().drop_guard();
         let deadline = head.deadline_ms.map(Duration::from_millis);
+        let streaming = head.stream;
         let call = Call {
             node: &self.node,
             served: &served,
@@ -490,8 +500,20 @@ impl CallService {
         drop(place);
         self.metrics.served_in(started.elapsed());
         self.metrics.in_flight("server", -1);
+        let wrote_end = matches!(
+            outcome,
+            Outcome::Done | Outcome::Failed(_) | Outcome::Deadline
+        );
         self.finish(node, &function, outcome, &mut send, &served)
             .await;
+        // A unary call's caller ended its side with its arguments; a stream's ends its side
+        // once it reads the last frame.
+        if streaming && wrote_end && send.is_same_host() {
+            tokio::select! {
+                _ = recv.discard_to_end(CALLER_END_MAX, CALLER_END_WAIT) => {}
+                () = node.stopping() => {}
+            }
+        }
     }
 
     /// Writes how a call ended, when the caller still listens.

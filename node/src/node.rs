@@ -597,6 +597,13 @@ impl Node {
         self.inner.pool.stats()
     }
 
+    /// Same-host connections this node opened (a connect and a hello each; a request on a
+    /// pooled connection opens none). For tests of the pooling.
+    #[doc(hidden)]
+    pub fn same_host_connections_opened(&self) -> u64 {
+        self.inner.ctx.channels.same_host_connections_opened()
+    }
+
     /// The process's metrics (shared with a broker that runs this node).
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.ctx.metrics

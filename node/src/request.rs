@@ -247,6 +247,25 @@ impl RequestRecv {
         frame::decode_body(&body).map_err(ReadFrameError::Invalid)
     }
 
+    /// Reads and drops what the peer still sends until its end (`true`), within `limit` and at
+    /// most `most` bytes: `false` if it sends more, fails or takes longer. A same-host
+    /// connection whose two sides both ended goes back to its pool.
+    pub async fn discard_to_end(&mut self, most: usize, limit: std::time::Duration) -> bool {
+        let mut buf = [0u8; 512];
+        let mut left = most;
+        let drained = async {
+            // Bounded by `most`: each round reads at least one byte or ends.
+            loop {
+                match self.read(&mut buf).await {
+                    Ok(Some(n)) if n <= left => left -= n,
+                    Ok(None) => return true,
+                    Ok(Some(_)) | Err(_) => return false,
+                }
+            }
+        };
+        tokio::time::timeout(limit, drained).await.unwrap_or(false)
+    }
+
     /// A counter of the bytes received from the peer, for a same-host connection (how a
     /// reader tells a quiet peer from a lost one there; a QUIC stream's is its link's).
     pub(crate) fn socket_heard(&self) -> Option<Arc<AtomicU64>> {

@@ -375,7 +375,8 @@ async fn streaming_calls_yield_every_item_in_order() {
     streams_in_order(false).await;
 }
 
-/// The same on a same-host pair's socket, where a stream is a connection of its own.
+/// The same on a same-host pair's socket, where a stream read to its end leaves its
+/// connection pooled for the next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_calls_on_the_same_host_socket_yield_every_item_in_order() {
     streams_in_order(true).await;
@@ -386,7 +387,7 @@ async fn streams_in_order(same_host: bool) {
     let broker = broker(dir.path()).await;
     let (config, [taken, _]) = pair(&broker, same_host);
     let (_s, server) = calls(config.clone()).await;
-    let (_c, caller) = calls(config).await;
+    let (caller_node, caller) = calls(config).await;
     let count = |args: Value, _cx: tb_call::CallContext| {
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(async move {
@@ -431,7 +432,30 @@ async fn streams_in_order(same_host: bool) {
         got.push(item.expect("an item"));
     }
     assert_eq!(got, (0..3).map(Value::Int).collect::<Vec<_>>());
-    assert_eq!(server.metrics().streams("server", taken), 3, "on {taken}");
+    drop(again);
+    // A stream read to its end leaves its same-host connection pooled (both sides ended
+    // theirs): the next streams open none.
+    let opened = caller_node.same_host_connections_opened();
+    for n in [1, 4, 2] {
+        let mut next = within(LIMIT, "stream", caller.stream("count", &Value::Int(n), 2))
+            .await
+            .expect("starts");
+        let mut got = 0;
+        while let Some(item) = within(LIMIT, "item", next.next()).await {
+            assert_eq!(item.expect("an item"), Value::Int(got));
+            got += 1;
+        }
+        assert_eq!(got, n);
+    }
+    assert_eq!(
+        caller_node.same_host_connections_opened(),
+        opened,
+        "streams read to their end reuse the pooled connection"
+    );
+    if same_host {
+        assert!(opened > 0, "the streams went over same-host connections");
+    }
+    assert_eq!(server.metrics().streams("server", taken), 6, "on {taken}");
     let cancelled = eventually_async(LIMIT, || async {
         server.metrics().count("server", "cancelled") == 1
     });

@@ -358,6 +358,16 @@ impl Channels {
         }
     }
 
+    /// Same-host client connections this node opened so far (none without the shm channel):
+    /// a request on a pooled one opens none.
+    pub(crate) fn same_host_connections_opened(&self) -> u64 {
+        #[cfg(target_os = "linux")]
+        if let Some(shm) = &self.shm {
+            return shm.opened();
+        }
+        0
+    }
+
     /// Starts the channels' listeners (with the node's context, once it exists).
     pub(crate) fn start(ctx: &Arc<NodeCtx>) -> Result<()> {
         #[cfg(target_os = "linux")]

@@ -554,6 +554,8 @@ pub(super) async fn connection(
                 shm.uid
             )));
         }
+        shm.opened
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut conn = ShmStream::new(stream);
         let hello = ShmHello {
             node: *ctx.endpoint.id().as_bytes(),

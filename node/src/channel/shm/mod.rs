@@ -194,6 +194,8 @@ pub(crate) struct Shm {
     uid: u32,
     listener: Mutex<Option<std::os::unix::net::UnixListener>>,
     idle: Mutex<HashMap<EndpointId, Vec<ShmStream>>>,
+    /// Client connections this node opened (a new socket and hello; not one from the pool).
+    opened: std::sync::atomic::AtomicU64,
 }
 
 impl Shm {
@@ -217,6 +219,7 @@ impl Shm {
             uid: rustix::process::getuid().as_raw(),
             listener: Mutex::new(Some(listener)),
             idle: Mutex::new(HashMap::new()),
+            opened: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -239,6 +242,11 @@ impl Shm {
 
     fn idle(&self) -> MutexGuard<'_, HashMap<EndpointId, Vec<ShmStream>>> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Client connections opened so far (each a connect and a hello).
+    pub(crate) fn opened(&self) -> u64 {
+        self.opened.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// An idle connection to `peer`, if one is pooled.
