@@ -455,16 +455,18 @@ impl CallStream {
             }
             // The server ended the call (its `Done` or `Failed` came): this side ends too, so
             // a same-host connection goes back to its pool (the server waits for this end).
+            // Taken out first: a `next` cancelled during the write leaves the stream ended.
             Ok(None) => {
-                let _ = started.stream.send.finish().await;
-                self.started = None;
+                if let Some(mut ended) = self.started.take() {
+                    let _ = ended.stream.send.finish().await;
+                }
                 None
             }
             Err(e) => {
-                if matches!(e, CallError::Remote { .. }) {
-                    let _ = started.stream.send.finish().await;
+                let ended = self.started.take();
+                if let (Some(mut ended), CallError::Remote { .. }) = (ended, &e) {
+                    let _ = ended.stream.send.finish().await;
                 }
-                self.started = None;
                 Some(Err(e))
             }
         }

@@ -500,11 +500,8 @@ impl CallService {
         drop(place);
         self.metrics.served_in(started.elapsed());
         self.metrics.in_flight("server", -1);
-        let wrote_end = matches!(
-            outcome,
-            Outcome::Done | Outcome::Failed(_) | Outcome::Deadline
-        );
-        self.finish(node, &function, outcome, &mut send, &served)
+        let wrote_end = self
+            .finish(node, &function, outcome, &mut send, &served)
             .await;
         // A unary call's caller ended its side with its arguments; a stream's ends its side
         // once it reads the last frame.
@@ -516,7 +513,8 @@ impl CallService {
         }
     }
 
-    /// Writes how a call ended, when the caller still listens.
+    /// Writes how a call ended, when the caller still listens: whether that last frame and
+    /// the end of this side went out whole.
     async fn finish(
         &self,
         node: &ServeCtx,
@@ -524,7 +522,7 @@ impl CallService {
         outcome: Outcome,
         send: &mut RequestSend,
         served: &Served,
-    ) {
+    ) -> bool {
         let failure = match outcome {
             Outcome::Done => None,
             Outcome::Failed(f) => Some(f),
@@ -538,7 +536,7 @@ impl CallService {
                 served.ended(false);
                 self.metrics.ended("server", "cancelled");
                 debug!(%function, "the caller stopped waiting: the call was cancelled");
-                return;
+                return false;
             }
         };
         served.ended(failure.is_some());
@@ -554,9 +552,9 @@ impl CallService {
                 CallFrame::Failed(failure)
             }
         };
-        let _ = send
-            .write_frame_and_finish(&frame, node.stall_timeout())
-            .await;
+        send.write_frame_and_finish(&frame, node.stall_timeout())
+            .await
+            .is_ok()
     }
 }
 

@@ -249,7 +249,8 @@ impl RequestRecv {
 
     /// Reads and drops what the peer still sends until its end (`true`), within `limit` and at
     /// most `most` bytes: `false` if it sends more, fails or takes longer. A same-host
-    /// connection whose two sides both ended goes back to its pool.
+    /// connection whose two sides both ended is used again (the caller's goes back to its
+    /// pool, the server's is served again).
     pub async fn discard_to_end(&mut self, most: usize, limit: std::time::Duration) -> bool {
         let mut buf = [0u8; 512];
         let mut left = most;

@@ -165,8 +165,8 @@ impl Drop for Calling {
 /// A short call between two processes of one host is mostly the time threads take to wake:
 /// the answer wakes a runtime thread, which wakes this one. Where an idle core halts (a
 /// virtual machine's, above all), waking a thread whose core halted costs tens of µs: a
-/// third of a 4 KiB call from Python to Python on a 2-core VM (p50 139-209 µs sleeping,
-/// 101-108 spinning). Only a lone call spins: many at once would lose a core to it (a
+/// third of a 4 KiB call from Python to Python on a 2-core VM (p50 139-185 µs sleeping,
+/// 101-120 spinning). Only a lone call spins: many at once would lose a core to it (a
 /// third of their calls/s on 2 cores when one of them spun), and so would two processes
 /// that both spin while they wait for each other (a round trip of subscriptions or pushes,
 /// whose waits therefore never spin: their p50 went from 300 to 500 µs when they did). A

@@ -149,8 +149,8 @@ impl Reader {
         n
     }
 
-    /// Room for the next read at the buffer's end, the consumed bytes dropped first; what is
-    /// read into it is [`filled`](Self::filled).
+    /// Room for the next read at the buffer's end, the consumed bytes dropped first; `end_at`
+    /// then advances by what was read into it.
     fn room(&mut self) -> &mut [u8] {
         if self.start > 0 {
             self.buf.copy_within(self.start..self.end_at, 0);
@@ -455,7 +455,7 @@ pub struct ChunksRead {
 pub fn read_chunks(input: &[u8], piece: usize, take: usize) -> ChunksRead {
     let mut reader = Reader::new(Vec::new());
     let (mut fed, mut payload) = (0, Vec::new());
-    let mut dest = vec![0u8; take.clamp(1, MAX_CHUNK)];
+    let mut dest = vec![0u8; take.min(input.len()).clamp(1, MAX_CHUNK)];
     // Bounded: each round takes at least one byte, feeds at least one, or stops.
     loop {
         reader.parse();
