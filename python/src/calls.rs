@@ -7,8 +7,8 @@
 //! numpy arrays and torch tensors, and turns [`TensorOut`]s back into them). Nothing is
 //! pickled: anything else is a `TypeError` before a byte moves.
 //!
-//! A handler runs on the runtime's blocking pool with the GIL taken per call, so `concurrency`
-//! calls of one function run at once in as many threads (numpy and torch release the GIL in
+//! A handler runs on a handler thread (`handlers`: the one that went idle last) with the GIL
+//! taken per call, so `concurrency` calls of one function run at once in as many threads (numpy and torch release the GIL in
 //! their kernels). Its exception comes back to the caller as a `RemoteFailure` with the
 //! exception's type, message and formatted traceback.
 
@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     array::RawBytes,
-    errors,
+    errors, handlers,
     runtime::{self, start, wait},
 };
 
@@ -296,12 +296,17 @@ impl tb_call::Handler for PyHandler {
         let inputs = self.inputs.then(|| InputIter(cx.inputs.clone()));
         if self.streaming {
             let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let refused = tx.clone();
             let run = move || stream_items(&func, args, start, inputs, flag, tx);
-            tokio::task::spawn_blocking(run);
+            if let Err(e) = handlers::run(Box::new(run)) {
+                // The channel is new: its one place is free.
+                let why = format!("no thread to run it on: {e}");
+                let _ = refused.try_send(Err(thread_failure(why)));
+            }
             return Output::Stream(rx);
         }
         Output::Unary(Box::pin(async move {
-            let ran = tokio::task::spawn_blocking(move || {
+            let ran = handlers::call(move || {
                 Python::attach(|py| {
                     let args = from_value(py, args).map_err(|e| failure_of(py, e))?;
                     let out = func
@@ -311,19 +316,22 @@ impl tb_call::Handler for PyHandler {
                 })
             })
             .await;
-            ran.unwrap_or_else(|e| {
-                Err(RemoteFailure::new(
-                    FailureKind::Raised,
-                    "RuntimeError",
-                    format!("the handler's thread failed: {e}"),
-                    "",
-                ))
-            })
+            ran.unwrap_or_else(|e| Err(thread_failure(e)))
         }))
     }
 }
 
-/// Runs a streaming handler's iterator on this (blocking) thread, one item per send.
+/// The failure of a call whose handler's thread did not answer (`why`).
+fn thread_failure(why: String) -> RemoteFailure {
+    RemoteFailure::new(
+        FailureKind::Raised,
+        "RuntimeError",
+        format!("the handler's thread: {why}"),
+        "",
+    )
+}
+
+/// Runs a streaming handler's iterator on this (handler) thread, one item per send.
 fn stream_items(
     func: &Py<PyAny>,
     args: Value,

@@ -14,6 +14,7 @@
 //! - `subscription`: versions of matching names as `Event`s, skips folded in.
 //! - `calls`: remote functions (serve Python callables, call by name), Python values to and
 //!   from `tb_call::Value`.
+//! - `handlers`: the threads Python handlers run on, the one that went idle last first.
 //! - `stream`: `tb_call::Pipeline`s (data-loading streams) built and read from Python.
 //! - `cluster`: [`cluster::LocalCluster`], a broker (and workers) in this process.
 //! - `errors`: `tb_node::Error` as the package's exception classes.
@@ -23,6 +24,7 @@ mod buffer;
 mod calls;
 mod cluster;
 mod errors;
+mod handlers;
 mod node;
 mod runtime;
 mod stream;

@@ -235,14 +235,14 @@ impl StreamHandle {
     }
 
     /// Each item through `func` (a Python callable taking and returning value trees), on
-    /// the runtime's blocking pool, `parallel` at a time.
+    /// the handler threads (`handlers`: the one that went idle last), `parallel` at a time.
     #[pyo3(signature = (func, parallel=1, ordered=true))]
     fn map_local(&self, func: Py<PyAny>, parallel: usize, ordered: bool) -> PyResult<StreamHandle> {
         let func = Arc::new(func);
         let map = move |item: Value| {
             let func = func.clone();
             async move {
-                let ran = tokio::task::spawn_blocking(move || {
+                let ran = crate::handlers::call(move || {
                     Python::attach(|py| -> PyResult<Value> {
                         let arg = from_value(py, item)?;
                         let out = func.call1(py, (arg,))?;
@@ -252,9 +252,7 @@ impl StreamHandle {
                 .await;
                 match ran {
                     Ok(done) => done.map_err(|e| PipelineError::Source(Box::new(e))),
-                    Err(e) => Err(PipelineError::Invalid(format!(
-                        "the map's thread failed: {e}"
-                    ))),
+                    Err(e) => Err(PipelineError::Invalid(format!("the map's thread: {e}"))),
                 }
             }
         };

@@ -78,6 +78,32 @@ def test_a_shared_function_is_called_by_name_with_arrays_and_plain_values(
                 f(tb.Ref("shared/missing"), timeout=LIMIT_S)
 
 
+def test_calls_made_one_at_a_time_run_on_one_handler_thread_after_a_burst(
+    cluster: tb.LocalCluster,
+) -> None:
+    """A burst of concurrent calls leaves 8 handler threads; the calls made one at a time
+    after it run on the thread that went idle last (warm: its malloc arena and caches), not
+    in turn on each of the 8, as a first-in-first-out pool of threads would run them."""
+    with cluster.connect() as server, cluster.connect() as caller:
+        started = threading.Barrier(8, timeout=LIMIT_S)
+
+        @server.share("threads/which", concurrency=8)
+        def which(burst: bool) -> int:
+            if burst:
+                started.wait()  # all 8 at once: 8 threads
+            return threading.get_ident()
+
+        with server.serving():
+            f = caller.function("threads/which")
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                burst = list(pool.map(lambda _: f(True, timeout=LIMIT_S), range(8)))
+            assert len(set(burst)) == 8
+            after = [f(False, timeout=LIMIT_S) for _ in range(32)]
+            # One thread, give or take one whose call came back before it was idle again.
+            assert len(set(after)) <= 2, sorted(set(after))
+            assert set(after) <= set(burst), "no new thread while 8 are idle"
+
+
 def test_remote_exceptions_keep_their_type_message_and_traceback(cluster: tb.LocalCluster) -> None:
     with cluster.connect() as server, cluster.connect() as caller:
 
