@@ -575,7 +575,9 @@ impl CallStreamHandle {
             if let Some(e) = failed {
                 return Err(e);
             }
-            Python::attach(|py| crate::stream::item_out(py, item))
+            Ok(runtime::OnLoop(move |py: Python<'_>| {
+                crate::stream::item_out(py, item).map(|out| out.unwrap_or_else(|| py.None()))
+            }))
         })
     }
 }
@@ -652,7 +654,9 @@ impl CallsHandle {
         let calls = self.calls.clone();
         start(py, async move {
             let out = calls.call(&name, &value, &options).await;
-            Python::attach(|py| from_value(py, out.map_err(call_error)?))
+            Ok(runtime::OnLoop(move |py: Python<'_>| {
+                from_value(py, out.map_err(call_error)?)
+            }))
         })
     }
 

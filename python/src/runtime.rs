@@ -483,6 +483,26 @@ where
     }
 }
 
+/// A result made into a Python object by the event loop that settles the awaiting future
+/// (with the GIL it holds anyway), not by the runtime thread that finished the work: what a
+/// [`start`]ed future returns when making its result takes Python (arrays, value trees), so
+/// that no runtime thread waits for the GIL (nor makes a Python thread state of its own
+/// for it).
+pub(crate) struct OnLoop<F>(pub(crate) F);
+
+impl<'py, F> IntoPyObject<'py> for OnLoop<F>
+where
+    F: for<'a> FnOnce(Python<'a>) -> PyResult<Py<PyAny>>,
+{
+    type Target = PyAny;
+    type Output = Bound<'py, PyAny>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        (self.0)(py).map(|made| made.into_bound(py))
+    }
+}
+
 /// The function the event loop calls to complete a future from [`start`]: sets its result
 /// (`ok`) or exception unless it is already done (cancelled).
 #[pyfunction]

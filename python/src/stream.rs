@@ -314,7 +314,9 @@ impl StreamHandle {
                 None => return Err(spent()),
             };
             drop(held);
-            Python::attach(|py| item_out(py, item))
+            Ok(crate::runtime::OnLoop(move |py: Python<'_>| {
+                item_out(py, item).map(|out| out.unwrap_or_else(|| py.None()))
+            }))
         })
     }
 
