@@ -29,7 +29,10 @@ use rustix::net::{RecvFlags, SendFlags};
 use tb_proto::{DataRequest, DataResponse, ErrorCode, frame};
 use tokio::{io::Interest, net::UnixStream, sync::oneshot};
 
-use super::{Shm, ShmRoute, socket::ShmStream, socket::within};
+use super::{
+    Shm, ShmRoute,
+    socket::{ReadBuf, ShmStream, within},
+};
 use crate::{
     RequestRecv, RequestStream,
     channel::ChannelError,
@@ -56,11 +59,11 @@ pub(crate) enum Back {
 
 /// The two halves of one request's connection.
 pub(crate) fn halves(conn: ShmStream, back: Back) -> (CallSend, CallRecv) {
-    let (stream, leftover) = conn.into_parts();
+    let (stream, read) = conn.into_parts();
     let shared = Arc::new(Shared {
         stream: Some(stream),
         heard: Arc::new(AtomicU64::new(0)),
-        reader: Mutex::new(Reader::new(leftover)),
+        reader: Mutex::new(Reader::new(read)),
         written: Mutex::new(Written::Open),
         back: Mutex::new(Some(back)),
     });
@@ -104,12 +107,12 @@ struct Reader {
 }
 
 impl Reader {
-    fn new(leftover: Vec<u8>) -> Self {
-        let end_at = leftover.len();
+    fn new(read: ReadBuf) -> Self {
+        let ReadBuf { buf, start, end } = read;
         Reader {
-            buf: leftover,
-            start: 0,
-            end_at,
+            buf,
+            start,
+            end_at: end,
             left: 0,
             end: false,
             gone: None,
@@ -224,8 +227,12 @@ impl Drop for Shared {
         let (true, Some(back)) = (clean, back) else {
             return;
         };
-        let leftover = reader.buffered().to_vec();
-        let conn = ShmStream::from_parts(stream, leftover);
+        let read = ReadBuf {
+            buf: std::mem::take(&mut reader.buf),
+            start: reader.start,
+            end: reader.end_at,
+        };
+        let conn = ShmStream::from_parts(stream, read);
         match back {
             Back::Pool(shm, peer) => shm.put_idle(peer, conn),
             Back::Serve(tx) => {
@@ -453,7 +460,7 @@ pub struct ChunksRead {
 /// the limit, or the input's end.
 #[doc(hidden)]
 pub fn read_chunks(input: &[u8], piece: usize, take: usize) -> ChunksRead {
-    let mut reader = Reader::new(Vec::new());
+    let mut reader = Reader::new(ReadBuf::default());
     let (mut fed, mut payload) = (0, Vec::new());
     let mut dest = vec![0u8; take.min(input.len()).clamp(1, MAX_CHUNK)];
     // Bounded: each round takes at least one byte, feeds at least one, or stops.

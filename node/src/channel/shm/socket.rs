@@ -28,12 +28,25 @@ const MAX_QUEUED_FDS: usize = 2;
 /// Bytes read per `recvmsg` into the frame buffer.
 const READ_CHUNK: usize = 64 << 10;
 
-/// One same-host socket, with what was read but not yet consumed.
+/// Bytes read from a same-host socket and not yet consumed: `buf[start..end]`. The buffer
+/// keeps its length (zeroed once, when it grows) and only `start` and `end` move, and it
+/// passes whole between a connection's frames and its requests' chunk reader and back: a
+/// fresh buffer per request was allocated and zeroed (64 KiB) twice per call on each side.
+#[derive(Debug, Default)]
+pub(crate) struct ReadBuf {
+    pub(crate) buf: Vec<u8>,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+}
+
+/// One same-host socket, with what was read but not yet consumed: `buf[start..end]` (see
+/// [`ReadBuf`]).
 #[derive(Debug)]
 pub(crate) struct ShmStream {
     stream: UnixStream,
     buf: Vec<u8>,
     start: usize,
+    end: usize,
     fds: VecDeque<OwnedFd>,
 }
 
@@ -43,30 +56,33 @@ impl ShmStream {
             stream,
             buf: Vec::new(),
             start: 0,
+            end: 0,
             fds: VecDeque::new(),
         }
     }
 
     /// The socket and the bytes read from it but not yet consumed (a request's stream
     /// takes them over: `call`); descriptors waiting for a frame are dropped.
-    pub(crate) fn into_parts(self) -> (UnixStream, Vec<u8>) {
+    pub(crate) fn into_parts(self) -> (UnixStream, ReadBuf) {
         let ShmStream {
             stream,
-            mut buf,
+            buf,
             start,
+            end,
             ..
         } = self;
-        buf.drain(..start);
-        (stream, buf)
+        (stream, ReadBuf { buf, start, end })
     }
 
-    /// A connection over `stream` whose next bytes are `buffered` (read before, not yet
-    /// consumed).
-    pub(crate) fn from_parts(stream: UnixStream, buffered: Vec<u8>) -> Self {
+    /// A connection over `stream` whose next bytes are those `read` holds (read before,
+    /// not yet consumed).
+    pub(crate) fn from_parts(stream: UnixStream, read: ReadBuf) -> Self {
+        let ReadBuf { buf, start, end } = read;
         ShmStream {
             stream,
-            buf: buffered,
-            start: 0,
+            buf,
+            start,
+            end,
             fds: VecDeque::new(),
         }
     }
@@ -145,13 +161,13 @@ impl ShmStream {
     /// Reads one frame of at most `max` body bytes, checked before the body is buffered.
     pub(crate) async fn read_frame<T: DeserializeOwned>(&mut self, max: u32) -> Result<T> {
         self.fill(frame::LEN_PREFIX).await?;
-        let prefix: [u8; frame::LEN_PREFIX] = self.buf[self.start..][..frame::LEN_PREFIX]
+        let prefix: [u8; frame::LEN_PREFIX] = self.buf[self.start..self.end][..frame::LEN_PREFIX]
             .try_into()
             .map_err(|_| Error::Io("frame prefix".into()))?;
         let len = frame::body_len_within(prefix, max)
             .map_err(|e| Error::Io(format!("a same-host peer's frame: {e}")))?;
         self.fill(frame::LEN_PREFIX + len).await?;
-        let body = &self.buf[self.start + frame::LEN_PREFIX..][..len];
+        let body = &self.buf[self.start + frame::LEN_PREFIX..self.end][..len];
         let msg = frame::decode_body(body)
             .map_err(|e| Error::Io(format!("a same-host peer's frame: {e}")))?;
         self.start += frame::LEN_PREFIX + len;
@@ -167,8 +183,8 @@ impl ShmStream {
 
     /// Reads exactly `dest.len()` payload bytes (those already buffered first).
     pub(crate) async fn read_exact(&mut self, dest: &mut [u8]) -> Result<()> {
-        let buffered = (self.buf.len() - self.start).min(dest.len());
-        dest[..buffered].copy_from_slice(&self.buf[self.start..][..buffered]);
+        let buffered = (self.end - self.start).min(dest.len());
+        dest[..buffered].copy_from_slice(&self.buf[self.start..self.end][..buffered]);
         self.start += buffered;
         let mut filled = buffered;
         // Bounded: each round reads at least one byte or fails.
@@ -181,24 +197,21 @@ impl ShmStream {
 
     /// Makes at least `want` unconsumed bytes buffered.
     async fn fill(&mut self, want: usize) -> Result<()> {
-        if self.start > 0 && self.buf.len() - self.start < want {
-            self.buf.drain(..self.start);
+        if self.start > 0 && self.end - self.start < want {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
+        let room = self.start + READ_CHUNK.max(want);
+        if self.buf.len() < room {
+            self.buf.resize(room, 0);
+        }
         // Bounded: each round reads at least one byte or fails.
-        while self.buf.len() - self.start < want {
-            let at = self.buf.len();
-            self.buf.resize(at + READ_CHUNK.max(want), 0);
-            let mut tail = std::mem::take(&mut self.buf);
-            let read = self.recv_into_dest(&mut tail[at..]).await;
-            self.buf = tail;
-            match read {
-                Ok(n) => self.buf.truncate(at + n),
-                Err(e) => {
-                    self.buf.truncate(at);
-                    return Err(e);
-                }
-            }
+        while self.end - self.start < want {
+            let mut buf = std::mem::take(&mut self.buf);
+            let read = self.recv_into_dest(&mut buf[self.end..]).await;
+            self.buf = buf;
+            self.end += read?;
         }
         Ok(())
     }
