@@ -723,7 +723,9 @@ impl Call<'_> {
                     Err(failure) => Outcome::Failed(failure),
                 }
             }
-            Output::Stream(items) => self.stream(items, send, recv, feed).await,
+            // Boxed: a stream's future (about 32 KB) would otherwise be part of every unary
+            // call's too.
+            Output::Stream(items) => Box::pin(self.stream(items, send, recv, feed)).await,
         }
     }
 

@@ -423,8 +423,9 @@ impl ReadBody {
     ) -> Result<Value, ReadError> {
         let mut lent = Vec::new();
         for (slot, name) in self.skeleton.lent() {
-            let tensor = node
-                .pull_lent(sender, name)
+            // Boxed: the pull's future is about 30 KB, which would otherwise sit in every
+            // call's server future (and be copied with it) though few calls lend tensors.
+            let tensor = Box::pin(node.pull_lent(sender, name))
                 .await
                 .map_err(|e| ReadError::Lent(e.to_string()))?;
             if tensor.dtype() != slot.dtype || tensor.shape() != slot.shape.as_slice() {
@@ -495,8 +496,9 @@ pub async fn resolve(node: &tb_node::Node, value: Value) -> Result<Value, tb_nod
             continue;
         };
         let pulled = match version {
-            Some(v) => node.get_version(name.as_str(), v).await?,
-            None => node.get(name.as_str()).await?,
+            // Boxed, as a lent tensor's pull is (`into_value`): a get's future is about 9 KB.
+            Some(v) => Box::pin(node.get_version(name.as_str(), v)).await?,
+            None => Box::pin(node.get(name.as_str())).await?,
         };
         let tensor = pulled.buffer;
         let data = tensor.host_data().cloned().ok_or_else(|| {
