@@ -54,5 +54,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::StreamHandle>()?;
     m.add_class::<runtime::LoopWaker>()?;
     m.add("CUDA_COMPILED", tb_node::CUDA_COMPILED)?;
+    // Idle handler threads must not take the GIL once the interpreter exits (`handlers`).
+    let at_exit = wrap_pyfunction!(handlers::at_exit, m)?;
+    m.py()
+        .import("atexit")?
+        .call_method1("register", (at_exit,))?;
     Ok(())
 }

@@ -170,7 +170,9 @@ impl Drop for Calling {
 /// third of their calls/s on 2 cores when one of them spun), and so would two processes
 /// that both spin while they wait for each other (a round trip of subscriptions or pushes,
 /// whose waits therefore never spin: their p50 went from 300 to 500 µs when they did). A
-/// server's handlers run on runtime threads and never spin.
+/// server's handlers run on handler threads (`handlers`), which never spin between calls
+/// (on 2 cores that doubled a one-caller call's p50); a handler's own sync calls spin as
+/// any caller's do.
 fn spin_for<T>(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<T>>) -> Option<T> {
     static CORES: OnceLock<usize> = OnceLock::new();
     let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

@@ -197,7 +197,10 @@ impl ShmStream {
 
     /// Makes at least `want` unconsumed bytes buffered.
     async fn fill(&mut self, want: usize) -> Result<()> {
-        if self.start > 0 && self.end - self.start < want {
+        if self.end - self.start >= want {
+            return Ok(());
+        }
+        if self.start > 0 {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
