@@ -498,17 +498,19 @@ async fn a_broker_that_stops_answering_is_shown_dead() {
     // to the dead broker fail, are never judged dead.
     tokio::time::sleep(Duration::from_secs(4)).await;
     for id in kept {
-        // Bounded: a look-up no broker answered is asked again, at most 20 times.
+        // Bounded: a look-up no broker answered, or an answer without the survivor's row
+        // (seen once in CI, under the load of every suite at once), is asked again, at most
+        // 50 times; a survivor's row that says dead fails at once.
         let mut row = None;
-        for _ in 0..20 {
+        for _ in 0..50 {
             row = members_row(id).await;
-            if row.is_some() {
+            if matches!(row, Some(Some(_))) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let row = row.expect("a broker answers the member list");
-        assert_eq!(row, Some(true), "a survivor stays alive");
+        assert_eq!(row, Some(true), "a survivor is listed, and alive");
     }
     asker.shutdown().await;
     brokers.shutdown().await;
