@@ -39,14 +39,18 @@ pub(crate) struct ReadBuf {
     pub(crate) end: usize,
 }
 
-/// One same-host socket, with what was read but not yet consumed: `buf[start..end]` (see
-/// [`ReadBuf`]).
+impl ReadBuf {
+    /// The bytes read and not yet consumed.
+    fn buffered(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+}
+
+/// One same-host socket, with what was read from it but not yet consumed.
 #[derive(Debug)]
 pub(crate) struct ShmStream {
     stream: UnixStream,
-    buf: Vec<u8>,
-    start: usize,
-    end: usize,
+    read: ReadBuf,
     fds: VecDeque<OwnedFd>,
 }
 
@@ -54,9 +58,7 @@ impl ShmStream {
     pub(crate) fn new(stream: UnixStream) -> Self {
         ShmStream {
             stream,
-            buf: Vec::new(),
-            start: 0,
-            end: 0,
+            read: ReadBuf::default(),
             fds: VecDeque::new(),
         }
     }
@@ -64,25 +66,15 @@ impl ShmStream {
     /// The socket and the bytes read from it but not yet consumed (a request's stream
     /// takes them over: `call`); descriptors waiting for a frame are dropped.
     pub(crate) fn into_parts(self) -> (UnixStream, ReadBuf) {
-        let ShmStream {
-            stream,
-            buf,
-            start,
-            end,
-            ..
-        } = self;
-        (stream, ReadBuf { buf, start, end })
+        (self.stream, self.read)
     }
 
     /// A connection over `stream` whose next bytes are those `read` holds (read before,
     /// not yet consumed).
     pub(crate) fn from_parts(stream: UnixStream, read: ReadBuf) -> Self {
-        let ReadBuf { buf, start, end } = read;
         ShmStream {
             stream,
-            buf,
-            start,
-            end,
+            read,
             fds: VecDeque::new(),
         }
     }
@@ -161,16 +153,16 @@ impl ShmStream {
     /// Reads one frame of at most `max` body bytes, checked before the body is buffered.
     pub(crate) async fn read_frame<T: DeserializeOwned>(&mut self, max: u32) -> Result<T> {
         self.fill(frame::LEN_PREFIX).await?;
-        let prefix: [u8; frame::LEN_PREFIX] = self.buf[self.start..self.end][..frame::LEN_PREFIX]
+        let prefix: [u8; frame::LEN_PREFIX] = self.read.buffered()[..frame::LEN_PREFIX]
             .try_into()
             .map_err(|_| Error::Io("frame prefix".into()))?;
         let len = frame::body_len_within(prefix, max)
             .map_err(|e| Error::Io(format!("a same-host peer's frame: {e}")))?;
         self.fill(frame::LEN_PREFIX + len).await?;
-        let body = &self.buf[self.start + frame::LEN_PREFIX..self.end][..len];
+        let body = &self.read.buffered()[frame::LEN_PREFIX..][..len];
         let msg = frame::decode_body(body)
             .map_err(|e| Error::Io(format!("a same-host peer's frame: {e}")))?;
-        self.start += frame::LEN_PREFIX + len;
+        self.read.start += frame::LEN_PREFIX + len;
         Ok(msg)
     }
 
@@ -183,13 +175,13 @@ impl ShmStream {
 
     /// Reads exactly `dest.len()` payload bytes (those already buffered first).
     pub(crate) async fn read_exact(&mut self, dest: &mut [u8]) -> Result<()> {
-        let buffered = (self.end - self.start).min(dest.len());
-        dest[..buffered].copy_from_slice(&self.buf[self.start..self.end][..buffered]);
-        self.start += buffered;
+        let buffered = self.read.buffered().len().min(dest.len());
+        dest[..buffered].copy_from_slice(&self.read.buffered()[..buffered]);
+        self.read.start += buffered;
         let mut filled = buffered;
         // Bounded: each round reads at least one byte or fails.
         while filled < dest.len() {
-            let n = self.recv_into_dest(&mut dest[filled..]).await?;
+            let n = recv_into(&self.stream, &mut self.fds, &mut dest[filled..]).await?;
             filled += n;
         }
         Ok(())
@@ -197,61 +189,57 @@ impl ShmStream {
 
     /// Makes at least `want` unconsumed bytes buffered.
     async fn fill(&mut self, want: usize) -> Result<()> {
-        if self.end - self.start >= want {
+        let read = &mut self.read;
+        if read.end - read.start >= want {
             return Ok(());
         }
-        if self.start > 0 {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
+        if read.start > 0 {
+            read.buf.copy_within(read.start..read.end, 0);
+            read.end -= read.start;
+            read.start = 0;
         }
-        let room = self.start + READ_CHUNK.max(want);
-        if self.buf.len() < room {
-            self.buf.resize(room, 0);
+        let room = READ_CHUNK.max(want);
+        if read.buf.len() < room {
+            read.buf.resize(room, 0);
         }
         // Bounded: each round reads at least one byte or fails.
-        while self.end - self.start < want {
-            let mut buf = std::mem::take(&mut self.buf);
-            let read = self.recv_into_dest(&mut buf[self.end..]).await;
-            self.buf = buf;
-            self.end += read?;
+        while read.end - read.start < want {
+            read.end += recv_into(&self.stream, &mut self.fds, &mut read.buf[read.end..]).await?;
         }
         Ok(())
     }
+}
 
-    /// One `recvmsg` into `dest`, keeping any descriptor that came with the bytes.
-    async fn recv_into_dest(&mut self, dest: &mut [u8]) -> Result<usize> {
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_QUEUED_FDS))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let got = self
-            .stream
-            .async_io(Interest::READABLE, || {
-                let mut iov = [IoSliceMut::new(dest)];
-                rustix::net::recvmsg(
-                    &self.stream,
-                    &mut iov,
-                    &mut control,
-                    RecvFlags::CMSG_CLOEXEC,
-                )
+/// One `recvmsg` into `dest`, keeping any descriptor that came with the bytes.
+async fn recv_into(
+    stream: &UnixStream,
+    fds: &mut VecDeque<OwnedFd>,
+    dest: &mut [u8],
+) -> Result<usize> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_QUEUED_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = stream
+        .async_io(Interest::READABLE, || {
+            let mut iov = [IoSliceMut::new(dest)];
+            rustix::net::recvmsg(stream, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC)
                 .map_err(std::io::Error::from)
-            })
-            .await
-            .map_err(|e| Error::io("reading from a same-host peer", e))?;
-        for msg in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = msg {
-                self.fds.extend(fds);
-            }
+        })
+        .await
+        .map_err(|e| Error::io("reading from a same-host peer", e))?;
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(passed) = msg {
+            fds.extend(passed);
         }
-        if self.fds.len() > MAX_QUEUED_FDS {
-            return Err(Error::Io(
-                "a same-host peer passed too many descriptors".into(),
-            ));
-        }
-        if got.bytes == 0 {
-            return Err(Error::Io("a same-host peer closed the socket".into()));
-        }
-        Ok(got.bytes)
     }
+    if fds.len() > MAX_QUEUED_FDS {
+        return Err(Error::Io(
+            "a same-host peer passed too many descriptors".into(),
+        ));
+    }
+    if got.bytes == 0 {
+        return Err(Error::Io("a same-host peer closed the socket".into()));
+    }
+    Ok(got.bytes)
 }
 
 /// Runs `io` with a deadline, naming what timed out.
