@@ -6,6 +6,9 @@
 //! within the function's concurrency plus queue (`Busy` beyond it) — all before any
 //! argument byte is read, so an overloaded server is sent nothing large. Then `Accepted`
 //! with the load, the arguments, a slot (queued calls wait), the handler, and its results.
+//! Arguments lent by the caller or passed by name are pulled while the call waits for its
+//! slot, by at most `concurrency` waiting calls at once: a long queue of large calls holds
+//! the bytes of the calls about to run, not of the whole queue.
 //! The caller stopping its side of the stream (its deadline, a cancel, Ctrl-C) cancels the
 //! call wherever it is: a queued call never runs, a running handler's future is dropped and
 //! its [`CallContext`] says so to code that polls it (a Python sync handler).
@@ -203,6 +206,11 @@ pub(crate) struct Served {
     pub(crate) spec: FunctionSpec,
     handler: Arc<dyn Handler>,
     slots: Arc<Semaphore>,
+    /// Queued calls that may hold their lent or named arguments' bytes while they wait
+    /// (`concurrency` of them: one call ready behind each running one); the others wait for
+    /// one of these before they pull, so a full queue of large calls holds no more than
+    /// twice the concurrency's arguments in memory.
+    staging: Arc<Semaphore>,
     running: AtomicU32,
     queued: AtomicU32,
     /// Calls admitted and ended (however they ended), and of those the ones that failed.
@@ -219,6 +227,7 @@ impl Served {
     pub(crate) fn new(spec: FunctionSpec, handler: Arc<dyn Handler>) -> Self {
         Served {
             slots: Arc::new(Semaphore::new(spec.concurrency as usize)),
+            staging: Arc::new(Semaphore::new(spec.concurrency as usize)),
             spec,
             handler,
             running: AtomicU32::new(0),
@@ -641,7 +650,19 @@ impl Call<'_> {
         let Some(node) = self.node.upgrade() else {
             return Outcome::Cancelled;
         };
-        // Lent arguments are pulled from the caller now, before the call queues.
+        // Lent arguments are pulled from the caller now, before the call waits for its slot,
+        // by at most `concurrency` queued calls at once (the others wait their turn to pull).
+        let staged = match body.pulls() {
+            true => {
+                let staging = self.served.staging.clone();
+                match self.alive_while(send, staging.acquire_owned()).await {
+                    Ok(Ok(permit)) => Some(permit),
+                    Ok(Err(_)) => return Outcome::Cancelled,
+                    Err(outcome) => return outcome,
+                }
+            }
+            false => None,
+        };
         let args = match self
             .alive_while(send, body.into_value(&node, self.caller))
             .await
@@ -688,6 +709,7 @@ impl Call<'_> {
         let Ok(_permit) = permit else {
             return Outcome::Cancelled;
         };
+        drop(staged);
         place.start();
         // A bidirectional function's inputs, when called as a stream (ended at once otherwise).
         let (inputs, feed) = match self.served.spec.inputs && self.head.stream {

@@ -414,6 +414,12 @@ impl ReadBody {
             .sum()
     }
 
+    /// Whether reading the value moves tensor bytes beyond the body's: a lent tensor to
+    /// pull or one passed by name to get.
+    pub fn pulls(&self) -> bool {
+        !self.skeleton.lent().is_empty() || self.skeleton.names_tensors()
+    }
+
     /// The value, each lent tensor pulled from `sender` through `node` (over the pair's
     /// channel) and checked to be the dtype and shape the skeleton says.
     pub async fn into_value(

@@ -399,6 +399,13 @@ impl Value {
         })
     }
 
+    /// Whether any leaf is a tensor passed by name (for the reader to get from a holder).
+    pub fn names_tensors(&self) -> bool {
+        !self
+            .leaves(|v| matches!(v, Value::Named { .. }).then_some(()))
+            .is_empty()
+    }
+
     /// What `pick` takes of each value in tree order, lists and maps walked into.
     fn leaves<'a, T>(&'a self, pick: impl Fn(&'a Value) -> Option<T>) -> Vec<T> {
         fn walk<'a, T>(value: &'a Value, pick: &impl Fn(&'a Value) -> Option<T>, out: &mut Vec<T>) {

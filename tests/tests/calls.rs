@@ -310,6 +310,72 @@ async fn busy_then_cancelled(same_host: bool) {
     assert_eq!(server.metrics().streams("server", not), 0, "on {not}");
 }
 
+/// Queued calls pull their lent arguments only `concurrency` at a time: a long queue of large
+/// calls holds the arguments of the calls about to run, and every call still gets its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_calls_pull_their_large_arguments_one_slot_ahead() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broker = broker(dir.path()).await;
+    let (config, _) = pair(&broker, true);
+    let (_server_node, server) = calls(config.clone()).await;
+    let (caller_node, caller) = calls(config).await;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let ran = Arc::new(AtomicU32::new(0));
+    let spec = FunctionSpec::new("slow")
+        .expect("name")
+        .concurrency(1)
+        .queue(8);
+    let serving = within(
+        LIMIT,
+        "serve",
+        server.serve(spec, gated(gate.clone(), ran.clone())),
+    )
+    .await
+    .expect("serves");
+    let spawn = |value: Value| {
+        let caller = caller.clone();
+        tokio::spawn(async move { call(&caller, "slow", &value).await })
+    };
+
+    // A small call holds the only slot; four 1 MiB calls queue behind it, each lending its
+    // argument (same host, at least `LEND_MIN`).
+    let holder = spawn(Value::Int(1));
+    let holding = eventually_async(LIMIT, || async { ran.load(Ordering::SeqCst) == 1 });
+    assert!(holding.await, "the holder runs");
+    let big = |i: u8| {
+        let bytes: Vec<u8> = (0..1u32 << 20).map(|j| (j % 251) as u8 ^ i).collect();
+        Value::Tensor(HostTensor::new(DType::U8, vec![1 << 20], bytes).expect("tensor"))
+    };
+    let queued: Vec<_> = (0..4).map(|i| (big(i), spawn(big(i)))).collect();
+    let all_queued = eventually_async(LIMIT, || async {
+        serving.outstanding() == 5 && caller_node.loans() <= 3
+    });
+    assert!(
+        all_queued.await,
+        "four calls queue and one pulls its argument"
+    );
+    // The three others keep their loans while the slot is held (bounded wait, no timing).
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert_eq!(
+            caller_node.loans(),
+            3,
+            "a queued call pulled out of its turn"
+        );
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+
+    gate.add_permits(1);
+    let held = within(LIMIT, "holder", holder).await.expect("joins");
+    assert_eq!(held.expect("the holder ends"), Value::Int(1));
+    for (sent, handle) in queued {
+        let got = within(LIMIT, "queued call", handle).await.expect("joins");
+        assert_eq!(got.expect("a queued call ends"), sent, "its own bytes back");
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 5);
+    assert_eq!(caller_node.loans(), 0, "every loan was pulled");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_spread_over_servers_and_an_unserved_or_dead_server_is_not_offered() {
     let dir = tempfile::tempdir().expect("tempdir");
