@@ -33,9 +33,15 @@ pub const STALE: Duration = Duration::from_secs(5);
 /// Most servers one call is tried on.
 const MAX_TRIES: usize = 4;
 
-/// The longest a call's lent arguments wait for the server to pull them (it does on
-/// accepting the call, before queueing it; the caller drops the loans when the call ends).
-const ARGS_LOAN_TTL: Duration = Duration::from_secs(600);
+/// The longest a call's lent arguments wait for the server to pull them. A server pulls
+/// them while the call waits for its slot, once the calls ahead of it have pulled theirs,
+/// so a call may wait as long as those run; the caller drops the loans when the call ends,
+/// so this only bounds a call without a deadline.
+const ARGS_LOAN_TTL: Duration = Duration::from_secs(86_400);
+
+/// Time a call's loans outlast its deadline: the loan's clock starts on the caller before
+/// the server's deadline clock does, and the server ends the call on its deadline first.
+const ARGS_LOAN_SLACK: Duration = Duration::from_secs(10);
 
 /// How long a server that answered `Busy` is passed over while others are free.
 const BUSY_BACKOFF: Duration = Duration::from_millis(50);
@@ -327,7 +333,9 @@ impl Caller {
     ) -> Result<(RequestStream, Declared, Vec<tb_node::Lent>), CallError> {
         let lost = |reason: String, maybe_ran| server_lost(function, server, maybe_ran, reason);
         let ttl = head.deadline_ms.map_or(ARGS_LOAN_TTL, |ms| {
-            Duration::from_millis(ms).min(ARGS_LOAN_TTL)
+            Duration::from_millis(ms)
+                .saturating_add(ARGS_LOAN_SLACK)
+                .min(ARGS_LOAN_TTL)
         });
         let mut lender = Lender::new(&self.node, server.id, ttl);
         let args = Encoded::lending(args, Some(&mut lender)).map_err(|e| CallError::BadValue {

@@ -192,6 +192,9 @@ struct CancelOnDrop {
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.cancel.cancel();
+        // A parked future is dropped here: in the runtime's context, as a task's would be
+        // (drop code that needs a runtime finds one).
+        let _entered = self.handoff.rt.enter();
         self.handoff.cancel();
     }
 }
@@ -619,6 +622,7 @@ impl CancelOnDone {
     fn __call__(&self, future: &Bound<'_, PyAny>) -> PyResult<()> {
         if future.call_method0("cancelled")?.is_truthy()? {
             self.cancel.cancel();
+            let _entered = self.handoff.rt.enter();
             self.handoff.cancel();
         }
         Ok(())
