@@ -227,6 +227,32 @@ fn gated(gate: Arc<tokio::sync::Semaphore>, ran: Arc<AtomicU32>) -> impl tb_call
     }
 }
 
+/// `slow` served by `server` with one slot and `queue` waiting places, its handler [`gated`]:
+/// the serving handle, the gate and the count of handlers run.
+async fn serve_gated(
+    server: &Calls,
+    queue: u32,
+) -> (
+    tb_call::Serving,
+    Arc<tokio::sync::Semaphore>,
+    Arc<AtomicU32>,
+) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let ran = Arc::new(AtomicU32::new(0));
+    let spec = FunctionSpec::new("slow")
+        .expect("name")
+        .concurrency(1)
+        .queue(queue);
+    let serving = within(
+        LIMIT,
+        "serve",
+        server.serve(spec, gated(gate.clone(), ran.clone())),
+    )
+    .await
+    .expect("serves");
+    (serving, gate, ran)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_server_refuses_before_a_large_argument_moves_and_a_timeout_cancels_the_handler() {
     busy_then_cancelled(false).await;
@@ -245,19 +271,7 @@ async fn busy_then_cancelled(same_host: bool) {
     let (config, [taken, not]) = pair(&broker, same_host);
     let (_server_node, server) = calls(config.clone()).await;
     let (_caller_node, caller) = calls(config).await;
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let ran = Arc::new(AtomicU32::new(0));
-    let spec = FunctionSpec::new("slow")
-        .expect("name")
-        .concurrency(1)
-        .queue(0);
-    let serving = within(
-        LIMIT,
-        "serve",
-        server.serve(spec, gated(gate.clone(), ran.clone())),
-    )
-    .await
-    .expect("serves");
+    let (serving, gate, ran) = serve_gated(&server, 0).await;
 
     // One call takes the only slot and times out: the handler is cancelled on the server.
     let short = CallOptions {
@@ -319,19 +333,7 @@ async fn queued_calls_pull_their_large_arguments_one_slot_ahead() {
     let (config, _) = pair(&broker, true);
     let (_server_node, server) = calls(config.clone()).await;
     let (caller_node, caller) = calls(config).await;
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let ran = Arc::new(AtomicU32::new(0));
-    let spec = FunctionSpec::new("slow")
-        .expect("name")
-        .concurrency(1)
-        .queue(8);
-    let serving = within(
-        LIMIT,
-        "serve",
-        server.serve(spec, gated(gate.clone(), ran.clone())),
-    )
-    .await
-    .expect("serves");
+    let (serving, gate, ran) = serve_gated(&server, 8).await;
     let spawn = |value: Value| {
         let caller = caller.clone();
         tokio::spawn(async move { call(&caller, "slow", &value).await })
