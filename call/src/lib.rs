@@ -33,10 +33,10 @@
 //! ([`Node::lend`](tb_node::Node::lend)) and the body names the loan; the reader pulls it over
 //! the channel ([`Node::pull_lent`](tb_node::Node::pull_lent)), which passes the sender's
 //! memfd (nothing on QUIC): up to 16 MiB unsealed, for the reader to copy out of into a
-//! buffer of its own pool (so both sides recycle their buffers), larger ones sealed, mapped. The server pulls lent arguments once it accepted the call,
-//! while the call waits for its slot, at most `concurrency` waiting calls at a time (so a
-//! long queue of large calls holds the arguments of those about to run); the caller pulls
-//! lent results as it reads them.
+//! buffer of its own pool (so both sides recycle their buffers), larger ones sealed, mapped.
+//! The server pulls lent arguments once it accepted the call, while the call waits for its
+//! slot, at most `concurrency` waiting calls at a time (so a long queue of large calls holds
+//! the arguments of those about to run); the caller pulls lent results as it reads them.
 //!
 //! A bidirectional function ([`FunctionSpec::inputs`]) also takes a stream of inputs
 //! ([`Calls::stream_inputs`], [`CallContext::inputs`]): the server grants input credit

@@ -9,8 +9,8 @@
 //!
 //! A handler runs on a handler thread (`handlers`: the one that went idle last) with the GIL
 //! taken per call, so `concurrency` calls of one function run at once in as many threads
-//! (numpy and torch release the GIL in their kernels). Its exception comes back to the caller as a `RemoteFailure` with the
-//! exception's type, message and formatted traceback.
+//! (numpy and torch release the GIL in their kernels). Its exception comes back to the
+//! caller as a `RemoteFailure` with the exception's type, message and formatted traceback.
 
 use std::sync::Arc;
 

@@ -152,7 +152,7 @@ where
         }
     }));
     // Dropped on every return: a Ctrl-C drops the call's future, parked or running.
-    let _cancel = CancelOnDrop { cancel, handoff };
+    let _cancel = CancelOnDrop(Cancel { cancel, handoff });
     receive(py, &rx, true)
 }
 
@@ -183,19 +183,30 @@ where
     }
 }
 
-/// Cancels a blocking call's task, parked or running, when dropped.
-struct CancelOnDrop {
+/// How a call's task is cancelled, parked or running: the running task's token, and the
+/// hand-off a parked one waits in.
+struct Cancel {
     cancel: CancellationToken,
     handoff: Arc<Handoff>,
 }
 
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
+impl Cancel {
+    /// Cancels the task: a running one sees the token, a parked one is dropped here, in the
+    /// runtime's context as a task's future would be (drop code that needs a runtime finds
+    /// one).
+    fn now(&self) {
         self.cancel.cancel();
-        // A parked future is dropped here: in the runtime's context, as a task's would be
-        // (drop code that needs a runtime finds one).
         let _entered = self.handoff.rt.enter();
         self.handoff.cancel();
+    }
+}
+
+/// Cancels a blocking call's task when dropped (every return of [`wait_call`]).
+struct CancelOnDrop(Cancel);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.now();
     }
 }
 
@@ -352,10 +363,10 @@ where
         Err(handoff) => handoff,
     };
     let cancel = CancellationToken::new();
-    let on_done = CancelOnDone {
+    let on_done = CancelOnDone(Cancel {
         cancel: cancel.clone(),
         handoff: handoff.clone(),
-    };
+    });
     future.call_method1("add_done_callback", (on_done,))?;
     let waker = LoopWaker::of(&event_loop)?;
     let settled = future.clone().unbind();
@@ -612,18 +623,13 @@ fn settler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
 /// An asyncio future's done callback that cancels the call behind it when the future was
 /// cancelled: drops its task if still parked, else cancels the running one.
 #[pyclass(frozen, module = "tensor_broker._native")]
-struct CancelOnDone {
-    cancel: CancellationToken,
-    handoff: Arc<Handoff>,
-}
+struct CancelOnDone(Cancel);
 
 #[pymethods]
 impl CancelOnDone {
     fn __call__(&self, future: &Bound<'_, PyAny>) -> PyResult<()> {
         if future.call_method0("cancelled")?.is_truthy()? {
-            self.cancel.cancel();
-            let _entered = self.handoff.rt.enter();
-            self.handoff.cancel();
+            self.0.now();
         }
         Ok(())
     }

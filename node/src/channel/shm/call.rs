@@ -93,11 +93,10 @@ enum Written {
     Ended,
 }
 
-/// What was read of the peer's direction and not yet consumed: `buf[start..end]`.
+/// What was read of the peer's direction and not yet consumed, and where its chunks stand.
 struct Reader {
-    buf: Vec<u8>,
-    start: usize,
-    end_at: usize,
+    /// The connection's read buffer, taken over for the request and handed back after it.
+    read: ReadBuf,
     /// Bytes left of the current chunk (0: a length comes next).
     left: usize,
     /// The peer's end chunk was consumed.
@@ -108,11 +107,8 @@ struct Reader {
 
 impl Reader {
     fn new(read: ReadBuf) -> Self {
-        let ReadBuf { buf, start, end } = read;
         Reader {
-            buf,
-            start,
-            end_at: end,
+            read,
             left: 0,
             end: false,
             gone: None,
@@ -120,7 +116,7 @@ impl Reader {
     }
 
     fn buffered(&self) -> &[u8] {
-        &self.buf[self.start..self.end_at]
+        self.read.buffered()
     }
 
     /// Consumes the lengths buffered at chunk boundaries (empty chunks never come: a
@@ -131,7 +127,7 @@ impl Reader {
                 return;
             };
             let len = u32::from_le_bytes(*prefix);
-            self.start += 4;
+            self.read.start += 4;
             match len {
                 0 => self.end = true,
                 RESET => self.gone = Some("the peer abandoned the request".into()),
@@ -147,23 +143,20 @@ impl Reader {
     fn take(&mut self, dest: &mut [u8]) -> usize {
         let n = dest.len().min(self.left).min(self.buffered().len());
         dest[..n].copy_from_slice(&self.buffered()[..n]);
-        self.start += n;
+        self.read.start += n;
         self.left -= n;
         n
     }
 
-    /// Room for the next read at the buffer's end, the consumed bytes dropped first; `end_at`
+    /// Room for the next read at the buffer's end, the consumed bytes dropped first; `end`
     /// then advances by what was read into it.
     fn room(&mut self) -> &mut [u8] {
-        if self.start > 0 {
-            self.buf.copy_within(self.start..self.end_at, 0);
-            self.end_at -= self.start;
-            self.start = 0;
+        let read = &mut self.read;
+        read.compact();
+        if read.buf.len() - read.end < READ_PIECE / 2 {
+            read.buf.resize(read.end + READ_PIECE, 0);
         }
-        if self.buf.len() - self.end_at < READ_PIECE / 2 {
-            self.buf.resize(self.end_at + READ_PIECE, 0);
-        }
-        &mut self.buf[self.end_at..]
+        &mut read.buf[read.end..]
     }
 
     /// One non-blocking `recv` of what the socket holds into the buffer: `true` when
@@ -178,7 +171,7 @@ impl Reader {
         match got {
             Ok(0) => self.gone = Some("the peer closed the connection".into()),
             Ok(n) => {
-                self.end_at += n;
+                self.read.end += n;
                 heard.fetch_add(n as u64, Ordering::Relaxed);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
@@ -227,12 +220,7 @@ impl Drop for Shared {
         let (true, Some(back)) = (clean, back) else {
             return;
         };
-        let read = ReadBuf {
-            buf: std::mem::take(&mut reader.buf),
-            start: reader.start,
-            end: reader.end_at,
-        };
-        let conn = ShmStream::from_parts(stream, read);
+        let conn = ShmStream::from_parts(stream, std::mem::take(&mut reader.read));
         match back {
             Back::Pool(shm, peer) => shm.put_idle(peer, conn),
             Back::Serve(tx) => {
@@ -477,7 +465,7 @@ pub fn read_chunks(input: &[u8], piece: usize, take: usize) -> ChunksRead {
         let room = reader.room();
         let n = room.len().min(piece.max(1)).min(input.len() - fed);
         room[..n].copy_from_slice(&input[fed..fed + n]);
-        reader.end_at += n;
+        reader.read.end += n;
         fed += n;
     }
     ChunksRead {

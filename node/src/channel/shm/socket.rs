@@ -41,8 +41,18 @@ pub(crate) struct ReadBuf {
 
 impl ReadBuf {
     /// The bytes read and not yet consumed.
-    fn buffered(&self) -> &[u8] {
+    pub(crate) fn buffered(&self) -> &[u8] {
         &self.buf[self.start..self.end]
+    }
+
+    /// Moves the unconsumed bytes to the buffer's front (no allocation): the room after
+    /// them is then all the buffer has past `end`.
+    pub(crate) fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
     }
 }
 
@@ -193,11 +203,7 @@ impl ShmStream {
         if read.end - read.start >= want {
             return Ok(());
         }
-        if read.start > 0 {
-            read.buf.copy_within(read.start..read.end, 0);
-            read.end -= read.start;
-            read.start = 0;
-        }
+        read.compact();
         let room = READ_CHUNK.max(want);
         if read.buf.len() < room {
             read.buf.resize(room, 0);
