@@ -187,7 +187,10 @@ async fn readers_and_subscribers_never_see_two_versions_at_once() {
             }
         })
     };
-    // Read the newest set over and over while versions keep coming (bounded in count).
+    // Read the newest set over and over while versions keep coming (bounded in count). A
+    // `NotFound` (nothing published yet) pauses before the next try: it comes back at once,
+    // and 200 of them in a row once ran out before the first publish landed (CI, every
+    // suite at once on 2 cores).
     let reading = {
         let reader = reader.clone();
         tokio::spawn(async move {
@@ -201,7 +204,9 @@ async fn readers_and_subscribers_never_see_two_versions_at_once() {
                             break;
                         }
                     }
-                    Err(Error::NotFound { .. }) => {}
+                    Err(Error::NotFound { .. }) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
                     Err(e) => panic!("get_set: {e}"),
                 }
             }
