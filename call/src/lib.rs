@@ -65,7 +65,7 @@ pub use error::CallError;
 pub use pipeline::{Pipeline, PipelineError};
 pub use server::{CallContext, FunctionSpec, Handler, HandlerResult, Inputs, Output};
 pub use tb_proto::call::{FailureKind, Load, RemoteFailure};
-pub use value::{HostTensor, Value};
+pub use value::{DeviceTensor, HostTensor, Value};
 
 use caller::{Caller, Directory, Started};
 use metrics::CallMetrics;

@@ -11,13 +11,19 @@
 //! over the pair's channel (`Node::pull_lent`), which on one host hands over the sender's
 //! memfd (up to 16 MiB unsealed, copied into a pooled buffer of the reader's; larger ones
 //! sealed, mapped without a copy): QUIC's throughput ceiling out of the way.
+//!
+//! A tensor in CUDA device memory ([`DeviceTensor`]) is always lent (`Node::lend_device`, to
+//! a peer on any host), named in the skeleton with its device (`LentDevice`). A reader that
+//! has that device pulls it there (`Node::pull_lent_to`): on one host device to device by CUDA
+//! IPC, with no host copy and no hash; elsewhere through staging. A reader without it pulls it
+//! into host memory, and its value holds a host tensor.
 
 use bytes::{Bytes, BytesMut};
 use iroh::EndpointId;
 use tb_node::RequestRecv;
 use tb_proto::{
     ChannelKind, DType, TensorName, byte_len_for,
-    call::{Body, CallError as WireError, TensorSlot, Value as Skeleton},
+    call::{Body, CallError as WireError, LentSlot, TensorSlot, Value as Skeleton},
 };
 
 /// Tensors of at least this many bytes go to a peer on this host as loans (pulled over the
@@ -112,6 +118,127 @@ impl HostTensor {
     }
 }
 
+/// A tensor in CUDA device memory, as calls carry it: lent to the peer it is sent to, which
+/// pulls it onto its own device of the same ordinal (by CUDA IPC on one host).
+#[derive(Clone)]
+pub struct DeviceTensor {
+    dtype: DType,
+    shape: Vec<u64>,
+    buffer: tb_node::DeviceBuffer,
+    /// The node tensor `buffer` is, when it came from one (received): lent again as it is.
+    held: Option<tb_node::Tensor>,
+}
+
+impl std::fmt::Debug for DeviceTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceTensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("bytes", &self.buffer.len())
+            .field("device", &self.buffer.ordinal())
+            .finish()
+    }
+}
+
+/// Two device tensors are equal when they are the same memory (comparing their bytes would
+/// copy both to the host).
+impl PartialEq for DeviceTensor {
+    fn eq(&self, other: &Self) -> bool {
+        (self.dtype, &self.shape) == (other.dtype, &other.shape)
+            && self.buffer.ordinal() == other.buffer.ordinal()
+            && self.buffer.device_ptr() == other.buffer.device_ptr()
+    }
+}
+
+impl DeviceTensor {
+    /// A `dtype` tensor of `shape` in `buffer`, checked to be its size. Nothing is hashed: on
+    /// one host a peer copies it by CUDA IPC, which checks no hash; it is hashed only if it
+    /// must cross the network.
+    pub fn new(
+        dtype: DType,
+        shape: Vec<u64>,
+        buffer: tb_node::DeviceBuffer,
+    ) -> Result<Self, WireError> {
+        let want = byte_len_for(dtype, &shape)?;
+        if want != buffer.len() as u64 {
+            return Err(WireError::Malformed(format!(
+                "a {} tensor of shape {shape:?} is {want} bytes, the cuda:{} buffer {}",
+                dtype.name(),
+                buffer.ordinal(),
+                buffer.len()
+            )));
+        }
+        Ok(DeviceTensor {
+            dtype,
+            shape,
+            buffer,
+            held: None,
+        })
+    }
+
+    /// A node tensor in device memory, shared (no copy).
+    pub fn from_node(tensor: tb_node::Tensor) -> Result<Self, WireError> {
+        let buffer = tensor.device_buffer().cloned().ok_or_else(|| {
+            WireError::Malformed("a host tensor: use HostTensor::from_node".into())
+        })?;
+        Ok(DeviceTensor {
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+            buffer,
+            held: Some(tensor),
+        })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Dimensions.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// The device memory.
+    pub fn buffer(&self) -> &tb_node::DeviceBuffer {
+        &self.buffer
+    }
+
+    /// The CUDA device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.buffer.ordinal()
+    }
+
+    /// The node tensor these bytes are, when they came from one (received).
+    pub fn node_tensor(&self) -> Option<&tb_node::Tensor> {
+        self.held.as_ref()
+    }
+
+    /// Lends it to `peer` through `node`.
+    fn lend(
+        &self,
+        node: &tb_node::Node,
+        peer: EndpointId,
+        ttl: std::time::Duration,
+    ) -> Result<tb_node::Lent, tb_node::Error> {
+        match &self.held {
+            Some(tensor) => node.lend(peer, tensor.clone(), ttl),
+            None => {
+                let (dtype, shape) = (self.dtype, self.shape.clone());
+                node.lend_device(peer, dtype, shape, self.buffer.clone(), ttl)
+            }
+        }
+    }
+
+    /// A copy of the bytes in host memory (blocks while copying).
+    fn to_host(&self) -> Result<HostTensor, WireError> {
+        let bytes = self.buffer.to_host().map_err(|e| {
+            WireError::Malformed(format!("copying a device tensor to host memory: {e}"))
+        })?;
+        HostTensor::new(self.dtype, self.shape.clone(), bytes)
+    }
+}
+
 /// An argument or result: plain data and tensors. Nothing in it is code.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
@@ -131,8 +258,10 @@ pub enum Value {
     List(Vec<Value>),
     /// A string-keyed map, in insertion order.
     Map(Vec<(String, Value)>),
-    /// A tensor.
+    /// A tensor in host memory.
     Tensor(HostTensor),
+    /// A tensor in CUDA device memory.
+    Device(DeviceTensor),
     /// A tensor in the cluster by name and version (the newest when `None`): a server gets
     /// it before its handler runs, which sees a [`Value::Tensor`].
     Named {
@@ -150,6 +279,25 @@ impl From<HostTensor> for Value {
 }
 
 impl Value {
+    /// This value with its device tensors copied to host memory (blocks while copying): for a
+    /// caller that writes results out, such as `tb call`.
+    pub fn into_host(self) -> Result<Value, WireError> {
+        Ok(match self {
+            Value::Device(t) => Value::Tensor(t.to_host()?),
+            Value::List(items) => Value::List(
+                (items.into_iter())
+                    .map(Value::into_host)
+                    .collect::<Result<_, _>>()?,
+            ),
+            Value::Map(items) => Value::Map(
+                (items.into_iter())
+                    .map(|(k, v)| Ok((k, v.into_host()?)))
+                    .collect::<Result<_, WireError>>()?,
+            ),
+            other => other,
+        })
+    }
+
     /// The tensor, when this value is one.
     pub fn as_tensor(&self) -> Option<&HostTensor> {
         match self {
@@ -160,14 +308,18 @@ impl Value {
 
     /// The skeleton and the tensors' bytes in tree order; tensors `lender` lends are named
     /// in the skeleton instead.
-    fn split(&self, lender: Option<&mut Lender<'_>>) -> (Skeleton, Vec<Bytes>) {
+    fn split(&self, lender: Option<&mut Lender<'_>>) -> Result<(Skeleton, Vec<Bytes>), WireError> {
         let mut parts = Vec::new();
-        let skeleton = self.skeleton(&mut parts, lender);
-        (skeleton, parts)
+        let skeleton = self.skeleton(&mut parts, lender)?;
+        Ok((skeleton, parts))
     }
 
-    fn skeleton(&self, parts: &mut Vec<Bytes>, mut lender: Option<&mut Lender<'_>>) -> Skeleton {
-        match self {
+    fn skeleton(
+        &self,
+        parts: &mut Vec<Bytes>,
+        mut lender: Option<&mut Lender<'_>>,
+    ) -> Result<Skeleton, WireError> {
+        Ok(match self {
             Value::None => Skeleton::None,
             Value::Bool(b) => Skeleton::Bool(*b),
             Value::Int(i) => Skeleton::Int(*i),
@@ -178,13 +330,13 @@ impl Value {
                 items
                     .iter()
                     .map(|v| v.skeleton(parts, lender.as_deref_mut()))
-                    .collect(),
+                    .collect::<Result<_, _>>()?,
             ),
             Value::Map(items) => Skeleton::Map(
                 items
                     .iter()
-                    .map(|(k, v)| (k.clone(), v.skeleton(parts, lender.as_deref_mut())))
-                    .collect(),
+                    .map(|(k, v)| Ok((k.clone(), v.skeleton(parts, lender.as_deref_mut())?)))
+                    .collect::<Result<_, WireError>>()?,
             ),
             Value::Named { name, version } => Skeleton::Named {
                 name: name.clone(),
@@ -196,12 +348,25 @@ impl Value {
                     shape: t.shape.clone(),
                 };
                 if let Some(name) = lender.and_then(|l| l.lend(t)) {
-                    return Skeleton::Lent { slot, name };
+                    return Ok(Skeleton::Lent { slot, name });
                 }
                 parts.push(t.data.clone());
                 Skeleton::Tensor(slot)
             }
-        }
+            Value::Device(t) => {
+                let slot = TensorSlot {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                };
+                if let Some(name) = lender.and_then(|l| l.lend_device(t)) {
+                    let device = u32::try_from(t.ordinal()).unwrap_or(u32::MAX);
+                    return Ok(Skeleton::LentDevice { slot, name, device });
+                }
+                // Nothing to lend through (or the loan failed): its bytes on the stream.
+                parts.push(t.to_host()?.data);
+                Skeleton::Tensor(slot)
+            }
+        })
     }
 }
 
@@ -260,6 +425,25 @@ impl<'a> Lender<'a> {
     }
 }
 
+impl Lender<'_> {
+    /// Lends the device tensor `t` (to a peer on any host: its bytes are in device memory,
+    /// and the peer's pull moves them device to device on one host, through staging
+    /// elsewhere): its private name. `None`: the loan failed; its bytes go on the stream.
+    fn lend_device(&mut self, t: &DeviceTensor) -> Option<TensorName> {
+        match t.lend(self.node, self.peer, self.ttl) {
+            Ok(lent) => {
+                let name = lent.name().clone();
+                self.loans.push(lent);
+                Some(name)
+            }
+            Err(e) => {
+                tracing::debug!(%e, "a device tensor goes on the call's stream, not lent");
+                None
+            }
+        }
+    }
+}
+
 /// A value ready to write: the body's head (prefix and skeleton) and the tensors' bytes.
 #[derive(Debug, Clone)]
 pub struct Encoded {
@@ -278,7 +462,7 @@ impl Encoded {
     /// Encodes `value`, its large tensors lent to the lender's peer where it lends (see
     /// [`Lender`]).
     pub fn lending(value: &Value, lender: Option<&mut Lender<'_>>) -> Result<Self, WireError> {
-        let (skeleton, tensors) = value.split(lender);
+        let (skeleton, tensors) = value.split(lender)?;
         let (head, _) = Body::head(&skeleton)?;
         Ok(Encoded {
             head: Bytes::from(head),
@@ -410,7 +594,7 @@ impl ReadBody {
     pub fn lent_bytes(&self) -> u64 {
         let slots = self.skeleton.lent().into_iter();
         slots
-            .filter_map(|(slot, _)| byte_len_for(slot.dtype, &slot.shape).ok())
+            .filter_map(|l| byte_len_for(l.slot.dtype, &l.slot.shape).ok())
             .sum()
     }
 
@@ -428,12 +612,14 @@ impl ReadBody {
         sender: EndpointId,
     ) -> Result<Value, ReadError> {
         let mut lent = Vec::new();
-        for (slot, name) in self.skeleton.lent() {
+        for LentSlot { slot, name, device } in self.skeleton.lent() {
             // Boxed: the pull's future is about 30 KB, which would otherwise sit in every
             // call's server future (and be copied with it) though few calls lend tensors.
-            let tensor = Box::pin(node.pull_lent(sender, name))
-                .await
-                .map_err(|e| ReadError::Lent(e.to_string()))?;
+            let tensor = match device {
+                Some(ordinal) => Box::pin(pull_lent_to_device(node, sender, name, ordinal)).await,
+                None => Box::pin(node.pull_lent(sender, name)).await,
+            };
+            let tensor = tensor.map_err(|e| ReadError::Lent(e.to_string()))?;
             if tensor.dtype() != slot.dtype || tensor.shape() != slot.shape.as_slice() {
                 return Err(ReadError::Lent(format!(
                     "\"{name}\" is a {} tensor of shape {:?}, the skeleton says {} {:?}",
@@ -443,10 +629,30 @@ impl ReadBody {
                     slot.shape
                 )));
             }
-            lent.push(HostTensor::from_node(tensor).map_err(|e| ReadError::Lent(e.to_string()))?);
+            let value = match tensor.device_buffer() {
+                Some(_) => DeviceTensor::from_node(tensor).map(Value::Device),
+                None => HostTensor::from_node(tensor).map(Value::Tensor),
+            };
+            lent.push(value.map_err(|e| ReadError::Lent(e.to_string()))?);
         }
         let (mut buffers, mut lent) = (self.buffers.into_iter(), lent.into_iter());
         Ok(fill(self.skeleton, &mut buffers, &mut lent))
+    }
+}
+
+/// Pulls a device tensor lent as `name` onto this node's device `ordinal` (the lender's), or
+/// into host memory when this node has no such device.
+async fn pull_lent_to_device(
+    node: &tb_node::Node,
+    sender: EndpointId,
+    name: &TensorName,
+    ordinal: u32,
+) -> Result<tb_node::Tensor, tb_node::Error> {
+    let device = tb_node::Device::Cuda(ordinal as usize);
+    match node.pull_lent_to(sender, name, device).await {
+        // Checked before any traffic: the loan is still there to pull to the host.
+        Err(tb_node::Error::DeviceUnavailable(_)) => node.pull_lent(sender, name).await,
+        pulled => pulled,
     }
 }
 
@@ -455,7 +661,7 @@ impl ReadBody {
 fn fill(
     skeleton: Skeleton,
     buffers: &mut impl Iterator<Item = Bytes>,
-    lent: &mut impl Iterator<Item = HostTensor>,
+    lent: &mut impl Iterator<Item = Value>,
 ) -> Value {
     match skeleton {
         Skeleton::None => Value::None,
@@ -482,17 +688,19 @@ fn fill(
             held: None,
         }),
         // One pulled tensor per lent slot (checked against it).
-        Skeleton::Lent { slot, .. } => Value::Tensor(lent.next().unwrap_or(HostTensor {
-            dtype: slot.dtype,
-            shape: slot.shape,
-            data: Bytes::new(),
-            held: None,
-        })),
+        Skeleton::Lent { slot, .. } | Skeleton::LentDevice { slot, .. } => {
+            lent.next().unwrap_or(Value::Tensor(HostTensor {
+                dtype: slot.dtype,
+                shape: slot.shape,
+                data: Bytes::new(),
+                held: None,
+            }))
+        }
     }
 }
 
 /// `value` with every [`Value::Named`] replaced by the tensor it names, got from the cluster
-/// through `node` (host tensors only).
+/// through `node` (into host memory, unless this node holds it on a device itself).
 pub async fn resolve(node: &tb_node::Node, value: Value) -> Result<Value, tb_node::Error> {
     let mut value = value;
     let mut named = Vec::new();
@@ -507,17 +715,12 @@ pub async fn resolve(node: &tb_node::Node, value: Value) -> Result<Value, tb_nod
             None => Box::pin(node.get(name.as_str())).await?,
         };
         let tensor = pulled.buffer;
-        let data = tensor.host_data().cloned().ok_or_else(|| {
-            tb_node::Error::InvalidTensor(format!(
-                "\"{name}\" is a device tensor: calls carry host tensors"
-            ))
-        })?;
-        *slot = Value::Tensor(HostTensor {
-            dtype: tensor.dtype(),
-            shape: tensor.shape().to_vec(),
-            data,
-            held: Some(tensor),
-        });
+        let bad = |e: WireError| tb_node::Error::InvalidTensor(format!("\"{name}\": {e}"));
+        *slot = match tensor.device_buffer() {
+            // Held on a device by this node itself.
+            Some(_) => Value::Device(DeviceTensor::from_node(tensor).map_err(bad)?),
+            None => Value::Tensor(HostTensor::from_node(tensor).map_err(bad)?),
+        };
     }
     Ok(value)
 }

@@ -80,7 +80,10 @@ pub async fn call(join: &Join, args: CallArgs) -> Result<()> {
     };
     let seconds = started.elapsed().as_secs_f64();
     crate::cluster::close(&node).await;
+    // A device tensor in the result (a server's, pulled onto this node's GPU) is written
+    // out from host memory.
     let result = result?;
+    let result = tokio::task::block_in_place(|| result.into_host())?;
     report(&args, result, seconds).await
 }
 
@@ -292,6 +295,7 @@ fn kind_of(value: &Value) -> &'static str {
         Value::List(_) => "a list holding more than tensors",
         Value::Map(_) => "a map holding more than tensors",
         Value::Tensor(_) => "a tensor",
+        Value::Device(_) => "a device tensor",
         Value::Named { .. } => "a tensor by name",
     }
 }
@@ -365,6 +369,10 @@ fn render_into(value: &Value, out: &mut String) {
         }
         Value::Tensor(t) => {
             let _ = write!(out, "<tensor {}>", summary(t));
+        }
+        Value::Device(t) => {
+            let (dtype, shape, device) = (t.dtype().name(), t.shape(), t.ordinal());
+            let _ = write!(out, "<tensor {dtype} {shape:?} on cuda:{device}>");
         }
     }
 }

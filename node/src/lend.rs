@@ -44,6 +44,15 @@ struct Loan {
     until: Instant,
 }
 
+/// A loan taken out to serve it: the tensor, with what the serving path's check made of it.
+pub(crate) struct Taken<T> {
+    /// The tensor as lent: a device tensor lent unhashed ([`crate::Node::lend_device`]) has
+    /// an all-zero hash until [`Tensor::hashed`].
+    pub tensor: Tensor,
+    /// What the serving path's check returned.
+    pub made: T,
+}
+
 #[derive(Default)]
 struct State {
     loans: HashMap<TensorName, Loan>,
@@ -135,26 +144,43 @@ impl Loans {
     }
 
     /// The tensor lent as `name`, taken out of the loans (one pull each), when `name` is a
-    /// loan's: `Some(Ok)` for the peer it was lent to, while it lasts; `Some(Err(()))` for
-    /// anyone else, after its time, or once pulled (answered like a name nobody holds); `None`
-    /// when `name` is no lent name (look in the store).
-    pub(crate) fn take(&self, peer: &EndpointId, name: &TensorName) -> Option<Result<Tensor, ()>> {
+    /// loan's and `check` takes it: `Some(Ok)` for the peer it was lent to, while it lasts, with
+    /// what `check` made of the tensor; `Some(Err(Some))` when `check` refused it (the loan
+    /// stays, for a path that can serve it); `Some(Err(None))` for anyone else, after its
+    /// time, or once pulled (answered like a name nobody holds); `None` when `name` is no lent
+    /// name (look in the store).
+    pub(crate) fn take_if<T, E>(
+        &self,
+        peer: &EndpointId,
+        name: &TensorName,
+        check: impl FnOnce(&Tensor) -> Result<T, E>,
+    ) -> Option<Result<Taken<T>, Option<E>>> {
         if !is_lent_name(name) {
             return None;
         }
         let mut state = self.state();
         let Some(loan) = state.loans.get(name) else {
-            return Some(Err(()));
+            return Some(Err(None));
         };
         if loan.peer != *peer {
-            return Some(Err(()));
+            return Some(Err(None));
         }
+        if loan.until <= Instant::now() {
+            let ended = state.loans.remove(name);
+            drop(state);
+            drop(ended);
+            return Some(Err(None));
+        }
+        let made = match check(&loan.tensor) {
+            Ok(made) => made,
+            Err(e) => return Some(Err(Some(e))),
+        };
         let loan = state.loans.remove(name)?;
         drop(state);
-        Some(match loan.until > Instant::now() {
-            true => Ok(loan.tensor),
-            false => Err(()),
-        })
+        Some(Ok(Taken {
+            tensor: loan.tensor,
+            made,
+        }))
     }
 
     /// Loans that are live now.

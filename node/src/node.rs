@@ -82,6 +82,7 @@ impl Drop for Inner {
     /// A node dropped without `shutdown()` still stops its actors and tasks (the router aborts
     /// on its own drop); only the graceful wait is skipped.
     fn drop(&mut self) {
+        channel::cuda_ipc::in_this_process(self.addr.id, false);
         self.ctx.cancel.cancel();
         self.pool.stop(None);
     }
@@ -159,6 +160,7 @@ impl Node {
         ctx.tracker
             .spawn(sweep_loans(ctx.loans.clone(), ctx.cancel.clone()));
         let cluster = cluster::start(&ctx, &addr, evictions);
+        channel::cuda_ipc::in_this_process(addr.id, true);
         debug!(node = %addr, brokers = ctx.config.brokers.len(), "node started");
         let node = Node {
             inner: Arc::new(Inner {
@@ -268,6 +270,8 @@ impl Node {
     ) -> Result<()> {
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
+        // A device tensor received as a loan by CUDA IPC is hashed first (the peer checks).
+        let tensor = &channel::verify::blocking(|| tensor.clone().hashed())?;
         if let Some(p) = progress {
             p.set_total(tensor.byte_len());
         }
@@ -292,6 +296,7 @@ impl Node {
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
         crate::set::check_publishable(&name, &tensor)?;
+        let tensor = channel::verify::blocking(|| tensor.hashed())?;
         Ok(self.inner.ctx.store.insert(name, tensor))
     }
 
@@ -321,17 +326,71 @@ impl Node {
     }
 
     /// Lends `tensor` to `peer` under a private name, for at most `ttl`: only `peer` may pull
-    /// it ([`pull_lent`](Self::pull_lent)), only while the returned handle lives. Nothing is
-    /// published or stored; on one host the peer maps the tensor's sealed memfd (no copy).
+    /// it ([`pull_lent`](Self::pull_lent), or [`pull_lent_to`](Self::pull_lent_to) a device),
+    /// only while the returned handle lives. Nothing is published or stored; on one host the
+    /// peer maps the tensor's sealed memfd (no copy), or a device tensor's memory by CUDA IPC.
     /// The extension point's way to move a large value beside a request's own stream.
     pub fn lend(&self, peer: EndpointId, tensor: Tensor, ttl: Duration) -> Result<crate::Lent> {
         self.check_running()?;
-        if tensor.device_buffer().is_some() {
-            return Err(Error::InvalidTensor(
-                "device tensors are not lent (they move by CUDA IPC or staging)".into(),
-            ));
-        }
         self.inner.ctx.loans.lend(peer, tensor, ttl)
+    }
+
+    /// Lends the `dtype` tensor of `shape` in `buffer` (device memory) to `peer`, as
+    /// [`lend`](Self::lend) does, without hashing it first: a peer on this host that pulls it
+    /// to a device copies it by CUDA IPC and checks no hash of a loan; it is hashed (through
+    /// staging) only when it is pulled over the network, whose reader checks.
+    pub fn lend_device(
+        &self,
+        peer: EndpointId,
+        dtype: DType,
+        shape: Vec<u64>,
+        buffer: DeviceBuffer,
+        ttl: Duration,
+    ) -> Result<crate::Lent> {
+        self.check_running()?;
+        let tensor = Tensor::unhashed_device(dtype, shape, buffer)?;
+        self.inner.ctx.loans.lend(peer, tensor, ttl)
+    }
+
+    /// Pulls what `peer` lent to this node as `name` into memory on `device`
+    /// ([`pull_lent`](Self::pull_lent) for the host). To a CUDA device: by CUDA IPC when the
+    /// lender is on this host and lent a device tensor, else over the pair's channel or QUIC,
+    /// then up (see [`pull_to`](Self::pull_to)). `DeviceUnavailable` before any traffic when
+    /// there is no such device.
+    pub async fn pull_lent_to(
+        &self,
+        peer: EndpointId,
+        name: &TensorName,
+        device: Device,
+    ) -> Result<Tensor> {
+        let Device::Cuda(ordinal) = device else {
+            return self.pull_lent(peer, name).await;
+        };
+        if !crate::is_lent_name(name) {
+            return Err(Error::InvalidTensor(format!(
+                "\"{name}\" is not a lent name (they start with {})",
+                crate::LEND_PREFIX
+            )));
+        }
+        device::ensure(ordinal, &self.config().cuda)?;
+        let ctx = &self.inner.ctx;
+        let links = || async move {
+            ctx.ready.try_guard(&peer).ok_or_else(|| {
+                Error::Io(format!(
+                    "no link to {} to pull a lent tensor on (it went away)",
+                    peer.fmt_short()
+                ))
+            })
+        };
+        // The lender checks that this node is on its host (boot ids): no address to judge by.
+        let ipc = ctx.config.cuda.ipc;
+        let version = Some(crate::LENT_VERSION);
+        let pull = channel::pull_to_device(ctx, &peer, ipc, links, name, version, ordinal);
+        let (pulled, via) = self.guarded(pull).await?;
+        if via == channel::DeviceVia::CudaIpc {
+            self.inner.ipc_pulls.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(pulled.buffer)
     }
 
     /// Tensors lent now ([`lend`](Self::lend)) whose handles are alive and time not up.
@@ -454,7 +513,10 @@ impl Node {
         device::ensure(ordinal, &self.config().cuda)?;
         let links = || self.link(addr);
         let ctx = &self.inner.ctx;
-        let pull = channel::pull_to_device(ctx, addr, links, &tensor_name, version, ordinal);
+        let local = ctx.endpoint.bound_sockets();
+        let ipc = channel::cuda_ipc::wanted(&ctx.config.cuda, addr.addr, &local);
+        let pull =
+            channel::pull_to_device(ctx, &addr.id, ipc, links, &tensor_name, version, ordinal);
         let (pulled, via) = self.guarded(pull).await?;
         if via == channel::DeviceVia::CudaIpc {
             self.inner.ipc_pulls.fetch_add(1, Ordering::Relaxed);

@@ -315,6 +315,40 @@ impl Tensor {
     }
 
     /// Wraps device bytes whose hash was already verified against `meta` (the receive path).
+    /// A `dtype` tensor of `shape` in `buffer` whose metadata's hash is all zeros (not hashed
+    /// yet: a BLAKE3 hash is never all zeros): for a device tensor lent to a peer that copies
+    /// it by CUDA IPC, which checks no loan's hash. [`hashed`](Self::hashed) hashes it before
+    /// anything that checks sees it (serving it over the network, publishing, pushing).
+    pub(crate) fn unhashed_device(
+        dtype: DType,
+        shape: Vec<u64>,
+        buffer: DeviceBuffer,
+    ) -> Result<Self> {
+        let expected = tb_proto::byte_len_for(dtype, &shape)?;
+        if expected != buffer.len() as u64 {
+            return Err(Error::InvalidTensor(format!(
+                "{dtype} tensor of shape {shape:?} needs {expected} bytes, the cuda:{} buffer has {}",
+                buffer.ordinal(),
+                buffer.len()
+            )));
+        }
+        let meta = TensorMeta::new(dtype, shape, ContentHash([0; 32]))?;
+        Ok(Self::from_verified_device(meta, buffer))
+    }
+
+    /// This tensor with its hash in its metadata: itself, or for a device tensor not hashed
+    /// yet ([`unhashed_device`](Self::unhashed_device), or received by CUDA IPC as a loan)
+    /// the same buffer with the hash of its bytes (through staging; blocks meanwhile).
+    pub(crate) fn hashed(self) -> Result<Self> {
+        match &self.data {
+            Data::Cuda(buf) if self.meta.hash == ContentHash([0; 32]) => {
+                let meta = TensorMeta::new(self.meta.dtype, self.meta.shape.clone(), buf.hash()?)?;
+                Ok(Self::from_verified_device(meta, buf.clone()))
+            }
+            _ => Ok(self),
+        }
+    }
+
     pub(crate) fn from_verified_device(meta: TensorMeta, buffer: DeviceBuffer) -> Self {
         debug_assert_eq!(meta.byte_len, buffer.len() as u64);
         Tensor {

@@ -298,6 +298,31 @@ pub enum Value {
         /// The private name to pull.
         name: TensorName,
     },
+    /// A tensor in the sender's CUDA device memory, lent like [`Value::Lent`]: the receiver
+    /// pulls it into memory on its own device `device` (the sender's ordinal) when it has
+    /// that device, device to device by CUDA IPC on one host, else through staging; a
+    /// receiver without that device pulls it into host memory. Nothing follows the skeleton
+    /// for it.
+    LentDevice {
+        /// Element type and dimensions, which the pulled tensor must have.
+        slot: TensorSlot,
+        /// The private name to pull.
+        name: TensorName,
+        /// The CUDA ordinal the tensor is on at the sender.
+        device: u32,
+    },
+}
+
+/// A tensor the sender lent ([`Value::Lent`] or [`Value::LentDevice`]), as the receiver
+/// pulls it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LentSlot<'a> {
+    /// Element type and dimensions.
+    pub slot: &'a TensorSlot,
+    /// The private name to pull.
+    pub name: &'a TensorName,
+    /// The sender's CUDA ordinal, for a device tensor.
+    pub device: Option<u32>,
 }
 
 /// What a body's skeleton holds, once checked.
@@ -350,7 +375,7 @@ impl Value {
                         .checked_add(len)
                         .ok_or(CallError::Meta(MetaError::Overflow))?;
                 }
-                Value::Lent { slot, name } => {
+                Value::Lent { slot, name } | Value::LentDevice { slot, name, .. } => {
                     shape.tensors += 1;
                     if shape.tensors > MAX_BODY_TENSORS {
                         return Err(CallError::TooMany {
@@ -390,11 +415,19 @@ impl Value {
         })
     }
 
-    /// The lent tensors' slots and names in tree order: what the reader pulls from the
-    /// sender.
-    pub fn lent(&self) -> Vec<(&TensorSlot, &TensorName)> {
+    /// The lent tensors in tree order: what the reader pulls from the sender.
+    pub fn lent(&self) -> Vec<LentSlot<'_>> {
         self.leaves(|v| match v {
-            Value::Lent { slot, name } => Some((slot, name)),
+            Value::Lent { slot, name } => Some(LentSlot {
+                slot,
+                name,
+                device: None,
+            }),
+            Value::LentDevice { slot, name, device } => Some(LentSlot {
+                slot,
+                name,
+                device: Some(*device),
+            }),
             _ => None,
         })
     }

@@ -780,9 +780,37 @@ fn call_messages() {
     let both = Value::List(vec![Value::Map(vec![("a".into(), lent.clone())]), one_byte]);
     assert_eq!(both.tensors().len(), 1);
     let names: Vec<_> = (both.lent().into_iter())
-        .map(|(_, n)| n.as_str().to_owned())
+        .map(|l| (l.name.as_str().to_owned(), l.device))
         .collect();
-    assert_eq!(names, [".tb/lend/ab"]);
+    assert_eq!(names, [(".tb/lend/ab".to_owned(), None)]);
+    // LentDevice=11 | U8=1 shape [3] | name ".tb/lend/ab" | device 1
+    let on_device = Value::LentDevice {
+        slot: TensorSlot {
+            dtype: DType::U8,
+            shape: vec![3],
+        },
+        name: name(".tb/lend/ab"),
+        device: 1,
+    };
+    golden(&on_device, "11000000 0b 010103 0b2e74622f6c656e642f6162 01");
+    assert_eq!(
+        on_device.validate().map(|s| (s.tensors, s.tensor_bytes)),
+        Ok((1, 0))
+    );
+    let device_lent: Vec<_> = (Value::List(vec![lent.clone(), on_device.clone()]).lent())
+        .into_iter()
+        .map(|l| l.device)
+        .collect();
+    assert_eq!(device_lent, [None, Some(1)]);
+    let not_lent_device = Value::LentDevice {
+        slot: TensorSlot {
+            dtype: DType::U8,
+            shape: vec![3],
+        },
+        name: name("w"),
+        device: 0,
+    };
+    assert!(not_lent_device.validate().is_err());
     let not_lent = Value::Lent {
         slot: TensorSlot {
             dtype: DType::U8,

@@ -390,6 +390,15 @@ impl Buffer {
         capsule
     }
 
+    /// The bytes as a writable 1-D `uint8` numpy array the caller owns: a copy to host memory
+    /// of a device tensor's (the GIL released meanwhile), a private view of a host one's.
+    fn host_copy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let host = py
+            .detach(|| self.tensor.to_device(tb_node::Device::Host))
+            .map_err(crate::errors::to_py)?;
+        writable_array(py, &host)
+    }
+
     /// A read-only numpy array of `dtype` over the bytes, shaped as the tensor, whose `base`
     /// is this buffer (no copy). `dtype`'s item size must fit the tensor's; a dtype holding
     /// Python objects, or a structured or void one, is refused (`TypeError`).

@@ -58,6 +58,32 @@ impl TensorArg {
     }
 }
 
+/// A CUDA tensor argument or result: its bytes as a contiguous 1-D `uint8` CUDA tensor (`data`,
+/// whose address and length are read from its `__cuda_array_interface__`), its dtype name,
+/// shape and device ordinal. The caller synchronized the work that produced it; it is copied
+/// device to device into the node's memory when the value is converted, and lent from there
+/// (by CUDA IPC to a peer on this host).
+#[pyclass(frozen, module = "tensor_broker._native")]
+pub struct CudaArg {
+    data: Py<PyAny>,
+    ordinal: usize,
+    dtype: String,
+    shape: Vec<u64>,
+}
+
+#[pymethods]
+impl CudaArg {
+    #[new]
+    fn new(data: Py<PyAny>, ordinal: usize, dtype: String, shape: Vec<u64>) -> Self {
+        CudaArg {
+            data,
+            ordinal,
+            dtype,
+            shape,
+        }
+    }
+}
+
 /// A tensor in the cluster passed by name (and version; the newest when `None`): the server
 /// gets it from any holder before its handler runs.
 #[pyclass(frozen, module = "tensor_broker._native", get_all)]
@@ -138,6 +164,22 @@ pub(crate) fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> 
         let tensor = tensor.map_err(|e| PyValueError::new_err(e.to_string()))?;
         return Ok(Value::Tensor(tensor));
     }
+    if let Ok(t) = obj.cast::<CudaArg>() {
+        let t = t.get();
+        let py = obj.py();
+        let dtype: DType = t
+            .dtype
+            .parse()
+            .map_err(|e: tb_node::proto::UnknownDType| PyValueError::new_err(e.to_string()))?;
+        let (ptr, len) = crate::node::cuda_bytes(t.data.bind(py))?;
+        let (ordinal, shape) = (t.ordinal, t.shape.clone());
+        // `t.data` stays referenced (its memory allocated) while the copy runs.
+        let copied = py.detach(move || crate::buffer::copy_cuda(ordinal, ptr, len));
+        let buffer = copied.map_err(errors::to_py)?;
+        let tensor = tb_call::DeviceTensor::new(dtype, shape, buffer)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        return Ok(Value::Device(tensor));
+    }
     if let Ok(r) = obj.cast::<RefArg>() {
         let r = r.get();
         let name = tb_node::TensorName::new(r.name.as_str())
@@ -217,6 +259,28 @@ pub(crate) fn from_value(py: Python<'_>, value: Value) -> PyResult<Py<PyAny>> {
                 data,
                 dtype: t.dtype.name().to_owned(),
                 shape: t.shape,
+            };
+            Py::new(py, out)?.into_any()
+        }
+        // A `Buffer` over the device memory, which `_functions` hands to torch by DLPack
+        // (memory a pull received into is lent as it is: nothing else holds it).
+        Value::Device(t) => {
+            let (dtype, shape) = (t.dtype(), t.shape().to_vec());
+            let tensor = match t.node_tensor() {
+                Some(tensor) => tensor.clone(),
+                // Made in this process (not received): hashed once to be a node tensor.
+                None => {
+                    let buffer = t.buffer().clone();
+                    let made =
+                        py.detach(|| tb_node::Tensor::from_device(dtype, shape.clone(), buffer));
+                    made.map_err(errors::to_py)?
+                }
+            };
+            let buffer = crate::buffer::Buffer::new(String::from("(call value)"), 0, tensor);
+            let out = TensorOut {
+                data: Py::new(py, buffer)?.into_any(),
+                dtype: dtype.name().to_owned(),
+                shape,
             };
             Py::new(py, out)?.into_any()
         }

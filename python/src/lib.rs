@@ -48,6 +48,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<calls::CallStreamHandle>()?;
     m.add_class::<calls::InputIter>()?;
     m.add_class::<calls::TensorArg>()?;
+    m.add_class::<calls::CudaArg>()?;
     m.add_class::<calls::RefArg>()?;
     m.add_class::<calls::TensorOut>()?;
     m.add_class::<calls::CancelFlag>()?;

@@ -547,6 +547,13 @@ impl NodeHandle {
         Ok(self.node()?.id().to_string())
     }
 
+    /// How many pulls into device memory this node made by CUDA IPC (device to device from a
+    /// holder on this host): gets, and tensors lent in calls.
+    #[getter]
+    fn cuda_ipc_pulls(&self) -> PyResult<u64> {
+        Ok(self.node()?.cuda_ipc_pulls())
+    }
+
     /// This node's address, `<node-id>@<ip:port>`: what peers push to.
     #[getter]
     fn addr(&self) -> PyResult<String> {
@@ -874,8 +881,8 @@ fn parse_dtype(name: &str) -> PyResult<DType> {
 
 /// The device address and byte length of a contiguous 1-D `uint8` CUDA array, read from its
 /// `__cuda_array_interface__` (so they describe memory the object owns).
-fn cuda_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(u64, usize)> {
-    let bad = |why: &str| PyValueError::new_err(format!("put of a CUDA tensor: {why}"));
+pub(crate) fn cuda_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(u64, usize)> {
+    let bad = |why: &str| PyValueError::new_err(format!("a CUDA tensor: {why}"));
     let cai = obj
         .getattr("__cuda_array_interface__")
         .map_err(|_| bad("the object has no __cuda_array_interface__"))?;

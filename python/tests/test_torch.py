@@ -105,23 +105,73 @@ def test_cuda_tensors_round_trip_device_to_device(
 
 
 @pytest.mark.skipif(not CUDA_HERE, reason=NO_CUDA)
-def test_a_call_with_cuda_tensors_copies_them_to_host_and_device_puts_the_result_back(
+def test_a_call_with_cuda_tensors_hands_the_handler_and_the_caller_cuda_tensors(
     cluster: tb.LocalCluster,
 ) -> None:
+    if not tb._native.CUDA_COMPILED:
+        pytest.skip("the extension was built without tb-node's cuda feature")
+    # One process: CUDA IPC cannot map memory into the process that owns it, so the lent
+    # tensors come over the network (through staging), and arrive on the device all the same.
     with cluster.connect() as server, cluster.connect() as caller:
 
         @server.share("torch/cuda-scale")
         def scale(x: torch.Tensor, k: float) -> torch.Tensor:
-            assert x.device.type == "cpu"  # calls carry host tensors
-            return x * k
+            assert x.is_cuda, f"a CUDA argument arrived on {x.device}"
+            x.mul_(k)  # the argument is the handler's own
+            return x
 
         with server.serving():
             f = caller.function("torch/cuda-scale")
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):  # written on a side stream: the call waits for it
                 x = torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 2
-            got = f(x, 3.0, device="cuda", timeout=60)
-            assert got.device.type == "cuda"
-            assert torch.equal(got, torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 6)
+            want = torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 6
+            got = f(x, 3.0, timeout=60)
+            assert got.is_cuda and torch.equal(got, want)
+            assert torch.equal(x, want / 3), "the handler's in-place op reached the caller"
             got += 1  # the result is the caller's own
-            assert torch.equal(f(x, 1.0, timeout=60), x.cpu())
+            assert torch.equal(f(x, 1.0, timeout=60), x)
+            # device="cpu" and out= take it to host memory.
+            assert torch.equal(f(x, 2.0, device="cpu", timeout=60), (x * 2).cpu())
+            out = np.empty(1 << 20, np.float32)
+            f(x, 1.0, out=out, timeout=60)
+            assert np.array_equal(out, x.cpu().numpy())
+
+
+CUDA_SERVER = """
+import torch
+client = tb.connect(TICKET, secret_file=SECRET_FILE)
+
+@client.share("torch/cuda-ipc")
+def scale(x, k):
+    assert x.is_cuda, f"a CUDA argument arrived on {x.device}"
+    return {"y": x * k, "ipc_pulls": client._node.cuda_ipc_pulls}
+
+say("serving")
+client.serve()
+"""
+
+
+@pytest.mark.skipif(not CUDA_HERE, reason=NO_CUDA)
+def test_cuda_tensors_in_a_call_between_processes_move_by_cuda_ipc(
+    cluster: tb.LocalCluster, spawn
+) -> None:
+    if not tb._native.CUDA_COMPILED:
+        pytest.skip("the extension was built without tb-node's cuda feature")
+    server = spawn(CUDA_SERVER)
+    assert server.line() == "serving"
+    with cluster.connect() as caller:
+        f = caller.function("torch/cuda-ipc")
+        g = torch.Generator(device="cuda").manual_seed(9)
+        server_pulls = 0
+        # 8 MiB and 6 MiB by CUDA IPC; 8 KiB is below its 1 MiB minimum: through staging.
+        for n, k, by_ipc in [(1 << 22, 2.0, True), (3 << 20, -1.0, True), (4096, 0.5, False)]:
+            x = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+            before = caller._node.cuda_ipc_pulls
+            got = f(x, k, timeout=60)
+            y = got["y"]
+            assert y.is_cuda and y.dtype == torch.bfloat16 and torch.equal(y, x * k)
+            # The argument came to the server by CUDA IPC, and the result back the same way.
+            assert (got["ipc_pulls"] > server_pulls) == by_ipc
+            assert (caller._node.cuda_ipc_pulls > before) == by_ipc
+            server_pulls = got["ipc_pulls"]

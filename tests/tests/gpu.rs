@@ -118,6 +118,57 @@ async fn device_to_host_and_host_to_device() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA GPU"]
+async fn a_device_tensor_lent_unhashed_is_pulled_to_a_device_or_the_host_and_hashed_on_the_way() {
+    let gpu = gpu("a_device_tensor_lent_unhashed_is_pulled_to_a_device_or_the_host");
+    let (lender, borrower) = (node(config(true)).await, node(config(true)).await);
+    let host = u8_tensor(BIG, 11);
+    // The borrower gets a link to the lender (a pull of something it holds).
+    lender
+        .publish_local("held", u8_tensor(4096, 1))
+        .expect("publish");
+    within(LIMIT, "pull", borrower.pull(lender.addr(), "held", None))
+        .await
+        .expect("pull");
+    let ttl = Duration::from_secs(60);
+    let lend = |seed: u8| {
+        let buf = DeviceBuffer::from_host(gpu, u8_tensor(BIG, seed).data()).expect("upload");
+        (lender.lend_device(borrower.id(), DType::U8, vec![BIG as u64], buf, ttl))
+            .expect("lends a device tensor")
+    };
+    // To a device: CUDA IPC cannot map memory into the process that exported it, so this
+    // takes the network; the loan survives the same-host channel's refusal (device bytes do
+    // not go through it) and is hashed before it is served, so the pull verifies.
+    let to_device = lend(11);
+    let got = within(
+        LIMIT,
+        "pull_lent_to",
+        borrower.pull_lent_to(lender.id(), to_device.name(), Device::Cuda(gpu)),
+    )
+    .await
+    .expect("pulled to the device");
+    assert_eq!(got.device(), Device::Cuda(gpu));
+    assert_eq!(got.hash(), host.hash(), "hashed before it was served");
+    let back = got.to_device(Device::Host).expect("to host");
+    assert_eq!(back.data(), host.data());
+    assert!(to_device.ended(), "one pull per loan");
+    // To the host: the same, into host memory.
+    let to_host = lend(12);
+    let got = within(
+        LIMIT,
+        "pull_lent",
+        borrower.pull_lent(lender.id(), to_host.name()),
+    )
+    .await
+    .expect("pulled to the host");
+    assert_eq!(got.device(), Device::Host);
+    assert_eq!(got.data(), u8_tensor(BIG, 12).data());
+    for n in [lender, borrower] {
+        n.shutdown().await;
+    }
+}
+
 /// Starts this test binary again as a process that publishes a `BIG` tensor on its GPU as
 /// `gpu/shared` (with CUDA IPC offered or not) and returns its address; it serves until its
 /// stdin closes.

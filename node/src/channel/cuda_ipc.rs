@@ -92,6 +92,32 @@ pub(crate) fn host_id() -> Option<String> {
     (!id.is_empty()).then(|| id.to_string())
 }
 
+/// The nodes of this process (ids), which CUDA IPC never goes between: the driver cannot map
+/// memory into the process that exported it, and a failed map after the holder exported a
+/// loan would have taken the loan out for nothing.
+fn local_nodes() -> std::sync::MutexGuard<'static, std::collections::HashSet<EndpointId>> {
+    static NODES: OnceLock<std::sync::Mutex<std::collections::HashSet<EndpointId>>> =
+        OnceLock::new();
+    let nodes = NODES.get_or_init(Default::default);
+    nodes
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Records that the node `id` runs in this process (`true`, at its start) or no longer
+/// (`false`, when it is dropped).
+pub(crate) fn in_this_process(id: EndpointId, running: bool) {
+    let mut nodes = local_nodes();
+    match running {
+        true => nodes.insert(id),
+        false => nodes.remove(&id),
+    };
+}
+
+fn same_process(id: &EndpointId) -> bool {
+    local_nodes().contains(id)
+}
+
 fn my_host() -> Option<&'static str> {
     static HOST: OnceLock<Option<String>> = OnceLock::new();
     HOST.get_or_init(host_id).as_deref()
@@ -106,8 +132,9 @@ impl Service for CudaIpc {
         Box::pin(async move {
             let ServiceStream {
                 request,
+                peer,
                 mut send,
-                mut recv,
+                recv,
                 ..
             } = stream;
             let got = request.kind();
@@ -121,6 +148,10 @@ impl Service for CudaIpc {
                 return mismatched(node, &mut send, got, RequestKind::CudaIpc).await;
             };
             let ctx = &node.ctx;
+            if crate::is_lent_name(&name) {
+                let answer = export_lent(ctx, &peer, &name, version, &host, min_bytes);
+                return answer_and_hold(node, send, recv, answer).await;
+            }
             let (answer, hold) = match ctx.store.get(&name, version) {
                 Lookup::Found(version, tensor) => match export(ctx, &host, &tensor, min_bytes) {
                     Ok(handle) => {
@@ -143,24 +174,81 @@ impl Service for CudaIpc {
             if let IpcResponse::Declined { reason } = &answer {
                 debug!(%name, %reason, "CUDA IPC declined");
             }
-            let answer = DataResponse::CudaIpc(answer);
-            let stall = node.stall_timeout();
-            if wire::write_frame_within(&mut send, &answer, stall)
-                .await
-                .is_err()
-            {
-                return;
-            }
-            let _ = send.finish();
-            if hold.is_some() {
-                // The requester has our memory mapped until it finishes its side: keep the
-                // tensor (and so the allocation) alive until then, or until the time limit.
-                let timeout = node.request_timeout();
-                let _ = tokio::time::timeout(timeout, recv.read_to_end(IPC_HANDLE_LEN)).await;
-            }
-            drop(hold);
+            answer_and_hold(node, send, recv, (answer, hold)).await;
         })
     }
+}
+
+/// Sends `answer`; when it exports memory (`hold`), keeps that tensor (and so the
+/// allocation) alive until the requester, which has it mapped, finishes its side of the
+/// stream, or until the time limit.
+async fn answer_and_hold(
+    node: &ServeCtx,
+    mut send: iroh::endpoint::SendStream,
+    mut recv: iroh::endpoint::RecvStream,
+    (answer, hold): (IpcResponse, Option<crate::tensor::Tensor>),
+) {
+    let answer = DataResponse::CudaIpc(answer);
+    let stall = node.stall_timeout();
+    if wire::write_frame_within(&mut send, &answer, stall)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let _ = send.finish();
+    if hold.is_some() {
+        let timeout = node.request_timeout();
+        let _ = tokio::time::timeout(timeout, recv.read_to_end(IPC_HANDLE_LEN)).await;
+    }
+    drop(hold);
+}
+
+/// The answer to an IPC request for a tensor lent to `peer` ([`crate::Node::lend_device`]):
+/// its handle, the loan taken out (one pull); or declined, the loan left for the network
+/// path. A loan lent unhashed stays so: the requester checks no hash of a loan's IPC copy
+/// (see [`pull`]).
+fn export_lent(
+    ctx: &NodeCtx,
+    peer: &EndpointId,
+    name: &TensorName,
+    version: Option<u64>,
+    host: &str,
+    min_bytes: u64,
+) -> (IpcResponse, Option<crate::tensor::Tensor>) {
+    let declined = |reason: String| {
+        debug!(%name, %reason, "CUDA IPC declined");
+        (IpcResponse::Declined { reason }, None)
+    };
+    if version.is_some_and(|v| v != crate::LENT_VERSION) {
+        return declined(format!(
+            "\"{name}\" is lent as version {}",
+            crate::LENT_VERSION
+        ));
+    }
+    if same_process(peer) {
+        return declined("the requester runs in this process".into());
+    }
+    let taken = ctx
+        .loans
+        .take_if(peer, name, |tensor| export(ctx, host, tensor, min_bytes));
+    let taken = match taken {
+        Some(Ok(taken)) => taken,
+        Some(Err(Some(reason))) => return declined(reason),
+        Some(Err(None)) | None => {
+            return declined(format!(
+                "\"{name}\" is not lent to this peer (or no longer)"
+            ));
+        }
+    };
+    let handle = taken.made.to_vec();
+    let tensor = taken.tensor;
+    let answer = IpcResponse::Handle {
+        meta: tensor.meta().clone(),
+        version: crate::LENT_VERSION,
+        handle,
+    };
+    (answer, Some(tensor))
 }
 
 /// The IPC handle of `tensor`'s device memory, or why not.
@@ -197,11 +285,15 @@ where
     L: Fn() -> LF,
     LF: Future<Output = Result<LinkGuard>>,
 {
-    // A read-only node is never exported to: go straight to the network.
+    // A read-only node is never exported to, nor a node of this process: go straight to
+    // the network.
     let Some(host) = my_host().filter(|_| ctx.config.cluster_key.access() == Access::ReadWrite)
     else {
         return Ok(None);
     };
+    if same_process(peer) {
+        return Ok(None);
+    }
     let request = DataRequest::CudaIpc(IpcRequest::Open {
         name: name.clone(),
         version,
@@ -274,8 +366,10 @@ where
         return Ok(None);
     };
     // A holder that proved only read-only access may not publish: its bytes are hashed
-    // (through staging buffers) before anyone sees them.
-    if ctx.channels.access_of(peer) != Some(Access::ReadWrite) {
+    // (through staging buffers) before anyone sees them. Not a loan's: its hash comes from
+    // the lender with its bytes (no registry vouches for it), so checking one against the
+    // other proves nothing, and a device tensor is lent unhashed (`Node::lend_device`).
+    if !crate::is_lent_name(name) && ctx.channels.access_of(peer) != Some(Access::ReadWrite) {
         let got = match super::verify::blocking(|| buffer.hash()) {
             Ok(got) => got,
             Err(e) => {

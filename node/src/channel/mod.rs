@@ -26,7 +26,7 @@
 //! holder that keeps the version on a GPU; else the shm channel for host bytes, then one copy
 //! up to the device; else QUIC, received through pinned staging straight into device memory.
 
-mod cuda_ipc;
+pub(crate) mod cuda_ipc;
 pub(crate) mod quic;
 #[cfg(target_os = "linux")]
 mod shm;
@@ -57,7 +57,7 @@ pub use shm::{ChunksRead, force_map_failures_for_tests, frame_chunks, read_chunk
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
 
 use crate::{
-    LinkGuard, PeerAddr,
+    LinkGuard,
     client::{self, Pulled},
     config::Config,
     ctx::NodeCtx,
@@ -621,14 +621,15 @@ pub(crate) enum DeviceVia {
     Network,
 }
 
-/// Pulls `name` (the newest version, or `version`) from the peer at `addr` into new memory on
-/// CUDA device `ordinal`, by the one route a device pull takes: CUDA IPC when the peer looks
-/// local and keeps the version on a GPU ([`cuda_ipc`]); else, when the pair runs shm, host
-/// bytes over it, copied up once they are in; else QUIC through pinned staging, hashed on the
-/// way. The caller checked that the device exists.
+/// Pulls `name` (the newest version, or `version`) from `peer` into new memory on CUDA device
+/// `ordinal`, by the one route a device pull takes: CUDA IPC when `ipc` (the peer looks local:
+/// [`cuda_ipc::wanted`]) and it keeps the version on a GPU ([`cuda_ipc`]); else, when the pair
+/// runs shm, host bytes over it, copied up once they are in; else QUIC through pinned staging,
+/// hashed on the way. The caller checked that the device exists.
 pub(crate) async fn pull_to_device<L, LF>(
     ctx: &NodeCtx,
-    addr: &PeerAddr,
+    peer: &EndpointId,
+    ipc: bool,
     links: L,
     name: &TensorName,
     version: Option<u64>,
@@ -638,9 +639,8 @@ where
     L: Fn() -> LF,
     LF: Future<Output = Result<LinkGuard>>,
 {
-    let local = ctx.endpoint.bound_sockets();
-    if cuda_ipc::wanted(&ctx.config.cuda, addr.addr, &local) {
-        let by_ipc = cuda_ipc::pull(ctx, &links, &addr.id, name, version, ordinal);
+    if ipc {
+        let by_ipc = cuda_ipc::pull(ctx, &links, peer, name, version, ordinal);
         if let Some(pulled) = by_ipc.await? {
             return Ok((device_tensor(pulled), DeviceVia::CudaIpc));
         }
@@ -649,7 +649,7 @@ where
     // Not over TCP: that would hold the whole tensor in host memory, where pinned staging
     // holds a few chunks and overlaps the copies with the network.
     #[cfg(target_os = "linux")]
-    if let Some(shm @ Route::Shm(_)) = route(ctx, &addr.id, &links).await? {
+    if let Some(shm @ Route::Shm(_)) = route(ctx, peer, &links).await? {
         let timed = Some(TransferKind::Pull);
         let pulled = attempt(ctx, &shm, timed, shm.pull(ctx, name, version)).await?;
         if let Some(pulled) = pulled {

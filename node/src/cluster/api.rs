@@ -40,6 +40,8 @@ impl Node {
         let name = TensorName::new(name)?;
         tensor.meta().validate(self.config().max_tensor_bytes)?;
         crate::set::check_publishable(&name, &tensor)?;
+        // A device tensor received as a loan by CUDA IPC is hashed first (readers check).
+        let tensor = crate::channel::verify::blocking(|| tensor.hashed())?;
         self.guarded(async {
             cluster.ensure_joined().await?;
             let store = &self.ctx().store;

@@ -30,7 +30,7 @@ use tb_proto::{Access, CloseCode, DATA_ALPN, DataRequest, DataResponse, ErrorCod
 use tracing::{Instrument, debug, debug_span};
 
 pub(crate) use self::{
-    pull::{NotHeld, byte_range, lookup},
+    pull::{NotHeld, byte_range, lookup, lookup_host},
     push::reserve_push,
     service::{ServeCtx, Services},
 };

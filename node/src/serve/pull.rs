@@ -102,14 +102,53 @@ pub(crate) fn lookup(
     name: &TensorName,
     version: Option<u64>,
 ) -> Result<(u64, Tensor), NotHeld> {
+    lookup_for(ctx, peer, name, version, false)
+}
+
+/// [`lookup`] for a path that serves host bytes only (the same-host channel): a lent device
+/// tensor is left lent for the path that can serve it, and refused `Busy` here.
+pub(crate) fn lookup_host(
+    ctx: &NodeCtx,
+    peer: &EndpointId,
+    name: &TensorName,
+    version: Option<u64>,
+) -> Result<(u64, Tensor), NotHeld> {
+    lookup_for(ctx, peer, name, version, true)
+}
+
+fn lookup_for(
+    ctx: &NodeCtx,
+    peer: &EndpointId,
+    name: &TensorName,
+    version: Option<u64>,
+    host_only: bool,
+) -> Result<(u64, Tensor), NotHeld> {
     // A tensor lent to one peer ([`crate::Node::lend`]): to that peer only, once, while it lasts.
-    if let Some(lent) = ctx.loans.take(peer, name) {
+    let host = |t: &Tensor| match host_only && t.host_data().is_none() {
+        true => Err(()),
+        false => Ok(()),
+    };
+    if let Some(lent) = ctx.loans.take_if(peer, name, host) {
+        let gone = || {
+            let what = format!("tensor \"{name}\" (not lent to this peer, or no longer)");
+            NotHeld::Refused(ErrorCode::NotFound, what)
+        };
         return match (lent, version) {
-            (Ok(tensor), None | Some(LENT_VERSION)) => Ok((LENT_VERSION, tensor)),
-            _ => Err(NotHeld::Refused(
-                ErrorCode::NotFound,
-                format!("tensor \"{name}\" (not lent to this peer, or no longer)"),
+            (Ok(taken), None | Some(LENT_VERSION)) => {
+                // A device tensor lent unhashed is hashed now: this path's reader checks.
+                match channel::verify::blocking(|| taken.tensor.hashed()) {
+                    Ok(tensor) => Ok((LENT_VERSION, tensor)),
+                    Err(e) => Err(NotHeld::Refused(
+                        ErrorCode::Internal,
+                        format!("tensor \"{name}\": hashing it to serve it: {e}"),
+                    )),
+                }
+            }
+            (Err(Some(())), _) => Err(NotHeld::Refused(
+                ErrorCode::Busy,
+                format!("tensor \"{name}\" is on a device: pull it over QUIC"),
             )),
+            _ => Err(gone()),
         };
     }
     let found = ctx.store.get(name, version);

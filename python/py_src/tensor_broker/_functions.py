@@ -9,8 +9,11 @@ in that form (a call from ``tb call`` or Rust) is passed as the single positiona
 
 Arrays arrive as writable numpy arrays (or torch tensors, where the arguments were torch
 tensors and torch is loaded) that own their memory: in-place ops on them are safe. A CUDA
-tensor is copied to host memory to travel (calls carry host tensors); the caller's
-``device=`` puts a result's tensors back on a GPU.
+torch tensor arrives as a CUDA torch tensor on the receiver's device of the same ordinal: it
+is copied once into the sender's node and lent, and a receiver on the same host copies it
+device to device by CUDA IPC (no host copy, no hash); one on another host pulls it through
+staging; one without that device (or without torch) gets it in host memory. The receiver's
+tensor is its own. The caller's ``device=`` puts a result's tensors on the device it names.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from . import _convert, _dtypes
 from ._convert import to_bytes
-from ._native import RefArg, TensorArg, TensorOut
+from ._native import CUDA_COMPILED, Buffer, CudaArg, RefArg, TensorArg, TensorOut
 
 #: A tensor in the cluster passed to a function by name (and version; the newest when
 #: omitted): ``f(tb.Ref("model/w", 3))``. The server gets it from any holder before its
@@ -58,6 +61,11 @@ def _encode(obj: Any, depth: int = 0) -> Any:
         return obj.item()
     if isinstance(obj, RefArg):
         return obj
+    if CUDA_COMPILED:
+        cuda = _convert.cuda_tensor(obj)
+        if cuda is not None:
+            flat, dtype, shape, ordinal = cuda
+            return CudaArg(flat, ordinal, dtype, list(shape))
     if not isinstance(obj, np.ndarray):
         obj = _on_host(obj)
     data, dtype, shape = to_bytes(obj)
@@ -66,9 +74,9 @@ def _encode(obj: Any, depth: int = 0) -> Any:
 
 
 def _on_host(obj: Any) -> Any:
-    """``obj``, or a host copy of it when it is a CUDA torch tensor: calls carry host tensors
-    (CUDA IPC for call bodies is not there yet). The copy waits for every stream of the
-    tensor's device, as ``put`` does (torch does not record which stream wrote a tensor)."""
+    """``obj``, or a host copy of it when it is a CUDA torch tensor and the extension was
+    built without CUDA. The copy waits for every stream of the tensor's device, as ``put``
+    does (torch does not record which stream wrote a tensor)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cuda":
         torch.cuda.synchronize(obj.device)
@@ -78,6 +86,8 @@ def _on_host(obj: Any) -> Any:
 
 def _decode(obj: Any, torch: bool) -> Any:
     """A received value with its tensors as numpy arrays (torch tensors with ``torch``)."""
+    if isinstance(obj, TensorOut) and isinstance(obj.data, Buffer):
+        return _device_tensor(obj)
     if isinstance(obj, TensorOut):
         arr = obj.data.view(_dtypes.numpy_dtype(obj.dtype)).reshape(tuple(obj.shape))
         if torch:
@@ -90,6 +100,19 @@ def _decode(obj: Any, torch: bool) -> Any:
     if isinstance(obj, dict):
         return {k: _decode(v, torch) for k, v in obj.items()}
     return obj
+
+
+def _device_tensor(obj: TensorOut) -> Any:
+    """A received tensor in device memory as a torch CUDA tensor over that memory (DLPack, no
+    copy: a pull received into it, so nothing else holds it), or, where torch is not
+    installed, copied into a numpy array."""
+    try:
+        import torch
+    except ImportError:
+        flat = obj.data.host_copy()
+        return flat.view(_dtypes.numpy_dtype(obj.dtype)).reshape(tuple(obj.shape))
+    flat = torch.from_dlpack(obj.data)
+    return flat.view(_dtypes.torch_dtype(obj.dtype)).reshape(tuple(obj.shape))
 
 
 def _uses_torch(obj: Any) -> bool:
@@ -126,6 +149,8 @@ def _place(result: Any, out: Any, device: Any) -> Any:
         raise ValueError("pass out= or device=, not both")
     if out is not None:
         arr, dtype, shape = _convert.check_out(out)
+        if _is_tensor(result) and getattr(result, "is_cuda", False):
+            result = result.cpu()
         got, got_dtype, got_shape = _convert.to_bytes(result) if _is_tensor(result) else (None, None, None)
         if got is None:
             raise TypeError(f"out= takes a result that is one tensor, not a {type(result).__name__}")

@@ -40,6 +40,9 @@ class Buffer:
     @property
     def cuda_device(self) -> Optional[int]:
         """The CUDA device holding the bytes, or ``None`` for host memory."""
+    def host_copy(self) -> np.ndarray[Any, Any]:
+        """The bytes as a writable 1-D ``uint8`` array of the caller's own (a copy to host
+        memory of a device tensor's)."""
     def numpy(self, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
         """A read-only array of ``dtype`` over the bytes whose ``base`` is this buffer.
         ``TypeError`` for a dtype with Python objects, fields, a subarray or void items."""
@@ -142,6 +145,9 @@ class NodeHandle:
     def id(self) -> str: ...
     @property
     def addr(self) -> str: ...
+    @property
+    def cuda_ipc_pulls(self) -> int:
+        """Pulls into device memory this node made by CUDA IPC (gets, and call values)."""
     @property
     def closed(self) -> bool: ...
     def put(

@@ -17,7 +17,7 @@ use crate::{
     ctx::NodeCtx,
     error::{Error, Result},
     inbox::Received,
-    serve::{NotHeld, lookup},
+    serve::{NotHeld, lookup_host},
     tensor::Tensor,
 };
 
@@ -256,7 +256,7 @@ async fn serve_pull(
     name: &TensorName,
     version: Option<u64>,
 ) -> Result<()> {
-    let (version, tensor) = match lookup(ctx, peer, name, version) {
+    let (version, tensor) = match lookup_host(ctx, peer, name, version) {
         Ok(found) => found,
         Err(NotHeld::Refused(code, message)) => {
             return conn
