@@ -38,6 +38,13 @@
 //! slot, at most `concurrency` waiting calls at a time (so a long queue of large calls holds
 //! the arguments of those about to run); the caller pulls lent results as it reads them.
 //!
+//! A tensor in CUDA device memory ([`DeviceTensor`], [`Value::Device`]) is lent to a peer
+//! on any host, unhashed ([`Node::lend_device`](tb_node::Node::lend_device)); the reader
+//! pulls it onto its own device of the same ordinal
+//! ([`Node::pull_lent_to`](tb_node::Node::pull_lent_to)): device to device by CUDA IPC on one
+//! host, through staging (hashed by the lender first) between hosts, into host memory where
+//! the reader has no such device.
+//!
 //! A bidirectional function ([`FunctionSpec::inputs`]) also takes a stream of inputs
 //! ([`Calls::stream_inputs`], [`CallContext::inputs`]): the server grants input credit
 //! (`InputCredit`, [`INPUT_WINDOW`](tb_proto::call::INPUT_WINDOW) at first and one per input

@@ -88,6 +88,9 @@
 //!
 //! CUDA IPC is a channel beside shm and tcp: a request kind (`DataRequest::CudaIpc`, its
 //! messages in `tb_proto::ipc`) served through the table on the pooled `tb/data/1` link.
+//! A device tensor lent to one peer ([`Node::lend_device`], unhashed) is pulled onto a
+//! device with [`Node::pull_lent_to`]: by CUDA IPC on one host (never between nodes of one
+//! process: the driver cannot map memory into the process that exported it).
 //!
 //! ## The process around a node: tb-daemon
 //! Flags, logging set-up, signals, the metrics HTTP server, the worker's dashboard source and

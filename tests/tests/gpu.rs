@@ -118,6 +118,33 @@ async fn device_to_host_and_host_to_device() {
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn freed_device_buffers_are_reused_for_the_same_size() {
+    let gpu = gpu("freed_device_buffers_are_reused_for_the_same_size");
+    let len = (8 << 20) + 4097;
+    let first = DeviceBuffer::alloc(gpu, len).expect("alloc");
+    let at = first.device_ptr();
+    drop(first);
+    // The same size again gets the allocation back (kept by the pool), and its bytes are
+    // whatever is written next.
+    let host = u8_tensor(len, 21);
+    let again = DeviceBuffer::from_host(gpu, host.data()).expect("upload");
+    assert_eq!(again.device_ptr(), at, "the freed allocation was reused");
+    assert_eq!(again.to_host().expect("to host"), host.data().to_vec());
+    // One of twice the size does not take it while `again` holds it, nor after (too large a
+    // waste), and one far smaller does not either.
+    let big = DeviceBuffer::alloc(gpu, 2 * len).expect("alloc");
+    assert_ne!(big.device_ptr(), at);
+    drop(again);
+    let small = DeviceBuffer::alloc(gpu, len / 2).expect("alloc");
+    assert_ne!(
+        small.device_ptr(),
+        at,
+        "a buffer of half the size takes a new allocation"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a CUDA GPU"]
 async fn a_device_tensor_lent_unhashed_is_pulled_to_a_device_or_the_host_and_hashed_on_the_way() {

@@ -188,6 +188,12 @@ async fn story(cluster: &mut Cluster, nodes: &mut Vec<Node>, version_bytes: u64)
     );
 
     // A late worker asks by name and gets the newest version from one of its holders.
+    let holders_of = async |node: &Node| -> Result<u32> {
+        let listed = node.list(PATTERN.trim_end_matches('*')).await?;
+        let entry = listed.iter().find(|e| e.name.as_str() == MODEL);
+        Ok(entry.map_or(0, |e| e.holders))
+    };
+    let before = holders_of(&nodes[0]).await?;
     let late = cluster.worker(0).await?;
     let pulled = late.get(MODEL).await.context("late worker: get")?;
     nodes.push(late);
@@ -196,11 +202,16 @@ async fn story(cluster: &mut Cluster, nodes: &mut Vec<Node>, version_bytes: u64)
         pulled.buffer.data() == tensor.data(),
         "late worker: bytes differ"
     );
-    let listed = nodes[0].list(PATTERN.trim_end_matches('*')).await?;
-    let holders = listed
-        .iter()
-        .find(|e| e.name.as_str() == MODEL)
-        .map_or(0, |e| e.holders);
+    // The late worker's holder announcement reaches the brokers a moment after its get:
+    // asked again (bounded) until it is counted.
+    let mut holders = holders_of(&nodes[0]).await?;
+    for _ in 0..50 {
+        if holders > before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        holders = holders_of(&nodes[0]).await?;
+    }
     println!("  a late worker got {MODEL} v4 by name; {holders} nodes now hold it");
     Ok(Story {
         version_bytes,

@@ -41,6 +41,8 @@ struct Mem {
     /// Taken only in `drop`.
     slice: ManuallyDrop<CudaSlice<u8>>,
     alloc: Alloc,
+    /// The allocation's size (at least the slice's: a reused one may be larger).
+    alloc_len: usize,
 }
 
 impl Drop for Mem {
@@ -55,11 +57,19 @@ impl Drop for Mem {
                 // `leak` makes the slice's stream wait for every copy still reading or
                 // writing it (cudarc's event tracking); once that stream is idle the memory is
                 // unused and can go.
+                let ordinal = ctx.ordinal();
                 let ptr = slice.leak();
                 if stream.synchronize().is_ok() && ctx.bind_to_thread().is_ok() {
-                    // SAFETY: `ptr` came from `cuMemAlloc` in `DeviceBuffer::alloc`, is freed
-                    // only here, and no enqueued work uses it any more (synchronized above).
-                    let _ = unsafe { result::free_sync(ptr) };
+                    // Unused now: kept for reuse (`pool.rs`), which frees what it cannot keep.
+                    match gpu(ordinal, &CudaConfig::default()) {
+                        Ok(gpu) => gpu.pool.give(ptr, self.alloc_len),
+                        // SAFETY: `ptr` came from `cuMemAlloc` in `DeviceBuffer::alloc`, is
+                        // freed only here, and no enqueued work uses it any more
+                        // (synchronized above).
+                        Err(_) => {
+                            let _ = unsafe { result::free_sync(ptr) };
+                        }
+                    }
                 }
             }
         }
@@ -83,13 +93,30 @@ impl DeviceBuffer {
         gpu.ctx
             .bind_to_thread()
             .map_err(|e| driver_error("binding the context", e))?;
-        // SAFETY: a plain allocation; zero-length requests get one byte because cuMemAlloc
-        // refuses zero.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }
-            .map_err(|e| driver_error(format!("allocating {len} bytes on cuda:{ordinal}"), e))?;
+        // A freed allocation of about this size first (`pool.rs`); else a new one, and when
+        // the device is full, another try after freeing what the pool keeps.
+        let want = len.max(1);
+        let (ptr, alloc_len) = match gpu.pool.take(want) {
+            Some(found) => found,
+            None => {
+                // SAFETY: a plain allocation; zero-length requests get one byte because
+                // cuMemAlloc refuses zero.
+                let mut made = unsafe { result::malloc_sync(want) };
+                if matches!(&made, Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) {
+                    gpu.pool.drain();
+                    // SAFETY: as above.
+                    made = unsafe { result::malloc_sync(want) };
+                }
+                let ptr = made.map_err(|e| {
+                    driver_error(format!("allocating {len} bytes on cuda:{ordinal}"), e)
+                })?;
+                (ptr, want)
+            }
+        };
         let stream = gpu.ctx.default_stream();
-        // SAFETY: `ptr` is a fresh allocation of at least `len` bytes on this context; the
-        // slice takes it over, and `Mem::drop` frees it with `cuMemFree` (not cudarc).
+        // SAFETY: `ptr` is an allocation of at least `len` bytes on this context that nothing
+        // else uses (new, or given back unused); the slice takes it over, and `Mem::drop`
+        // hands it to the pool or frees it with `cuMemFree` (not cudarc).
         // cudarc unwraps event creation here, hence the unwind guard.
         let upgraded = catch_unwind(AssertUnwindSafe(|| unsafe {
             stream.upgrade_device_ptr::<u8>(ptr, len)
@@ -99,6 +126,7 @@ impl DeviceBuffer {
                 mem: Arc::new(Mem {
                     slice: ManuallyDrop::new(slice),
                     alloc: Alloc::MemAlloc,
+                    alloc_len,
                 }),
             }),
             Err(_) => {
@@ -180,6 +208,7 @@ impl DeviceBuffer {
     pub fn from_cuda_slice(slice: CudaSlice<u8>) -> Self {
         DeviceBuffer {
             mem: Arc::new(Mem {
+                alloc_len: slice.len(),
                 slice: ManuallyDrop::new(slice),
                 alloc: Alloc::Cudarc,
             }),

@@ -4,6 +4,7 @@
 //!   pool, made on first use and kept.
 //! - [`DeviceBuffer`] (`buffer.rs`): bytes on one device.
 //! - `staging.rs`: the pinned host buffers device bytes pass through.
+//! - `pool.rs`: freed allocations kept for reuse (bounded).
 //! - `transfer.rs`: the pipelined copies between a QUIC stream and a device.
 //! - `ipc.rs`: CUDA IPC's driver half (export a handle; open one and copy out of it), which
 //!   the `cuda-ipc` channel uses.
@@ -15,6 +16,7 @@
 
 mod buffer;
 mod ipc;
+mod pool;
 mod staging;
 mod transfer;
 
@@ -37,6 +39,8 @@ use crate::error::{Error, Result};
 pub(crate) struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) staging: Arc<StagingPool>,
+    /// Freed allocations kept for reuse (`pool.rs`).
+    pub(crate) pool: pool::Pool,
 }
 
 /// Checks once per process that the driver library loads and initializes.
@@ -88,7 +92,11 @@ pub(crate) fn gpu(ordinal: usize, cfg: &CudaConfig) -> Result<Arc<Gpu>> {
     let ctx = guarded("opening the device", || CudaContext::new(ordinal))
         .map_err(|e| Error::DeviceUnavailable(format!("cuda:{ordinal}: {e}")))?;
     let staging = StagingPool::new(ctx.clone(), cfg);
-    let gpu = Arc::new(Gpu { ctx, staging });
+    let gpu = Arc::new(Gpu {
+        ctx,
+        staging,
+        pool: pool::Pool::default(),
+    });
     gpus.insert(ordinal, gpu.clone());
     Ok(gpu)
 }
