@@ -190,7 +190,7 @@ impl Calls {
     ) -> Result<Value, CallError> {
         let function = TensorName::new(function).map_err(tb_node::Error::from)?;
         // Checked once here (each attempt encodes again, lending to its server).
-        encode(&function, args)?;
+        check(&function, args)?;
         let started = std::time::Instant::now();
         let caller = &self.inner.caller;
         caller.metrics.in_flight("caller", 1);
@@ -306,7 +306,7 @@ impl Calls {
         inputs: Option<caller::InputFeed>,
     ) -> Result<CallStream, CallError> {
         let function = TensorName::new(function).map_err(tb_node::Error::from)?;
-        encode(&function, args)?;
+        check(&function, args)?;
         let head = CallHead {
             deadline_ms: None,
             // Set by each attempt, which encodes the arguments for its server.
@@ -331,9 +331,10 @@ impl Calls {
     }
 }
 
-/// `args` encoded (no loans), or why the wire cannot carry them.
-fn encode(function: &TensorName, args: &Value) -> Result<Encoded, CallError> {
-    Encoded::new(args).map_err(|e| CallError::BadValue {
+/// Why the wire cannot carry `args`, if it cannot (checked once per call, without copying a
+/// byte: each attempt encodes them for its server).
+fn check(function: &TensorName, args: &Value) -> Result<(), CallError> {
+    Encoded::check(args).map_err(|e| CallError::BadValue {
         function: function.to_string(),
         detail: e.to_string(),
     })

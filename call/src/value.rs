@@ -22,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use iroh::EndpointId;
 use tb_node::RequestRecv;
 use tb_proto::{
-    ChannelKind, DType, TensorName, byte_len_for,
+    ChannelKind, DType, LEND_PREFIX, TensorName, byte_len_for,
     call::{Body, CallError as WireError, LentSlot, TensorSlot, Value as Skeleton},
 };
 
@@ -310,13 +310,17 @@ impl Value {
     /// in the skeleton instead.
     fn split(&self, lender: Option<&mut Lender<'_>>) -> Result<(Skeleton, Vec<Bytes>), WireError> {
         let mut parts = Vec::new();
-        let skeleton = self.skeleton(&mut parts, lender)?;
+        let skeleton = self.skeleton(Some(&mut parts), lender)?;
         Ok((skeleton, parts))
     }
 
+    /// The skeleton, each tensor's bytes added to `parts` in tree order, or named in it as
+    /// lent where `lender` lends. `parts` `None`: only the skeleton, to check it (no bytes
+    /// are gathered, and a device tensor is named as a loan would name it: never copied to
+    /// the host for a check).
     fn skeleton(
         &self,
-        parts: &mut Vec<Bytes>,
+        mut parts: Option<&mut Vec<Bytes>>,
         mut lender: Option<&mut Lender<'_>>,
     ) -> Result<Skeleton, WireError> {
         Ok(match self {
@@ -329,13 +333,16 @@ impl Value {
             Value::List(items) => Skeleton::List(
                 items
                     .iter()
-                    .map(|v| v.skeleton(parts, lender.as_deref_mut()))
+                    .map(|v| v.skeleton(parts.as_deref_mut(), lender.as_deref_mut()))
                     .collect::<Result<_, _>>()?,
             ),
             Value::Map(items) => Skeleton::Map(
                 items
                     .iter()
-                    .map(|(k, v)| Ok((k.clone(), v.skeleton(parts, lender.as_deref_mut())?)))
+                    .map(|(k, v)| {
+                        let v = v.skeleton(parts.as_deref_mut(), lender.as_deref_mut())?;
+                        Ok((k.clone(), v))
+                    })
                     .collect::<Result<_, WireError>>()?,
             ),
             Value::Named { name, version } => Skeleton::Named {
@@ -350,7 +357,9 @@ impl Value {
                 if let Some(name) = lender.and_then(|l| l.lend(t)) {
                     return Ok(Skeleton::Lent { slot, name });
                 }
-                parts.push(t.data.clone());
+                if let Some(parts) = parts {
+                    parts.push(t.data.clone());
+                }
                 Skeleton::Tensor(slot)
             }
             Value::Device(t) => {
@@ -358,10 +367,16 @@ impl Value {
                     dtype: t.dtype,
                     shape: t.shape.clone(),
                 };
+                let device = u32::try_from(t.ordinal()).unwrap_or(u32::MAX);
                 if let Some(name) = lender.and_then(|l| l.lend_device(t)) {
-                    let device = u32::try_from(t.ordinal()).unwrap_or(u32::MAX);
                     return Ok(Skeleton::LentDevice { slot, name, device });
                 }
+                let Some(parts) = parts else {
+                    // A check: named as its loan will be (a name of the same length).
+                    let name = TensorName::new(format!("{LEND_PREFIX}{:032x}", 0))
+                        .map_err(|e| WireError::Malformed(e.to_string()))?;
+                    return Ok(Skeleton::LentDevice { slot, name, device });
+                };
                 // Nothing to lend through (or the loan failed): its bytes on the stream.
                 parts.push(t.to_host()?.data);
                 Skeleton::Tensor(slot)
@@ -457,6 +472,15 @@ impl Encoded {
     /// Encodes `value`, checking the wire's limits (depth, counts, skeleton size).
     pub fn new(value: &Value) -> Result<Self, WireError> {
         Self::lending(value, None)
+    }
+
+    /// Checks that `value` fits the wire's limits (depth, counts, skeleton size) as
+    /// [`new`](Self::new) would, without gathering any bytes: a device tensor is not copied to
+    /// the host for it.
+    pub fn check(value: &Value) -> Result<(), WireError> {
+        let skeleton = value.skeleton(None, None)?;
+        Body::head(&skeleton)?;
+        Ok(())
     }
 
     /// Encodes `value`, its large tensors lent to the lender's peer where it lends (see
@@ -731,5 +755,30 @@ fn collect_named<'a>(value: &'a mut Value, out: &mut Vec<&'a mut Value>) {
         Value::List(items) => items.iter_mut().for_each(|v| collect_named(v, out)),
         Value::Map(items) => items.iter_mut().for_each(|(_, v)| collect_named(v, out)),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tb_proto::call::MAX_VALUE_DEPTH;
+
+    use super::*;
+
+    #[test]
+    fn a_check_agrees_with_encoding_and_gathers_no_bytes() {
+        let t = HostTensor::new(DType::U8, vec![3], vec![1u8, 2, 3]).expect("tensor");
+        let fine = Value::Map(vec![(
+            "x".into(),
+            Value::List(vec![t.into(), Value::Int(1)]),
+        )]);
+        assert!(Encoded::check(&fine).is_ok());
+        let encoded = Encoded::new(&fine).expect("encodes");
+        assert_eq!(encoded.tensors, [Bytes::from_static(&[1, 2, 3])]);
+        let mut deep = Value::None;
+        for _ in 0..MAX_VALUE_DEPTH {
+            deep = Value::List(vec![deep]);
+        }
+        assert!(matches!(Encoded::check(&deep), Err(WireError::TooDeep)));
+        assert!(matches!(Encoded::new(&deep), Err(WireError::TooDeep)));
     }
 }

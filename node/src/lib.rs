@@ -84,7 +84,10 @@
 //! one host a device-to-device pull uses CUDA IPC instead, and a host-held version comes over
 //! the pair's channel and is copied up once (one route decision, in `channel`). The
 //! driver is loaded at run time: a build with the feature runs everywhere, and a missing
-//! driver or device is [`Error::DeviceUnavailable`]. See [`device`] for the details.
+//! driver or device is [`Error::DeviceUnavailable`]. Freed device allocations are kept for
+//! reuse, per device and process, up to `TB_CUDA_POOL_MIB` MiB (default 1024; `0` keeps
+//! none), so a transfer that repeats exports the same allocation by CUDA IPC again. See
+//! [`device`] for the details.
 //!
 //! CUDA IPC is a channel beside shm and tcp: a request kind (`DataRequest::CudaIpc`, its
 //! messages in `tb_proto::ipc`) served through the table on the pooled `tb/data/1` link.
