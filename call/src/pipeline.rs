@@ -273,7 +273,7 @@ pub fn collate(items: Vec<Value>) -> Result<Value, String> {
             let mut buf = BytesMut::with_capacity(total);
             for (i, item) in items.iter().enumerate() {
                 let Value::Tensor(t) = item else {
-                    return Err(format!("item {i} is not a tensor, item 0 is"));
+                    return Err(format!("item {i} is not a host tensor, item 0 is"));
                 };
                 if t.dtype != dtype || t.shape != shape {
                     return Err(format!(
@@ -351,6 +351,10 @@ pub fn collate(items: Vec<Value>) -> Result<Value, String> {
                 .map(|(k, column)| Ok((k, collate(column)?)));
             Ok(Value::Map(stacked.collect::<Result<_, String>>()?))
         }
+        Value::Device(_) => Err(
+            "item 0 is a CUDA tensor: batch stacks host tensors (stack device ones with torch)"
+                .into(),
+        ),
         _ => Ok(Value::List(items)),
     }
 }

@@ -92,7 +92,7 @@ impl HostTensor {
     /// it is; so is one received as a loan, which a handler can return unchanged.
     pub fn from_node(tensor: tb_node::Tensor) -> Result<Self, WireError> {
         let data = tensor.host_data().cloned().ok_or_else(|| {
-            WireError::Malformed("a device tensor: calls carry host tensors".into())
+            WireError::Malformed("a device tensor: use DeviceTensor::from_node".into())
         })?;
         Ok(HostTensor {
             dtype: tensor.dtype(),

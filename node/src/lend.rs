@@ -143,6 +143,18 @@ impl Loans {
         })
     }
 
+    /// [`take_if`](Self::take_if) that leaves the loan in place (for CUDA IPC, whose
+    /// requester may fail to map what was exported: the loan ends with [`end`](Self::end) once
+    /// it says it has its copy).
+    pub(crate) fn peek_if<T, E>(
+        &self,
+        peer: &EndpointId,
+        name: &TensorName,
+        check: impl FnOnce(&Tensor) -> Result<T, E>,
+    ) -> Option<Result<Taken<T>, Option<E>>> {
+        self.find_if(peer, name, check, false)
+    }
+
     /// The tensor lent as `name`, taken out of the loans (one pull each), when `name` is a
     /// loan's and `check` takes it: `Some(Ok)` for the peer it was lent to, while it lasts, with
     /// what `check` made of the tensor; `Some(Err(Some))` when `check` refused it (the loan
@@ -154,6 +166,16 @@ impl Loans {
         peer: &EndpointId,
         name: &TensorName,
         check: impl FnOnce(&Tensor) -> Result<T, E>,
+    ) -> Option<Result<Taken<T>, Option<E>>> {
+        self.find_if(peer, name, check, true)
+    }
+
+    fn find_if<T, E>(
+        &self,
+        peer: &EndpointId,
+        name: &TensorName,
+        check: impl FnOnce(&Tensor) -> Result<T, E>,
+        take: bool,
     ) -> Option<Result<Taken<T>, Option<E>>> {
         if !is_lent_name(name) {
             return None;
@@ -175,12 +197,12 @@ impl Loans {
             Ok(made) => made,
             Err(e) => return Some(Err(Some(e))),
         };
-        let loan = state.loans.remove(name)?;
+        let tensor = match take {
+            true => state.loans.remove(name)?.tensor,
+            false => loan.tensor.clone(),
+        };
         drop(state);
-        Some(Ok(Taken {
-            tensor: loan.tensor,
-            made,
-        }))
+        Some(Ok(Taken { tensor, made }))
     }
 
     /// Loans that are live now.
@@ -195,7 +217,8 @@ impl Loans {
         self.state().loans.contains_key(name)
     }
 
-    fn end(&self, name: &TensorName) {
+    /// Ends the loan `name` (its handle dropped, or its one pull done another way).
+    pub(crate) fn end(&self, name: &TensorName) {
         let removed = self.state().loans.remove(name);
         drop(removed);
     }

@@ -42,6 +42,10 @@ impl TensorSet {
         metadata: BTreeMap<String, String>,
         max_bytes: u64,
     ) -> Result<Tensor> {
+        // A member received as a loan by CUDA IPC (no hash yet) is hashed for the manifest.
+        let members = (members.iter())
+            .map(|(key, t)| Ok((key.clone(), t.clone().hashed()?)))
+            .collect::<Result<Vec<_>>>()?;
         let manifest = SetManifest {
             members: members
                 .iter()

@@ -111,14 +111,7 @@ impl Tensor {
     /// Makes a tensor over bytes on a CUDA device, checking the length, and hashes them by
     /// streaming them through pinned host staging buffers (blocks while it does).
     pub fn from_device(dtype: DType, shape: Vec<u64>, buffer: DeviceBuffer) -> Result<Self> {
-        let expected = tb_proto::byte_len_for(dtype, &shape)?;
-        if expected != buffer.len() as u64 {
-            return Err(Error::InvalidTensor(format!(
-                "{dtype} tensor of shape {shape:?} needs {expected} bytes, the cuda:{} buffer has {}",
-                buffer.ordinal(),
-                buffer.len()
-            )));
-        }
+        check_device_len(dtype, &shape, &buffer)?;
         let hash = buffer.hash()?;
         let meta = TensorMeta::new(dtype, shape, hash)?;
         Ok(Tensor {
@@ -324,29 +317,31 @@ impl Tensor {
         shape: Vec<u64>,
         buffer: DeviceBuffer,
     ) -> Result<Self> {
-        let expected = tb_proto::byte_len_for(dtype, &shape)?;
-        if expected != buffer.len() as u64 {
-            return Err(Error::InvalidTensor(format!(
-                "{dtype} tensor of shape {shape:?} needs {expected} bytes, the cuda:{} buffer has {}",
-                buffer.ordinal(),
-                buffer.len()
-            )));
-        }
+        check_device_len(dtype, &shape, &buffer)?;
         let meta = TensorMeta::new(dtype, shape, ContentHash([0; 32]))?;
         Ok(Self::from_verified_device(meta, buffer))
     }
 
-    /// This tensor with its hash in its metadata: itself, or for a device tensor not hashed
-    /// yet ([`unhashed_device`](Self::unhashed_device), or received by CUDA IPC as a loan)
-    /// the same buffer with the hash of its bytes (through staging; blocks meanwhile).
+    /// This tensor with its hash in its metadata: itself, or for one not hashed yet (a device
+    /// tensor made by [`unhashed_device`](Self::unhashed_device) or received as a loan by CUDA
+    /// IPC, or a host copy of one) the same bytes with their hash (blocks while it hashes,
+    /// through staging for device bytes).
     pub(crate) fn hashed(self) -> Result<Self> {
-        match &self.data {
-            Data::Cuda(buf) if self.meta.hash == ContentHash([0; 32]) => {
-                let meta = TensorMeta::new(self.meta.dtype, self.meta.shape.clone(), buf.hash()?)?;
-                Ok(Self::from_verified_device(meta, buf.clone()))
-            }
-            _ => Ok(self),
+        if self.meta.hash != ContentHash([0; 32]) {
+            return Ok(self);
         }
+        let hash = match &self.data {
+            Data::Cuda(buf) => buf.hash()?,
+            // A copy to host memory of such a tensor (`to_device` keeps the hash it has).
+            Data::Host(bytes) => crate::channel::verify::hash_all(bytes),
+        };
+        let meta = TensorMeta::new(self.meta.dtype, self.meta.shape.clone(), hash)?;
+        // The piece outline, if one was made, is of the old metadata: made again on need.
+        Ok(Tensor {
+            meta,
+            outline: OutlineCache::default(),
+            ..self
+        })
     }
 
     pub(crate) fn from_verified_device(meta: TensorMeta, buffer: DeviceBuffer) -> Self {
@@ -441,4 +436,17 @@ impl Tensor {
         let _ = self.outline.set(outline);
         self
     }
+}
+
+/// Checks that `buffer` holds exactly a `dtype` tensor of `shape`.
+fn check_device_len(dtype: DType, shape: &[u64], buffer: &DeviceBuffer) -> Result<()> {
+    let expected = tb_proto::byte_len_for(dtype, shape)?;
+    if expected != buffer.len() as u64 {
+        return Err(Error::InvalidTensor(format!(
+            "{dtype} tensor of shape {shape:?} needs {expected} bytes, the cuda:{} buffer has {}",
+            buffer.ordinal(),
+            buffer.len()
+        )));
+    }
+    Ok(())
 }

@@ -25,7 +25,6 @@ use tb_call::{
     CallContext, CallError, CallOptions, Calls, FailureKind, FunctionSpec, HostTensor, Output,
     RemoteFailure, Serving, Value,
 };
-use tb_node::DType;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -144,10 +143,7 @@ pub(crate) fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> 
     if let Ok(t) = obj.cast::<TensorArg>() {
         let t = t.get();
         let py = obj.py();
-        let dtype: DType = t
-            .dtype
-            .parse()
-            .map_err(|e: tb_node::proto::UnknownDType| PyValueError::new_err(e.to_string()))?;
+        let dtype = crate::node::parse_dtype(&t.dtype)?;
         let data = t.data.bind(py);
         let raw = RawBytes::of(data)?;
         let shape = t.shape.clone();
@@ -167,10 +163,7 @@ pub(crate) fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> 
     if let Ok(t) = obj.cast::<CudaArg>() {
         let t = t.get();
         let py = obj.py();
-        let dtype: DType = t
-            .dtype
-            .parse()
-            .map_err(|e: tb_node::proto::UnknownDType| PyValueError::new_err(e.to_string()))?;
+        let dtype = crate::node::parse_dtype(&t.dtype)?;
         let (ptr, len) = crate::node::cuda_bytes(t.data.bind(py))?;
         let (ordinal, shape) = (t.ordinal, t.shape.clone());
         // `t.data` stays referenced (its memory allocated) while the copy runs.

@@ -874,7 +874,7 @@ fn connect_work(
 }
 
 /// A dtype name as the CLI spells it (`f32`, `bf16`, ...); `InvalidArgument` otherwise.
-fn parse_dtype(name: &str) -> PyResult<DType> {
+pub(crate) fn parse_dtype(name: &str) -> PyResult<DType> {
     name.parse()
         .map_err(|e: tb_node::proto::UnknownDType| errors::invalid(e.to_string()))
 }

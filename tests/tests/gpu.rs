@@ -122,6 +122,9 @@ async fn device_to_host_and_host_to_device() {
 #[ignore = "needs a CUDA GPU"]
 fn freed_device_buffers_are_reused_for_the_same_size() {
     let gpu = gpu("freed_device_buffers_are_reused_for_the_same_size");
+    if std::env::var("TB_CUDA_POOL_MIB").is_ok_and(|v| v.trim() == "0") {
+        panic!("TB_CUDA_POOL_MIB=0 turns the pool this test checks off: unset it");
+    }
     let len = (8 << 20) + 4097;
     let first = DeviceBuffer::alloc(gpu, len).expect("alloc");
     let at = first.device_ptr();
@@ -132,10 +135,7 @@ fn freed_device_buffers_are_reused_for_the_same_size() {
     let again = DeviceBuffer::from_host(gpu, host.data()).expect("upload");
     assert_eq!(again.device_ptr(), at, "the freed allocation was reused");
     assert_eq!(again.to_host().expect("to host"), host.data().to_vec());
-    // One of twice the size does not take it while `again` holds it, nor after (too large a
-    // waste), and one far smaller does not either.
-    let big = DeviceBuffer::alloc(gpu, 2 * len).expect("alloc");
-    assert_ne!(big.device_ptr(), at);
+    // Given back again, it is not handed out for half the size (too large a waste).
     drop(again);
     let small = DeviceBuffer::alloc(gpu, len / 2).expect("alloc");
     assert_ne!(

@@ -95,8 +95,9 @@ pub(crate) fn host_id() -> Option<String> {
 /// The nodes of this process (ids), which CUDA IPC never goes between: the driver cannot map
 /// memory into the process that exported it, and a failed map after the holder exported a
 /// loan would have taken the loan out for nothing.
-fn local_nodes() -> std::sync::MutexGuard<'static, std::collections::HashSet<EndpointId>> {
-    static NODES: OnceLock<std::sync::Mutex<std::collections::HashSet<EndpointId>>> =
+/// (Counted: a node may start again with its key before the old one is dropped.)
+fn local_nodes() -> std::sync::MutexGuard<'static, std::collections::HashMap<EndpointId, usize>> {
+    static NODES: OnceLock<std::sync::Mutex<std::collections::HashMap<EndpointId, usize>>> =
         OnceLock::new();
     let nodes = NODES.get_or_init(Default::default);
     nodes
@@ -104,18 +105,22 @@ fn local_nodes() -> std::sync::MutexGuard<'static, std::collections::HashSet<End
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Records that the node `id` runs in this process (`true`, at its start) or no longer
-/// (`false`, when it is dropped).
+/// Records that a node `id` runs in this process (`true`, at its start) or that one no
+/// longer does (`false`, when it is dropped).
 pub(crate) fn in_this_process(id: EndpointId, running: bool) {
     let mut nodes = local_nodes();
+    let count = nodes.entry(id).or_default();
     match running {
-        true => nodes.insert(id),
-        false => nodes.remove(&id),
-    };
+        true => *count += 1,
+        false => *count = count.saturating_sub(1),
+    }
+    if *count == 0 {
+        nodes.remove(&id);
+    }
 }
 
 fn same_process(id: &EndpointId) -> bool {
-    local_nodes().contains(id)
+    local_nodes().contains_key(id)
 }
 
 fn my_host() -> Option<&'static str> {
@@ -150,7 +155,12 @@ impl Service for CudaIpc {
             let ctx = &node.ctx;
             if crate::is_lent_name(&name) {
                 let answer = export_lent(ctx, &peer, &name, version, &host, min_bytes);
-                return answer_and_hold(node, send, recv, answer).await;
+                // The loan ends once the requester has its copy; until then (a mapping that
+                // did not open, another container on this host) it stays for the network.
+                if answer_and_hold(node, send, recv, answer).await {
+                    ctx.loans.end(&name);
+                }
+                return;
             }
             let (answer, hold) = match ctx.store.get(&name, version) {
                 Lookup::Found(version, tensor) => match export(ctx, &host, &tensor, min_bytes) {
@@ -174,40 +184,47 @@ impl Service for CudaIpc {
             if let IpcResponse::Declined { reason } = &answer {
                 debug!(%name, %reason, "CUDA IPC declined");
             }
-            answer_and_hold(node, send, recv, (answer, hold)).await;
+            let _ = answer_and_hold(node, send, recv, (answer, hold)).await;
         })
     }
 }
 
+/// How long a requester may take to tell the holder its copy was made.
+const IPC_COPIED_WRITE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Sends `answer`; when it exports memory (`hold`), keeps that tensor (and so the
 /// allocation) alive until the requester, which has it mapped, finishes its side of the
-/// stream, or until the time limit.
+/// stream, or until the time limit. Whether the requester said it made its copy (a byte
+/// before it finished; older requesters send none).
 async fn answer_and_hold(
     node: &ServeCtx,
     mut send: iroh::endpoint::SendStream,
     mut recv: iroh::endpoint::RecvStream,
     (answer, hold): (IpcResponse, Option<crate::tensor::Tensor>),
-) {
+) -> bool {
     let answer = DataResponse::CudaIpc(answer);
     let stall = node.stall_timeout();
     if wire::write_frame_within(&mut send, &answer, stall)
         .await
         .is_err()
     {
-        return;
+        return false;
     }
     let _ = send.finish();
+    let mut copied = false;
     if hold.is_some() {
         let timeout = node.request_timeout();
-        let _ = tokio::time::timeout(timeout, recv.read_to_end(IPC_HANDLE_LEN)).await;
+        let said = tokio::time::timeout(timeout, recv.read_to_end(IPC_HANDLE_LEN)).await;
+        copied = matches!(said, Ok(Ok(bytes)) if !bytes.is_empty());
     }
     drop(hold);
+    copied
 }
 
 /// The answer to an IPC request for a tensor lent to `peer` ([`crate::Node::lend_device`]):
-/// its handle, the loan taken out (one pull); or declined, the loan left for the network
-/// path. A loan lent unhashed stays so: the requester checks no hash of a loan's IPC copy
-/// (see [`pull`]).
+/// its handle (the loan stays until the requester says it has its copy); or declined, the
+/// loan left for the network path. A loan lent unhashed stays so: the requester checks no
+/// hash of a loan's IPC copy (see [`pull`]).
 fn export_lent(
     ctx: &NodeCtx,
     peer: &EndpointId,
@@ -231,7 +248,7 @@ fn export_lent(
     }
     let taken = ctx
         .loans
-        .take_if(peer, name, |tensor| export(ctx, host, tensor, min_bytes));
+        .peek_if(peer, name, |tensor| export(ctx, host, tensor, min_bytes));
     let taken = match taken {
         Some(Ok(taken)) => taken,
         Some(Err(Some(reason))) => return declined(reason),
@@ -356,14 +373,30 @@ where
         return Ok(None);
     };
     // Once the mapping is closed (or never opened), the holder may let go: the send side
-    // finishes, and the link is no longer in use for this request.
-    let done = move || {
+    // finishes, and the link is no longer in use for this request. A copy made says so first
+    // (one byte), which is when a lender takes its loan out: a loan whose copy failed stays
+    // for the network path.
+    let rt = tokio::runtime::Handle::current();
+    let done = move |copied: bool| {
+        if copied {
+            let said = rt.block_on(tokio::time::timeout(IPC_COPIED_WRITE, send.write_all(&[1])));
+            if !matches!(said, Ok(Ok(()))) {
+                debug!("could not tell the holder a CUDA IPC copy was made");
+            }
+        }
         let _ = send.finish();
         drop(link);
     };
     let copied = device::ipc_import(&ctx.config.cuda, ordinal, &handle, meta.byte_len, done);
     let Some(buffer) = copied.await? else {
         return Ok(None);
+    };
+    // A loan's hash comes from its lender, unchecked: left out, so that anything that trusts
+    // a hash (publishing, pushing, a set's manifest) computes it first (`Tensor::hashed`).
+    let meta = match crate::is_lent_name(name) {
+        true => tb_proto::TensorMeta::new(meta.dtype, meta.shape, tb_proto::ContentHash([0; 32]))
+            .map_err(|e| Error::InvalidTensor(format!("a CUDA IPC answer: {e}")))?,
+        false => meta,
     };
     // A holder that proved only read-only access may not publish: its bytes are hashed
     // (through staging buffers) before anyone sees them. Not a loan's: its hash comes from

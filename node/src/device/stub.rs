@@ -103,9 +103,9 @@ pub(crate) async fn ipc_import(
     _ordinal: usize,
     _handle: &[u8; 64],
     _len: u64,
-    done: impl FnOnce() + Send + 'static,
+    done: impl FnOnce(bool) + Send + 'static,
 ) -> Result<Option<DeviceBuffer>> {
-    done();
+    done(false);
     Err(unavailable())
 }
 

@@ -60,6 +60,13 @@ impl Drop for Mem {
                 let ordinal = ctx.ordinal();
                 let ptr = slice.leak();
                 if stream.synchronize().is_ok() && ctx.bind_to_thread().is_ok() {
+                    // Work of other streams may still read it (a DLPack consumer's kernels:
+                    // torch does not wait for them before it lets go), which `cuMemFree`
+                    // would have waited for: the whole context is synchronized before the
+                    // allocation is kept for reuse.
+                    if ctx.synchronize().is_err() {
+                        return;
+                    }
                     // Unused now: kept for reuse (`pool.rs`), which frees what it cannot keep.
                     match gpu(ordinal, &CudaConfig::default()) {
                         Ok(gpu) => gpu.pool.give(ptr, self.alloc_len),

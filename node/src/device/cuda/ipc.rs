@@ -61,7 +61,8 @@ impl Drop for Mapping {
 /// less than `len` bytes: use the network; `Err`: what the network path would hit too (out of
 /// device memory, no device).
 ///
-/// The work runs on a blocking thread to its end, and calls `done` (which lets the exporter
+/// The work runs on a blocking thread to its end, and calls `done` with whether it copied
+/// (which lets the exporter
 /// release its memory: the request's send side finishes) once the mapping is closed, so a
 /// caller that gives up waiting (a timeout, a cancelled get) can neither unmap nor release
 /// the memory under a copy still running on the device.
@@ -70,13 +71,13 @@ pub(crate) async fn import(
     ordinal: usize,
     handle: &[u8; HANDLE_LEN],
     len: u64,
-    done: impl FnOnce() + Send + 'static,
+    done: impl FnOnce(bool) + Send + 'static,
 ) -> Result<Option<DeviceBuffer>> {
     let len = usize::try_from(len).map_err(|_| Error::TooLarge(format!("{len} bytes")))?;
     let (cfg, handle) = (cfg.clone(), *handle);
     let work = tokio::task::spawn_blocking(move || {
         let copied = import_blocking(&cfg, ordinal, &handle, len);
-        done();
+        done(matches!(copied, Ok(Some(_))));
         copied
     });
     work.await
