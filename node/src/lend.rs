@@ -286,3 +286,71 @@ impl Drop for Lent {
 pub fn is_lent_name(name: &TensorName) -> bool {
     name.as_str().starts_with(LEND_PREFIX)
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use tb_proto::{ContentHash, DType, TensorMeta};
+
+    use super::*;
+
+    fn peer() -> EndpointId {
+        iroh::SecretKey::generate().public()
+    }
+
+    #[test]
+    fn a_peek_leaves_the_loan_a_take_ends_it_and_a_refusal_keeps_it() {
+        let loans = Loans::default();
+        let (me, other) = (peer(), peer());
+        let tensor = Tensor::from_bytes(vec![7u8; 100]);
+        let lent = loans
+            .lend(me, tensor.clone(), Duration::from_secs(60))
+            .expect("lends");
+        let name = lent.name().clone();
+        // A check that refuses (a path that cannot serve it) leaves it, saying why.
+        let refused = loans.take_if(&me, &name, |_| Err::<(), _>("not here"));
+        assert!(matches!(refused, Some(Err(Some("not here")))));
+        // A peek (CUDA IPC's export) leaves it too; only its peer sees it.
+        let peeked = loans.peek_if(&me, &name, |t| Ok::<_, ()>(t.byte_len()));
+        assert!(matches!(peeked, Some(Ok(Taken { made: 100, .. }))));
+        assert!(matches!(
+            loans.peek_if(&other, &name, |_| Ok::<_, ()>(())),
+            Some(Err(None))
+        ));
+        assert!(!lent.ended());
+        // A take ends it: the next one finds nothing.
+        let taken = loans
+            .take_if(&me, &name, |_| Ok::<_, ()>(()))
+            .expect("a lent name");
+        assert_eq!(taken.ok().map(|t| t.tensor.hash()), Some(tensor.hash()));
+        assert!(lent.ended());
+        assert!(matches!(
+            loans.take_if(&me, &name, |_| Ok::<_, ()>(())),
+            Some(Err(None))
+        ));
+        // `end` (CUDA IPC's copy made) ends one too; a store name is not a loan's.
+        let again = loans
+            .lend(me, tensor, Duration::from_secs(60))
+            .expect("lends");
+        loans.end(again.name());
+        assert!(again.ended());
+        let stored = TensorName::new("model/w").expect("name");
+        assert!(loans.peek_if(&me, &stored, |_| Ok::<_, ()>(())).is_none());
+    }
+
+    #[test]
+    fn a_tensor_without_its_hash_is_hashed_before_it_is_trusted() {
+        let bytes = Bytes::from(vec![3u8; 4096]);
+        let zero = TensorMeta::new(DType::U8, vec![4096], ContentHash([0; 32])).expect("meta");
+        let unhashed = Tensor::from_verified(zero, bytes.clone());
+        let hashed = unhashed.hashed().expect("hashes");
+        assert_eq!(hashed.hash(), ContentHash::of(&bytes));
+        assert_eq!(hashed.data(), &bytes);
+        // One with its hash is left as it is.
+        let known = Tensor::from_bytes(bytes.clone());
+        assert_eq!(
+            known.clone().hashed().expect("as it is").hash(),
+            known.hash()
+        );
+    }
+}

@@ -382,8 +382,17 @@ impl Node {
                 ))
             })
         };
-        // The lender checks that this node is on its host (boot ids): no address to judge by.
-        let ipc = ctx.config.cuda.ipc;
+        // CUDA IPC when the lender looks local by the link's path (the lender checks for real,
+        // by boot id); a link without a direct IP path leaves the lender to decide.
+        let local = ctx.endpoint.bound_sockets();
+        let ipc = match ctx
+            .ready
+            .try_guard(&peer)
+            .and_then(|l| channel::selected_addr(&l))
+        {
+            Some(addr) => channel::cuda_ipc::wanted(&ctx.config.cuda, addr, &local),
+            None => ctx.config.cuda.ipc,
+        };
         let version = Some(crate::LENT_VERSION);
         let pull = channel::pull_to_device(ctx, &peer, ipc, links, name, version, ordinal);
         let (pulled, via) = self.guarded(pull).await?;

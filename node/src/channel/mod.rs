@@ -612,6 +612,16 @@ where
     attempt(ctx, &route, timed, transfer(&route)).await
 }
 
+/// The peer's address on `link`'s selected path, when that is a direct IP path.
+pub(crate) fn selected_addr(link: &LinkGuard) -> Option<std::net::SocketAddr> {
+    let paths = link.connection().paths();
+    let selected = paths.iter().find(|p| p.is_selected())?;
+    match selected.remote_addr() {
+        iroh::TransportAddr::Ip(addr) => Some(*addr),
+        _ => None,
+    }
+}
+
 /// How a pull into device memory came: by CUDA IPC (device to device), or not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DeviceVia {

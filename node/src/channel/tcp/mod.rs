@@ -34,7 +34,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use iroh::{EndpointId, TransportAddr};
+use iroh::EndpointId;
 use tb_proto::{ByteRange, ChannelOffer, channel::MAX_TCP_SOCKETS};
 
 pub(crate) use serve::{serve_ticket, spawn_listener};
@@ -189,14 +189,7 @@ impl TcpRoute {
     /// The route over `link` to the peer's listener on `port`, at the IP of the link's
     /// selected path (`None` when that is not a direct IP path).
     pub(crate) fn new(link: LinkGuard, port: u16) -> Option<TcpRoute> {
-        let ip = {
-            let paths = link.connection().paths();
-            let selected = paths.iter().find(|p| p.is_selected())?;
-            match selected.remote_addr() {
-                TransportAddr::Ip(addr) => addr.ip(),
-                _ => return None,
-            }
-        };
+        let ip = super::selected_addr(&link)?.ip();
         Some(TcpRoute {
             link,
             addr: SocketAddr::new(ip, port),
