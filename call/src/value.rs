@@ -426,6 +426,20 @@ impl<'a> Lender<'a> {
         let lent = t
             .to_node()
             .and_then(|tensor| self.node.lend(self.peer, tensor, self.ttl));
+        self.keep(lent)
+    }
+
+    /// Lends the device tensor `t` (to a peer on any host: its bytes are in device memory,
+    /// and the peer's pull moves them device to device on one host, through staging
+    /// elsewhere): its private name. `None`: the loan failed; its bytes go on the stream.
+    fn lend_device(&mut self, t: &DeviceTensor) -> Option<TensorName> {
+        let lent = t.lend(self.node, self.peer, self.ttl);
+        self.keep(lent)
+    }
+
+    /// Keeps a loan made (its name, to write in the skeleton); a failed one costs speed only:
+    /// the tensor's bytes go on the stream.
+    fn keep(&mut self, lent: Result<tb_node::Lent, tb_node::Error>) -> Option<TensorName> {
         match lent {
             Ok(lent) => {
                 let name = lent.name().clone();
@@ -434,25 +448,6 @@ impl<'a> Lender<'a> {
             }
             Err(e) => {
                 tracing::debug!(%e, "a tensor goes on the call's stream, not lent");
-                None
-            }
-        }
-    }
-}
-
-impl Lender<'_> {
-    /// Lends the device tensor `t` (to a peer on any host: its bytes are in device memory,
-    /// and the peer's pull moves them device to device on one host, through staging
-    /// elsewhere): its private name. `None`: the loan failed; its bytes go on the stream.
-    fn lend_device(&mut self, t: &DeviceTensor) -> Option<TensorName> {
-        match t.lend(self.node, self.peer, self.ttl) {
-            Ok(lent) => {
-                let name = lent.name().clone();
-                self.loans.push(lent);
-                Some(name)
-            }
-            Err(e) => {
-                tracing::debug!(%e, "a device tensor goes on the call's stream, not lent");
                 None
             }
         }

@@ -61,12 +61,11 @@ def _encode(obj: Any, depth: int = 0) -> Any:
         return obj.item()
     if isinstance(obj, RefArg):
         return obj
-    if CUDA_COMPILED:
-        cuda = _convert.cuda_tensor(obj)
+    if not isinstance(obj, np.ndarray):
+        cuda = _convert.cuda_tensor(obj) if CUDA_COMPILED else None
         if cuda is not None:
             flat, dtype, shape, ordinal = cuda
             return CudaArg(flat, ordinal, dtype, list(shape))
-    if not isinstance(obj, np.ndarray):
         obj = _on_host(obj)
     data, dtype, shape = to_bytes(obj)
     flat = data.reshape(-1).view(np.uint8) if data.size else np.empty(0, np.uint8)
