@@ -4,7 +4,9 @@
 //! `tb status`, the HTTP API and the dashboard show.
 //!
 //! Each round heartbeats every peer at once and lasts at most one interval, so a dead peer
-//! (whose dial would last a whole connect timeout) delays no one else's heartbeat.
+//! (whose dial would last a whole connect timeout) delays no one else's heartbeat. A beat the
+//! round cuts off on a link that was up before the round counts as failed, and the next round
+//! dials afresh ([`CutOff`]).
 
 use std::{collections::HashMap, sync::Mutex, time::Duration};
 
@@ -65,10 +67,21 @@ impl PeerBeats {
     }
 
     /// One heartbeat to `peer`, on its cached link or a fresh one; a link that fails is closed
-    /// and forgotten.
+    /// and forgotten, and so is a cached one that the round's end cuts off.
     async fn beat(&self, peer: &PeerAddr, links: &Mutex<HashMap<EndpointId, Connection>>) {
-        let cached = lock(links).get(&peer.id).cloned();
-        let conn = match cached.filter(|c| c.close_reason().is_none()) {
+        let cached = lock(links)
+            .get(&peer.id)
+            .filter(|c| c.close_reason().is_none())
+            .cloned();
+        // Only a link that was up before this round is forgotten when the round cuts its beat
+        // off: one just dialed reached the peer, and a first answer slower than what is left
+        // of the round (under load) is no reason to dial again.
+        let mut cut_off = CutOff {
+            peer: peer.id,
+            conn: cached.clone(),
+            links,
+        };
+        let conn = match cached {
             Some(conn) => conn,
             None => match sync::dial(&self.endpoint, &self.key, self.connect_timeout, peer).await {
                 Ok(conn) => {
@@ -88,6 +101,7 @@ impl PeerBeats {
             stats: None,
         };
         let sent = tokio::time::timeout(self.request_timeout, exchange(&conn, &request)).await;
+        cut_off.disarm();
         let failure = match sent {
             Ok(Ok(())) => {
                 tracing::trace!(peer = %peer.id.fmt_short(), "heartbeat to a peer broker answered");
@@ -98,6 +112,46 @@ impl PeerBeats {
         };
         debug!(peer = %peer.id.fmt_short(), %failure, "heartbeat to a peer broker failed");
         lock(links).remove(&peer.id);
+        conn.close(0u32.into(), b"unresponsive");
+    }
+}
+
+/// Forgets and closes the cached link `conn` to `peer` when dropped while it still holds it:
+/// the round's end cut off a beat on a link that was up before the round, which counts as
+/// failed, as a beat that timed out would. A peer that dies without closing its links (SIGKILL,
+/// a host lost) leaves them looking open until QUIC's idle timeout (30 s); beats on such a link
+/// are cut off at each round's end, before their `request_timeout`, so without this the link
+/// was reused round after round. A peer restarted at the same address then never heard this
+/// broker: it judged it dead, and again one timeout after each refutation, until the idle
+/// timeout closed the link.
+struct CutOff<'a> {
+    peer: EndpointId,
+    /// The link, while the beat on it has neither been answered nor failed.
+    conn: Option<Connection>,
+    links: &'a Mutex<HashMap<EndpointId, Connection>>,
+}
+
+impl CutOff<'_> {
+    /// The beat was answered, or failed and is handled as such.
+    fn disarm(&mut self) {
+        self.conn = None;
+    }
+}
+
+impl Drop for CutOff<'_> {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        debug!(peer = %self.peer.fmt_short(), "heartbeat to a peer broker unanswered within the round; redialing");
+        let mut links = lock(self.links);
+        if links
+            .get(&self.peer)
+            .is_some_and(|c| c.stable_id() == conn.stable_id())
+        {
+            links.remove(&self.peer);
+        }
+        drop(links);
         conn.close(0u32.into(), b"unresponsive");
     }
 }
