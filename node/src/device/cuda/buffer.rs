@@ -260,8 +260,16 @@ impl DeviceBuffer {
     }
 
     /// Hands the bytes to `f` in order, chunk by chunk, copying the next chunk to staging
-    /// while `f` works on the current one.
-    fn for_each_chunk(&self, mut f: impl FnMut(&[u8])) -> Result<()> {
+    /// while `f` works on the current one. It blocks for as long as the copy takes (about 20
+    /// ms per 256 MiB over PCIe), so a runtime worker that calls it (a call's device result
+    /// written to a peer off this host, a device tensor hashed for a version) first hands its
+    /// other tasks to the runtime's other workers.
+    fn for_each_chunk(&self, f: impl FnMut(&[u8])) -> Result<()> {
+        crate::channel::verify::blocking(|| self.for_each_chunk_here(f))
+    }
+
+    /// [`for_each_chunk`](Self::for_each_chunk) on this thread, whatever it is.
+    fn for_each_chunk_here(&self, mut f: impl FnMut(&[u8])) -> Result<()> {
         let gpu = gpu(self.ordinal(), &CudaConfig::default())?;
         let stream = gpu
             .ctx
