@@ -71,6 +71,23 @@ def test_every_system_reports_every_case_but_the_dropped_ones(report: dict) -> N
     assert len(report["cases"]) == sum(map(len, got.values()))  # no case twice
 
 
+def test_python_is_compared_with_rust_call_for_call(report: dict) -> None:
+    """The 4 KiB one-caller cases ran from Rust too, and the report says what Python adds."""
+    rows = report["python_over_rust"]
+    if not rows:  # only where no tb binary was found, and then the notes say so
+        assert any(n.startswith("python over rust: skipped") for n in report["notes"])
+        return
+    assert sorted(r["op"] for r in rows) == ["add_one", "echo"]
+    py = {c["op"]: c for c in report["cases"] if c["system"] == "tensor-broker"
+          and (c["size_bytes"], c["concurrency"], c["servers"]) == (4096, 1, 1)}
+    for r in rows:
+        assert r["size_bytes"] == 4096
+        assert r["python_p50_us"] == py[r["op"]]["p50_us"]
+        assert r["rust_p50_us"] > 0 and r["rust_calls_per_s"] > 0
+        assert r["overhead_us"] == pytest.approx(r["python_p50_us"] - r["rust_p50_us"])
+        assert r["met"] == (r["overhead_us"] <= r["target_us"])
+
+
 def test_every_tensor_broker_case_has_a_rate_and_ordered_percentiles(report: dict) -> None:
     tb = [c for c in report["cases"] if c["system"] == "tensor-broker"]
     assert tb

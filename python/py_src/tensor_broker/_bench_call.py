@@ -53,6 +53,14 @@ streams per second, and ``p50_us`` / ``p99_us`` the gaps between consecutive ite
 first from the call). The first item of each case is checked in full, every item's size and
 each stream's count.
 
+Python over Rust (``python_over_rust`` in ``--json``): right after tensor-broker's Python
+cases, the same 4 KiB cases with one caller and one server run from Rust (``tb bench call
+--systems tensor-broker --sizes 4KiB --concurrency 1 --servers 1``: a Rust caller and a Rust
+server in separate processes, the ``tb`` binary found as ``bench`` finds it, ``--tb`` to
+name one), and the difference of the p50s is Python's cost per call: its caller's and its
+server's crossings between Python and the runtime together. Skipped, with a note, where no
+``tb`` binary is found.
+
 ``--quick`` (a smoke run: a short time per case) drops the 16 MiB cases with 64 callers (the
 output says so in ``dropped`` and in a note).
 """
@@ -86,6 +94,10 @@ STREAM_SIZES = (1 << 20, 16 << 20)
 # Items a ZeroMQ stream's server runs ahead of its caller (tensor-broker's default prefetch).
 ZMQ_STREAM_AHEAD = 2
 SERVER_PROCESSES = max(SERVERS)
+# Python's cost per call over Rust's, 4 KiB, one caller, one server: the issue's target.
+OVERHEAD_TARGET_US = 40.0
+# How long the Rust cases of that comparison may take (two cases of about a second).
+RUST_LIMIT_S = 300.0
 # Handler threads per server (tensor-broker's share concurrency, gRPC's max_workers) and the
 # queue tensor-broker admits beyond them (all 64 callers may wait on one server).
 SERVER_THREADS = 8
@@ -729,6 +741,58 @@ def _run_system(system: str, cluster: Any, p: dict[str, Any], children: list[_Pr
     return out
 
 
+def _rust_overhead(tb_bin: str, python: list[dict[str, Any]], seconds: float,
+                   progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Python's cost per call: the 4 KiB one-caller, one-server cases of ``python`` (this
+    run's tensor-broker cases from Python) against the same cases run now by ``tb bench
+    call`` from Rust (caller and server in separate processes). Raises :class:`BenchError`
+    when ``tb`` fails or prints no such case."""
+    cmd = [tb_bin, "bench", "call", "--systems", "tensor-broker", "--sizes", "4KiB",
+           "--concurrency", "1", "--servers", "1", "--no-streams", "--json",
+           "--seconds", f"{seconds:g}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUST_LIMIT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"{' '.join(cmd)}: no answer in {RUST_LIMIT_S:.0f} s") from e
+    if done.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {done.returncode}: "
+                         f"{done.stderr.strip()[-2000:]}")
+    try:
+        rust = {c["op"]: c for c in json.loads(done.stdout)["cases"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise BenchError(f"{' '.join(cmd)}: unreadable output ({e}): "
+                         f"{done.stdout[:500]!r}") from e
+    out = []
+    for case in python:
+        key = (case["size_bytes"], case["concurrency"], case["servers"])
+        if key != (4 << 10, 1, 1) or "error" in case or case["op"] not in rust:
+            continue
+        r = rust[case["op"]]
+        over = case["p50_us"] - r["p50_us"]
+        row = {"op": case["op"], "size_bytes": case["size_bytes"],
+               "python_p50_us": case["p50_us"], "rust_p50_us": r["p50_us"],
+               "python_calls_per_s": case["calls_per_s"], "rust_calls_per_s": r["calls_per_s"],
+               "overhead_us": over, "target_us": OVERHEAD_TARGET_US,
+               "met": over <= OVERHEAD_TARGET_US}
+        progress(f"{case['op']} 4 KiB from Rust: p50 {_n(r['p50_us'])} µs; Python's "
+                 f"{_n(case['p50_us'])} µs: +{_n(over)} µs per call")
+        out.append(row)
+    if not out:
+        raise BenchError(f"{' '.join(cmd)} printed no 4 KiB case to compare with")
+    return out
+
+
+def _overhead_table(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["op, size", "Python p50 µs", "Rust p50 µs", "Python over Rust", "target", "met"]
+    body = [[f"{r['op']} {_bench_report.fmt_size(r['size_bytes'])}", _n(r["python_p50_us"]),
+             _n(r["rust_p50_us"]), f"+{_n(r['overhead_us'])} µs",
+             f"<= {r['target_us']:.0f} µs", "yes" if r["met"] else "no"] for r in rows]
+    return _bench_report._grid(
+        "Python's cost per call over Rust's (1 caller, 1 server, same run; caller and "
+        "server both Python, or both Rust):", head, body)
+
+
 def _record(case: dict[str, Any], r: dict[str, Any], progress: Callable[[str], None],
             line: Callable[[], str]) -> dict[str, Any]:
     """A case's entry of the report: its figures (and ``line()`` shown), or its failure."""
@@ -784,7 +848,8 @@ def _table(rep: dict[str, Any]) -> str:
     if rep["quick"]:
         title = "QUICK RUN (a smoke run, not a measurement). " + title
     failed = [f"FAILED {c['system']}: {c['error']}" for c in rep["cases"] if "error" in c]
-    return "\n".join(_bench_report._grid(title, head, rows) + failed + rep["notes"])
+    over = ["", *_overhead_table(rep["python_over_rust"])] if rep["python_over_rust"] else []
+    return "\n".join(_bench_report._grid(title, head, rows) + over + failed + rep["notes"])
 
 
 def main(argv: list[str]) -> int:
@@ -800,11 +865,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-install", action="store_true",
                         help="skip gRPC / ZeroMQ when grpcio / pyzmq is missing instead of "
                         "pip-installing it")
+    parser.add_argument("--tb", default=None,
+                        help="the tb binary for the Rust side of Python's cost per call "
+                        "(default: $TB_BIN, PATH, target/release)")
     parser.add_argument("--no-loader", action="store_true",
                         help="skip the data-loading comparison (tb.Stream vs torch's "
                         "DataLoader; also `bench loader` on its own)")
     args = parser.parse_args(argv)
-    from . import LocalCluster, _bench_loader
+    from . import LocalCluster, _bench, _bench_loader
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = plan(args.quick)
@@ -829,16 +897,27 @@ def main(argv: list[str]) -> int:
                  "default prefetch=2, gRPC with its own flow control, zmq with a credit per "
                  f"item taken ({ZMQ_STREAM_AHEAD} ahead)")
     notes.append(f"{os.cpu_count()} CPU cores seen: every process of a system shares them")
+    tb_bin = _bench._find_tb(args.tb)
+    if tb_bin is None:
+        notes.append("python over rust: skipped, no tb binary (--tb, $TB_BIN, PATH, "
+                     "target/release)")
     cases: list[dict[str, Any]] = []
+    over_rust: list[dict[str, Any]] = []
     children: list[_Proc] = []
     failed = True
     try:
         with LocalCluster() as cluster:
             try:
                 for system in systems:
-                    cases += _run_system(system, cluster, p, children,
-                                         lambda line, s=system: print(
-                                             f"{s}: {line}", file=sys.stderr, flush=True))
+                    def progress(line: str, s: str = system) -> None:
+                        print(f"{s}: {line}", file=sys.stderr, flush=True)
+
+                    ran = _run_system(system, cluster, p, children, progress)
+                    cases += ran
+                    if system == "tensor-broker" and tb_bin is not None:
+                        # Right after the Python cases, so both sides see the same machine.
+                        over_rust = _rust_overhead(tb_bin, ran, max(p["seconds"], 0.5),
+                                                   progress)
                 failed = False
             finally:
                 # Before the cluster goes: every child, by its PID past a grace period.
@@ -857,7 +936,8 @@ def main(argv: list[str]) -> int:
         return 130
     rep = {"quick": args.quick, "systems": systems, "seconds_per_case": p["seconds"],
            "min_calls_per_thread": {str(k): v for k, v in p["min_calls"].items()},
-           "cases": cases, "dropped": dropped, "notes": notes, "loaders": loaders}
+           "cases": cases, "python_over_rust": over_rust, "dropped": dropped, "notes": notes,
+           "loaders": loaders}
     print(json.dumps(rep, indent=2) if args.json else _table(rep) + (
         "\n\n" + _bench_loader.table(loaders) if loaders else ""))
     broken = [c for c in cases if "error" in c]
