@@ -1,7 +1,7 @@
 //! [`Broker`]: a running broker process — a tb-node [`Node`] plus the [`BrokerActor`], the
 //! `tb/ctl/1` protocol, gossip replication and anti-entropy, all on one iroh endpoint.
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{collections::HashMap, path::PathBuf, sync::Arc, time::Duration};
 
 use iroh::{EndpointId, address_lookup::MemoryLookup};
 use iroh_gossip::{Gossip, TopicId, api::GossipSender};
@@ -244,6 +244,7 @@ impl Broker {
             ),
             lookup,
             sender,
+            registry: broker.registry_view.clone(),
             join: peers,
             me,
             interval: opts.sync_interval,
@@ -429,6 +430,8 @@ struct SyncLoop {
     links: PeerLinks,
     lookup: MemoryLookup,
     sender: GossipSender,
+    /// The registry as the actor publishes it: watched for peer brokers that restarted.
+    registry: watch::Receiver<Arc<RegistryView>>,
     join: Vec<PeerAddr>,
     me: EndpointId,
     interval: Duration,
@@ -443,9 +446,11 @@ struct SyncLoop {
 impl SyncLoop {
     async fn run(mut self) {
         let mut known: Vec<EndpointId> = self.join.iter().map(|p| p.id).collect();
+        let mut lives = HashMap::new();
+        self.rejoin_restarted(&mut lives).await;
         // The first round runs at once: a broker that starts late catches up before its
         // first interval.
-        loop {
+        'rounds: loop {
             let peers = self.peers().await;
             for peer in &peers {
                 if !known.contains(&peer.id) {
@@ -458,13 +463,51 @@ impl SyncLoop {
                 }
                 self.pull(peer).await;
             }
-            tokio::select! {
-                _ = self.cancel.cancelled() => break,
-                _ = tokio::time::sleep(self.interval) => {}
-                _ = self.sync_now.notified() => {}
+            let next_round = tokio::time::sleep(self.interval);
+            tokio::pin!(next_round);
+            loop {
+                tokio::select! {
+                    _ = self.cancel.cancelled() => break 'rounds,
+                    _ = &mut next_round => break,
+                    _ = self.sync_now.notified() => break,
+                    Ok(()) = self.registry.changed() => self.rejoin_restarted(&mut lives).await,
+                }
             }
         }
         self.links.close_all();
+    }
+
+    /// Joins the gossip topic again through each live peer broker seen at an epoch it was not
+    /// joined at (a restart, or a first sighting), as soon as the registry shows it; `lives`
+    /// holds the epoch last seen of each. iroh-gossip's membership (HyParView) keeps the old
+    /// process of a peer that restarted with the same id in its active view, and when that peer
+    /// joined this one first, a stale pending `Neighbor` request too: the restarted peer's
+    /// `Join` is then never answered, and it has no gossip neighbour (its ops reach no one until
+    /// anti-entropy pulls them, while this broker's still reach it). A `Join` from this side
+    /// makes the restarted peer take this broker as a neighbour, and its `Neighbor` answer
+    /// clears the stale request. A first sighting counts: the registry is published at most
+    /// every [`SNAPSHOT_PERIOD`], and a peer that restarts within one shows only at its new
+    /// epoch. A `Join` to a peer that is a neighbour already is harmless (it is what joining
+    /// does, once per broker life).
+    async fn rejoin_restarted(&mut self, lives: &mut HashMap<EndpointId, u64>) {
+        let restarted: Vec<EndpointId> = {
+            let view = self.registry.borrow_and_update();
+            view.registry
+                .members()
+                .filter_map(|m| Some((broker_addr(m, true)?.id, m.epoch)))
+                .filter(|&(id, epoch)| {
+                    id != self.me && lives.insert(id, epoch).is_none_or(|was| was < epoch)
+                })
+                .map(|(id, _)| id)
+                .collect()
+        };
+        if !restarted.is_empty() {
+            debug!(
+                peers = restarted.len(),
+                "joining peer brokers seen at a new epoch"
+            );
+            let _ = self.sender.join_peers(restarted).await;
+        }
     }
 
     async fn pull(&mut self, peer: &PeerAddr) {

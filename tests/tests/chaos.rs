@@ -10,6 +10,12 @@
 //! Then every acknowledged put and set must be listed and read back byte-identical from the
 //! survivors. Each scenario's outcome (puts acknowledged, lost, corrupt, recovery time) is
 //! printed as a `chaos:` line (`--nocapture` shows them; docs/RELIABILITY.md has a run's).
+//! Also gossip both ways after a broker restart: 2 `tb-broker`s with anti-entropy's interval far
+//! longer than the test (after the first rounds only gossip carries an op from one to the
+//! other); one is killed with SIGKILL and restarted with the same identity, data dir and
+//! address, and what is published through it must still reach the other broker, and the other
+//! way round.
+//!
 //! Every process is killed by PID when the test ends; every wait is bounded.
 
 use std::{
@@ -21,7 +27,7 @@ use std::{
 use safetensors::{Dtype, tensor::TensorView};
 use tb_node::{Config, Node, PeerAddr, Ticket, proto::ClusterKey};
 use tb_tests::{
-    pattern,
+    f32_tensor, pattern,
     procs::{Proc, bin, free_udp_addr},
     test_config,
 };
@@ -437,4 +443,148 @@ async fn acknowledged_puts_and_sets_survive_killed_brokers_and_workers() {
     );
     assert!(corrupt.is_empty(), "corrupt after chaos: {corrupt:?}");
     assert!(lost.is_empty(), "lost after chaos: {lost:?}");
+}
+
+/// Anti-entropy's interval, in seconds: longer than the test, so an op published after the
+/// brokers' first rounds reaches the other broker by gossip or not at all. (A new gossip
+/// neighbour also starts a round, which pulls only: it never pushes the restarted broker's
+/// ops to the other one.)
+const NO_SYNC: &str = "3600";
+/// Longest a published op may take to show on the other broker. Far shorter than
+/// iroh-gossip's shuffle interval (60 s), whose exchanges could repair a one-way link by
+/// chance.
+const GOSSIP_LIMIT: Duration = Duration::from_secs(15);
+/// How often an op not yet seen on the other broker is published again: an op broadcast
+/// before the brokers are gossip neighbours again is lost to gossip (anti-entropy's job).
+const REPUBLISH: Duration = Duration::from_secs(1);
+
+fn spawn_gossip_broker(
+    dir: &Path,
+    secret: &Path,
+    i: usize,
+    listen: &str,
+    join: Option<&str>,
+) -> Proc {
+    let mut cmd = Command::new(bin("tb-broker"));
+    cmd.arg("--data-dir")
+        .arg(dir.join(format!("broker-{i}")))
+        .args(["--listen", listen])
+        .arg("--cluster-secret-file")
+        .arg(secret)
+        .args(["--sync-interval", NO_SYNC]);
+    if let Some(t) = join {
+        cmd.arg("--join").arg(t);
+    }
+    let life = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    Proc::start(
+        &format!("broker {i}"),
+        cmd,
+        &dir.join(format!("broker-{i}.{life}.log")),
+    )
+}
+
+/// A node that publishes and lists through `broker` only.
+async fn client_of(broker: &PeerAddr) -> Node {
+    Node::spawn(Config {
+        brokers: vec![broker.clone()],
+        cluster_key: ClusterKey::from_secret(SECRET.as_bytes()).expect("secret"),
+        ..test_config()
+    })
+    .await
+    .expect("client node")
+}
+
+/// Whether `name`, published through `from`'s broker (again every [`REPUBLISH`] until it
+/// shows), is listed by `to`'s broker within [`GOSSIP_LIMIT`].
+async fn reaches(from: &Node, to: &Node, name: &str) -> bool {
+    let started = Instant::now();
+    let mut published = None::<Instant>;
+    while started.elapsed() < GOSSIP_LIMIT {
+        if published.is_none_or(|at| at.elapsed() >= REPUBLISH) {
+            from.publish(name, f32_tensor(16, 1))
+                .await
+                .expect("publish");
+            published = Some(Instant::now());
+        }
+        if let Ok(listed) = to.list("gossip/").await
+            && listed.iter().any(|e| e.name.as_str() == name)
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A broker that another joined is killed and restarted with the same identity: gossip must
+/// flow both ways again, the restarted broker's ops included (iroh-gossip keeps the other
+/// broker's view of the old process, and without a rejoin from that side the restarted one
+/// never gets a gossip neighbour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gossip_flows_both_ways_after_a_broker_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
+    let listen0 = free_udp_addr().to_string();
+    let mut b0 = spawn_gossip_broker(dir.path(), &secret, 0, &listen0, None);
+    let t0: Ticket = b0.wait_line("ticket:", START).parse().expect("ticket");
+    let mut b1 = spawn_gossip_broker(
+        dir.path(),
+        &secret,
+        1,
+        &free_udp_addr().to_string(),
+        Some(&t0.to_string()),
+    );
+    let t1: Ticket = b1.wait_line("ticket:", START).parse().expect("ticket");
+    let (addr0, addr1) = (t0.brokers[0].clone(), t1.brokers[0].clone());
+
+    let on0 = client_of(&addr0).await;
+    let on1 = client_of(&addr1).await;
+    assert!(
+        reaches(&on0, &on1, "gossip/from-0").await,
+        "broker 0's op reaches broker 1"
+    );
+    assert!(
+        reaches(&on1, &on0, "gossip/from-1").await,
+        "broker 1's op reaches broker 0"
+    );
+    on0.shutdown().await;
+
+    b0.kill9();
+    let mut b0 = spawn_gossip_broker(dir.path(), &secret, 0, &listen0, Some(&t1.to_string()));
+    let again: Ticket = b0.wait_line("ticket:", START).parse().expect("ticket");
+    assert_eq!(again.brokers[0].id, addr0.id, "same identity after restart");
+
+    let on0 = client_of(&addr0).await;
+    let from_restarted = reaches(&on0, &on1, "gossip/from-restarted-0").await;
+    let to_restarted = reaches(&on1, &on0, "gossip/to-restarted-0").await;
+    on0.shutdown().await;
+    on1.shutdown().await;
+    if !(from_restarted && to_restarted) {
+        for entry in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(30)..].join("\n");
+                eprintln!("--- {} (last 30 lines)\n{tail}", path.display());
+            }
+        }
+    }
+    assert!(
+        from_restarted,
+        "an op published through the restarted broker reaches the other one by gossip"
+    );
+    assert!(
+        to_restarted,
+        "an op published through the other broker reaches the restarted one by gossip"
+    );
+    b0.kill9();
+    b1.kill9();
 }
