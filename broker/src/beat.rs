@@ -80,6 +80,7 @@ impl PeerBeats {
             peer: peer.id,
             conn: cached.clone(),
             links,
+            cancel: &self.cancel,
         };
         let conn = match cached {
             Some(conn) => conn,
@@ -129,6 +130,9 @@ struct CutOff<'a> {
     /// The link, while the beat on it has neither been answered nor failed.
     conn: Option<Connection>,
     links: &'a Mutex<HashMap<EndpointId, Connection>>,
+    /// The broker's shutdown: a beat dropped by it was not cut off (the links close as
+    /// the broker's, after the round).
+    cancel: &'a CancellationToken,
 }
 
 impl CutOff<'_> {
@@ -143,6 +147,9 @@ impl Drop for CutOff<'_> {
         let Some(conn) = self.conn.take() else {
             return;
         };
+        if self.cancel.is_cancelled() {
+            return;
+        }
         debug!(peer = %self.peer.fmt_short(), "heartbeat to a peer broker unanswered within the round; redialing");
         let mut links = lock(self.links);
         if links

@@ -456,7 +456,7 @@ impl SyncLoop {
                 if !known.contains(&peer.id) {
                     known.push(peer.id);
                     self.lookup.add_endpoint_info(peer.to_endpoint_addr());
-                    let _ = self.sender.join_peers(vec![peer.id]).await;
+                    self.join(vec![peer.id]).await;
                 }
                 if self.cancel.is_cancelled() {
                     break;
@@ -490,23 +490,45 @@ impl SyncLoop {
     /// epoch. A `Join` to a peer that is a neighbour already is harmless (it is what joining
     /// does, once per broker life).
     async fn rejoin_restarted(&mut self, lives: &mut HashMap<EndpointId, u64>) {
-        let restarted: Vec<EndpointId> = {
+        let me = self.me;
+        let restarted: Vec<PeerAddr> = {
             let view = self.registry.borrow_and_update();
             view.registry
                 .members()
-                .filter_map(|m| Some((broker_addr(m, true)?.id, m.epoch)))
-                .filter(|&(id, epoch)| {
-                    id != self.me && lives.insert(id, epoch).is_none_or(|was| was < epoch)
+                .filter_map(|m| Some((broker_addr(m, true)?, m.epoch)))
+                .filter(|(peer, epoch)| {
+                    let new = peer.id != me && lives.get(&peer.id).is_none_or(|was| was < epoch);
+                    if new {
+                        lives.insert(peer.id, *epoch);
+                    }
+                    new
                 })
-                .map(|(id, _)| id)
+                .map(|(peer, _)| peer)
                 .collect()
         };
-        if !restarted.is_empty() {
-            debug!(
-                peers = restarted.len(),
-                "joining peer brokers seen at a new epoch"
-            );
-            let _ = self.sender.join_peers(restarted).await;
+        if restarted.is_empty() {
+            return;
+        }
+        debug!(
+            peers = restarted.len(),
+            "joining peer brokers seen at a new epoch"
+        );
+        // Where they are now: a restarted broker may listen at a new address.
+        for peer in &restarted {
+            self.lookup.add_endpoint_info(peer.to_endpoint_addr());
+        }
+        self.join(restarted.into_iter().map(|p| p.id).collect())
+            .await;
+    }
+
+    /// Asks gossip to join `peers`, for at most one request timeout (the gossip actor's
+    /// command queue can stall, as broadcasts can).
+    async fn join(&self, peers: Vec<EndpointId>) {
+        let asked = tokio::time::timeout(self.request_timeout, self.sender.join_peers(peers));
+        match asked.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => debug!(%e, "gossip: joining peer brokers failed"),
+            Err(_) => debug!("gossip: joining peer brokers took longer than the request timeout"),
         }
     }
 

@@ -10,11 +10,13 @@
 //! Then every acknowledged put and set must be listed and read back byte-identical from the
 //! survivors. Each scenario's outcome (puts acknowledged, lost, corrupt, recovery time) is
 //! printed as a `chaos:` line (`--nocapture` shows them; docs/RELIABILITY.md has a run's).
-//! Also gossip both ways after a broker restart: 2 `tb-broker`s with anti-entropy's interval far
-//! longer than the test (after the first rounds only gossip carries an op from one to the
-//! other); one is killed with SIGKILL and restarted with the same identity, data dir and
-//! address, and what is published through it must still reach the other broker, and the other
-//! way round.
+//!
+//! Also gossip and heartbeats both ways after a broker restart: 2 `tb-broker`s with
+//! anti-entropy's interval far longer than the test (after the first rounds only gossip
+//! carries an op from one to the other); one is killed with SIGKILL and restarted with the
+//! same identity, data dir and address. What is published through it must still reach the
+//! other broker, and the other way round, and the restarted broker must keep hearing the
+//! other one's heartbeats.
 //!
 //! Every process is killed by PID when the test ends; every wait is bounded.
 
@@ -447,8 +449,9 @@ async fn acknowledged_puts_and_sets_survive_killed_brokers_and_workers() {
 
 /// Anti-entropy's interval, in seconds: longer than the test, so an op published after the
 /// brokers' first rounds reaches the other broker by gossip or not at all. (A new gossip
-/// neighbour also starts a round, which pulls only: it never pushes the restarted broker's
-/// ops to the other one.)
+/// neighbour also starts a round, which pulls only. One on the other broker would pull the
+/// restarted broker's ops, but none comes up there: that broker keeps the old process in its
+/// active view, which is the defect this test is about.)
 const NO_SYNC: &str = "3600";
 /// Longest a published op may take to show on the other broker. Far shorter than
 /// iroh-gossip's shuffle interval (60 s), whose exchanges could repair a one-way link by
@@ -457,6 +460,10 @@ const GOSSIP_LIMIT: Duration = Duration::from_secs(15);
 /// How often an op not yet seen on the other broker is published again: an op broadcast
 /// before the brokers are gossip neighbours again is lost to gossip (anti-entropy's job).
 const REPUBLISH: Duration = Duration::from_secs(1);
+/// The brokers' liveness timeout, in seconds: the restarted broker must not judge the other
+/// dead through [`HEARD_FOR`], several of these.
+const GOSSIP_LIVENESS_S: u64 = 3;
+const HEARD_FOR: Duration = Duration::from_secs(7);
 
 fn spawn_gossip_broker(
     dir: &Path,
@@ -471,7 +478,8 @@ fn spawn_gossip_broker(
         .args(["--listen", listen])
         .arg("--cluster-secret-file")
         .arg(secret)
-        .args(["--sync-interval", NO_SYNC]);
+        .args(["--sync-interval", NO_SYNC])
+        .args(["--liveness-timeout", &GOSSIP_LIVENESS_S.to_string()]);
     if let Some(t) = join {
         cmd.arg("--join").arg(t);
     }
@@ -521,9 +529,10 @@ async fn reaches(from: &Node, to: &Node, name: &str) -> bool {
 /// A broker that another joined is killed and restarted with the same identity: gossip must
 /// flow both ways again, the restarted broker's ops included (iroh-gossip keeps the other
 /// broker's view of the old process, and without a rejoin from that side the restarted one
-/// never gets a gossip neighbour).
+/// never gets a gossip neighbour), and the other broker's heartbeats must reach the restarted
+/// one (it kept beating on its link to the killed process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gossip_flows_both_ways_after_a_broker_restarts() {
+async fn gossip_and_heartbeats_flow_both_ways_after_a_broker_restarts() {
     let dir = tempfile::tempdir().expect("tempdir");
     let secret = dir.path().join("secret");
     std::fs::write(&secret, format!("{SECRET}\n")).expect("secret");
@@ -560,9 +569,25 @@ async fn gossip_flows_both_ways_after_a_broker_restarts() {
     let on0 = client_of(&addr0).await;
     let from_restarted = reaches(&on0, &on1, "gossip/from-restarted-0").await;
     let to_restarted = reaches(&on1, &on0, "gossip/to-restarted-0").await;
+    // The restarted broker hears the other's heartbeats: through several liveness timeouts it
+    // never lists that broker dead (it did, again and again, while the other kept beating on
+    // its link to the killed process).
+    let other = tb_node::auth::node_id(&addr1.id);
+    let mut judged = Vec::new();
+    let watched = Instant::now();
+    // Bounded: HEARD_FOR, a look-up every 250 ms.
+    while watched.elapsed() < HEARD_FOR {
+        if let Ok(members) = on0.members().await {
+            let row = members.iter().find(|m| m.node == other).map(|m| m.alive);
+            if row != Some(true) {
+                judged.push((watched.elapsed(), row));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     on0.shutdown().await;
     on1.shutdown().await;
-    if !(from_restarted && to_restarted) {
+    if !(from_restarted && to_restarted && judged.is_empty()) {
         for entry in std::fs::read_dir(dir.path())
             .into_iter()
             .flatten()
@@ -584,6 +609,10 @@ async fn gossip_flows_both_ways_after_a_broker_restarts() {
     assert!(
         to_restarted,
         "an op published through the other broker reaches the restarted one by gossip"
+    );
+    assert!(
+        judged.is_empty(),
+        "the restarted broker lists the other alive throughout (row seen as: {judged:?})"
     );
     b0.kill9();
     b1.kill9();
