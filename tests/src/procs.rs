@@ -188,11 +188,16 @@ pub fn free_udp_addr() -> SocketAddr {
 /// secret in `secret_file`, metrics on a free port (it prints `ticket:` and `metrics:` lines).
 /// Add flags to it before starting it with [`Proc::start`].
 pub fn broker_command(dir: &Path, name: &str, secret_file: &Path) -> Command {
+    broker_command_at(dir, name, secret_file, &free_udp_addr().to_string())
+}
+
+/// [`broker_command`] listening at `listen` (a broker restarted at the address it had).
+pub fn broker_command_at(dir: &Path, name: &str, secret_file: &Path, listen: &str) -> Command {
     let mut cmd = Command::new(bin("tb-broker"));
     cmd.arg("--data-dir")
         .arg(dir.join(name))
         .arg("--listen")
-        .arg(free_udp_addr().to_string())
+        .arg(listen)
         .arg("--cluster-secret-file")
         .arg(secret_file)
         .args(["--metrics-addr", "127.0.0.1:0"]);

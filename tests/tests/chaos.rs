@@ -30,7 +30,7 @@ use safetensors::{Dtype, tensor::TensorView};
 use tb_node::{Config, Node, PeerAddr, Ticket, proto::ClusterKey};
 use tb_tests::{
     f32_tensor, pattern,
-    procs::{Proc, bin, free_udp_addr},
+    procs::{Proc, bin, broker_command_at, free_udp_addr},
     test_config,
 };
 
@@ -102,14 +102,13 @@ impl Chaos {
     }
 
     fn spawn_broker(&self, i: usize, listen: std::net::SocketAddr, join: Option<&str>) -> Proc {
-        let mut cmd = Command::new(bin("tb-broker"));
-        cmd.arg("--data-dir")
-            .arg(self.path(&format!("broker-{i}")))
-            .arg("--listen")
-            .arg(listen.to_string())
-            .arg("--cluster-secret-file")
-            .arg(&self.secret)
-            .args(["--liveness-timeout", "2", "--sync-interval", "1"]);
+        let mut cmd = broker_command_at(
+            self.dir.path(),
+            &format!("broker-{i}"),
+            &self.secret,
+            &listen.to_string(),
+        );
+        cmd.args(["--liveness-timeout", "2", "--sync-interval", "1"]);
         if let Some(t) = join {
             cmd.arg("--join").arg(t);
         }
@@ -293,17 +292,20 @@ impl Drop for Chaos {
         if !std::thread::panicking() {
             return;
         }
-        let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.extension().is_some_and(|e| e == "log") {
-                let text = std::fs::read_to_string(&path).unwrap_or_default();
-                let lines: Vec<&str> = text.lines().collect();
-                let tail = lines[lines.len().saturating_sub(40)..].join("\n");
-                eprintln!("--- {} (last 40 lines)\n{tail}", path.display());
-            }
+        print_log_tails(self.dir.path(), 40);
+    }
+}
+
+/// The last `lines` lines of every process's log in `dir` (the temporary dir goes with the
+/// test), for a failure's post-mortem.
+fn print_log_tails(dir: &Path, lines: usize) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "log") {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            let tail = all[all.len().saturating_sub(lines)..].join("\n");
+            eprintln!("--- {} (last {lines} lines)\n{tail}", path.display());
         }
     }
 }
@@ -472,17 +474,13 @@ fn spawn_gossip_broker(
     listen: &str,
     join: Option<&str>,
 ) -> Proc {
-    let mut cmd = Command::new(bin("tb-broker"));
-    cmd.arg("--data-dir")
-        .arg(dir.join(format!("broker-{i}")))
-        .args(["--listen", listen])
-        .arg("--cluster-secret-file")
-        .arg(secret)
-        .args(["--sync-interval", NO_SYNC])
+    let mut cmd = broker_command_at(dir, &format!("broker-{i}"), secret, listen);
+    cmd.args(["--sync-interval", NO_SYNC])
         .args(["--liveness-timeout", &GOSSIP_LIVENESS_S.to_string()]);
     if let Some(t) = join {
         cmd.arg("--join").arg(t);
     }
+    // A log per life: the restarted broker's does not overwrite the killed one's.
     let life = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
@@ -588,19 +586,7 @@ async fn gossip_and_heartbeats_flow_both_ways_after_a_broker_restarts() {
     on0.shutdown().await;
     on1.shutdown().await;
     if !(from_restarted && to_restarted && judged.is_empty()) {
-        for entry in std::fs::read_dir(dir.path())
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let path = entry.path();
-            if path.extension().is_some_and(|e| e == "log") {
-                let text = std::fs::read_to_string(&path).unwrap_or_default();
-                let lines: Vec<&str> = text.lines().collect();
-                let tail = lines[lines.len().saturating_sub(30)..].join("\n");
-                eprintln!("--- {} (last 30 lines)\n{tail}", path.display());
-            }
-        }
+        print_log_tails(dir.path(), 30);
     }
     assert!(
         from_restarted,
