@@ -138,6 +138,9 @@ where
         Ok(done) => return Ok(done),
         Err(handoff) => handoff,
     };
+    if let Some(done) = py.detach(|| spin_polling(rt, &handoff, &mut work)) {
+        return Ok(done);
+    }
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let rx = std::sync::Mutex::new(rx);
     let cancel = CancellationToken::new();
@@ -181,6 +184,54 @@ where
         Poll::Ready(out) => Ok(out),
         Poll::Pending => Err(handoff),
     }
+}
+
+/// Polls `work` again and again on this thread, for at most [`SPIN_LIMIT`] and while this
+/// is the only call the process waits for on a machine of more than one core ([`spin_for`]
+/// says why): its output if it completes meanwhile, else `None` (then the caller parks it,
+/// spawned at once if its waker was woken meanwhile).
+///
+/// The answer to a same-host call is read by these polls straight from the socket (tb-node
+/// reads a socket itself when polled outside the runtime's tasks), so the call completes on
+/// this thread the moment its answer lands. Parked at once, the call waited for a runtime
+/// thread to wake for the answer, run the task and hand the result over: on the 2-core VM,
+/// whose spinning caller, server and woken runtime thread contend for the two cores, that
+/// was most of what a Python caller paid over a Rust one (4 KiB echo, Python to a Rust
+/// server, p50 61-63 µs before; after: see the README's call benchmark).
+fn spin_polling<F>(
+    rt: &Runtime,
+    handoff: &Arc<Handoff>,
+    work: &mut std::pin::Pin<Box<F>>,
+) -> Option<F::Output>
+where
+    F: Future + Send + ?Sized,
+{
+    if cores() < 2 {
+        return None;
+    }
+    let _entered = rt.enter();
+    let waker = Waker::from(handoff.clone());
+    let until = std::time::Instant::now() + SPIN_LIMIT;
+    // Bounded by SPIN_LIMIT.
+    while CALLING.load(Ordering::Acquire) == 1 && std::time::Instant::now() < until {
+        {
+            let mut state = handoff.lock();
+            if let Handing::Woken = *state {
+                *state = Handing::Polling;
+            }
+        }
+        if let Poll::Ready(out) = work.as_mut().poll(&mut Context::from_waker(&waker)) {
+            return Some(out);
+        }
+        std::hint::spin_loop();
+    }
+    None
+}
+
+/// The cores this process may run on (at least 1).
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// How a call's task is cancelled, parked or running: the running task's token, and the
@@ -272,10 +323,8 @@ impl Drop for Calling {
 /// (on 2 cores that doubled a one-caller call's p50); a handler's own sync calls spin as
 /// any caller's do.
 fn spin_for<T>(rx: &std::sync::Mutex<std::sync::mpsc::Receiver<T>>) -> Option<T> {
-    static CORES: OnceLock<usize> = OnceLock::new();
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let alone = || CALLING.load(Ordering::Acquire) == 1;
-    if cores < 2 || !alone() {
+    if cores() < 2 || !alone() {
         return None;
     }
     let rx = rx.lock().unwrap_or_else(|p| p.into_inner());

@@ -163,11 +163,7 @@ impl Reader {
     /// something happened (bytes came, or the peer is gone), `false` when nothing is there
     /// yet (the socket's readiness is cleared).
     fn fill(&mut self, stream: &UnixStream, heard: &AtomicU64) -> bool {
-        let got = stream.try_io(Interest::READABLE, || {
-            rustix::net::recv(stream, self.room(), RecvFlags::empty())
-                .map(|(n, _)| n)
-                .map_err(std::io::Error::from)
-        });
+        let got = recv_polled(stream, self.room());
         match got {
             Ok(0) => self.gone = Some("the peer closed the connection".into()),
             Ok(n) => {
@@ -352,11 +348,13 @@ impl CallRecv {
                     continue;
                 }
             }
-            self.shared
-                .stream()?
-                .readable()
-                .await
-                .map_err(|e| Error::io("reading from a same-host peer", e))?;
+            let stream = self.shared.stream()?;
+            std::future::poll_fn(|cx| match outside_task() && bytes_waiting(stream) {
+                true => std::task::Poll::Ready(Ok(())),
+                false => stream.poll_read_ready(cx),
+            })
+            .await
+            .map_err(|e| Error::io("reading from a same-host peer", e))?;
         }
     }
 
@@ -490,12 +488,7 @@ fn read_direct(
     dest: &mut [u8],
     heard: &AtomicU64,
 ) -> std::result::Result<Option<usize>, String> {
-    let got = stream.try_io(Interest::READABLE, || {
-        rustix::net::recv(stream, &mut *dest, RecvFlags::empty())
-            .map(|(n, _)| n)
-            .map_err(std::io::Error::from)
-    });
-    match got {
+    match recv_polled(stream, dest) {
         Ok(0) => Err("the peer closed the connection".into()),
         Ok(n) => {
             heard.fetch_add(n as u64, Ordering::Relaxed);
@@ -503,6 +496,47 @@ fn read_direct(
         }
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
         Err(e) => Err(format!("reading from a same-host peer: {e}")),
+    }
+}
+
+/// Whether this future is polled by a thread outside the runtime's tasks: a Python thread
+/// that polls its own call while it spins for the answer (`wait_call` in the Python crate).
+/// The runtime's I/O driver learns of the answer's bytes only when a runtime thread wakes
+/// for them, so such a poller looks at the socket itself ([`recv_polled`],
+/// [`bytes_waiting`]): the answer is read the moment it lands, on the thread that waits for
+/// it, with no thread woken in between. A task (every poll on a runtime thread) relies on
+/// the I/O driver's readiness alone, as before.
+fn outside_task() -> bool {
+    tokio::task::try_id().is_none()
+}
+
+/// A non-blocking `recv` into `dest`. Outside a task ([`outside_task`]) the socket is read
+/// whatever the I/O driver has seen; where it holds nothing, and always in a task, the read
+/// goes through `try_io`, which skips the system call while the driver saw nothing and
+/// clears the readiness it cached when the socket turns out empty (so that waiting for
+/// readiness waits).
+fn recv_polled(stream: &UnixStream, dest: &mut [u8]) -> std::io::Result<usize> {
+    let recv = |dest: &mut [u8]| {
+        rustix::net::recv(stream, dest, RecvFlags::DONTWAIT)
+            .map(|(n, _)| n)
+            .map_err(std::io::Error::from)
+    };
+    if outside_task() {
+        match recv(&mut *dest) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            done => return done,
+        }
+    }
+    stream.try_io(Interest::READABLE, || recv(&mut *dest))
+}
+
+/// Whether the socket holds bytes to read, or an end or error to report (a `MSG_PEEK` of one
+/// byte, without blocking).
+fn bytes_waiting(stream: &UnixStream) -> bool {
+    let mut byte = [0u8; 1];
+    match rustix::net::recv(stream, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        Ok(_) => true,
+        Err(e) => e != rustix::io::Errno::AGAIN,
     }
 }
 
@@ -634,6 +668,34 @@ mod tests {
             got.extend_from_slice(&buf[..n]);
         }
         Ok(got)
+    }
+
+    /// A read polled outside the runtime's tasks (a Python thread spinning for its call's
+    /// answer) takes the bytes the socket holds though no thread has run the I/O driver
+    /// since they came; before, it waited for a runtime thread to wake for them.
+    #[test]
+    fn a_read_polled_outside_a_task_takes_bytes_the_driver_has_not_seen() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let _entered = rt.enter();
+        let (_send, mut recv, _rx, theirs) = pair();
+        let mut theirs = theirs.into_std().expect("std socket");
+        theirs.set_nonblocking(false).expect("blocking");
+        std::io::Write::write_all(&mut theirs, &chunk(b"answer")).expect("write");
+        let mut buf = [0u8; 16];
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // A current-thread runtime's driver runs only inside `block_on`: nothing ran it.
+        let polled = std::pin::pin!(recv.read(&mut buf)).as_mut().poll(&mut cx);
+        assert!(
+            matches!(polled, std::task::Poll::Ready(Ok(Some(6)))),
+            "{polled:?}"
+        );
+        assert_eq!(&buf[..6], b"answer");
+        // Nothing more: the next read waits (for the driver, or the next look).
+        let polled = std::pin::pin!(recv.read(&mut buf)).as_mut().poll(&mut cx);
+        assert!(polled.is_pending(), "{polled:?}");
     }
 
     #[tokio::test]
