@@ -289,9 +289,6 @@ pub fn is_lent_name(name: &TensorName) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use bytes::Bytes;
-    use tb_proto::{ContentHash, DType, TensorMeta};
-
     use super::*;
 
     fn peer() -> EndpointId {
@@ -336,21 +333,5 @@ mod tests {
         assert!(again.ended());
         let stored = TensorName::new("model/w").expect("name");
         assert!(loans.peek_if(&me, &stored, |_| Ok::<_, ()>(())).is_none());
-    }
-
-    #[test]
-    fn a_tensor_without_its_hash_is_hashed_before_it_is_trusted() {
-        let bytes = Bytes::from(vec![3u8; 4096]);
-        let zero = TensorMeta::new(DType::U8, vec![4096], ContentHash([0; 32])).expect("meta");
-        let unhashed = Tensor::from_verified(zero, bytes.clone());
-        let hashed = unhashed.hashed().expect("hashes");
-        assert_eq!(hashed.hash(), ContentHash::of(&bytes));
-        assert_eq!(hashed.data(), &bytes);
-        // One with its hash is left as it is.
-        let known = Tensor::from_bytes(bytes.clone());
-        assert_eq!(
-            known.clone().hashed().expect("as it is").hash(),
-            known.hash()
-        );
     }
 }

@@ -450,3 +450,27 @@ fn check_device_len(dtype: DType, shape: &[u64], buffer: &DeviceBuffer) -> Resul
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use tb_proto::{ContentHash, DType, TensorMeta};
+
+    use super::*;
+
+    #[test]
+    fn a_tensor_without_its_hash_is_hashed_before_it_is_trusted() {
+        let bytes = Bytes::from(vec![3u8; 4096]);
+        let zero = TensorMeta::new(DType::U8, vec![4096], ContentHash([0; 32])).expect("meta");
+        let unhashed = Tensor::from_verified(zero, bytes.clone());
+        let hashed = unhashed.hashed().expect("hashes");
+        assert_eq!(hashed.hash(), ContentHash::of(&bytes));
+        assert_eq!(hashed.data(), &bytes);
+        // One with its hash is left as it is.
+        let known = Tensor::from_bytes(bytes.clone());
+        assert_eq!(
+            known.clone().hashed().expect("as it is").hash(),
+            known.hash()
+        );
+    }
+}
