@@ -12,7 +12,7 @@ use crate::{
     array::{OutTarget, Source},
     buffer::Buffer,
     errors::{self, to_py},
-    runtime::{self, limited, start, wait, wait_answer},
+    runtime::{self, limited, start, wait},
     subscription::Subscription,
 };
 
@@ -647,7 +647,7 @@ impl NodeHandle {
         timeout: Option<f64>,
         device: Option<usize>,
     ) -> PyResult<Buffer> {
-        wait_answer(py, self.get_work(name, version, timeout, device)?)?
+        wait(py, self.get_work(name, version, timeout, device)?)?
     }
 
     /// [`get`](Self::get) as an awaitable.
@@ -681,7 +681,7 @@ impl NodeHandle {
         timeout: Option<f64>,
     ) -> PyResult<u64> {
         let work = self.get_into_work(name, out, dtype, shape, version, timeout)?;
-        wait_answer(py, work)?
+        wait(py, work)?
     }
 
     /// [`get_into`](Self::get_into) as an awaitable (cancelling it ends the receive; `out`
@@ -739,7 +739,7 @@ impl NodeHandle {
         version: Option<u64>,
         timeout: Option<f64>,
     ) -> PyResult<SetParts> {
-        wait_answer(py, self.get_set_work(prefix, version, timeout)?)?
+        wait(py, self.get_set_work(prefix, version, timeout)?)?
     }
 
     /// [`get_set`](Self::get_set) as an awaitable.

@@ -197,7 +197,7 @@ where
 /// thread to wake for the answer, run the task and hand the result over: on the 2-core VM,
 /// whose spinning caller, server and woken runtime thread contend for the two cores, that
 /// was most of what a Python caller paid over a Rust one (4 KiB echo, Python to a Rust
-/// server, p50 61-63 µs before, 48-49 µs after).
+/// server, p50 61-63 µs before; after: see the README's call benchmark).
 fn spin_polling<F>(
     rt: &Runtime,
     handoff: &Arc<Handoff>,
@@ -206,77 +206,26 @@ fn spin_polling<F>(
 where
     F: Future + Send + ?Sized,
 {
-    let waker = Waker::from(handoff.clone());
-    let rearm = || {
-        let mut state = handoff.lock();
-        if let Handing::Woken = *state {
-            *state = Handing::Polling;
-        }
-    };
-    spin_polls(rt, &waker, rearm, work.as_mut())
-}
-
-/// Polls `work` with `waker` on this thread (`before` each poll) until it completes or
-/// [`SPIN_LIMIT`] passes, while it is the only call waited for and there is more than one
-/// core: its output, or `None`.
-fn spin_polls<F>(
-    rt: &Runtime,
-    waker: &Waker,
-    before: impl Fn(),
-    mut work: std::pin::Pin<&mut F>,
-) -> Option<F::Output>
-where
-    F: Future + ?Sized,
-{
     if cores() < 2 {
         return None;
     }
     let _entered = rt.enter();
+    let waker = Waker::from(handoff.clone());
     let until = std::time::Instant::now() + SPIN_LIMIT;
     // Bounded by SPIN_LIMIT.
     while CALLING.load(Ordering::Acquire) == 1 && std::time::Instant::now() < until {
-        before();
-        if let Poll::Ready(out) = work.as_mut().poll(&mut Context::from_waker(waker)) {
+        {
+            let mut state = handoff.lock();
+            if let Handing::Woken = *state {
+                *state = Handing::Polling;
+            }
+        }
+        if let Poll::Ready(out) = work.as_mut().poll(&mut Context::from_waker(&waker)) {
             return Some(out);
         }
         std::hint::spin_loop();
     }
     None
-}
-
-/// [`wait`] for a request that answers end: a `get`'s look-up and its bytes. While it is
-/// the only call this process waits for, its future is polled on this thread first, once
-/// and then again and again for at most [`SPIN_LIMIT`] ([`spin_polls`]): an answer on a
-/// same-host socket is read the moment it lands, where `wait` sleeps until a runtime
-/// thread, woken for the answer, wakes this one (a 4 KiB `get` by name of a version held by
-/// another process, 2-core VM, p50 71 -> 38-41 µs, alternating in one process).
-///
-/// `put` and `push` wait as `wait` does: they are what a round trip between two processes
-/// is made of, and both ends spinning at once on two cores slowed it down (a 4 KiB round
-/// trip by name, p50 270-330 -> 400-430 µs, when `put` spun); nor does a wait for what
-/// another process does on its own time (a subscription's next version, a `recv`).
-pub(crate) fn wait_answer<F, T>(py: Python<'_>, fut: F) -> PyResult<T>
-where
-    F: Future<Output = T> + Send,
-    T: Send,
-{
-    let _waiting = Calling::start();
-    let rt = runtime()?;
-    let mut fut = std::pin::pin!(fut);
-    if CALLING.load(Ordering::Acquire) == 1 {
-        let polled = py.detach(|| {
-            let _entered = rt.enter();
-            let mut cx = Context::from_waker(Waker::noop());
-            match fut.as_mut().poll(&mut cx) {
-                Poll::Ready(out) => Some(out),
-                Poll::Pending => spin_polls(rt, Waker::noop(), || (), fut.as_mut()),
-            }
-        });
-        if let Some(done) = polled {
-            return Ok(done);
-        }
-    }
-    wait(py, fut)
 }
 
 /// The cores this process may run on (at least 1).
