@@ -115,12 +115,13 @@ where
 /// [`wait_task`] for a remote call's answer, which the waiting thread first spins for
 /// ([`spin_for`]) while no other thread of this process waits for one.
 ///
-/// A lone call's future is polled once on this thread first (GIL released, as [`start`]
-/// does): its request goes out from here, on the same-host socket straight from this
-/// thread, and only then does the rest move to a runtime task, spawned by whatever wakes it
-/// (the worker whose I/O driver saw the answer) on that worker. Spawning it at once, as
-/// [`wait_task`] does, first woke a worker to write the request: a wake-up more per call
-/// (4 KiB echo from Python to Python on the 2-core VM, p50 90-93 -> 82-90 µs). Calls made
+/// A lone call's future is polled on this thread first (GIL released, as [`start`] does):
+/// its request goes out from here, on the same-host socket straight from this thread, and
+/// it is polled again while the thread spins ([`spin_polling`]), which reads the answer
+/// here. Only a call still waiting after that moves to a runtime task, spawned by whatever
+/// wakes it (the worker whose I/O driver saw the answer) on that worker. Spawning it at
+/// once, as [`wait_task`] does, first woke a worker to write the request: a wake-up more per
+/// call (4 KiB echo from Python to Python on the 2-core VM, p50 90-93 -> 82-90 µs). Calls made
 /// while others wait are spawned at once: 64 threads each writing their own requests made
 /// 15-20% fewer calls/s than a worker writing them all.
 pub(crate) fn wait_call<F, T>(py: Python<'_>, fut: F) -> PyResult<T>
@@ -197,7 +198,9 @@ where
 /// thread to wake for the answer, run the task and hand the result over: on the 2-core VM,
 /// whose spinning caller, server and woken runtime thread contend for the two cores, that
 /// was most of what a Python caller paid over a Rust one (4 KiB echo, Python to a Rust
-/// server, p50 61-63 µs before; after: see the README's call benchmark).
+/// server, p50 60-77 -> 46-48 µs; Python to Python 84-90 -> 58-69 µs). The call's future
+/// is polled here only while it spins: a call still waiting after [`SPIN_LIMIT`] is parked
+/// and ends on a runtime thread as before.
 fn spin_polling<F>(
     rt: &Runtime,
     handoff: &Arc<Handoff>,
