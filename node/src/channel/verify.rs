@@ -48,34 +48,39 @@ pub(crate) enum VerifyError {
     },
 }
 
-/// Batches at least this large are hashed on the blake3 crate's rayon pool (below it the
-/// hand-off costs more than a second core wins).
+/// Payloads at least this large are hashed on several threads (below it the hand-off costs
+/// more than a second core wins).
 const RAYON_MIN: usize = 512 << 10;
 
-/// The BLAKE3 hash of `bytes`, on every core for large payloads (the rayon pool). It blocks
-/// for as long as hashing takes: call it off the async threads, or on payloads whose hashing
-/// the caller accounts for.
+/// The BLAKE3 hash of `bytes`, on every core for large payloads ([`leaves_shared`]). It
+/// blocks for as long as hashing takes: call it off the async threads, or on payloads whose
+/// hashing the caller accounts for.
 pub(crate) fn hash_all(bytes: &[u8]) -> ContentHash {
     if bytes.len() < RAYON_MIN {
         return ContentHash::of(bytes);
     }
-    let mut hasher = blake3::Hasher::new();
-    hasher.update_rayon(bytes);
-    hasher.finalize().into()
+    let leaves: Vec<&[u8]> = bytes.chunks(COPY_LEAF).collect();
+    let hashed = leaves_shared(bytes.len(), |i| {
+        Ok::<_, std::convert::Infallible>(leaf_cv(leaves[i], i))
+    });
+    match hashed {
+        Ok(hash) => hash,
+        Err(never) => match never {},
+    }
 }
 
-/// Bytes each task of [`copy_and_hash`] copies and then hashes while they are still in its
-/// core's cache: a power of two, so every piece of the split is a whole BLAKE3 subtree.
-/// Measured on the 2-core development VM (a warm 256 MiB Python `put` against BLAKE3 alone
-/// on both cores, 10 passes each, leaf sizes alternating): 32 KiB 0.71-0.81x, 64 KiB
-/// 0.76-0.84x, 128 KiB 0.81-0.86x, 256 KiB 0.79-0.85x, 512 KiB 0.75-0.80x.
+/// Bytes each thread of [`copy_and_hash`] copies and then hashes while they are still in its
+/// core's cache: a power of two, so every leaf is a whole BLAKE3 subtree. Measured on the
+/// 2-core development VM (a warm 256 MiB Python `put` against BLAKE3 alone on both cores, 10
+/// passes each, leaf sizes alternating): 32 KiB 0.71-0.81x, 64 KiB 0.76-0.84x, 128 KiB
+/// 0.81-0.86x, 256 KiB 0.79-0.85x, 512 KiB 0.75-0.80x.
 const COPY_LEAF: usize = 128 << 10;
 
 /// Copies `src` into `dst` (the same length) and returns the BLAKE3 hash of the copy, in one
-/// pass over the bytes on every core (the rayon pool): the input is split along the BLAKE3
-/// tree, and each leaf of [`COPY_LEAF`] bytes is copied, then hashed from the copy while it
-/// is hot in cache, the chaining values merged up the tree. What is hashed is what was
-/// written, even if `src` changes meanwhile. Blocks like [`hash_all`].
+/// pass over the bytes on every core: each leaf of [`COPY_LEAF`] bytes is copied, then hashed
+/// from the copy while it is hot in cache ([`leaves_shared`]), and the leaves' chaining values
+/// are merged up the tree. What is hashed is what was written, even if `src` changes
+/// meanwhile. Blocks like [`hash_all`].
 ///
 /// # Panics
 /// If the lengths differ (a caller's bug).
@@ -85,35 +90,126 @@ pub(crate) fn copy_and_hash(src: &[u8], dst: &mut [u8]) -> ContentHash {
         dst.copy_from_slice(src);
         return ContentHash::of(dst);
     }
-    // Larger than one chunk: the root has two children.
-    let left = left_subtree_len(src.len() as u64) as usize;
-    let (src_l, src_r) = src.split_at(left);
-    let (dst_l, dst_r) = dst.split_at_mut(left);
-    let (l, r) = rayon_core::join(
-        || copy_hash_subtree(src_l, dst_l, 0),
-        || copy_hash_subtree(src_r, dst_r, left as u64),
-    );
-    merge_subtrees_root(&l, &r, Mode::Hash).into()
+    // Each leaf's destination, taken by the one thread that claims the leaf.
+    let dsts: Vec<std::sync::Mutex<&mut [u8]>> = dst
+        .chunks_mut(COPY_LEAF)
+        .map(std::sync::Mutex::new)
+        .collect();
+    let hashed = leaves_shared(src.len(), |i| {
+        let mut dst = dsts[i].lock().unwrap_or_else(|p| p.into_inner());
+        let n = dst.len();
+        dst.copy_from_slice(&src[i * COPY_LEAF..][..n]);
+        Ok::<_, std::convert::Infallible>(leaf_cv(&dst, i))
+    });
+    match hashed {
+        Ok(hash) => hash,
+        Err(never) => match never {},
+    }
 }
 
-/// The chaining value of the subtree of `src` that starts at `offset` of the payload,
-/// copying it into `dst` on the way (see [`copy_and_hash`]).
-fn copy_hash_subtree(src: &[u8], dst: &mut [u8], offset: u64) -> ChainingValue {
-    if src.len() <= COPY_LEAF {
-        dst.copy_from_slice(src);
-        let mut hasher = blake3::Hasher::new();
-        hasher.set_input_offset(offset);
-        hasher.update(dst);
-        return hasher.finalize_non_root();
+/// The chaining value of leaf `index` ([`COPY_LEAF`] bytes each) of a larger payload.
+fn leaf_cv(leaf: &[u8], index: usize) -> ChainingValue {
+    let mut hasher = blake3::Hasher::new();
+    hasher.set_input_offset((index * COPY_LEAF) as u64);
+    hasher.update(leaf);
+    hasher.finalize_non_root()
+}
+
+/// How long the thread that hashes a payload spins at its end for helpers still on their
+/// last leaf (a leaf takes ~10-15 µs on the development VM), before it sleeps until they end.
+const HELPERS_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// The BLAKE3 hash of a payload of `len` bytes (more than one [`COPY_LEAF`]) whose leaf `i`
+/// has the chaining value `leaf(i)` (computed as the caller likes: copied on the way, written
+/// to a file), the leaves shared between this thread and the pool's threads (the blake3
+/// crate's rayon pool), then merged up the BLAKE3 tree.
+///
+/// This thread works from the first leaf on, while up to one fewer helpers than the pool has
+/// threads join as they wake, each taking the next leaf nobody took. A `rayon_core::join`
+/// from a thread outside the pool, as before, moved all of the work into the pool: this
+/// thread slept while a pool thread woke, and was woken when the pool ended, two wake-ups on
+/// the way of every put and receive of half a MiB or more (on a VM whose idle cores halt,
+/// each one costs tens of µs: a 1 MiB Python `put` on the 2-core VM went from 177-183 to
+/// 129-130 µs p50). At its end this thread spins briefly for helpers still on a leaf, so
+/// that the scope's end rarely sleeps. A leaf's error is returned once every claimed leaf
+/// ended; no leaf is claimed after it.
+fn leaves_shared<E: Send + Sync>(
+    len: usize,
+    leaf: impl Fn(usize) -> Result<ChainingValue, E> + Sync,
+) -> Result<ContentHash, E> {
+    use std::sync::{
+        OnceLock,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    };
+    let count = len.div_ceil(COPY_LEAF);
+    debug_assert!(count > 1, "leaves_shared: one leaf is hashed on its own");
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let cvs: Vec<OnceLock<Result<ChainingValue, E>>> =
+        (0..count).map(|_| OnceLock::new()).collect();
+    // Bounded by `count`: each round claims a leaf or ends.
+    let work = || {
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= count {
+                return;
+            }
+            let cv = leaf(i);
+            if cv.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            }
+            let _ = cvs[i].set(cv);
+        }
+    };
+    // This thread takes the place of one of the pool's (none on one core).
+    let helpers = rayon_core::current_num_threads()
+        .saturating_sub(1)
+        .min(count - 1);
+    let ended = AtomicUsize::new(0);
+    rayon_core::in_place_scope(|scope| {
+        for _ in 0..helpers {
+            scope.spawn(|_| {
+                work();
+                ended.fetch_add(1, Ordering::Release);
+            });
+        }
+        work();
+        let until = std::time::Instant::now() + HELPERS_SPIN;
+        // Bounded by HELPERS_SPIN.
+        while ended.load(Ordering::Acquire) < helpers && std::time::Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    });
+    // Every leaf was claimed and ended (the scope waited for its helpers) unless one failed.
+    let mut leaves = Vec::with_capacity(count);
+    for cv in cvs {
+        match cv.into_inner() {
+            Some(Ok(cv)) => leaves.push(cv),
+            Some(Err(e)) => return Err(e),
+            None => {}
+        }
     }
-    let left = left_subtree_len(src.len() as u64) as usize;
-    let (src_l, src_r) = src.split_at(left);
-    let (dst_l, dst_r) = dst.split_at_mut(left);
-    let (l, r) = rayon_core::join(
-        || copy_hash_subtree(src_l, dst_l, offset),
-        || copy_hash_subtree(src_r, dst_r, offset + left as u64),
-    );
-    merge_subtrees_non_root(&l, &r, Mode::Hash)
+    debug_assert_eq!(leaves.len(), count, "leaves_shared: a leaf was left out");
+    let left = left_subtree_len(len as u64);
+    let split = (left as usize) / COPY_LEAF;
+    let l = merged(&leaves[..split], left);
+    let r = merged(&leaves[split..], len as u64 - left);
+    Ok(merge_subtrees_root(&l, &r, Mode::Hash).into())
+}
+
+/// The chaining value of the subtree of `len` bytes whose leaves' chaining values are
+/// `leaves` (each a whole [`COPY_LEAF`] but the last).
+fn merged(leaves: &[ChainingValue], len: u64) -> ChainingValue {
+    if leaves.len() == 1 {
+        return leaves[0];
+    }
+    let left = left_subtree_len(len);
+    let split = (left as usize) / COPY_LEAF;
+    merge_subtrees_non_root(
+        &merged(&leaves[..split], left),
+        &merged(&leaves[split..], len - left),
+        Mode::Hash,
+    )
 }
 
 /// Copies `src` into the file `fd` from offset 0 with `pwrite` and returns the BLAKE3 hash of
@@ -131,38 +227,11 @@ pub(crate) fn copy_and_hash_to_fd(
     if src.len() <= COPY_LEAF {
         return write_leaf(src, fd, 0, ContentHash::of);
     }
-    let left = left_subtree_len(src.len() as u64) as usize;
-    let (src_l, src_r) = src.split_at(left);
-    let (l, r) = rayon_core::join(
-        || fd_subtree(src_l, fd, 0),
-        || fd_subtree(src_r, fd, left as u64),
-    );
-    Ok(merge_subtrees_root(&l?, &r?, Mode::Hash).into())
-}
-
-/// The chaining value of the subtree of `src` written at `offset` of `fd` (see
-/// [`copy_and_hash_to_fd`]).
-#[cfg(target_os = "linux")]
-fn fd_subtree(
-    src: &[u8],
-    fd: std::os::fd::BorrowedFd<'_>,
-    offset: u64,
-) -> std::io::Result<ChainingValue> {
-    if src.len() <= COPY_LEAF {
-        return write_leaf(src, fd, offset, |leaf| {
-            let mut hasher = blake3::Hasher::new();
-            hasher.set_input_offset(offset);
-            hasher.update(leaf);
-            hasher.finalize_non_root()
-        });
-    }
-    let left = left_subtree_len(src.len() as u64) as usize;
-    let (src_l, src_r) = src.split_at(left);
-    let (l, r) = rayon_core::join(
-        || fd_subtree(src_l, fd, offset),
-        || fd_subtree(src_r, fd, offset + left as u64),
-    );
-    Ok(merge_subtrees_non_root(&l?, &r?, Mode::Hash))
+    leaves_shared(src.len(), |i| {
+        let leaf = &src[i * COPY_LEAF..];
+        let leaf = &leaf[..leaf.len().min(COPY_LEAF)];
+        write_leaf(leaf, fd, (i * COPY_LEAF) as u64, |bytes| leaf_cv(bytes, i))
+    })
 }
 
 /// Copies one leaf (at most [`COPY_LEAF`] bytes) into this thread's buffer, hashes it with
@@ -765,6 +834,7 @@ mod tests {
             let hash = copy_and_hash(&src, &mut dst);
             assert!(dst == src, "len {len}: copy differs");
             assert_eq!(hash, ContentHash::of(&src), "len {len}: hash differs");
+            assert_eq!(hash_all(&src), hash, "len {len}: hash_all differs");
             #[cfg(target_os = "linux")]
             {
                 // The same into a file, written with pwrite: the file holds `src`, hashed.
@@ -779,6 +849,23 @@ mod tests {
                 assert_eq!(read, len, "len {len}: file length");
                 assert!(back == src, "len {len}: file bytes differ");
             }
+        }
+    }
+
+    /// A leaf that fails (here: `pwrite` to a socket) fails the whole copy with its error, on
+    /// whichever thread it ran, after the other leaves ended; nothing panics.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_failed_leaf_fails_the_copy_with_its_error() {
+        let (writer, _reader) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+        for len in [RAYON_MIN, 9 << 20] {
+            let src = vec![5u8; len];
+            let err = copy_and_hash_to_fd(&src, std::os::fd::AsFd::as_fd(&writer))
+                .expect_err("a socket has no offsets");
+            assert_eq!(
+                err.raw_os_error(),
+                Some(rustix::io::Errno::SPIPE.raw_os_error())
+            );
         }
     }
 }
