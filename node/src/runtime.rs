@@ -10,6 +10,21 @@
 //! round trip by name from ~300 to ~240 µs, and QUIC moved as much (pulls of 64 MiB: 917
 //! against 739 MB/s): the heavy byte work is not on the workers.
 
+/// Polls `fut` as a thread that spins for its answer does: same-host sockets it waits on are
+/// read by this poll itself, whatever the runtime's I/O driver has seen (a `MSG_PEEK`, then a
+/// `recv`), so an answer that landed is taken now, on this thread, not after a runtime
+/// thread woke for it. Also says whether the poll, left pending, waits on such a socket (so
+/// that polling again soon may find its answer); a future that waits on anything else (a
+/// QUIC stream, a channel) makes progress only when its waker is woken, and is best polled
+/// then. For a thread outside the runtime's tasks, in the runtime's context (the Python
+/// package's lone blocking calls).
+pub fn poll_reading_sockets<F: std::future::Future + ?Sized>(
+    fut: std::pin::Pin<&mut F>,
+    cx: &mut std::task::Context<'_>,
+) -> (std::task::Poll<F::Output>, bool) {
+    crate::channel::reading_sockets(|| fut.poll(cx))
+}
+
 /// The environment variable that sets the number of runtime worker threads.
 pub const RUNTIME_THREADS_ENV: &str = "TB_RUNTIME_THREADS";
 

@@ -157,7 +157,8 @@ where
     }));
     // Dropped on every return: a Ctrl-C drops the call's future, parked or running.
     let _cancel = CancelOnDrop(Cancel { cancel, handoff });
-    receive(py, &rx, true)
+    // It spun for its SPIN_LIMIT already (or was not to spin at all).
+    receive(py, &rx, false)
 }
 
 /// Polls `work` once on this thread, the GIL released, in the runtime's context: its
@@ -187,20 +188,22 @@ where
     }
 }
 
-/// Polls `work` again and again on this thread, for at most [`SPIN_LIMIT`] and while this
-/// is the only call the process waits for on a machine of more than one core ([`spin_for`]
-/// says why): its output if it completes meanwhile, else `None` (then the caller parks it,
+/// Polls `work` on this thread while it spins, for at most [`SPIN_LIMIT`] and while this is
+/// the only call the process waits for on a machine of more than one core ([`spin_for`] says
+/// why): its output if it completes meanwhile, else `None` (then the caller parks it,
 /// spawned at once if its waker was woken meanwhile).
 ///
-/// The answer to a same-host call is read by these polls straight from the socket (tb-node
-/// reads a socket itself when polled outside the runtime's tasks), so the call completes on
-/// this thread the moment its answer lands. Parked at once, the call waited for a runtime
-/// thread to wake for the answer, run the task and hand the result over: on the 2-core VM,
-/// whose spinning caller, server and woken runtime thread contend for the two cores, that
-/// was most of what a Python caller paid over a Rust one (4 KiB echo, Python to a Rust
-/// server, p50 60-77 -> 46-48 µs; Python to Python 84-90 -> 58-69 µs). The call's future
-/// is polled here only while it spins: a call still waiting after [`SPIN_LIMIT`] is parked
-/// and ends on a runtime thread as before.
+/// Each poll reads the same-host sockets the call waits on itself
+/// (`tb_node::runtime::poll_reading_sockets`), so the call completes on this thread the
+/// moment its answer lands. Parked at once, the call waited for a runtime thread to wake for
+/// the answer, run the task and hand the result over: on the 2-core VM, whose spinning
+/// caller, server and woken runtime thread contend for the two cores, that was most of what
+/// a Python caller paid over a Rust one (4 KiB echo, Python to a Rust server, p50 60-77 ->
+/// 46-48 µs; Python to Python 84-90 -> 58-69 µs). A call that waits on anything else (a
+/// QUIC stream to another host) is polled again only when its waker was woken: polling a
+/// QUIC stream takes its connection's lock, which the endpoint's task needs to bring the
+/// answer in. A call still waiting after [`SPIN_LIMIT`] is parked and ends on a runtime
+/// thread as before.
 fn spin_polling<F>(
     rt: &Runtime,
     handoff: &Arc<Handoff>,
@@ -215,16 +218,25 @@ where
     let _entered = rt.enter();
     let waker = Waker::from(handoff.clone());
     let until = std::time::Instant::now() + SPIN_LIMIT;
+    // The first poll (`poll_here`) wrote the request; look at its socket from the start.
+    let mut on_socket = true;
     // Bounded by SPIN_LIMIT.
     while CALLING.load(Ordering::Acquire) == 1 && std::time::Instant::now() < until {
-        {
+        let woken = {
             let mut state = handoff.lock();
-            if let Handing::Woken = *state {
+            let woken = matches!(*state, Handing::Woken);
+            if woken {
                 *state = Handing::Polling;
             }
-        }
-        if let Poll::Ready(out) = work.as_mut().poll(&mut Context::from_waker(&waker)) {
-            return Some(out);
+            woken
+        };
+        if woken || on_socket {
+            let mut cx = Context::from_waker(&waker);
+            let (polled, waits) = tb_node::runtime::poll_reading_sockets(work.as_mut(), &mut cx);
+            if let Poll::Ready(out) = polled {
+                return Some(out);
+            }
+            on_socket = waits;
         }
         std::hint::spin_loop();
     }

@@ -50,11 +50,17 @@ pub(crate) use shm::{
     CallRecv, CallSend, INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute,
     ShmStream, ShmWatch, WatchOffer, ctl::exchange as shm_ctl_exchange,
     ctl::open_subscription as shm_open_subscription, ctl::read_event as shm_read_event,
-    memfds_work, open_socket_request,
+    memfds_work, open_socket_request, reading_sockets,
 };
 #[cfg(target_os = "linux")]
 pub use shm::{ChunksRead, force_map_failures_for_tests, frame_chunks, read_chunks};
 pub(crate) use tcp::{Tcp, TcpRoute, serve_ticket};
+
+/// Without same-host sockets there is nothing to read: `poll` runs as it is.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn reading_sockets<T>(poll: impl FnOnce() -> T) -> (T, bool) {
+    (poll(), false)
+}
 
 use crate::{
     LinkGuard,

@@ -130,9 +130,10 @@ const HELPERS_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 /// thread slept while a pool thread woke, and was woken when the pool ended, two wake-ups on
 /// the way of every put and receive of half a MiB or more (on a VM whose idle cores halt,
 /// each one costs tens of µs: a 1 MiB Python `put` on the 2-core VM went from 177-183 to
-/// 129-130 µs p50). At its end this thread spins briefly for helpers still on a leaf, so
-/// that the scope's end rarely sleeps. A leaf's error is returned once every claimed leaf
-/// ended; no leaf is claimed after it.
+/// 129-130 µs p50). At its end this thread spins briefly for helpers that started and are
+/// still on a leaf, so that the scope's end rarely sleeps. Below [`RAYON_MIN`] every leaf
+/// is done here, one after another. A leaf's error is returned once every claimed leaf
+/// ended; few are claimed after it.
 fn leaves_shared<E: Send + Sync>(
     len: usize,
     leaf: impl Fn(usize) -> Result<ChainingValue, E> + Sync,
@@ -143,6 +144,10 @@ fn leaves_shared<E: Send + Sync>(
     };
     let count = len.div_ceil(COPY_LEAF);
     debug_assert!(count > 1, "leaves_shared: one leaf is hashed on its own");
+    if len < RAYON_MIN {
+        let leaves = (0..count).map(&leaf).collect::<Result<Vec<_>, E>>()?;
+        return Ok(root_of(&leaves, len));
+    }
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let cvs: Vec<OnceLock<Result<ChainingValue, E>>> =
@@ -165,18 +170,27 @@ fn leaves_shared<E: Send + Sync>(
     let helpers = rayon_core::current_num_threads()
         .saturating_sub(1)
         .min(count - 1);
-    let ended = AtomicUsize::new(0);
+    let (started, ended) = (AtomicUsize::new(0), AtomicUsize::new(0));
     rayon_core::in_place_scope(|scope| {
         for _ in 0..helpers {
             scope.spawn(|_| {
+                started.fetch_add(1, Ordering::Relaxed);
                 work();
                 ended.fetch_add(1, Ordering::Release);
             });
         }
         work();
+        // Only for helpers at work, and never on a pool thread (whose wait runs its own
+        // queued helpers): one not started yet may wait behind other work for long.
+        if rayon_core::current_thread_index().is_some() {
+            return;
+        }
         let until = std::time::Instant::now() + HELPERS_SPIN;
         // Bounded by HELPERS_SPIN.
-        while ended.load(Ordering::Acquire) < helpers && std::time::Instant::now() < until {
+        while started.load(Ordering::Relaxed) == helpers
+            && ended.load(Ordering::Acquire) < helpers
+            && std::time::Instant::now() < until
+        {
             std::hint::spin_loop();
         }
     });
@@ -190,11 +204,17 @@ fn leaves_shared<E: Send + Sync>(
         }
     }
     debug_assert_eq!(leaves.len(), count, "leaves_shared: a leaf was left out");
+    Ok(root_of(&leaves, len))
+}
+
+/// The root hash of `len` bytes (more than one leaf) whose leaves' chaining values are
+/// `leaves`.
+fn root_of(leaves: &[ChainingValue], len: usize) -> ContentHash {
     let left = left_subtree_len(len as u64);
     let split = (left as usize) / COPY_LEAF;
     let l = merged(&leaves[..split], left);
     let r = merged(&leaves[split..], len as u64 - left);
-    Ok(merge_subtrees_root(&l, &r, Mode::Hash).into())
+    merge_subtrees_root(&l, &r, Mode::Hash).into()
 }
 
 /// The chaining value of the subtree of `len` bytes whose leaves' chaining values are

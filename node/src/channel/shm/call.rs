@@ -349,9 +349,17 @@ impl CallRecv {
                 }
             }
             let stream = self.shared.stream()?;
-            std::future::poll_fn(|cx| match outside_task() && bytes_waiting(stream) {
-                true => std::task::Poll::Ready(Ok(())),
-                false => stream.poll_read_ready(cx),
+            // `poll_read_ready` keeps one waker for the socket's reads: only this half reads
+            // with it (`stopped` waits with `ready`, which does not take that place).
+            std::future::poll_fn(|cx| {
+                if !outside_task() {
+                    return stream.poll_read_ready(cx);
+                }
+                if bytes_waiting(stream) {
+                    return std::task::Poll::Ready(Ok(()));
+                }
+                WAITED.set(true);
+                stream.poll_read_ready(cx)
             })
             .await
             .map_err(|e| Error::io("reading from a same-host peer", e))?;
@@ -499,19 +507,38 @@ fn read_direct(
     }
 }
 
-/// Whether this future is polled by a thread outside the runtime's tasks: a Python thread
-/// that polls its own call while it spins for the answer (`wait_call` in the Python crate).
-/// The runtime's I/O driver learns of the answer's bytes only when a runtime thread wakes
-/// for them, so such a poller looks at the socket itself ([`recv_polled`],
-/// [`bytes_waiting`]): the answer is read the moment it lands, on the thread that waits for
-/// it, with no thread woken in between. A task (every poll on a runtime thread) relies on
-/// the I/O driver's readiness alone, as before.
-fn outside_task() -> bool {
-    tokio::task::try_id().is_none()
+thread_local! {
+    /// Set while [`reading_sockets`] polls on this thread.
+    static READING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set when a read polled by [`reading_sockets`] was left waiting on its socket.
+    static WAITED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// A non-blocking `recv` into `dest`. Outside a task ([`outside_task`]) the socket is read
-/// whatever the I/O driver has seen; where it holds nothing, and always in a task, the read
+/// Runs `poll` (one poll of a future) with this thread reading same-host sockets itself
+/// ([`outside_task`]): what it returns, and whether a read was left waiting on a socket
+/// (see `tb_node::runtime::poll_reading_sockets`).
+pub(crate) fn reading_sockets<T>(poll: impl FnOnce() -> T) -> (T, bool) {
+    READING.set(true);
+    WAITED.set(false);
+    let out = poll();
+    READING.set(false);
+    (out, WAITED.replace(false))
+}
+
+/// Whether this poll comes from a thread that reads sockets itself ([`reading_sockets`]: a
+/// Python thread polling its own call while it spins for the answer). The runtime's I/O
+/// driver learns of the answer's bytes only when a runtime thread wakes for them, so such a
+/// poller looks at the socket itself ([`recv_polled`], [`bytes_waiting`]): the answer is
+/// read the moment it lands, on the thread that waits for it. The runtime thread the
+/// driver wakes for the same bytes still runs, but off the call's way. Every other poll
+/// relies on the I/O driver's readiness alone.
+fn outside_task() -> bool {
+    READING.get()
+}
+
+/// A non-blocking `recv` into `dest`. For a poller that reads sockets itself
+/// ([`outside_task`]) the socket is read whatever the I/O driver has seen; where it holds
+/// nothing, and for every other poll, the read
 /// goes through `try_io`, which skips the system call while the driver saw nothing and
 /// clears the readiness it cached when the socket turns out empty (so that waiting for
 /// readiness waits).
@@ -670,11 +697,11 @@ mod tests {
         Ok(got)
     }
 
-    /// A read polled outside the runtime's tasks (a Python thread spinning for its call's
-    /// answer) takes the bytes the socket holds though no thread has run the I/O driver
-    /// since they came; before, it waited for a runtime thread to wake for them.
+    /// A read polled by a thread that reads sockets itself (a Python thread spinning for its
+    /// call's answer) takes the bytes the socket holds though no thread has run the I/O
+    /// driver since they came; any other poll waits for a runtime thread to wake for them.
     #[test]
-    fn a_read_polled_outside_a_task_takes_bytes_the_driver_has_not_seen() {
+    fn a_read_polled_by_a_spinning_thread_takes_bytes_the_driver_has_not_seen() {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -686,16 +713,26 @@ mod tests {
         std::io::Write::write_all(&mut theirs, &chunk(b"answer")).expect("write");
         let mut buf = [0u8; 16];
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        // A current-thread runtime's driver runs only inside `block_on`: nothing ran it.
-        let polled = std::pin::pin!(recv.read(&mut buf)).as_mut().poll(&mut cx);
-        assert!(
-            matches!(polled, std::task::Poll::Ready(Ok(Some(6)))),
-            "{polled:?}"
-        );
+        // Polled as any task is, the read waits for the I/O driver, which a current-thread
+        // runtime runs only inside `block_on`: nothing ran it.
+        {
+            let mut read = std::pin::pin!(recv.read(&mut buf));
+            let polled = read.as_mut().poll(&mut cx);
+            assert!(polled.is_pending(), "{polled:?}");
+            // Polled by a thread that reads sockets itself, it takes the bytes.
+            let (polled, waited) = reading_sockets(|| read.as_mut().poll(&mut cx));
+            assert!(
+                matches!(polled, std::task::Poll::Ready(Ok(Some(6)))),
+                "{polled:?}"
+            );
+            assert!(!waited);
+        }
         assert_eq!(&buf[..6], b"answer");
-        // Nothing more: the next read waits (for the driver, or the next look).
-        let polled = std::pin::pin!(recv.read(&mut buf)).as_mut().poll(&mut cx);
+        // Nothing more: the next read waits, and says it waits on its socket.
+        let mut read = std::pin::pin!(recv.read(&mut buf));
+        let (polled, waited) = reading_sockets(|| read.as_mut().poll(&mut cx));
         assert!(polled.is_pending(), "{polled:?}");
+        assert!(waited, "a read left waiting on its socket says so");
     }
 
     #[tokio::test]

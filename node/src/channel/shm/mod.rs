@@ -58,7 +58,7 @@ use bytes::Bytes;
 use iroh::EndpointId;
 use tb_proto::{Access, ChannelOffer, ContentHash, TensorMeta, channel::SHM_SOCKET_NAME_LEN};
 
-pub(crate) use call::{CallRecv, CallSend, open_socket_request};
+pub(crate) use call::{CallRecv, CallSend, open_socket_request, reading_sockets};
 pub use call::{ChunksRead, frame_chunks, read_chunks};
 pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionFill, RegionWriter};
