@@ -59,9 +59,8 @@ pub(crate) fn hash_all(bytes: &[u8]) -> ContentHash {
     if bytes.len() < RAYON_MIN {
         return ContentHash::of(bytes);
     }
-    let leaves: Vec<&[u8]> = bytes.chunks(COPY_LEAF).collect();
     let hashed = leaves_shared(bytes.len(), |i| {
-        Ok::<_, std::convert::Infallible>(leaf_cv(leaves[i], i))
+        Ok::<_, std::convert::Infallible>(leaf_cv(leaf_of(bytes, i), i))
     });
     match hashed {
         Ok(hash) => hash,
@@ -97,14 +96,19 @@ pub(crate) fn copy_and_hash(src: &[u8], dst: &mut [u8]) -> ContentHash {
         .collect();
     let hashed = leaves_shared(src.len(), |i| {
         let mut dst = dsts[i].lock().unwrap_or_else(|p| p.into_inner());
-        let n = dst.len();
-        dst.copy_from_slice(&src[i * COPY_LEAF..][..n]);
+        dst.copy_from_slice(leaf_of(src, i));
         Ok::<_, std::convert::Infallible>(leaf_cv(&dst, i))
     });
     match hashed {
         Ok(hash) => hash,
         Err(never) => match never {},
     }
+}
+
+/// Leaf `index` of `bytes` ([`COPY_LEAF`] bytes, or what is left).
+fn leaf_of(bytes: &[u8], index: usize) -> &[u8] {
+    let rest = &bytes[index * COPY_LEAF..];
+    &rest[..rest.len().min(COPY_LEAF)]
 }
 
 /// The chaining value of leaf `index` ([`COPY_LEAF`] bytes each) of a larger payload.
@@ -142,11 +146,11 @@ fn leaves_shared<E: Send + Sync>(
         OnceLock,
         atomic::{AtomicBool, AtomicUsize, Ordering},
     };
-    let count = len.div_ceil(COPY_LEAF);
-    debug_assert!(count > 1, "leaves_shared: one leaf is hashed on its own");
+    let leaves = Pieces::leaves(len as u64);
+    let count = leaves.ranges.len();
     if len < RAYON_MIN {
-        let leaves = (0..count).map(&leaf).collect::<Result<Vec<_>, E>>()?;
-        return Ok(root_of(&leaves, len));
+        let values = (0..count).map(&leaf).collect::<Result<Vec<_>, E>>()?;
+        return Ok(leaves.root_from(&values));
     }
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -194,42 +198,17 @@ fn leaves_shared<E: Send + Sync>(
             std::hint::spin_loop();
         }
     });
-    // Every leaf was claimed and ended (the scope waited for its helpers) unless one failed.
-    let mut leaves = Vec::with_capacity(count);
-    for cv in cvs {
-        match cv.into_inner() {
-            Some(Ok(cv)) => leaves.push(cv),
-            Some(Err(e)) => return Err(e),
-            None => {}
-        }
+    // Leaves are claimed in order, so a failed one comes before any that nobody took; with
+    // none failed, every leaf was taken and ended (the scope waited for its helpers), but one
+    // missing would be done here rather than hashed wrong.
+    let mut values = Vec::with_capacity(count);
+    for (i, cv) in cvs.into_iter().enumerate() {
+        values.push(match cv.into_inner() {
+            Some(cv) => cv?,
+            None => leaf(i)?,
+        });
     }
-    debug_assert_eq!(leaves.len(), count, "leaves_shared: a leaf was left out");
-    Ok(root_of(&leaves, len))
-}
-
-/// The root hash of `len` bytes (more than one leaf) whose leaves' chaining values are
-/// `leaves`.
-fn root_of(leaves: &[ChainingValue], len: usize) -> ContentHash {
-    let left = left_subtree_len(len as u64);
-    let split = (left as usize) / COPY_LEAF;
-    let l = merged(&leaves[..split], left);
-    let r = merged(&leaves[split..], len as u64 - left);
-    merge_subtrees_root(&l, &r, Mode::Hash).into()
-}
-
-/// The chaining value of the subtree of `len` bytes whose leaves' chaining values are
-/// `leaves` (each a whole [`COPY_LEAF`] but the last).
-fn merged(leaves: &[ChainingValue], len: u64) -> ChainingValue {
-    if leaves.len() == 1 {
-        return leaves[0];
-    }
-    let left = left_subtree_len(len);
-    let split = (left as usize) / COPY_LEAF;
-    merge_subtrees_non_root(
-        &merged(&leaves[..split], left),
-        &merged(&leaves[split..], len - left),
-        Mode::Hash,
-    )
+    Ok(leaves.root_from(&values))
 }
 
 /// Copies `src` into the file `fd` from offset 0 with `pwrite` and returns the BLAKE3 hash of
@@ -248,9 +227,8 @@ pub(crate) fn copy_and_hash_to_fd(
         return write_leaf(src, fd, 0, ContentHash::of);
     }
     leaves_shared(src.len(), |i| {
-        let leaf = &src[i * COPY_LEAF..];
-        let leaf = &leaf[..leaf.len().min(COPY_LEAF)];
-        write_leaf(leaf, fd, (i * COPY_LEAF) as u64, |bytes| leaf_cv(bytes, i))
+        let offset = (i * COPY_LEAF) as u64;
+        write_leaf(leaf_of(src, i), fd, offset, |bytes| leaf_cv(bytes, i))
     })
 }
 
@@ -379,18 +357,31 @@ impl Pieces {
         Pieces { len, ranges }
     }
 
+    /// The cut of a payload of more than one [`COPY_LEAF`] into its leaves, as
+    /// [`leaves_shared`] hashes them: each a whole subtree (a power of two of chunks at a
+    /// multiple of its size), the last one shorter.
+    fn leaves(len: u64) -> Pieces {
+        let leaf = COPY_LEAF as u64;
+        let ranges = (0..len.div_ceil(leaf))
+            .map(|i| i * leaf..((i + 1) * leaf).min(len))
+            .collect();
+        Pieces { len, ranges }
+    }
+
     /// The root hash that pieces with these chaining values (one per piece, in order) make;
     /// `None` when the count does not match.
     pub(crate) fn root_of_values(&self, values: &[[u8; 32]]) -> Option<ContentHash> {
-        if values.len() != self.ranges.len() {
-            return None;
-        }
+        (values.len() == self.ranges.len()).then(|| self.root_from(values))
+    }
+
+    /// [`root_of_values`](Self::root_of_values) for values made one per piece of this cut.
+    fn root_from(&self, values: &[[u8; 32]]) -> ContentHash {
         if let [only] = values {
             // A single piece is the root itself.
-            return Some(ContentHash(*only));
+            return ContentHash(*only);
         }
         let (left, right) = self.children(0..self.len, 0..self.ranges.len(), values);
-        Some(merge_subtrees_root(&left, &right, Mode::Hash).into())
+        merge_subtrees_root(&left, &right, Mode::Hash).into()
     }
 
     /// The pieces' byte ranges, in order.
