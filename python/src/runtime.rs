@@ -112,8 +112,9 @@ where
     receive(py, &rx, spin)
 }
 
-/// [`wait_task`] for a remote call's answer, which the waiting thread first spins for
-/// ([`spin_for`]) while no other thread of this process waits for one.
+/// [`wait_task`] for a remote call's answer, which the waiting thread first spins for,
+/// polling the call itself ([`spin_polling`]), while no other thread of this process waits
+/// for one.
 ///
 /// A lone call's future is polled on this thread first (GIL released, as [`start`] does):
 /// its request goes out from here, on the same-host socket straight from this thread, and
