@@ -54,6 +54,12 @@ pub enum BenchCommand {
     /// Registry replication: publish-to-visible latency on every broker, and a new broker's
     /// catch-up time.
     Registry(crate::bench_cluster::RegistryArgs),
+    /// Same-host gets of tensors just made in fresh memory, one after another, against one
+    /// raw TCP stream into fresh memory (`--count 20 --size 256MiB --runs 10`).
+    Gets(crate::bench_gets::GetsArgs),
+    /// (internal) make and hold the tensors of `tb bench gets`; prints JSON on stdout.
+    #[command(hide = true)]
+    GetsHold(crate::bench_gets::GetsHoldArgs),
     /// Remote calls (tb-call): calls/s and p50/p99 latency of `echo` and `add_one` by
     /// argument size and calls in flight, against 1 and 4 server processes.
     Call(crate::bench_call::CallBenchArgs),
@@ -395,6 +401,8 @@ pub async fn run(cmd: BenchCommand) -> Result<()> {
         // Boxed: inline, its future's layout exceeds the compiler's query depth limit.
         BenchCommand::Broadcast(args) => Box::pin(crate::bench_cluster::broadcast(args)).await,
         BenchCommand::Registry(args) => crate::bench_cluster::registry(args).await,
+        BenchCommand::Gets(args) => crate::bench_gets::bench(args).await,
+        BenchCommand::GetsHold(args) => crate::bench_gets::hold(args).await,
         BenchCommand::Call(args) => crate::bench_call::bench(args).await,
         BenchCommand::CallServe(args) => crate::bench_call::serve(args).await,
         BenchCommand::P2pServe(args) => crate::bench_serve::serve(args).await,

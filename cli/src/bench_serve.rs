@@ -193,7 +193,7 @@ impl ProtocolHandler for RawServer {
 
 /// The raw TCP baseline: one stream per client, the same request/response shape as the raw
 /// iroh one (u64 LE length, then that many bytes), requests one after another.
-async fn serve_tcp(listener: TcpListener, data: Bytes) {
+pub(crate) async fn serve_tcp(listener: TcpListener, data: Bytes) {
     while let Ok((stream, _)) = listener.accept().await {
         tokio::spawn(answer_tcp(stream, data.clone()));
     }

@@ -20,6 +20,7 @@ mod bench_call;
 mod bench_call_base;
 mod bench_client;
 mod bench_cluster;
+mod bench_gets;
 mod bench_recv;
 mod bench_serve;
 mod bench_table;

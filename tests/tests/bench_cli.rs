@@ -287,6 +287,42 @@ fn bench_p2p_measures_only_the_channels_asked_for() {
 }
 
 #[test]
+fn bench_gets_checks_every_tensor_and_prints_the_promised_json() {
+    let v = bench_json(&[
+        "gets",
+        "--count",
+        "3",
+        "--size",
+        "2MiB",
+        "--runs",
+        "2",
+        "--tcp-reads",
+        "2",
+    ]);
+    assert_eq!(v["bench"], "gets");
+    assert_eq!(v["count"], 3);
+    assert_eq!(v["size_bytes"], 2 << 20);
+    let runs = v["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{v}");
+    for run in runs {
+        // Both processes are on this host: the pair negotiates shm.
+        assert_eq!(run["channel"], "shm", "{run}");
+        positive(&run["hold_s"], "hold_s");
+        let gets = run["get_mb_s"].as_array().expect("get_mb_s");
+        assert_eq!(gets.len(), 3, "{run}");
+        gets.iter().for_each(|g| _ = positive(g, "get_mb_s"));
+        let tcp = run["tcp_mb_s"].as_array().expect("tcp_mb_s");
+        assert_eq!(tcp.len(), 2, "{run}");
+        tcp.iter().for_each(|t| _ = positive(t, "tcp_mb_s"));
+    }
+    let min = positive(&v["min_ratio"], "min_ratio");
+    let median = positive(&v["median_ratio"], "median_ratio");
+    assert!(min <= median, "{v}");
+    positive(&v["get_median_mb_s"], "get_median_mb_s");
+    positive(&v["tcp_median_mb_s"], "tcp_median_mb_s");
+}
+
+#[test]
 fn bench_refuses_bad_sizes_and_rates() {
     for bad in [
         &["broadcast", "--size", "0"][..],
@@ -294,6 +330,9 @@ fn bench_refuses_bad_sizes_and_rates() {
         &["broadcast", "--max-upload-rate", "100Mbit/s"],
         &["broadcast", "--chain-min-size", "lots"],
         &["p2p", "--channels", "udp"],
+        &["gets", "--count", "0"],
+        &["gets", "--size", "0"],
+        &["gets", "--runs", "0"],
         &["call", "--sizes", "6"],
         &["call", "--systems", "redis"],
     ] {
