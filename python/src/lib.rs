@@ -54,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<calls::CancelFlag>()?;
     m.add_class::<stream::StreamHandle>()?;
     m.add_class::<runtime::LoopWaker>()?;
+    m.add_class::<runtime::CallFuture>()?;
     m.add("CUDA_COMPILED", tb_node::CUDA_COMPILED)?;
     // Idle handler threads must not take the GIL once the interpreter exits (`handlers`).
     let at_exit = wrap_pyfunction!(handlers::at_exit, m)?;

@@ -2,8 +2,8 @@
 //! released, in short slices between which pending signals (Ctrl-C) are handled.
 //!
 //! Async: [`start`] runs the same futures as the blocking calls as tasks on the runtime and
-//! hands back an asyncio future that the task completes through the event loop's
-//! `call_soon_threadsafe` (no executor thread per call, no polling). Cancelling the asyncio
+//! hands back a [`CallFuture`] (asyncio's future protocol) that the task completes through
+//! the event loop's [`LoopWaker`] (no executor thread per call, no polling). Cancelling the
 //! future (cancelling the task that awaits it) cancels the runtime task at once: the call's
 //! future is dropped, which releases what it held (budgets, partial versions, borrows).
 //!
@@ -397,43 +397,54 @@ where
     })
 }
 
-/// Runs `work` on the runtime and returns an asyncio future of the running event loop that
-/// completes with its result (converted under the GIL) or its exception. Cancelling that
-/// future drops `work` at once.
+/// Runs `work` on the runtime and returns a [`CallFuture`] of the running event loop (an
+/// asyncio-compatible future) that completes with its result (converted under the GIL) or
+/// its exception. Cancelling that future drops `work` at once.
 ///
 /// `work` is polled once right here first (GIL released): what is ready at once (a queued
 /// push, a version this node holds) completes the future before it is returned, with no
 /// thread hop, and what is not has already sent its first request when it moves to a
 /// runtime task. Only the completion then crosses threads, through the loop's
 /// [`LoopWaker`]: the runtime thread queues it and writes a byte the loop reads, and the
-/// loop converts and settles it. No runtime thread waits for the GIL (with one worker, a
-/// loop busy in Python code would hold up every transfer of the process). A loop without
-/// `add_reader` support gets `call_soon_threadsafe` instead, from a runtime thread that
-/// takes the GIL.
+/// loop converts and settles it, running the awaiting task's step there and then (see
+/// [`CallFuture`]). No runtime thread waits for the GIL (with one worker, a loop busy in
+/// Python code would hold up every transfer of the process). A loop without `add_reader`
+/// support gets `call_soon_threadsafe` instead, from a runtime thread that takes the GIL.
 pub(crate) fn start<'py, F, T>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = PyResult<T>> + Send + 'static,
     T: for<'a> IntoPyObject<'a> + Send + 'static,
 {
     let rt = runtime()?;
-    let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
-    let future = event_loop.call_method0("create_future")?;
+    let event_loop = get_running_loop(py)?;
     let mut work = Box::pin(work);
     let handoff = match poll_here(py, rt, &mut work) {
         Ok(out) => {
             let (ok, value) = outcome(py, out);
-            settle(&future, ok, value)?;
-            return Ok(future);
+            let state = match ok {
+                true => Settled::Result(value.unbind()),
+                false => Settled::Exception(value.unbind()),
+            };
+            return Ok(
+                Bound::new(py, CallFuture::new(event_loop.unbind(), state, None))?.into_any(),
+            );
         }
         Err(handoff) => handoff,
     };
     let cancel = CancellationToken::new();
-    let on_done = CancelOnDone(Cancel {
+    let on_cancel = Cancel {
         cancel: cancel.clone(),
         handoff: handoff.clone(),
-    });
-    future.call_method1("add_done_callback", (on_done,))?;
+    };
     let waker = LoopWaker::of(&event_loop)?;
+    let future = Bound::new(
+        py,
+        CallFuture::new(
+            event_loop.clone().unbind(),
+            Settled::Pending,
+            Some(on_cancel),
+        ),
+    )?;
     let settled = future.clone().unbind();
     let event_loop = event_loop.unbind();
     let task = async move {
@@ -461,7 +472,19 @@ where
         });
     };
     handoff.park(Box::pin(task));
-    Ok(future)
+    Ok(future.into_any())
+}
+
+/// `asyncio.get_running_loop()`, the function looked up once.
+fn get_running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static GET: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    GET.get_or_try_init(py, || {
+        py.import("asyncio")?
+            .getattr("get_running_loop")
+            .map(Bound::unbind)
+    })?
+    .bind(py)
+    .call0()
 }
 
 /// A call's task, parked until what its first poll waits for wakes it.
@@ -545,7 +568,7 @@ type Convert = Box<dyn for<'py> FnOnce(Python<'py>) -> (bool, Bound<'py, PyAny>)
 /// to wake the loop for it. One per loop, made on its first call.
 #[pyclass(frozen, module = "tensor_broker._native")]
 pub(crate) struct LoopWaker {
-    queue: Mutex<Vec<(Py<PyAny>, Convert)>>,
+    queue: Mutex<Vec<(Py<CallFuture>, Convert)>>,
     wake: std::os::unix::net::UnixStream,
     woken: std::os::unix::net::UnixStream,
 }
@@ -601,7 +624,7 @@ impl LoopWaker {
 
     /// Queues `future`'s result (any runtime thread; no GIL needed) and wakes the loop if
     /// the queue was empty.
-    fn complete(&self, future: Py<PyAny>, convert: Convert) {
+    fn complete(&self, future: Py<CallFuture>, convert: Convert) {
         let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         let first = queue.is_empty();
         queue.push((future, convert));
@@ -615,16 +638,24 @@ impl LoopWaker {
 
 #[pymethods]
 impl LoopWaker {
-    /// Settles every queued completion (the loop calls it when the socket is readable).
+    /// Settles every queued completion (the loop calls it when the socket is readable),
+    /// running each awaiting task's step here, in this callback, rather than in a callback
+    /// of the loop's next iteration (see [`CallFuture`]).
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let mut bytes = [0u8; 64];
-        while let Ok(1..) = std::io::Read::read(&mut &self.woken, &mut bytes) {}
+        // One byte per wake-up: a short read means the socket is empty.
+        while let Ok(64) = std::io::Read::read(&mut &self.woken, &mut bytes) {}
         let done = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
-        for (future, convert) in done {
+        let mut done = done.into_iter();
+        while let Some((future, convert)) = done.next() {
             let (ok, value) = convert(py);
-            // One future's failure (its loop closed under it) does not strand the others.
-            if let Err(e) = settle(future.bind(py), ok, value) {
-                e.write_unraisable(py, Some(future.bind(py)));
+            if let Err(e) = CallFuture::settle(future.bind(py), ok, value, true) {
+                // Ctrl-C or an exit in a step: what is left is settled before it propagates.
+                for (future, convert) in done {
+                    let (ok, value) = convert(py);
+                    let _ = CallFuture::settle(future.bind(py), ok, value, false);
+                }
+                return Err(e);
             }
         }
         Ok(())
@@ -662,18 +693,12 @@ where
     }
 }
 
-/// The function the event loop calls to complete a future from [`start`]: sets its result
-/// (`ok`) or exception unless it is already done (cancelled).
+/// The function the event loop calls to complete a future from [`start`] where the loop
+/// has no [`LoopWaker`]: sets its result (`ok`) or exception unless it is already done
+/// (cancelled).
 #[pyfunction]
-fn settle(future: &Bound<'_, PyAny>, ok: bool, value: Bound<'_, PyAny>) -> PyResult<()> {
-    if future.call_method0("done")?.is_truthy()? {
-        return Ok(());
-    }
-    match ok {
-        true => future.call_method1("set_result", (value,))?,
-        false => future.call_method1("set_exception", (value,))?,
-    };
-    Ok(())
+fn settle(future: &Bound<'_, CallFuture>, ok: bool, value: Bound<'_, PyAny>) -> PyResult<()> {
+    CallFuture::settle(future, ok, value, true)
 }
 
 /// [`settle`] as a Python callable, made once.
@@ -685,17 +710,303 @@ fn settler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     Ok(f.bind(py))
 }
 
-/// An asyncio future's done callback that cancels the call behind it when the future was
-/// cancelled: drops its task if still parked, else cancels the running one.
-#[pyclass(frozen, module = "tensor_broker._native")]
-struct CancelOnDone(Cancel);
+/// Where a [`CallFuture`] stands.
+enum Settled {
+    Pending,
+    Result(Py<PyAny>),
+    /// The exception instance.
+    Exception(Py<PyAny>),
+    /// Cancelled, with the message given to `cancel()`.
+    Cancelled(Option<Py<PyAny>>),
+}
 
-#[pymethods]
-impl CancelOnDone {
-    fn __call__(&self, future: &Bound<'_, PyAny>) -> PyResult<()> {
-        if future.call_method0("cancelled")?.is_truthy()? {
-            self.0.now();
+/// The future of an awaited call: what `await` on any of the extension's `*_async` methods
+/// waits for. It follows asyncio's future protocol (`_asyncio_future_blocking`, `get_loop`,
+/// `add_done_callback` with `context=`, `remove_done_callback`, `result`, `exception`,
+/// `done`, `cancelled`, `cancel(msg)`, `__await__`), so asyncio's `Task`, `gather`, `wait`,
+/// `shield` and `wait_for` take it as one of theirs.
+///
+/// It differs from `loop.create_future()` in one place: when the runtime completes the
+/// call, the loop's [`LoopWaker::drain`] (itself a callback of the loop) runs the done
+/// callbacks there and then, in their contexts, instead of scheduling each with
+/// `call_soon` for the loop's next iteration. The awaiting task's step, the one callback
+/// in the common case, so runs one loop iteration earlier, without a `Handle` made and run
+/// for it. Everything else schedules callbacks as asyncio does: `cancel()` (a task's own
+/// cancel calls it, and must not step that task inside it) and a callback added to a future
+/// already done. `cancel()` also cancels the call behind the future at once.
+#[pyclass(module = "tensor_broker._native")]
+pub(crate) struct CallFuture {
+    event_loop: Py<PyAny>,
+    state: Settled,
+    /// The done callbacks and their contexts.
+    callbacks: Vec<(Py<PyAny>, Py<PyAny>)>,
+    /// Cancels the call behind the future; dropped once it is done.
+    cancel: Option<Cancel>,
+    /// asyncio's flag: set while a task waits on the future (the future protocol).
+    #[pyo3(get, set, name = "_asyncio_future_blocking")]
+    blocking: bool,
+}
+
+impl CallFuture {
+    fn new(event_loop: Py<PyAny>, state: Settled, cancel: Option<Cancel>) -> CallFuture {
+        CallFuture {
+            event_loop,
+            state,
+            callbacks: Vec::new(),
+            cancel,
+            blocking: false,
+        }
+    }
+
+    /// Completes `future` with `value` (its result when `ok`, else the exception to raise)
+    /// unless it is done already (cancelled), then runs its done callbacks here (`now`) or
+    /// schedules them on its loop. A callback's exception goes to the loop's exception
+    /// handler, as the loop does with its own callbacks; Ctrl-C or an exit propagates, once
+    /// the remaining callbacks are scheduled.
+    fn settle(
+        future: &Bound<'_, CallFuture>,
+        ok: bool,
+        value: Bound<'_, PyAny>,
+        now: bool,
+    ) -> PyResult<()> {
+        let py = future.py();
+        let (callbacks, event_loop) = {
+            let mut me = future.borrow_mut();
+            if !matches!(me.state, Settled::Pending) {
+                return Ok(());
+            }
+            me.state = match ok {
+                true => Settled::Result(value.unbind()),
+                false => Settled::Exception(value.unbind()),
+            };
+            me.cancel = None;
+            (
+                std::mem::take(&mut me.callbacks),
+                me.event_loop.clone_ref(py),
+            )
+        };
+        let event_loop = event_loop.bind(py);
+        if !now {
+            return schedule(event_loop, future.as_any(), callbacks);
+        }
+        let mut callbacks = callbacks.into_iter();
+        while let Some((callback, context)) = callbacks.next() {
+            let Err(err) = context.bind(py).call_method1("run", (callback, future)) else {
+                continue;
+            };
+            if err.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)
+                || err.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
+            {
+                let _ = schedule(event_loop, future.as_any(), callbacks.collect());
+                return Err(err);
+            }
+            let report = pyo3::types::PyDict::new(py);
+            report.set_item(
+                "message",
+                "Exception in a tensor_broker future's done callback",
+            )?;
+            report.set_item("exception", err.value(py))?;
+            report.set_item("future", future)?;
+            if let Err(e) = event_loop.call_method1("call_exception_handler", (report,)) {
+                e.write_unraisable(py, Some(future.as_any()));
+            }
         }
         Ok(())
     }
+}
+
+/// Schedules `callbacks` of `future` on `event_loop`, each in its context, as asyncio's own
+/// futures do.
+fn schedule(
+    event_loop: &Bound<'_, PyAny>,
+    future: &Bound<'_, PyAny>,
+    callbacks: Vec<(Py<PyAny>, Py<PyAny>)>,
+) -> PyResult<()> {
+    let py = future.py();
+    for (callback, context) in callbacks {
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item("context", context)?;
+        event_loop.call_method("call_soon", (callback, future), Some(&kwargs))?;
+    }
+    Ok(())
+}
+
+/// asyncio's `CancelledError` and `InvalidStateError`, looked up once.
+fn asyncio_error<'py>(py: Python<'py>, name: &'static str) -> PyResult<Bound<'py, PyAny>> {
+    static CANCELLED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static INVALID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let cell = match name {
+        "CancelledError" => &CANCELLED,
+        _ => &INVALID,
+    };
+    Ok(cell
+        .get_or_try_init(py, || {
+            py.import("asyncio")?.getattr(name).map(Bound::unbind)
+        })?
+        .bind(py)
+        .clone())
+}
+
+#[pymethods]
+impl CallFuture {
+    fn get_loop(&self, py: Python<'_>) -> Py<PyAny> {
+        self.event_loop.clone_ref(py)
+    }
+
+    fn done(&self) -> bool {
+        !matches!(self.state, Settled::Pending)
+    }
+
+    fn cancelled(&self) -> bool {
+        matches!(self.state, Settled::Cancelled(_))
+    }
+
+    /// The result; raises the call's exception, `CancelledError`, or `InvalidStateError`
+    /// while the call runs.
+    fn result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        match &self.state {
+            Settled::Result(value) => Ok(value.clone_ref(py)),
+            Settled::Exception(exc) => Err(PyErr::from_value(exc.bind(py).clone())),
+            Settled::Cancelled(msg) => Err(cancelled_error(py, msg.as_ref())?),
+            Settled::Pending => Err(PyErr::from_value(
+                asyncio_error(py, "InvalidStateError")?.call1(("Result is not set.",))?,
+            )),
+        }
+    }
+
+    /// The call's exception (`None` when it succeeded); raises as `result()` does when
+    /// cancelled or not done.
+    fn exception(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        match &self.state {
+            Settled::Result(_) => Ok(None),
+            Settled::Exception(exc) => Ok(Some(exc.clone_ref(py))),
+            Settled::Cancelled(_) | Settled::Pending => self.result(py).map(|_| None),
+        }
+    }
+
+    /// Adds a done callback, called with the future in `context` (a copy of the current one
+    /// when not given); scheduled at once when the future is done already.
+    #[pyo3(signature = (callback, *, context = None))]
+    fn add_done_callback(
+        slf: &Bound<'_, Self>,
+        callback: Py<PyAny>,
+        context: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        let context = match context {
+            Some(c) if !c.is_none(py) => c,
+            _ => py
+                .import("contextvars")?
+                .call_method0("copy_context")?
+                .unbind(),
+        };
+        let done = slf.borrow().done();
+        if done {
+            let event_loop = slf.borrow().event_loop.clone_ref(py);
+            return schedule(event_loop.bind(py), slf.as_any(), vec![(callback, context)]);
+        }
+        slf.borrow_mut().callbacks.push((callback, context));
+        Ok(())
+    }
+
+    /// Removes every instance of `callback` from the done callbacks; returns how many.
+    fn remove_done_callback(
+        &mut self,
+        py: Python<'_>,
+        callback: Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let before = self.callbacks.len();
+        let mut kept = Vec::with_capacity(before);
+        for (cb, ctx) in std::mem::take(&mut self.callbacks) {
+            match cb.bind(py).eq(&callback)? {
+                true => {}
+                false => kept.push((cb, ctx)),
+            }
+        }
+        self.callbacks = kept;
+        Ok(before - self.callbacks.len())
+    }
+
+    /// Cancels the future and the call behind it (dropped at once); schedules the done
+    /// callbacks. False when it was done already.
+    #[pyo3(signature = (msg = None))]
+    fn cancel(slf: &Bound<'_, Self>, msg: Option<Py<PyAny>>) -> PyResult<bool> {
+        let py = slf.py();
+        let (callbacks, cancel, event_loop) = {
+            let mut me = slf.borrow_mut();
+            if me.done() {
+                return Ok(false);
+            }
+            me.state = Settled::Cancelled(msg);
+            (
+                std::mem::take(&mut me.callbacks),
+                me.cancel.take(),
+                me.event_loop.clone_ref(py),
+            )
+        };
+        if let Some(cancel) = cancel {
+            cancel.now();
+        }
+        schedule(event_loop.bind(py), slf.as_any(), callbacks)?;
+        Ok(true)
+    }
+
+    fn __await__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// `await`'s step: yields the future itself to the awaiting task while the call runs,
+    /// then returns its result (raises its exception).
+    fn __next__(mut slf: PyRefMut<'_, Self>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        if !slf.done() {
+            slf.blocking = true;
+            return Ok(slf.into_pyobject(py)?.into_any().unbind());
+        }
+        let value = slf.result(py)?;
+        Err(pyo3::exceptions::PyStopIteration::new_err((value,)))
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match self.state {
+            Settled::Pending => "pending",
+            Settled::Result(_) => "finished",
+            Settled::Exception(_) => "finished with an exception",
+            Settled::Cancelled(_) => "cancelled",
+        };
+        format!("<tensor_broker CallFuture {state}>")
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.event_loop)?;
+        for (callback, context) in &self.callbacks {
+            visit.call(callback)?;
+            visit.call(context)?;
+        }
+        match &self.state {
+            Settled::Result(v) | Settled::Exception(v) | Settled::Cancelled(Some(v)) => {
+                visit.call(v)
+            }
+            Settled::Pending | Settled::Cancelled(None) => Ok(()),
+        }
+    }
+
+    fn __clear__(&mut self) {
+        self.callbacks.clear();
+        self.state = Settled::Cancelled(None);
+    }
+}
+
+/// `CancelledError(msg)`, or `CancelledError()` without a message.
+fn cancelled_error(py: Python<'_>, msg: Option<&Py<PyAny>>) -> PyResult<PyErr> {
+    let class = asyncio_error(py, "CancelledError")?;
+    let exc = match msg {
+        Some(m) => class.call1((m,))?,
+        None => class.call0()?,
+    };
+    Ok(PyErr::from_value(exc))
 }

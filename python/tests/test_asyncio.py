@@ -314,3 +314,93 @@ with tb.connect(TICKET, secret_file=SECRET_FILE) as c:
     assert child.line() == "interrupted"
     assert child.line() == "0"
     child.finish()
+
+
+def test_an_awaited_calls_future_follows_asyncio_s_future_protocol(cluster: tb.LocalCluster) -> None:
+    # What `await` waits on is the extension's own future (its done callbacks run as the
+    # runtime completes it); asyncio's combinators, cancellation and contexts must work on it
+    # as on a loop's `create_future()`.
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        reported: list[dict] = []
+        loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx))
+        async with await cluster.connect_async() as a, await cluster.connect_async() as b:
+            # A pending one: the protocol's fields, then cancel(msg) with callbacks.
+            fut = b._node.recv_async(None)
+            assert asyncio.isfuture(fut) and not fut.done() and not fut.cancelled()
+            assert fut.get_loop() is loop
+            with pytest.raises(asyncio.InvalidStateError):
+                fut.result()
+            seen: list[tuple[str, object]] = []
+            ctx = contextvars.copy_context()
+            ctx.run(var.set, "in ctx")
+
+            def cb(f: object) -> None:
+                seen.append((var.get(), f))
+
+            fut.add_done_callback(cb, context=ctx)
+            fut.add_done_callback(seen.append)
+            assert fut.remove_done_callback(seen.append) == 1
+            assert fut.cancel("bye") and not fut.cancel()
+            assert fut.done() and fut.cancelled()
+            with pytest.raises(asyncio.CancelledError, match="bye"):
+                fut.result()
+            with pytest.raises(asyncio.CancelledError):
+                fut.exception()
+            assert seen == []  # scheduled, as asyncio does on cancel()
+            await asyncio.sleep(0)
+            assert seen == [("in ctx", fut)]
+            # The cancelled recv took nothing: the next push goes to the next recv.
+            await a.push(b.addr, "proto/p", np.arange(4, dtype=np.int8))
+            assert (await b.recv(timeout=LIMIT_S)).name == "proto/p"
+            assert (await b.status())["pushes_queued"] == 0
+
+            # Completed by the runtime: every done callback runs, in its context; one that
+            # raises goes to the loop's exception handler and does not stop the others.
+            var.set("task")
+            fut = b._node.recv_async(None)
+            order: list[str] = []
+
+            def boom(_f: object) -> None:
+                order.append("boom")
+                raise RuntimeError("a callback failed")
+
+            fut.add_done_callback(boom)
+            fut.add_done_callback(lambda f: order.append(f"{var.get()}:{f.result().name}"))
+            await a.push(b.addr, "proto/q", np.ones(2, np.uint8))
+            got = await fut
+            assert got.name == "proto/q" and fut.exception() is None
+            assert order == ["boom", "task:proto/q"]
+            assert [str(r.get("exception")) for r in reported] == ["a callback failed"]
+            assert var.get() == "task"
+            # A callback added to a future already done is scheduled, not run inside the add.
+            late: list[object] = []
+            fut.add_done_callback(late.append)
+            assert late == []
+            await asyncio.sleep(0)
+            assert late == [fut]
+
+            # Failures: exception() and await both give the call's exception.
+            fut = a._node.get_async("proto/none", None, None)
+            with pytest.raises(tb.NotFound):
+                await fut
+            assert isinstance(fut.exception(), tb.NotFound)
+
+            # Combinators: gather, wait, shield, wait_for (which cancels the call).
+            await a.put("proto/x", np.arange(3, dtype=np.int64))
+            xs = await asyncio.gather(*(a.get("proto/x") for _ in range(5)))
+            assert [x.tolist() for x in xs] == [[0, 1, 2]] * 5
+            done, pending = await asyncio.wait([asyncio.ensure_future(a._node.ls_async("proto/"))])
+            assert not pending and [e.name for e in done.pop().result()] == ["proto/x"]
+            assert (await asyncio.shield(a.get("proto/x"))).tolist() == [0, 1, 2]
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(b._node.recv_async(None), 0.05)
+            await a.push(b.addr, "proto/r", np.zeros(1, np.uint8))
+            assert (await b.recv(timeout=LIMIT_S)).name == "proto/r"
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    run(main())

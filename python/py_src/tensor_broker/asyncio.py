@@ -11,8 +11,9 @@
 :func:`connect` (and :meth:`tensor_broker.LocalCluster.connect_async`) returns an
 :class:`AsyncClient` with the methods of :class:`tensor_broker.Client` as coroutines. Each
 call runs as a task on the package's runtime (the same code as the blocking call) and
-completes its asyncio future through the event loop (``call_soon_threadsafe``): no executor
-thread per call, no polling. Cancelling the awaiting task (``task.cancel()``,
+completes an asyncio-compatible future through the event loop (a socket the loop watches;
+the awaiting task's next step runs as the loop reads it): no executor thread per call, no
+polling. Cancelling the awaiting task (``task.cancel()``,
 ``asyncio.timeout``, ``wait_for``) cancels the call at once: a transfer in flight is dropped,
 the bytes it held against budgets are released, nothing partial is kept, and a cancelled
 ``recv`` or subscription read takes nothing from its queue.
@@ -83,8 +84,8 @@ class AsyncSubscription:
     def __aiter__(self) -> AsyncIterator[Update]:
         return self
 
-    async def __anext__(self) -> Update:
-        return await self.next()
+    # ``async for``'s step is `next` itself (no coroutine around it).
+    __anext__ = next
 
     def close(self) -> None:
         """Ends the subscription: an ``async for`` waiting on it ends at once. Idempotent."""
