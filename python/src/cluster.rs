@@ -112,27 +112,33 @@ impl LocalCluster {
     }
 
     /// A node of this cluster in this process (`read_only`: with the read-only credential).
-    #[pyo3(signature = (listen=None, max_push_memory=None, read_only=false))]
+    #[pyo3(signature = (listen=None, max_push_memory=None, read_only=false, channels=None))]
     fn connect(
         &self,
         py: Python<'_>,
         listen: Option<&str>,
         max_push_memory: Option<u64>,
         read_only: bool,
+        channels: Option<&str>,
     ) -> PyResult<NodeHandle> {
-        wait(py, self.connect_work(listen, max_push_memory, read_only)?)?
+        wait(
+            py,
+            self.connect_work(listen, max_push_memory, read_only, channels)?,
+        )?
     }
 
     /// [`connect`](Self::connect) as an awaitable.
-    #[pyo3(signature = (listen=None, max_push_memory=None, read_only=false))]
+    #[pyo3(signature = (listen=None, max_push_memory=None, read_only=false, channels=None))]
     fn connect_async<'py>(
         &self,
         py: Python<'py>,
         listen: Option<&str>,
         max_push_memory: Option<u64>,
         read_only: bool,
+        channels: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        runtime::start(py, self.connect_work(listen, max_push_memory, read_only)?)
+        let work = self.connect_work(listen, max_push_memory, read_only, channels)?;
+        runtime::start(py, work)
     }
 
     /// The cluster's read-only credential: a secret for `connect(secret=...)` that may get,
@@ -167,6 +173,7 @@ impl LocalCluster {
         listen: Option<&str>,
         max_push_memory: Option<u64>,
         read_only: bool,
+        channels: Option<&str>,
     ) -> PyResult<impl std::future::Future<Output = PyResult<NodeHandle>> + Send + 'static> {
         if self.lock().is_none() {
             return Err(errors::unavailable("the local cluster is closed".into()));
@@ -180,7 +187,7 @@ impl LocalCluster {
             }
         };
         let brokers = self.ticket.brokers.clone();
-        node::start_work(brokers, key, listen, max_push_memory)
+        node::start_work(brokers, key, listen, max_push_memory, channels)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Running>> {

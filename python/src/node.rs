@@ -112,12 +112,22 @@ pub(crate) fn start_work(
     key: tb_node::proto::ClusterKey,
     listen: Option<&str>,
     max_push_memory: Option<u64>,
+    channels: Option<&str>,
 ) -> PyResult<impl Future<Output = Work<NodeHandle>> + Send + 'static> {
     let mut config = Config {
         brokers,
         cluster_key: key,
         ..Config::default()
     };
+    // As tb-worker's `--channels`: the argument, else `TB_CHANNELS`, else the default.
+    let from_env = std::env::var("TB_CHANNELS").ok();
+    if let Some(list) = channels.or(from_env.as_deref()) {
+        config.channels = tb_node::proto::ChannelKind::parse_list(list).map_err(|e| {
+            PyValueError::new_err(format!(
+                "channels {list:?}: {e} (a comma-separated list of shm, quic and tcp)"
+            ))
+        })?;
+    }
     if let Some(bytes) = max_push_memory {
         config.max_push_memory = bytes;
     }
@@ -513,7 +523,7 @@ impl NodeHandle {
     /// Joins the cluster: `join` a ticket, else `TB_JOIN`, else the ticket of a running
     /// `tb up`; the secret inline, from `secret_file`, `TB_CLUSTER_SECRET_FILE` or `tb up`'s.
     #[staticmethod]
-    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None, max_push_memory=None))]
+    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None, max_push_memory=None, channels=None))]
     fn connect(
         py: Python<'_>,
         join: Option<&str>,
@@ -521,14 +531,15 @@ impl NodeHandle {
         secret: Option<&str>,
         listen: Option<&str>,
         max_push_memory: Option<u64>,
+        channels: Option<&str>,
     ) -> PyResult<NodeHandle> {
-        let work = connect_work(join, secret_file, secret, listen, max_push_memory)?;
+        let work = connect_work(join, secret_file, secret, listen, max_push_memory, channels)?;
         wait(py, work)?
     }
 
     /// [`connect`](Self::connect) as an awaitable.
     #[staticmethod]
-    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None, max_push_memory=None))]
+    #[pyo3(signature = (join=None, secret_file=None, secret=None, listen=None, max_push_memory=None, channels=None))]
     fn connect_async<'py>(
         py: Python<'py>,
         join: Option<&str>,
@@ -536,8 +547,9 @@ impl NodeHandle {
         secret: Option<&str>,
         listen: Option<&str>,
         max_push_memory: Option<u64>,
+        channels: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let work = connect_work(join, secret_file, secret, listen, max_push_memory)?;
+        let work = connect_work(join, secret_file, secret, listen, max_push_memory, channels)?;
         start(py, work)
     }
 
@@ -864,13 +876,14 @@ fn connect_work(
     secret: Option<&str>,
     listen: Option<&str>,
     max_push_memory: Option<u64>,
+    channels: Option<&str>,
 ) -> PyResult<impl Future<Output = Work<NodeHandle>> + Send + 'static> {
     let (ticket, key) = tb_node::discover::resolve_env(join, secret_file.as_deref(), secret)
         .map_err(|e| match e {
             tb_node::discover::DiscoverError::NoCluster => errors::unavailable(e.to_string()),
             other => errors::invalid(other.to_string()),
         })?;
-    start_work(ticket.brokers, key, listen, max_push_memory)
+    start_work(ticket.brokers, key, listen, max_push_memory, channels)
 }
 
 /// A dtype name as the CLI spells it (`f32`, `bf16`, ...); `InvalidArgument` otherwise.

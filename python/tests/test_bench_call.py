@@ -39,8 +39,10 @@ def _imports(module: str) -> bool:
 
 
 def _expected_systems() -> list[str]:
-    """tensor-broker, and each baseline whose package is installed (``--no-install``)."""
-    return ["tensor-broker", *(s for s, m in (("grpc", "grpc"), ("zmq", "zmq")) if _imports(m))]
+    """tensor-broker (its default channels and QUIC alone), and each baseline whose package
+    is installed (``--no-install``)."""
+    return ["tensor-broker", "tensor-broker-quic",
+            *(s for s, m in (("grpc", "grpc"), ("zmq", "zmq")) if _imports(m))]
 
 
 def test_every_case_has_the_promised_fields(report: dict) -> None:
@@ -89,7 +91,7 @@ def test_python_is_compared_with_rust_call_for_call(report: dict) -> None:
 
 
 def test_every_tensor_broker_case_has_a_rate_and_ordered_percentiles(report: dict) -> None:
-    tb = [c for c in report["cases"] if c["system"] == "tensor-broker"]
+    tb = [c for c in report["cases"] if c["system"] in ("tensor-broker", "tensor-broker-quic")]
     assert tb
     for c in tb:
         assert c["calls_per_s"] > 0, c

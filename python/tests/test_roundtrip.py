@@ -226,3 +226,28 @@ def test_arrays_got_keep_their_bytes_while_evicted_versions_memory_is_reused(
         client.put("reuse/w", latest, keep=1)
         assert np.array_equal(client.get("reuse/w"), latest)
     assert np.array_equal(held, first)
+
+
+def test_channels_picks_the_data_channels_a_client_runs(cluster: tb.LocalCluster, monkeypatch) -> None:
+    # Two clients of this process are on one host: by default they move tensors over shm;
+    # `channels="quic"` (as between hosts) or TB_CHANNELS=quic makes a node run QUIC alone.
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    for opts, env, want in (({}, None, "shm"), ({"channels": "quic"}, None, "quic"),
+                            ({}, "quic", "quic"), ({"channels": "shm,quic"}, "quic", "shm")):
+        if env is None:
+            monkeypatch.delenv("TB_CHANNELS", raising=False)
+        else:
+            monkeypatch.setenv("TB_CHANNELS", env)
+        with cluster.connect(**opts) as a, cluster.connect(**opts) as b:
+            name = f"channels/{want}/{env}"
+            a.put(name, x)
+            np.testing.assert_array_equal(b.get(name), x)
+            links = dict(b.status()["links"])
+            assert links[a.id] == want, (opts, env, links)
+    monkeypatch.delenv("TB_CHANNELS", raising=False)
+    for bad in ("udp", "", "quic,quic"):
+        with pytest.raises(ValueError, match="channels"):
+            cluster.connect(channels=bad)
+    monkeypatch.setenv("TB_CHANNELS", "carrier-pigeon")
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        cluster.connect()

@@ -18,6 +18,10 @@ Systems:
   client and calls ``client.function(name)(x, timeout=...)`` from every thread, the package
   spreading calls over the servers. Streams: ``f.stream(items, size)`` (default prefetch 2)
   from a generator function on the first server.
+- ``tensor-broker-quic``: the same with every tensor-broker node of the system (servers and
+  caller) running QUIC alone (``connect(..., channels="quic")``): calls, their arguments and
+  results go on QUIC streams of the pooled, encrypted link, as between two hosts, instead of
+  the same-host socket and shared memory.
 - ``grpc``: grpcio with generic handlers (``grpc.method_handlers_generic_handler`` of
   ``unary_unary`` / ``unary_stream`` handlers; no .proto): a message is a 2-byte length, a
   ``dtype;shape`` header and the raw bytes (one copy into the message, ``np.frombuffer`` out
@@ -86,7 +90,9 @@ import numpy as np
 from . import _bench_report
 from ._bench_proto import WAIT_S, BenchError, Child, ensure_module, pct, say
 
-SYSTEMS = ("tensor-broker", "grpc", "zmq")
+SYSTEMS = ("tensor-broker", "tensor-broker-quic", "grpc", "zmq")
+# The tensor-broker systems, and the channels their nodes run (None: the default).
+TB_CHANNELS = {"tensor-broker": None, "tensor-broker-quic": "quic"}
 OPS = ("echo", "add_one")
 SIZES = (4 << 10, 16 << 20)
 CONCURRENCY = (1, 64)
@@ -237,7 +243,7 @@ def serve(argv: list[str]) -> int:
     a = _worker_args(argv)
     for size in STREAM_SIZES:  # made before any stream starts, not within its timing
         pattern(size)
-    run = {"tensor-broker": _serve_tb, "grpc": _serve_grpc, "zmq": _serve_zmq}[a.system]
+    run = {"grpc": _serve_grpc, "zmq": _serve_zmq}.get(a.system, _serve_tb)
     run(a)
     return 0
 
@@ -251,7 +257,7 @@ def _stream_items(items: int, size: int) -> Iterator[np.ndarray]:
 def _serve_tb(a: argparse.Namespace) -> None:
     from . import connect
 
-    client = connect(a.join, secret_file=a.cluster_secret_file)
+    client = connect(a.join, secret_file=a.cluster_secret_file, channels=TB_CHANNELS[a.system])
     try:
         for scope in [f"s{SERVER_PROCESSES}"] + (["s1"] if a.index == 0 else []):
             for op, handler in HANDLERS.items():
@@ -356,7 +362,8 @@ class TbCalls:
     def __init__(self, a: argparse.Namespace) -> None:
         from . import connect
 
-        self.client = connect(a.join, secret_file=a.cluster_secret_file)
+        self.client = connect(a.join, secret_file=a.cluster_secret_file,
+                              channels=TB_CHANNELS[a.system])
         self._ready()
 
     def _ready(self) -> None:
@@ -610,7 +617,7 @@ def caller(argv: list[str]) -> int:
     ``stream``) until it closes, answering each with one JSON line (``failed`` when a case's
     calls raised, ``error`` when the run must stop)."""
     a = _worker_args(argv)
-    kind = {"tensor-broker": TbCalls, "grpc": GrpcCalls, "zmq": ZmqCalls}[a.system]
+    kind = {"grpc": GrpcCalls, "zmq": ZmqCalls}.get(a.system, TbCalls)
     calls = kind(a)
     try:
         warm(calls)
@@ -834,10 +841,10 @@ def _table(rep: dict[str, Any]) -> str:
     head = ["op", "size", "callers", "servers"]
     for s in systems:
         head.append(f"{s} calls/s (items/s), p50/p99 µs")
-    if "grpc" in systems:
-        head.append("tb/grpc calls/s")
-    if "zmq" in systems:
-        head.append("tb/zmq calls/s")
+    ratios = [(tb, base) for tb in TB_CHANNELS if tb in systems
+              for base in ("grpc", "zmq") if base in systems]
+    for tb, base in ratios:
+        head.append(f"{_short(tb)}/{base} calls/s")
     rows = []
     for op, size, conc, n in keys:
         row = [op, _bench_report.fmt_size(size), str(conc), str(n)]
@@ -852,10 +859,8 @@ def _table(rep: dict[str, Any]) -> str:
                            f"{_n(c['p99_us'])}")
             else:
                 row.append(f"{_n(c['calls_per_s'])}, {_n(c['p50_us'])}/{_n(c['p99_us'])}")
-        tb_case = by.get(("tensor-broker", op, size, conc, n))
-        for base in ("grpc", "zmq"):
-            if base not in systems:
-                continue
+        for tb, base in ratios:
+            tb_case = by.get((tb, op, size, conc, n))
             b = by.get((base, op, size, conc, n))
             key = "items_per_s" if op == "stream" else "calls_per_s"
             row.append(f"{tb_case[key] / b[key]:.2f}x"
@@ -868,6 +873,21 @@ def _table(rep: dict[str, Any]) -> str:
     failed = [f"FAILED {c['system']}: {c['error']}" for c in rep["cases"] if "error" in c]
     over = ["", *_overhead_table(rep["python_over_rust"])] if rep["python_over_rust"] else []
     return "\n".join(_bench_report._grid(title, head, rows) + over + failed + rep["notes"])
+
+
+def _short(system: str) -> str:
+    """A tensor-broker system's name in a ratio column's head."""
+    return system.replace("tensor-broker", "tb")
+
+
+def _systems(arg: str) -> list[str]:
+    """``--systems``: known names, comma-separated, in the table's order."""
+    asked = [s.strip() for s in arg.split(",") if s.strip()]
+    unknown = [s for s in asked if s not in SYSTEMS]
+    if unknown or not asked:
+        raise argparse.ArgumentTypeError(
+            f"unknown system(s) {', '.join(unknown) or '(none)'}: pick from {', '.join(SYSTEMS)}")
+    return [s for s in SYSTEMS if s in asked]
 
 
 def main(argv: list[str]) -> int:
@@ -886,6 +906,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tb", default=None,
                         help="the tb binary for the Rust side of Python's cost per call "
                         "(default: $TB_BIN, PATH, target/release)")
+    parser.add_argument("--systems", type=_systems, default=list(SYSTEMS),
+                        help="the systems to measure, comma-separated (default: "
+                        f"{','.join(SYSTEMS)})")
     parser.add_argument("--no-loader", action="store_true",
                         help="skip the data-loading comparison (tb.Stream vs torch's "
                         "DataLoader; also `bench loader` on its own)")
@@ -895,10 +918,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = plan(args.quick)
     notes: list[str] = []
-    systems = ["tensor-broker"]
-    if ensure_module("grpc", "grpcio", "grpc", not args.no_install, notes):
+    systems = [s for s in args.systems if s in TB_CHANNELS]
+    if "grpc" in args.systems and ensure_module("grpc", "grpcio", "grpc", not args.no_install,
+                                                notes):
         systems.append("grpc")
-    if ensure_module("zmq", "pyzmq", "zmq", not args.no_install, notes):
+    if "zmq" in args.systems and ensure_module("zmq", "pyzmq", "zmq", not args.no_install,
+                                               notes):
         systems.append("zmq")
     dropped = [{"op": op, "size_bytes": size, "concurrency": conc, "servers": n,
                 "why": "--quick"}

@@ -577,6 +577,7 @@ def connect(
     secret: str | None = None,
     listen: str | None = None,
     max_push_memory: int | None = None,
+    channels: str | None = None,
 ) -> Client:
     """Starts a node in this process that joins a cluster, and returns its :class:`Client`.
 
@@ -588,10 +589,15 @@ def connect(
     ``max_push_memory``: most bytes tensors pushed to this node (:meth:`Client.push`) may
     hold while received or queued for :meth:`Client.recv` (default: a quarter of the
     machine's memory); a push that does not fit is refused at once (``Unavailable``, or
-    ``InvalidArgument`` when larger than the whole budget).
+    ``InvalidArgument`` when larger than the whole budget). ``channels``: the data channels
+    the node runs, best first, as ``tb-worker --channels`` takes them (``"shm,quic"``, the
+    default; ``"quic"``: QUIC only, as between hosts; ``"tcp,quic"``); else ``TB_CHANNELS``.
+    Each transfer with a peer uses the first channel both run; QUIC is always run.
     """
     path = os.fspath(secret_file) if secret_file is not None else None
-    return Client(_native.NodeHandle.connect(join, path, secret, listen, max_push_memory))
+    return Client(
+        _native.NodeHandle.connect(join, path, secret, listen, max_push_memory, channels)
+    )
 
 
 class LocalCluster:
@@ -631,10 +637,11 @@ class LocalCluster:
         listen: str | None = None,
         max_push_memory: int | None = None,
         read_only: bool = False,
+        channels: str | None = None,
     ) -> Client:
         """A client of this cluster in this process (``read_only``: with the read-only
         credential; the other arguments as for :func:`connect`)."""
-        return Client(self._cluster.connect(listen, max_push_memory, read_only))
+        return Client(self._cluster.connect(listen, max_push_memory, read_only, channels))
 
     async def connect_async(
         self,
@@ -642,11 +649,12 @@ class LocalCluster:
         listen: str | None = None,
         max_push_memory: int | None = None,
         read_only: bool = False,
+        channels: str | None = None,
     ) -> Any:
         """:meth:`connect` for asyncio: a :class:`tensor_broker.asyncio.AsyncClient`."""
         from .asyncio import AsyncClient
 
-        native = await self._cluster.connect_async(listen, max_push_memory, read_only)
+        native = await self._cluster.connect_async(listen, max_push_memory, read_only, channels)
         return AsyncClient(native)
 
     def close(self) -> None:

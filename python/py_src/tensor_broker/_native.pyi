@@ -132,6 +132,7 @@ class NodeHandle:
         secret: Optional[str] = None,
         listen: Optional[str] = None,
         max_push_memory: Optional[int] = None,
+        channels: Optional[str] = None,
     ) -> NodeHandle: ...
     @staticmethod
     def connect_async(
@@ -140,6 +141,7 @@ class NodeHandle:
         secret: Optional[str] = None,
         listen: Optional[str] = None,
         max_push_memory: Optional[int] = None,
+        channels: Optional[str] = None,
     ) -> Awaitable[NodeHandle]: ...
     @property
     def id(self) -> str: ...
@@ -278,11 +280,13 @@ class LocalCluster:
         listen: Optional[str] = None,
         max_push_memory: Optional[int] = None,
         read_only: bool = False,
+        channels: Optional[str] = None,
     ) -> NodeHandle: ...
     def connect_async(
         self,
         listen: Optional[str] = None,
         max_push_memory: Optional[int] = None,
         read_only: bool = False,
+        channels: Optional[str] = None,
     ) -> Awaitable[NodeHandle]: ...
     def close(self) -> None: ...

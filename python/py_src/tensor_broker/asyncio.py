@@ -41,12 +41,15 @@ async def connect(
     secret: str | None = None,
     listen: str | None = None,
     max_push_memory: int | None = None,
+    channels: str | None = None,
 ) -> AsyncClient:
     """Starts a node in this process that joins a cluster; the arguments are those of
     :func:`tensor_broker.connect`. Use the client with ``async with``."""
     path = os.fspath(secret_file) if secret_file is not None else None
     return AsyncClient(
-        await _native.NodeHandle.connect_async(join, path, secret, listen, max_push_memory)
+        await _native.NodeHandle.connect_async(
+            join, path, secret, listen, max_push_memory, channels
+        )
     )
 
 
