@@ -39,8 +39,9 @@ const PERIOD: usize = 251;
 /// The name of the small tensor pulled first, so the link and channel are up before the
 /// clock runs.
 const WARM_NAME: &str = "bench-gets/warm";
-/// At most this many tensors per run (20 of 256 MiB is 5 GiB already).
-const MAX_COUNT: u64 = 1000;
+/// At most this many tensors per run: each tensor's pattern starts at its own place in the
+/// period, so no two of them hold the same bytes (and 20 of 256 MiB is 5 GiB already).
+const MAX_COUNT: u64 = PERIOD as u64 - 1;
 
 /// Options for `tb bench gets`.
 #[derive(Debug, Args)]
@@ -125,15 +126,20 @@ fn name(k: usize) -> String {
     format!("bench-gets/{k}")
 }
 
-/// Where tensor `k`'s byte pattern starts within its period.
+/// Where tensor `k`'s byte pattern starts within its period (distinct below [`MAX_COUNT`]).
 fn shift(k: usize) -> usize {
-    (k * 7) % PERIOD
+    (k + 1) % PERIOD
 }
 
 /// `len` bytes of tensor `k`: byte `i` is `(i + shift(k)) % 251`, in a new allocation.
 fn pattern(len: usize, k: usize) -> Vec<u8> {
+    periodic(len, shift(k))
+}
+
+/// `len` bytes whose byte `i` is `(i + start) % 251`.
+fn periodic(len: usize, start: usize) -> Vec<u8> {
     let mut v: Vec<u8> = Vec::with_capacity(len);
-    v.extend((0..PERIOD.min(len)).map(|i| ((i + shift(k)) % PERIOD) as u8));
+    v.extend((0..PERIOD.min(len)).map(|i| ((i + start) % PERIOD) as u8));
     // Doubling copies of whole periods, then the tail.
     while v.len() < len {
         let whole = v.len() / PERIOD * PERIOD;
@@ -146,7 +152,7 @@ fn pattern(len: usize, k: usize) -> Vec<u8> {
 /// Fails unless `got` is tensor `k`'s pattern, compared a block at a time.
 fn check(got: &[u8], k: usize) -> Result<()> {
     const BLOCK: usize = PERIOD * 4096;
-    let table = pattern(BLOCK + PERIOD, 0);
+    let table = periodic(BLOCK + PERIOD, 0);
     let mut offset = 0;
     for chunk in got.chunks(BLOCK) {
         let start = (offset + shift(k)) % PERIOD;
@@ -197,6 +203,20 @@ pub(crate) async fn hold(args: GetsHoldArgs) -> Result<()> {
 
 /// `tb bench gets`.
 pub(crate) async fn bench(args: GetsArgs) -> Result<()> {
+    // The holder keeps every tensor of a run at once (and the raw TCP stream's bytes).
+    let needs = args.size.saturating_mul(args.count + 1);
+    if let Some(available) = available_memory()
+        && needs > available
+    {
+        bail!(
+            "a run holds {} ({} tensors of {} and the raw TCP stream's bytes), but only {} of \
+             memory is available: lower --count or --size",
+            fmt::bytes(needs),
+            args.count,
+            fmt::bytes(args.size),
+            fmt::bytes(available)
+        );
+    }
     let exe = std::env::current_exe().context("locating the tb binary")?;
     let mut runs = Vec::new();
     for r in 1..=args.runs {
@@ -276,6 +296,14 @@ fn print_run(r: usize, run: &Run) {
     );
 }
 
+/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where it cannot be read).
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
 /// One holder, one getting node: every get and the raw TCP reads among them.
 async fn one_run(exe: &std::path::Path, args: &GetsArgs) -> Result<Run> {
     let mut holder = tokio::process::Command::new(exe)
@@ -291,6 +319,14 @@ async fn one_run(exe: &std::path::Path, args: &GetsArgs) -> Result<Run> {
     tokio::time::timeout(HOLD_LIMIT, BufReader::new(stdout).read_line(&mut line))
         .await
         .context("the holder did not hold its tensors in time")??;
+    if line.trim().is_empty() {
+        let status = tokio::time::timeout(Duration::from_secs(10), holder.wait()).await;
+        let status = match status {
+            Ok(Ok(status)) => status.to_string(),
+            _ => "still running".to_string(),
+        };
+        bail!("the holder ended without holding its tensors ({status}; out of memory?)");
+    }
     let held: Held = serde_json::from_str(line.trim()).context("the holder's output")?;
     let result = measure(args, &held).await;
     drop(holder.stdin.take());
@@ -304,9 +340,13 @@ async fn measure(args: &GetsArgs, held: &Held) -> Result<Run> {
     let node = Node::spawn(System::TensorBroker.config().context("config")?).await?;
     let result = async {
         // The link and its channel first, off the clock.
-        let warm = node.pull(&from, WARM_NAME, None).await?;
+        let warm = tokio::time::timeout(GET_LIMIT, node.pull(&from, WARM_NAME, None))
+            .await
+            .context("the first get (the link's set-up) timed out")??;
         check(warm.buffer.data(), 0)?;
-        let mut tcp = TcpStream::connect(&held.tcp).await?;
+        let mut tcp = tokio::time::timeout(GET_LIMIT, TcpStream::connect(&held.tcp))
+            .await
+            .context("connecting to the raw TCP stream timed out")??;
         tcp.set_nodelay(true)?;
         let len = usize::try_from(args.size)?;
         let (count, tcp_reads) = (

@@ -421,10 +421,7 @@ where
     let handoff = match poll_here(py, rt, &mut work) {
         Ok(out) => {
             let (ok, value) = outcome(py, out);
-            let state = match ok {
-                true => Settled::Result(value.unbind()),
-                false => Settled::Exception(value.unbind()),
-            };
+            let state = Settled::of(ok, value);
             return Ok(
                 Bound::new(py, CallFuture::new(event_loop.unbind(), state, None))?.into_any(),
             );
@@ -710,12 +707,26 @@ fn settler(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     Ok(f.bind(py))
 }
 
+impl Settled {
+    /// A result (`ok`) or an exception, with its traceback now.
+    fn of(ok: bool, value: Bound<'_, PyAny>) -> Settled {
+        match ok {
+            true => Settled::Result(value.unbind()),
+            false => {
+                let tb = value.getattr("__traceback__").ok().filter(|t| !t.is_none());
+                Settled::Exception(value.unbind(), tb.map(Bound::unbind))
+            }
+        }
+    }
+}
+
 /// Where a [`CallFuture`] stands.
 enum Settled {
     Pending,
     Result(Py<PyAny>),
-    /// The exception instance.
-    Exception(Py<PyAny>),
+    /// The exception instance and its traceback when it was set (restored before each
+    /// raise, so re-raising it does not grow its traceback, as asyncio's futures do).
+    Exception(Py<PyAny>, Option<Py<PyAny>>),
     /// Cancelled, with the message given to `cancel()`.
     Cancelled(Option<Py<PyAny>>),
 }
@@ -775,10 +786,7 @@ impl CallFuture {
             if !matches!(me.state, Settled::Pending) {
                 return Ok(());
             }
-            me.state = match ok {
-                true => Settled::Result(value.unbind()),
-                false => Settled::Exception(value.unbind()),
-            };
+            me.state = Settled::of(ok, value);
             me.cancel = None;
             (
                 std::mem::take(&mut me.callbacks),
@@ -794,9 +802,7 @@ impl CallFuture {
             let Err(err) = context.bind(py).call_method1("run", (callback, future)) else {
                 continue;
             };
-            if err.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)
-                || err.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
-            {
+            if interrupts(py, &err) {
                 let _ = schedule(event_loop, future.as_any(), callbacks.collect());
                 return Err(err);
             }
@@ -808,11 +814,22 @@ impl CallFuture {
             report.set_item("exception", err.value(py))?;
             report.set_item("future", future)?;
             if let Err(e) = event_loop.call_method1("call_exception_handler", (report,)) {
+                // The handler lets Ctrl-C and exits through, as the loop's own does.
+                if interrupts(py, &e) {
+                    let _ = schedule(event_loop, future.as_any(), callbacks.collect());
+                    return Err(e);
+                }
                 e.write_unraisable(py, Some(future.as_any()));
             }
         }
         Ok(())
     }
+}
+
+/// Whether `err` is one the loop lets through its callbacks' handling (Ctrl-C, an exit).
+fn interrupts(py: Python<'_>, err: &PyErr) -> bool {
+    err.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)
+        || err.is_instance_of::<pyo3::exceptions::PySystemExit>(py)
 }
 
 /// Schedules `callbacks` of `future` on `event_loop`, each in its context, as asyncio's own
@@ -866,7 +883,13 @@ impl CallFuture {
     fn result(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         match &self.state {
             Settled::Result(value) => Ok(value.clone_ref(py)),
-            Settled::Exception(exc) => Err(PyErr::from_value(exc.bind(py).clone())),
+            Settled::Exception(exc, tb) => {
+                // As asyncio's futures: the traceback it was set with, none when it had none.
+                let exc = exc.bind(py);
+                let tb = tb.as_ref().map_or_else(|| py.None(), |t| t.clone_ref(py));
+                exc.call_method1("with_traceback", (tb,))?;
+                Err(PyErr::from_value(exc.clone()))
+            }
             Settled::Cancelled(msg) => Err(cancelled_error(py, msg.as_ref())?),
             Settled::Pending => Err(PyErr::from_value(
                 asyncio_error(py, "InvalidStateError")?.call1(("Result is not set.",))?,
@@ -879,7 +902,7 @@ impl CallFuture {
     fn exception(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         match &self.state {
             Settled::Result(_) => Ok(None),
-            Settled::Exception(exc) => Ok(Some(exc.clone_ref(py))),
+            Settled::Exception(exc, _) => Ok(Some(exc.clone_ref(py))),
             Settled::Cancelled(_) | Settled::Pending => self.result(py).map(|_| None),
         }
     }
@@ -909,22 +932,47 @@ impl CallFuture {
         Ok(())
     }
 
-    /// Removes every instance of `callback` from the done callbacks; returns how many.
-    fn remove_done_callback(
-        &mut self,
-        py: Python<'_>,
-        callback: Bound<'_, PyAny>,
-    ) -> PyResult<usize> {
-        let before = self.callbacks.len();
-        let mut kept = Vec::with_capacity(before);
-        for (cb, ctx) in std::mem::take(&mut self.callbacks) {
-            match cb.bind(py).eq(&callback)? {
-                true => {}
-                false => kept.push((cb, ctx)),
+    /// Removes every instance of `callback` (the same object, or an equal one as a bound
+    /// method is) from the done callbacks; returns how many.
+    fn remove_done_callback(slf: &Bound<'_, Self>, callback: Bound<'_, PyAny>) -> PyResult<usize> {
+        let py = slf.py();
+        // Compared with no borrow held: `__eq__` is Python code, which may use the future.
+        let callbacks: Vec<Py<PyAny>> = slf
+            .borrow()
+            .callbacks
+            .iter()
+            .map(|(cb, _)| cb.clone_ref(py))
+            .collect();
+        let mut matching = Vec::new();
+        for cb in callbacks {
+            let cb = cb.into_bound(py);
+            if cb.is(&callback) || cb.eq(&callback)? {
+                matching.push(cb.unbind());
             }
         }
-        self.callbacks = kept;
-        Ok(before - self.callbacks.len())
+        let mut me = slf.borrow_mut();
+        let before = me.callbacks.len();
+        me.callbacks
+            .retain(|(cb, _)| !matching.iter().any(|m| m.is(cb)));
+        Ok(before - me.callbacks.len())
+    }
+
+    /// The message given to `cancel()` (`asyncio.gather` reads it).
+    #[getter]
+    fn _cancel_message(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        match &self.state {
+            Settled::Cancelled(msg) => msg.as_ref().map(|m| m.clone_ref(py)),
+            _ => None,
+        }
+    }
+
+    /// The `CancelledError` a cancelled future raises (`asyncio.gather` calls it).
+    fn _make_cancelled_error(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let msg = match &self.state {
+            Settled::Cancelled(msg) => msg.as_ref(),
+            _ => None,
+        };
+        Ok(cancelled_error(py, msg)?.into_value(py).into_any())
     }
 
     /// Cancels the future and the call behind it (dropped at once); schedules the done
@@ -975,7 +1023,7 @@ impl CallFuture {
         let state = match self.state {
             Settled::Pending => "pending",
             Settled::Result(_) => "finished",
-            Settled::Exception(_) => "finished with an exception",
+            Settled::Exception(..) => "finished with an exception",
             Settled::Cancelled(_) => "cancelled",
         };
         format!("<tensor_broker CallFuture {state}>")
@@ -988,7 +1036,11 @@ impl CallFuture {
             visit.call(context)?;
         }
         match &self.state {
-            Settled::Result(v) | Settled::Exception(v) | Settled::Cancelled(Some(v)) => {
+            Settled::Exception(v, Some(tb)) => {
+                visit.call(v)?;
+                visit.call(tb)
+            }
+            Settled::Result(v) | Settled::Exception(v, None) | Settled::Cancelled(Some(v)) => {
                 visit.call(v)
             }
             Settled::Pending | Settled::Cancelled(None) => Ok(()),

@@ -390,6 +390,53 @@ def test_an_awaited_calls_future_follows_asyncio_s_future_protocol(cluster: tb.L
                 await fut
             assert isinstance(fut.exception(), tb.NotFound)
 
+            # Re-raising keeps the traceback it was set with (it does not grow per raise).
+            depth = []
+            for _ in range(3):
+                try:
+                    fut.result()
+                except tb.NotFound as e:
+                    t, n = e.__traceback__, 0
+                    while t is not None:
+                        t, n = t.tb_next, n + 1
+                    depth.append(n)
+            assert depth[0] == depth[1] == depth[2], depth
+
+            # A callback whose __eq__ raises: remove_done_callback raises, and no callback
+            # is lost.
+            class Touchy:
+                def __eq__(self, other: object) -> bool:
+                    raise RuntimeError("no comparing")
+
+                __hash__ = object.__hash__
+
+                def __call__(self, f: object) -> None:
+                    order.append("touchy")
+
+            fut = b._node.recv_async(None)
+            fut.add_done_callback(Touchy())
+            fut.add_done_callback(lambda f: order.append("kept"))
+            with pytest.raises(RuntimeError, match="no comparing"):
+                fut.remove_done_callback(print)
+            order.clear()
+            await a.push(b.addr, "proto/t", np.ones(1, np.uint8))
+            await fut
+            assert order == ["touchy", "kept"]
+
+            # gather over the raw futures: a cancelled child cancels it, or is returned.
+            for return_exceptions in (False, True):
+                children = [b._node.recv_async(None), a._node.ls_async("proto/")]
+                g = asyncio.gather(*children, return_exceptions=return_exceptions)
+                await asyncio.sleep(0)
+                children[0].cancel("stop")
+                if return_exceptions:
+                    got = await asyncio.wait_for(g, LIMIT_S)
+                    assert isinstance(got[0], asyncio.CancelledError) and "stop" in str(got[0])
+                    assert got[1] == []  # nothing published under proto/ yet
+                else:
+                    with pytest.raises(asyncio.CancelledError):
+                        await asyncio.wait_for(g, LIMIT_S)
+
             # Combinators: gather, wait, shield, wait_for (which cancels the call).
             await a.put("proto/x", np.arange(3, dtype=np.int64))
             xs = await asyncio.gather(*(a.get("proto/x") for _ in range(5)))

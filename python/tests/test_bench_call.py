@@ -151,3 +151,24 @@ def test_the_loader_check_catches_wrong_bytes() -> None:
     x[0, 1, 2, 3] += 1
     with pytest.raises(BenchError, match="wrong bytes"):
         _bench_loader.check(x, y, 96)
+
+
+def test_each_tensor_broker_system_ran_on_its_channels(report: dict) -> None:
+    # The caller's links to its 4 servers: shared memory by default on one host, QUIC alone
+    # for tensor-broker-quic (a `channels=` left unused would show here).
+    assert report["links"]["tensor-broker"] == ["shm"] * 4
+    assert report["links"]["tensor-broker-quic"] == ["quic"] * 4
+    for base in ("grpc", "zmq"):
+        assert report["links"].get(base) is None
+
+
+def test_systems_are_picked_by_name() -> None:
+    assert _bench_call._systems("zmq, tensor-broker-quic") == ["tensor-broker-quic", "zmq"]
+    for bad in ("", "redis", "grpc,redis"):
+        with pytest.raises(Exception, match="pick from"):
+            _bench_call._systems(bad)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensor_broker", "bench", "call", "--systems", "redis"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2 and "redis" in done.stderr and "Traceback" not in done.stderr

@@ -364,7 +364,13 @@ class TbCalls:
 
         self.client = connect(a.join, secret_file=a.cluster_secret_file,
                               channels=TB_CHANNELS[a.system])
+        self._servers = [addr.split("@")[0] for addr in a.servers.split(",") if addr]
         self._ready()
+
+    def links(self) -> list[str]:
+        """The data channel this client uses with each server (after the warm-up)."""
+        links = dict(self.client.status()["links"])
+        return [links.get(server, "none") for server in self._servers]
 
     def _ready(self) -> None:
         """Waits until the broker lists every server of every function (a readiness check
@@ -621,7 +627,7 @@ def caller(argv: list[str]) -> int:
     calls = kind(a)
     try:
         warm(calls)
-        say(ready=True)
+        say(ready=True, links=calls.links() if isinstance(calls, TbCalls) else None)
         for line in sys.stdin:
             cmd = json.loads(line)
             try:
@@ -722,7 +728,7 @@ def _run_system(system: str, cluster: Any, p: dict[str, Any], children: list[_Pr
     call = _Proc(f"{system} caller", [*py, "_bench-call-caller", "--system", system,
                                       "--servers", ",".join(addrs), *stream_at, *join])
     children.append(call)
-    call.hear()
+    links = call.hear().get("links")
     out = []
     slow = WAIT_S * 4  # a 16 MiB case with 64 callers on one server takes a while
     for op, size, conc, n in _cases(p):
@@ -748,7 +754,7 @@ def _run_system(system: str, cluster: Any, p: dict[str, Any], children: list[_Pr
             f"{_n(r['p50_us'])} µs")))
     for child in [call, *servers]:
         child.stop(check=True)
-    return out
+    return out, links
 
 
 def _rust_overhead(tb_bin: str, python: list[dict[str, Any]], seconds: float,
@@ -864,7 +870,7 @@ def _table(rep: dict[str, Any]) -> str:
             b = by.get((base, op, size, conc, n))
             key = "items_per_s" if op == "stream" else "calls_per_s"
             row.append(f"{tb_case[key] / b[key]:.2f}x"
-                       if tb_case and b and tb_case[key] and b[key] else "-")
+                       if tb_case and b and tb_case.get(key) and b.get(key) else "-")
         rows.append(row)
     title = ("Remote calls between processes on this host (calls/s over the wall time; "
              "p50/p99 per call; stream: items/s and the gaps between items):")
@@ -940,8 +946,15 @@ def main(argv: list[str]) -> int:
                  "default prefetch=2, gRPC with its own flow control, zmq with a credit per "
                  f"item taken ({ZMQ_STREAM_AHEAD} ahead)")
     notes.append(f"{os.cpu_count()} CPU cores seen: every process of a system shares them")
+    if not systems:
+        print("bench call: no system to measure (--systems, and grpcio / pyzmq missing with "
+              "--no-install)", file=sys.stderr)
+        return 2
     tb_bin = _bench._find_tb(args.tb)
-    if tb_bin is None:
+    if "tensor-broker" not in systems:
+        notes.append("python over rust: skipped, tensor-broker is not among --systems")
+        tb_bin = None
+    elif tb_bin is None:
         notes.append("python over rust: skipped, no tb binary (--tb, $TB_BIN, PATH, "
                      "target/release)")
     elif not _speaks_call_bench(tb_bin):
@@ -949,6 +962,8 @@ def main(argv: list[str]) -> int:
                      "(an older build: rebuild it, cargo build --release)")
         tb_bin = None
     cases: list[dict[str, Any]] = []
+    # Each tensor-broker system's data channel with each server, as its caller saw them.
+    links: dict[str, Any] = {}
     over_rust: list[dict[str, Any]] = []
     children: list[_Proc] = []
     failed = True
@@ -959,7 +974,7 @@ def main(argv: list[str]) -> int:
                     def progress(line: str, s: str = system) -> None:
                         print(f"{s}: {line}", file=sys.stderr, flush=True)
 
-                    ran = _run_system(system, cluster, p, children, progress)
+                    ran, links[system] = _run_system(system, cluster, p, children, progress)
                     cases += ran
                     if system == "tensor-broker" and tb_bin is not None:
                         # Right after the Python cases, so both sides see the same machine;
@@ -988,7 +1003,8 @@ def main(argv: list[str]) -> int:
         return 130
     rep = {"quick": args.quick, "systems": systems, "seconds_per_case": p["seconds"],
            "min_calls_per_thread": {str(k): v for k, v in p["min_calls"].items()},
-           "cases": cases, "python_over_rust": over_rust, "dropped": dropped, "notes": notes,
+           "cases": cases, "links": links, "python_over_rust": over_rust, "dropped": dropped,
+           "notes": notes,
            "loaders": loaders}
     print(json.dumps(rep, indent=2) if args.json else _table(rep) + (
         "\n\n" + _bench_loader.table(loaders) if loaders else ""))
