@@ -426,22 +426,45 @@ pub(crate) fn device_tensor_name(size: u64) -> String {
     format!("bench-cuda/{size}")
 }
 
+/// The period of the benchmarks' byte patterns: a prime, so a misplaced piece shows.
+const PERIOD: usize = 251;
+
 /// The benchmark's bytes: `i % 251`, so a misplaced piece is caught by [`check`].
 pub(crate) fn payload(size: u64) -> Result<Bytes> {
-    let len = usize::try_from(size)?;
-    Ok(Bytes::from(
-        (0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
-    ))
+    Ok(Bytes::from(periodic(usize::try_from(size)?, 0)))
 }
 
 /// Fails unless `buf` holds the start of [`payload`].
 pub(crate) fn check(buf: &[u8]) -> Result<()> {
-    if let Some(i) = buf
-        .iter()
-        .enumerate()
-        .position(|(i, b)| *b != (i % 251) as u8)
-    {
-        bail!("byte {i} is wrong");
+    check_periodic(buf, 0)
+}
+
+/// `len` bytes whose byte `i` is `(i + start) % 251`, in a new allocation.
+pub(crate) fn periodic(len: usize, start: usize) -> Vec<u8> {
+    let mut v: Vec<u8> = Vec::with_capacity(len);
+    v.extend((0..PERIOD.min(len)).map(|i| ((i + start) % PERIOD) as u8));
+    // Doubling copies of whole periods, then the tail.
+    while v.len() < len {
+        let whole = v.len() / PERIOD * PERIOD;
+        let n = whole.min(len - v.len());
+        v.extend_from_within(..n);
+    }
+    v
+}
+
+/// Fails unless `buf` is [`periodic`]`(buf.len(), start)`, compared a block at a time.
+pub(crate) fn check_periodic(buf: &[u8], start: usize) -> Result<()> {
+    const BLOCK: usize = PERIOD * 4096;
+    let table = periodic(BLOCK + PERIOD, 0);
+    let mut offset = 0;
+    for chunk in buf.chunks(BLOCK) {
+        let at = (offset + start) % PERIOD;
+        let expected = &table[at..at + chunk.len()];
+        if chunk != expected {
+            let wrong = chunk.iter().zip(expected).position(|(a, b)| a != b);
+            bail!("byte {} is wrong", offset + wrong.unwrap_or(0));
+        }
+        offset += chunk.len();
     }
     Ok(())
 }

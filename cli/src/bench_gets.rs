@@ -34,14 +34,12 @@ use crate::{bench::System, fmt};
 const HOLD_LIMIT: Duration = Duration::from_secs(600);
 /// How long one get or raw TCP read may take.
 const GET_LIMIT: Duration = Duration::from_secs(120);
-/// The byte pattern's period (a prime, so a misplaced piece shows).
-const PERIOD: usize = 251;
 /// The name of the small tensor pulled first, so the link and channel are up before the
 /// clock runs.
 const WARM_NAME: &str = "bench-gets/warm";
 /// At most this many tensors per run: each tensor's pattern starts at its own place in the
 /// period, so no two of them hold the same bytes (and 20 of 256 MiB is 5 GiB already).
-const MAX_COUNT: u64 = PERIOD as u64 - 1;
+const MAX_COUNT: u64 = 250;
 
 /// Options for `tb bench gets`.
 #[derive(Debug, Args)]
@@ -126,47 +124,20 @@ fn name(k: usize) -> String {
     format!("bench-gets/{k}")
 }
 
-/// Where tensor `k`'s byte pattern starts within its period (distinct below [`MAX_COUNT`]).
+/// Where tensor `k`'s byte pattern starts within its period of 251 (distinct up to
+/// [`MAX_COUNT`]).
 fn shift(k: usize) -> usize {
-    (k + 1) % PERIOD
+    (k + 1) % 251
 }
 
 /// `len` bytes of tensor `k`: byte `i` is `(i + shift(k)) % 251`, in a new allocation.
 fn pattern(len: usize, k: usize) -> Vec<u8> {
-    periodic(len, shift(k))
+    crate::bench::periodic(len, shift(k))
 }
 
-/// `len` bytes whose byte `i` is `(i + start) % 251`.
-fn periodic(len: usize, start: usize) -> Vec<u8> {
-    let mut v: Vec<u8> = Vec::with_capacity(len);
-    v.extend((0..PERIOD.min(len)).map(|i| ((i + start) % PERIOD) as u8));
-    // Doubling copies of whole periods, then the tail.
-    while v.len() < len {
-        let whole = v.len() / PERIOD * PERIOD;
-        let n = whole.min(len - v.len());
-        v.extend_from_within(..n);
-    }
-    v
-}
-
-/// Fails unless `got` is tensor `k`'s pattern, compared a block at a time.
+/// Fails unless `got` is tensor `k`'s pattern.
 fn check(got: &[u8], k: usize) -> Result<()> {
-    const BLOCK: usize = PERIOD * 4096;
-    let table = periodic(BLOCK + PERIOD, 0);
-    let mut offset = 0;
-    for chunk in got.chunks(BLOCK) {
-        let start = (offset + shift(k)) % PERIOD;
-        if chunk != &table[start..start + chunk.len()] {
-            let at = chunk
-                .iter()
-                .zip(&table[start..])
-                .position(|(a, b)| a != b)
-                .unwrap_or(0);
-            bail!("tensor {k}: byte {} is wrong", offset + at);
-        }
-        offset += chunk.len();
-    }
-    Ok(())
+    crate::bench::check_periodic(got, shift(k)).with_context(|| format!("tensor {k}"))
 }
 
 /// The holder: makes `count` tensors, each from a new allocation, publishes them, serves a
@@ -232,13 +203,11 @@ pub(crate) async fn bench(args: GetsArgs) -> Result<()> {
             .await
             .with_context(|| format!("run {r}"))?;
         if !args.json {
-            print_run(usize::try_from(r)?, &run);
+            print_run(r, &run);
         }
         runs.push(run);
     }
-    let ratios: Vec<f64> = runs.iter().flat_map(Run::ratios).collect();
-    let min_ratio = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let median_ratio = fmt::median(&mut ratios.clone());
+    let (min_ratio, median_ratio) = min_and_median(runs.iter().flat_map(Run::ratios).collect());
     let mut gets: Vec<f64> = runs.iter().flat_map(|r| r.get_mb_s.clone()).collect();
     let mut tcp: Vec<f64> = runs.iter().flat_map(|r| r.tcp_mb_s.clone()).collect();
     if args.json {
@@ -276,10 +245,15 @@ pub(crate) async fn bench(args: GetsArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_run(r: usize, run: &Run) {
+/// The smallest and the median of `values`.
+fn min_and_median(mut values: Vec<f64>) -> (f64, f64) {
+    let median = fmt::median(&mut values); // sorts them
+    (values.first().copied().unwrap_or(0.0), median)
+}
+
+fn print_run(r: u64, run: &Run) {
     let gets: Vec<String> = run.get_mb_s.iter().map(|g| format!("{g:.0}")).collect();
-    let ratios = run.ratios();
-    let min = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let (min, median) = min_and_median(run.ratios());
     println!(
         "run {r}: held in {:.1} s; gets MB/s ({}): {}; raw TCP MB/s: {}; min {:.2}x, median \
          {:.2}x raw TCP",
@@ -292,7 +266,7 @@ fn print_run(r: usize, run: &Run) {
             .collect::<Vec<_>>()
             .join(" "),
         min,
-        fmt::median(&mut ratios.clone()),
+        median,
     );
 }
 
@@ -423,10 +397,9 @@ mod tests {
                 let mut bad = p.clone();
                 bad[len - 1] ^= 1;
                 let err = check(&bad, k).expect_err("a flipped byte");
-                assert!(
-                    err.to_string().contains(&format!("byte {}", len - 1)),
-                    "{err}"
-                );
+                let err = format!("{err:#}");
+                assert!(err.starts_with(&format!("tensor {k}")), "{err}");
+                assert!(err.contains(&format!("byte {}", len - 1)), "{err}");
             }
         }
     }

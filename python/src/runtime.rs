@@ -475,13 +475,7 @@ where
 /// `asyncio.get_running_loop()`, the function looked up once.
 fn get_running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     static GET: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    GET.get_or_try_init(py, || {
-        py.import("asyncio")?
-            .getattr("get_running_loop")
-            .map(Bound::unbind)
-    })?
-    .bind(py)
-    .call0()
+    asyncio_attr(py, &GET, "get_running_loop")?.call0()
 }
 
 /// A call's task, parked until what its first poll waits for wakes it.
@@ -713,8 +707,11 @@ impl Settled {
         match ok {
             true => Settled::Result(value.unbind()),
             false => {
-                let tb = value.getattr("__traceback__").ok().filter(|t| !t.is_none());
-                Settled::Exception(value.unbind(), tb.map(Bound::unbind))
+                let py = value.py();
+                let tb = value
+                    .getattr("__traceback__")
+                    .map_or_else(|_| py.None(), Bound::unbind);
+                Settled::Exception(value.unbind(), tb)
             }
         }
     }
@@ -724,9 +721,10 @@ impl Settled {
 enum Settled {
     Pending,
     Result(Py<PyAny>),
-    /// The exception instance and its traceback when it was set (restored before each
-    /// raise, so re-raising it does not grow its traceback, as asyncio's futures do).
-    Exception(Py<PyAny>, Option<Py<PyAny>>),
+    /// The exception instance and its traceback when it was set (`None` or a traceback;
+    /// restored before each raise, so re-raising it does not grow its traceback, as
+    /// asyncio's futures do).
+    Exception(Py<PyAny>, Py<PyAny>),
     /// Cancelled, with the message given to `cancel()`.
     Cancelled(Option<Py<PyAny>>),
 }
@@ -848,20 +846,16 @@ fn schedule(
     Ok(())
 }
 
-/// asyncio's `CancelledError` and `InvalidStateError`, looked up once.
-fn asyncio_error<'py>(py: Python<'py>, name: &'static str) -> PyResult<Bound<'py, PyAny>> {
-    static CANCELLED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    static INVALID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    let cell = match name {
-        "CancelledError" => &CANCELLED,
-        _ => &INVALID,
-    };
-    Ok(cell
-        .get_or_try_init(py, || {
-            py.import("asyncio")?.getattr(name).map(Bound::unbind)
-        })?
-        .bind(py)
-        .clone())
+/// `asyncio.<name>`, looked up once into `cell`.
+fn asyncio_attr<'py>(
+    py: Python<'py>,
+    cell: &'static PyOnceLock<Py<PyAny>>,
+    name: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let attr = cell.get_or_try_init(py, || {
+        py.import("asyncio")?.getattr(name).map(Bound::unbind)
+    })?;
+    Ok(attr.bind(py).clone())
 }
 
 #[pymethods]
@@ -886,14 +880,15 @@ impl CallFuture {
             Settled::Exception(exc, tb) => {
                 // As asyncio's futures: the traceback it was set with, none when it had none.
                 let exc = exc.bind(py);
-                let tb = tb.as_ref().map_or_else(|| py.None(), |t| t.clone_ref(py));
                 exc.call_method1("with_traceback", (tb,))?;
                 Err(PyErr::from_value(exc.clone()))
             }
             Settled::Cancelled(msg) => Err(cancelled_error(py, msg.as_ref())?),
-            Settled::Pending => Err(PyErr::from_value(
-                asyncio_error(py, "InvalidStateError")?.call1(("Result is not set.",))?,
-            )),
+            Settled::Pending => {
+                static INVALID: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+                let class = asyncio_attr(py, &INVALID, "InvalidStateError")?;
+                Err(PyErr::from_value(class.call1(("Result is not set.",))?))
+            }
         }
     }
 
@@ -1036,13 +1031,11 @@ impl CallFuture {
             visit.call(context)?;
         }
         match &self.state {
-            Settled::Exception(v, Some(tb)) => {
+            Settled::Exception(v, tb) => {
                 visit.call(v)?;
                 visit.call(tb)
             }
-            Settled::Result(v) | Settled::Exception(v, None) | Settled::Cancelled(Some(v)) => {
-                visit.call(v)
-            }
+            Settled::Result(v) | Settled::Cancelled(Some(v)) => visit.call(v),
             Settled::Pending | Settled::Cancelled(None) => Ok(()),
         }
     }
@@ -1055,7 +1048,8 @@ impl CallFuture {
 
 /// `CancelledError(msg)`, or `CancelledError()` without a message.
 fn cancelled_error(py: Python<'_>, msg: Option<&Py<PyAny>>) -> PyResult<PyErr> {
-    let class = asyncio_error(py, "CancelledError")?;
+    static CANCELLED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let class = asyncio_attr(py, &CANCELLED, "CancelledError")?;
     let exc = match msg {
         Some(m) => class.call1((m,))?,
         None => class.call0()?,

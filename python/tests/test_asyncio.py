@@ -451,3 +451,18 @@ def test_an_awaited_calls_future_follows_asyncio_s_future_protocol(cluster: tb.L
             assert asyncio.all_tasks() == {asyncio.current_task()}
 
     run(main())
+
+
+def test_async_clients_take_channels_too(cluster: tb.LocalCluster) -> None:
+    # connect_async(channels="quic"): two clients of one host move a tensor over QUIC alone.
+    async def main() -> None:
+        async with await cluster.connect_async(channels="quic") as a, \
+                await cluster.connect_async(channels="quic") as b:
+            x = np.arange(1 << 16, dtype=np.float32)
+            await a.put("achannels/x", x)
+            np.testing.assert_array_equal(await b.get("achannels/x"), x)
+            assert dict((await b.status())["links"])[a.id] == "quic"
+        with pytest.raises(ValueError, match="channels"):
+            await cluster.connect_async(channels="udp")
+
+    run(main())

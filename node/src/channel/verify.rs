@@ -59,13 +59,10 @@ pub(crate) fn hash_all(bytes: &[u8]) -> ContentHash {
     if bytes.len() < RAYON_MIN {
         return ContentHash::of(bytes);
     }
-    let hashed = leaves_shared(bytes.len(), |i| {
+    let Ok(hash) = leaves_shared(bytes.len(), |i| {
         Ok::<_, std::convert::Infallible>(leaf_cv(leaf_of(bytes, i), i))
     });
-    match hashed {
-        Ok(hash) => hash,
-        Err(never) => match never {},
-    }
+    hash
 }
 
 /// Bytes each thread of [`copy_and_hash`] copies and then hashes while they are still in its
@@ -94,15 +91,12 @@ pub(crate) fn copy_and_hash(src: &[u8], dst: &mut [u8]) -> ContentHash {
         .chunks_mut(COPY_LEAF)
         .map(std::sync::Mutex::new)
         .collect();
-    let hashed = leaves_shared(src.len(), |i| {
+    let Ok(hash) = leaves_shared(src.len(), |i| {
         let mut dst = dsts[i].lock().unwrap_or_else(|p| p.into_inner());
         dst.copy_from_slice(leaf_of(src, i));
         Ok::<_, std::convert::Infallible>(leaf_cv(&dst, i))
     });
-    match hashed {
-        Ok(hash) => hash,
-        Err(never) => match never {},
-    }
+    hash
 }
 
 /// Leaf `index` of `bytes` ([`COPY_LEAF`] bytes, or what is left).
