@@ -100,6 +100,18 @@ impl ByteBudget {
         })
     }
 
+    /// Reserves `bytes` even past the limit: for bytes already in memory that come back
+    /// under the budget (a pushed tensor taken from the inbox and put back because nobody
+    /// could receive it), which must neither be dropped nor go uncounted. Never use it for
+    /// bytes about to be allocated.
+    pub fn reserve_over(&self, bytes: u64) -> Reservation {
+        self.0.used.fetch_add(bytes, Ordering::AcqRel);
+        Reservation {
+            budget: self.0.clone(),
+            bytes,
+        }
+    }
+
     /// An empty reservation, to grow as bytes arrive ([`Reservation::try_grow`]).
     pub fn empty(&self) -> Reservation {
         Reservation {

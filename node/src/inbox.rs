@@ -126,6 +126,17 @@ impl Inbox {
             .map_err(|_| Error::timeout(what, timeout))
     }
 
+    /// Puts `item`, just taken by [`take`](Self::take), back at the head of the queue: its
+    /// taker could not hand it on (an asyncio `recv` cancelled after the runtime took the
+    /// tensor but before the event loop delivered it). Never waits and never refuses: the
+    /// tensor is in memory already, so it is queued even past the count and byte limits
+    /// (its bytes are counted again until it is taken).
+    pub fn give_back(&self, item: Received) {
+        let held = self.0.bytes.reserve_over(item.tensor.byte_len());
+        self.lock().push_front((item, held));
+        self.0.arrived.notify_waiters();
+    }
+
     fn try_take(&self, name: Option<&TensorName>) -> Option<Received> {
         let mut queue = self.lock();
         let index = match name {
@@ -177,6 +188,30 @@ mod tests {
             inbox.take(None, Duration::from_millis(20)).await,
             Err(Error::Timeout { .. })
         ));
+    }
+
+    /// Regression: an asyncio `recv` cancelled after the runtime took its tensor lost it.
+    #[tokio::test]
+    async fn a_tensor_given_back_is_taken_first_and_counted_again() {
+        let inbox = Inbox::new(1, 8);
+        let t = Duration::from_secs(1);
+        deliver(&inbox, "first", t).await.expect("first");
+        let taken = inbox.take(None, t).await.expect("first");
+        deliver(&inbox, "later", t).await.expect("later");
+        assert_eq!(inbox.bytes(), 5);
+        // Back at the head even though the inbox is full (capacity 1) and its bytes count
+        // past the budget's 8.
+        inbox.give_back(taken);
+        assert_eq!((inbox.len(), inbox.bytes()), (2, 10));
+        assert_eq!(
+            inbox.take(None, t).await.expect("again").name.as_str(),
+            "first"
+        );
+        assert_eq!(
+            inbox.take(None, t).await.expect("then").name.as_str(),
+            "later"
+        );
+        assert_eq!(inbox.bytes(), 0);
     }
 
     #[tokio::test]

@@ -576,6 +576,13 @@ impl Node {
             .await
     }
 
+    /// Puts `item`, taken by [`recv`](Self::recv) or [`wait_for`](Self::wait_for), back at
+    /// the head of the inbox, for a taker that could not hand it on (an asyncio `recv`
+    /// cancelled after the tensor was taken): the next `recv` returns it. Never refused.
+    pub fn give_back(&self, item: Received) {
+        self.inner.ctx.inbox.give_back(item);
+    }
+
     /// Serves `kind` requests on this node's `tb/data/1` links with `service` (see
     /// [`Service`](crate::Service)): the extension point for request kinds defined in
     /// tb-proto and served by a crate above this one. A kind served already (every built-in

@@ -187,6 +187,33 @@ pub struct Pushed {
     buffer: Py<Buffer>,
 }
 
+/// A pushed tensor taken from the node's inbox, made into a [`Pushed`] only where Python
+/// receives it (on the caller's thread, or the event loop's): no runtime thread waits for
+/// the GIL, and an awaited `recv` cancelled before its loop delivered the tensor gives it
+/// back to the inbox ([`runtime::start_returning`]).
+pub(crate) struct Taken(tb_node::Received);
+
+impl<'py> IntoPyObject<'py> for Taken {
+    type Target = Pushed;
+    type Output = Bound<'py, Pushed>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, Pushed>> {
+        let got = self.0;
+        let name = got.name.as_str().to_owned();
+        // Pushes carry no version: 0.
+        let buffer = Py::new(py, Buffer::new(name.clone(), 0, got.tensor))?;
+        Bound::new(
+            py,
+            Pushed {
+                name,
+                sender: got.from.to_string(),
+                buffer,
+            },
+        )
+    }
+}
+
 /// A call's work: the future the blocking form waits for and the async form runs as a task.
 type Work<T> = PyResult<T>;
 
@@ -485,25 +512,11 @@ impl NodeHandle {
     fn recv_work(
         &self,
         timeout: Option<f64>,
-    ) -> PyResult<impl Future<Output = Work<Pushed>> + Send + 'static> {
+    ) -> PyResult<impl Future<Output = Work<Taken>> + Send + 'static> {
         let node = self.node()?.clone();
         let what = || "a pushed tensor".to_owned();
-        let got = limited(
-            timeout,
-            what,
-            async move { node.recv().await.map_err(to_py) },
-        )?;
-        Ok(async move {
-            let got = got.await?;
-            let name = got.name.as_str().to_owned();
-            // Pushes carry no version: 0.
-            let buffer = Buffer::new(name.clone(), 0, got.tensor);
-            let buffer = Python::attach(|py| Py::new(py, buffer))?;
-            Ok(Pushed {
-                name,
-                sender: got.from.to_string(),
-                buffer,
-            })
+        limited(timeout, what, async move {
+            node.recv().await.map(Taken).map_err(to_py)
         })
     }
 
@@ -833,18 +846,22 @@ impl NodeHandle {
     /// The next tensor pushed to this node, waiting at most `timeout` seconds (`Timeout`
     /// then) or forever.
     #[pyo3(signature = (timeout=None))]
-    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Pushed> {
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Taken> {
         wait(py, self.recv_work(timeout)?)?
     }
 
-    /// [`recv`](Self::recv) as an awaitable (cancelling it takes nothing from the queue).
+    /// [`recv`](Self::recv) as an awaitable. Cancelling it takes nothing from the queue:
+    /// a tensor taken in the moment before the cancel goes back to the head of the queue.
     #[pyo3(signature = (timeout=None))]
     fn recv_async<'py>(
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        start(py, self.recv_work(timeout)?)
+        let node = self.node()?.clone();
+        runtime::start_returning(py, self.recv_work(timeout)?, move |taken: Taken| {
+            node.give_back(taken.0)
+        })
     }
 
     /// Stops the node (its links close; what it held is no longer served). Idempotent.

@@ -415,6 +415,24 @@ where
     F: Future<Output = PyResult<T>> + Send + 'static,
     T: for<'a> IntoPyObject<'a> + Send + 'static,
 {
+    start_returning(py, work, drop)
+}
+
+/// [`start`] for work that takes something from a queue (a pushed tensor, a subscription's
+/// event): a result the future can no longer deliver, because it was cancelled after the
+/// work completed but before the loop settled it, goes to `give_back` (which puts it back
+/// at the head of its queue) instead of being dropped. A cancel that comes before the work
+/// completes drops the work, which has taken nothing then.
+pub(crate) fn start_returning<'py, F, T, G>(
+    py: Python<'py>,
+    work: F,
+    give_back: G,
+) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = PyResult<T>> + Send + 'static,
+    T: for<'a> IntoPyObject<'a> + Send + 'static,
+    G: FnOnce(T) + Send + 'static,
+{
     let rt = runtime()?;
     let event_loop = get_running_loop(py)?;
     let mut work = Box::pin(work);
@@ -423,7 +441,7 @@ where
             let (ok, value) = outcome(py, out);
             let state = Settled::of(ok, value);
             return Ok(
-                Bound::new(py, CallFuture::new(event_loop.unbind(), state, None))?.into_any(),
+                Bound::new(py, CallFuture::new(event_loop.unbind(), state, None, None))?.into_any(),
             );
         }
         Err(handoff) => handoff,
@@ -440,6 +458,7 @@ where
             event_loop.clone().unbind(),
             Settled::Pending,
             Some(on_cancel),
+            waker.as_ref().map(|w| w.clone_ref(py)),
         ),
     )?;
     let settled = future.clone().unbind();
@@ -451,13 +470,28 @@ where
             out = work => out,
         };
         if let Some(waker) = waker {
-            waker
-                .get()
-                .complete(settled, Box::new(move |py| outcome(py, out)));
+            let convert: Convert = Box::new(move |py, wanted| match (wanted, out) {
+                (true, out) => Some(outcome(py, out)),
+                (false, Ok(value)) => {
+                    give_back(value);
+                    None
+                }
+                (false, Err(_)) => None,
+            });
+            waker.get().complete(settled, convert);
             return;
         }
         // Not at all when the interpreter is shutting down: nobody awaits the result.
         Python::try_attach(|py| {
+            // Cancelled already: the result goes back. (One cancelled between here and the
+            // loop's `settle` is a window this fallback, for loops that cannot watch a
+            // file descriptor, leaves open.)
+            if settled.bind(py).borrow().done() {
+                if let Ok(value) = out {
+                    give_back(value);
+                }
+                return;
+            }
             let (ok, value) = outcome(py, out);
             let Ok(settle) = settler(py) else {
                 return;
@@ -549,8 +583,11 @@ impl std::task::Wake for Handoff {
     }
 }
 
-/// A completed call's result, made into Python objects on the loop's thread.
-type Convert = Box<dyn for<'py> FnOnce(Python<'py>) -> (bool, Bound<'py, PyAny>) + Send>;
+/// A completed call's result, made into Python objects on the loop's thread when its
+/// future still waits for it (`true`), else given back to where the call took it from
+/// (`None`, see [`start_returning`]).
+type Convert =
+    Box<dyn for<'py> FnOnce(Python<'py>, bool) -> Option<(bool, Bound<'py, PyAny>)> + Send>;
 
 /// How runtime threads hand completed calls to one asyncio event loop without the GIL: a
 /// queue, and a socket pair whose reading end the loop watches (`add_reader`). A completion
@@ -613,6 +650,20 @@ impl LoopWaker {
         Ok(Some(waker.unbind()))
     }
 
+    /// Gives back the result of `future` (cancelled) if it is queued here: the loop would
+    /// give it back when it drains the queue, after whatever a next call takes meanwhile.
+    fn give_back(&self, py: Python<'_>, future: &Bound<'_, CallFuture>) {
+        let mine: Vec<_> = self
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extract_if(.., |(queued, _)| queued.is(future))
+            .collect();
+        for (_, convert) in mine {
+            convert(py, false);
+        }
+    }
+
     /// Queues `future`'s result (any runtime thread; no GIL needed) and wakes the loop if
     /// the queue was empty.
     fn complete(&self, future: Py<CallFuture>, convert: Convert) {
@@ -639,12 +690,17 @@ impl LoopWaker {
         let done = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
         let mut done = done.into_iter();
         while let Some((future, convert)) = done.next() {
-            let (ok, value) = convert(py);
-            if let Err(e) = CallFuture::settle(future.bind(py), ok, value, true) {
+            let future = future.bind(py);
+            let Some((ok, value)) = convert(py, !future.borrow().done()) else {
+                continue;
+            };
+            if let Err(e) = CallFuture::settle(future, ok, value, true) {
                 // Ctrl-C or an exit in a step: what is left is settled before it propagates.
                 for (future, convert) in done {
-                    let (ok, value) = convert(py);
-                    let _ = CallFuture::settle(future.bind(py), ok, value, false);
+                    let future = future.bind(py);
+                    if let Some((ok, value)) = convert(py, !future.borrow().done()) {
+                        let _ = CallFuture::settle(future, ok, value, false);
+                    }
                 }
                 return Err(e);
             }
@@ -751,18 +807,27 @@ pub(crate) struct CallFuture {
     callbacks: Vec<(Py<PyAny>, Py<PyAny>)>,
     /// Cancels the call behind the future; dropped once it is done.
     cancel: Option<Cancel>,
+    /// The loop's waker that completes it, where a cancel looks for a result it holds
+    /// already (none for a future done when made, or one completed by the fallback).
+    waker: Option<Py<LoopWaker>>,
     /// asyncio's flag: set while a task waits on the future (the future protocol).
     #[pyo3(get, set, name = "_asyncio_future_blocking")]
     blocking: bool,
 }
 
 impl CallFuture {
-    fn new(event_loop: Py<PyAny>, state: Settled, cancel: Option<Cancel>) -> CallFuture {
+    fn new(
+        event_loop: Py<PyAny>,
+        state: Settled,
+        cancel: Option<Cancel>,
+        waker: Option<Py<LoopWaker>>,
+    ) -> CallFuture {
         CallFuture {
             event_loop,
             state,
             callbacks: Vec::new(),
             cancel,
+            waker,
             blocking: false,
         }
     }
@@ -786,6 +851,7 @@ impl CallFuture {
             }
             me.state = Settled::of(ok, value);
             me.cancel = None;
+            me.waker = None;
             (
                 std::mem::take(&mut me.callbacks),
                 me.event_loop.clone_ref(py),
@@ -971,11 +1037,13 @@ impl CallFuture {
     }
 
     /// Cancels the future and the call behind it (dropped at once); schedules the done
-    /// callbacks. False when it was done already.
+    /// callbacks. False when it was done already. A result the runtime completed already,
+    /// which the loop has yet to settle, goes back where the call took it from now, ahead of
+    /// anything taken after (see [`start_returning`]).
     #[pyo3(signature = (msg = None))]
     fn cancel(slf: &Bound<'_, Self>, msg: Option<Py<PyAny>>) -> PyResult<bool> {
         let py = slf.py();
-        let (callbacks, cancel, event_loop) = {
+        let (callbacks, cancel, waker, event_loop) = {
             let mut me = slf.borrow_mut();
             if me.done() {
                 return Ok(false);
@@ -984,11 +1052,15 @@ impl CallFuture {
             (
                 std::mem::take(&mut me.callbacks),
                 me.cancel.take(),
+                me.waker.take(),
                 me.event_loop.clone_ref(py),
             )
         };
         if let Some(cancel) = cancel {
             cancel.now();
+        }
+        if let Some(waker) = waker {
+            waker.get().give_back(py, slf);
         }
         schedule(event_loop.bind(py), slf.as_any(), callbacks)?;
         Ok(true)
@@ -1026,6 +1098,9 @@ impl CallFuture {
 
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
         visit.call(&self.event_loop)?;
+        if let Some(waker) = &self.waker {
+            visit.call(waker)?;
+        }
         for (callback, context) in &self.callbacks {
             visit.call(callback)?;
             visit.call(context)?;
@@ -1042,6 +1117,7 @@ impl CallFuture {
 
     fn __clear__(&mut self) {
         self.callbacks.clear();
+        self.waker = None;
         self.state = Settled::Cancelled(None);
     }
 }

@@ -5,7 +5,11 @@
 //! `close()` from any thread ends a `next()` waiting in another: the close signal lives
 //! outside the reader's lock, and a waiting `next()` watches it.
 
-use std::{collections::HashMap, future::Future, sync::Arc};
+use std::{
+    collections::{HashMap, VecDeque},
+    future::Future,
+    sync::Arc,
+};
 
 use pyo3::prelude::*;
 use tb_node::{SubEvent, Tensor, TensorName, TensorSet};
@@ -15,7 +19,7 @@ use crate::{
     buffer::Buffer,
     errors::to_py,
     node::{SetParts, set_parts},
-    runtime::{limited, start, wait},
+    runtime::{limited, start_returning, wait},
 };
 
 /// What a subscription reported about one name.
@@ -118,6 +122,9 @@ pub struct Subscription {
     inner: Arc<tokio::sync::Mutex<Reader>>,
     /// Fired by `close`; outside the lock, which a waiting `next` holds.
     closed: CancellationToken,
+    /// Events an awaited `next` took but could not deliver (cancelled in the moment before
+    /// its loop settled it), oldest first: the next `next` returns them before reading on.
+    given_back: Arc<std::sync::Mutex<VecDeque<Event>>>,
     pattern: String,
 }
 
@@ -136,6 +143,7 @@ impl Subscription {
                 skipped: HashMap::new(),
             })),
             closed: CancellationToken::new(),
+            given_back: Arc::default(),
         }
     }
 }
@@ -202,6 +210,11 @@ impl Reader {
     }
 }
 
+/// The given-back events, whatever a panic elsewhere left.
+fn lock(events: &std::sync::Mutex<VecDeque<Event>>) -> std::sync::MutexGuard<'_, VecDeque<Event>> {
+    events.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Subscription {
     /// The next event (`None` once ended or closed), within `timeout` seconds.
     fn next_work(
@@ -210,9 +223,16 @@ impl Subscription {
     ) -> PyResult<impl Future<Output = PyResult<Option<Event>>> + Send + 'static> {
         let inner = self.inner.clone();
         let closed = self.closed.clone();
+        let given_back = self.given_back.clone();
         let pattern = self.pattern.clone();
         let what = move || format!("an update for {pattern:?}");
         limited(timeout, what, async move {
+            if closed.is_cancelled() {
+                return Ok(None);
+            }
+            if let Some(event) = lock(&given_back).pop_front() {
+                return Ok(Some(event));
+            }
             // Biased: once closed, no event is read, even one that is ready.
             let got = tokio::select! {
                 biased;
@@ -240,15 +260,21 @@ impl Subscription {
         wait(py, self.next_work(timeout)?)?
     }
 
-    /// [`next`](Self::next) as an awaitable (cancelling it loses no event: one not yet
-    /// returned stays for the next call).
+    /// [`next`](Self::next) as an awaitable. Cancelling it loses no event: one not yet
+    /// read stays for the next call, and one read in the moment before the cancel is given
+    /// back to be returned first.
     #[pyo3(signature = (timeout=None))]
     fn next_async<'py>(
         &self,
         py: Python<'py>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        start(py, self.next_work(timeout)?)
+        let given_back = self.given_back.clone();
+        start_returning(py, self.next_work(timeout)?, move |event| {
+            if let Some(event) = event {
+                lock(&given_back).push_front(event);
+            }
+        })
     }
 
     /// Ends the subscription, at once: a `next` waiting in another thread returns `None`.

@@ -231,6 +231,45 @@ def test_a_cancelled_wait_on_a_subscription_loses_no_version(cluster: tb.LocalCl
     run(main())
 
 
+def test_a_read_cancelled_after_it_took_its_tensor_gives_it_back(cluster: tb.LocalCluster) -> None:
+    """Regression: an awaited ``recv`` (or subscription read) cancelled after the runtime
+    took its tensor, but before the event loop delivered it, lost that tensor. The loop is
+    held (no ``await``) while the tensor arrives, so the runtime completes the read and the
+    loop cannot deliver it before the cancel."""
+
+    async def main() -> None:
+        async with await cluster.connect_async() as b:
+            with cluster.connect() as pusher:
+                for i in range(3):
+                    fut = b._node.recv_async(None)
+                    assert not fut.done()  # the inbox is empty: the read waits
+                    pusher.push(b.addr, f"back/{i}", np.full(8, i, dtype=np.int16))
+                    time.sleep(0.2)  # the read completes on the runtime meanwhile
+                    assert fut.cancel() and fut.cancelled()
+                    got = await b.recv(timeout=LIMIT_S)
+                    assert (got.name, got.array().tolist()) == (f"back/{i}", [i] * 8)
+                # Back in order, ahead of what came after it.
+                fut = b._node.recv_async(None)
+                pusher.push(b.addr, "back/first", np.zeros(2, dtype=np.int8))
+                time.sleep(0.2)
+                pusher.push(b.addr, "back/second", np.ones(2, dtype=np.int8))
+                assert fut.cancel()
+                names = [(await b.recv(timeout=LIMIT_S)).name for _ in range(2)]
+                assert names == ["back/first", "back/second"]
+                assert (await b.status())["pushes_queued"] == 0
+                async with b.subscribe("back/v") as sub:
+                    for i in range(1, 4):
+                        fut = sub._sub.next_async(None)
+                        pusher.put("back/v", np.full(4, i, dtype=np.int32))
+                        time.sleep(0.3)
+                        assert fut.cancel()
+                        got = await sub.next(timeout=LIMIT_S)
+                        assert (got.version, got.array().tolist()) == (i, [i] * 4)
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    run(main())
+
+
 def test_event_loops_in_several_threads_each_get_their_results(cluster: tb.LocalCluster) -> None:
     # Each loop has its own waker; a loop closed and a new one made (asyncio.run twice in a
     # thread) gets a new one. Every result reaches the loop that awaited it.
