@@ -10,7 +10,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use iroh::EndpointId;
 use tb_proto::{
     Access, ChannelKind, DataRequest, DataResponse, ErrorCode, ShmCopied, ShmHello, ShmPayload,
-    TensorMeta, TensorName, frame::MAX_CONTROL_FRAME,
+    TensorMeta, TensorName,
+    frame::{self, MAX_CONTROL_FRAME},
 };
 use tokio::net::UnixStream;
 
@@ -415,28 +416,49 @@ enum PushBody<'a> {
 }
 
 impl PushBody<'_> {
-    async fn write(&self, conn: &mut ShmStream) -> Result<()> {
+    /// Writes the push's `request` frame (encoded) and this body, the frames and the first
+    /// payload bytes in one `sendmsg`, and a hashed body's hash with its last piece: a small
+    /// push is one write (four before: a wake-up of the peer's reader each).
+    async fn write(&self, conn: &mut ShmStream, request: &[u8]) -> Result<()> {
+        let kind = |payload: &ShmPayload| {
+            frame::encode(payload).map_err(|e| Error::io("encoding a frame", e))
+        };
         match self {
-            PushBody::Inline(data) => conn.write_frame_and(&ShmPayload::Inline, data, None).await,
+            PushBody::Inline(data) => {
+                let head = kind(&ShmPayload::Inline)?;
+                conn.write_parts(&[request, &head, data], None).await
+            }
             PushBody::Memfd(region) => {
-                let memfd = ShmPayload::Memfd { offset: 0 };
-                conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
-                    .await
+                let head = kind(&ShmPayload::Memfd { offset: 0 })?;
+                let fd = region.shared_fd()?;
+                conn.write_parts(&[request, &head], Some(fd)).await
             }
             PushBody::Hashing(data) => {
-                conn.write_frame(&ShmPayload::InlineHashAfter).await?;
+                let head = kind(&ShmPayload::InlineHashAfter)?;
                 // Each piece is copied into a buffer of this call's own, hashed there while
                 // in cache and written from there: what is hashed is what was sent, even if
                 // `data` changes meanwhile (another thread writing the array).
                 let mut hasher = blake3::Hasher::new();
                 let mut piece = vec![0u8; super::FILL_PIECE.min(data.len())];
-                for from in data.chunks(super::FILL_PIECE) {
+                let count = data.len().div_ceil(super::FILL_PIECE);
+                if count == 0 {
+                    let hash = hasher.finalize();
+                    return conn
+                        .write_parts(&[request, &head, hash.as_bytes()], None)
+                        .await;
+                }
+                for (i, from) in data.chunks(super::FILL_PIECE).enumerate() {
                     let piece = &mut piece[..from.len()];
                     piece.copy_from_slice(from);
                     hasher.update(piece);
-                    conn.write_raw(piece).await?;
+                    let (first, last) = (i == 0, i + 1 == count);
+                    let hash = last.then(|| hasher.finalize());
+                    let hash = hash.as_ref().map_or(&[][..], |h| h.as_bytes());
+                    let front: [&[u8]; 2] = if first { [request, &head] } else { [&[], &[]] };
+                    conn.write_parts(&[front[0], front[1], piece, hash], None)
+                        .await?;
                 }
-                conn.write_raw(hasher.finalize().as_bytes()).await
+                Ok(())
             }
         }
     }
@@ -479,14 +501,17 @@ async fn push_body(
         meta: meta.clone(),
     };
     let what = describe(name, None, &peer);
+    let request = frame::encode(&request)
+        .map_err(|e| ChannelError::Final(Error::io("encoding a frame", e)))?;
     let mut attempts = 0;
     loop {
         attempts += 1;
         let mut conn = connection(ctx, route, peer).await?;
-        let sent = within(ctx.config.stall_timeout, &what, async {
-            conn.write_frame(&request).await?;
-            body.write(&mut conn).await
-        })
+        let sent = within(
+            ctx.config.stall_timeout,
+            &what,
+            body.write(&mut conn, &request),
+        )
         .await;
         let answer = match sent {
             Ok(()) => {

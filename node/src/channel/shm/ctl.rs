@@ -127,8 +127,8 @@ pub(crate) async fn open_subscription(
         let mut conn = connection(ctx, route, route.peer).await?;
         let opened = async {
             within(timeout, "a same-host subscription", async {
-                conn.write_frame(&DataRequest::Ctl).await?;
-                conn.write_frame(request).await
+                conn.write_frames_and(&DataRequest::Ctl, request, &[], None)
+                    .await
             })
             .await?;
             read_answer(&mut conn, &broker, timeout, max).await
@@ -177,8 +177,8 @@ pub(crate) async fn exchange(
     for attempt in 0..2 {
         let mut conn = connection(ctx, route, route.peer).await?;
         let sent = within(timeout, "a same-host control request", async {
-            conn.write_frame(&DataRequest::Ctl).await?;
-            conn.write_frame(request).await
+            conn.write_frames_and(&DataRequest::Ctl, request, &[], None)
+                .await
         })
         .await;
         let first = match sent {

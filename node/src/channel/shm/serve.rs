@@ -287,10 +287,11 @@ async fn serve_pull(
     let timer = ctx.metrics.start_transfer(TransferKind::Serve);
     let stall = ctx.config.stall_timeout;
     let sent = within(stall, "a same-host pull", async {
-        conn.write_frame(&header).await?;
         // Inline when small (a memfd costs more than the copy); larger ones pass the memfd.
+        // The header and what follows it go in one write.
         if data.len() <= PULL_INLINE_MAX {
-            return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
+            let inline = ShmPayload::Inline;
+            return conn.write_frames_and(&header, &inline, data, None).await;
         }
         // Up to 16 MiB, to a peer that proved read-write access, the memfd the version is in
         // as it is (reopened read-only, not sealed: it goes back to this node's pool when the
@@ -304,7 +305,8 @@ async fn serve_pull(
             .and_then(|fd| COPYING.admit(data.len()).map(|held| (fd, held)));
         if let Some((fd, _held)) = copyable {
             let memfd = ShmPayload::MemfdCopy { offset: 0 };
-            conn.write_frame_and(&memfd, &[], Some(fd.as_fd())).await?;
+            conn.write_frames_and(&header, &memfd, &[], Some(fd.as_fd()))
+                .await?;
             drop(fd);
             let copied: ShmCopied = conn.read_frame(MAX_CONTROL_FRAME).await?;
             if copied.version != version {
@@ -317,7 +319,7 @@ async fn serve_pull(
         }
         let region = tensor.shm_region()?;
         let memfd = ShmPayload::Memfd { offset: 0 };
-        conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
+        conn.write_frames_and(&header, &memfd, &[], Some(region.shared_fd()?))
             .await
     })
     .await;

@@ -328,6 +328,42 @@ async fn push_bytes_hashes_as_it_sends_and_the_receiver_holds_what_arrived() {
     receiver.shutdown().await;
 }
 
+/// Parts written in one go arrive whole and in order, the ones past what one `sendmsg`
+/// took resumed at the right byte (3 MiB: several times a socket's buffer), and a
+/// descriptor passed with them arrives once.
+#[tokio::test]
+async fn parts_written_together_arrive_whole_and_in_order() {
+    let (ours, theirs) = tokio::net::UnixStream::pair().expect("socket pair");
+    let (mut reader, mut writer) = (
+        super::socket::ShmStream::new(ours),
+        super::socket::ShmStream::new(theirs),
+    );
+    let parts = [
+        bytes_of(5, 1).to_vec(),
+        Vec::new(),
+        bytes_of(3 << 20, 2).to_vec(),
+        bytes_of(77, 3).to_vec(),
+    ];
+    let whole: Vec<u8> = parts.concat();
+    let region = super::Region::copy_of(b"passed along").expect("memfd");
+    let fd = region.shared_fd().expect("fd");
+    let write = async {
+        let slices: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        writer
+            .write_parts(&slices, Some(fd))
+            .await
+            .expect("written");
+    };
+    let mut got = vec![0u8; whole.len()];
+    let (_, read) = tokio::join!(write, reader.read_exact(&mut got));
+    read.expect("read");
+    assert!(got == whole, "the bytes differ");
+    reader.take_fd().expect("the descriptor came");
+    assert!(reader.take_fd().is_err(), "and only once");
+    let too_many = [&[1u8][..]; super::socket::MAX_PARTS + 1];
+    assert!(writer.write_parts(&too_many, None).await.is_err());
+}
+
 #[tokio::test]
 async fn bytes_whose_hash_after_them_disagrees_are_refused() {
     for len in [INLINE_LEN, 4096] {
@@ -345,8 +381,8 @@ async fn bytes_whose_hash_after_them_disagrees_are_refused() {
         bad.0[31] ^= 1;
         for (sent, ok) in [(good, true), (bad, false)] {
             let write = async {
-                writer.write_raw(&data).await.expect("bytes");
-                writer.write_raw(&sent.0).await.expect("hash");
+                writer.write_parts(&[&data], None).await.expect("bytes");
+                writer.write_parts(&[&sent.0], None).await.expect("hash");
             };
             let (_, read) =
                 tokio::join!(write, super::read_hashed_after(&mut reader, &meta, "test"));

@@ -92,15 +92,17 @@ async fn write_offer(conn: &mut ShmStream, offer: &Offer, access: Access) -> Res
         version: offer.version,
     };
     if let Some(data) = (offer.tensor.host_data()).filter(|d| d.len() <= INLINE_MAX) {
-        conn.write_frame(&header).await?;
+        // The header and what follows it go in one write.
         let copyable = (offer.tensor.made_region())
             .filter(|_| access == Access::ReadWrite)
             .and_then(|region| region.read_only_fd().ok());
         let Some(fd) = copyable else {
-            return conn.write_frame_and(&ShmPayload::Inline, data, None).await;
+            let inline = ShmPayload::Inline;
+            return conn.write_frames_and(&header, &inline, data, None).await;
         };
         let memfd = ShmPayload::MemfdCopy { offset: 0 };
-        conn.write_frame_and(&memfd, &[], Some(fd.as_fd())).await?;
+        conn.write_frames_and(&header, &memfd, &[], Some(fd.as_fd()))
+            .await?;
         drop(fd);
         // The offer (and so the memfd's bytes) is held until the watcher copied them.
         let copied: ShmCopied = conn.read_frame(MAX_CONTROL_FRAME).await?;
@@ -113,9 +115,8 @@ async fn write_offer(conn: &mut ShmStream, offer: &Offer, access: Access) -> Res
         return Ok(());
     }
     let region = offer.tensor.shm_region()?;
-    conn.write_frame(&header).await?;
     let memfd = ShmPayload::Memfd { offset: 0 };
-    conn.write_frame_and(&memfd, &[], Some(region.shared_fd()?))
+    conn.write_frames_and(&header, &memfd, &[], Some(region.shared_fd()?))
         .await
 }
 
