@@ -50,6 +50,9 @@ const QUEUE: usize = 8;
 pub(crate) struct Offer {
     pub(crate) version: u64,
     pub(crate) tensor: Tensor,
+    /// Written already, straight to a same-host watcher's socket for it to copy from the
+    /// memfd ([`Watchers::offer`]): the watch's task only waits for the receipt.
+    pub(crate) sent: bool,
 }
 
 impl Offer {
@@ -82,27 +85,36 @@ struct Watcher {
     direct: Option<std::sync::Arc<Direct>>,
 }
 
-/// A same-host watcher's socket, which [`Watchers::offer`] writes a small offer to itself
-/// (one non-blocking `send` on the publishing thread) when nothing else is on its way to that
+/// A same-host watcher's socket, which [`Watchers::offer`] writes an offer to itself (one
+/// non-blocking `send` on the publishing thread) when nothing else is on its way to that
 /// watcher, instead of queueing it for the watch's task: the offer leaves without waking a
-/// runtime worker first. Offers stay in order: one is written here only while no offer
-/// queued for the watcher is unwritten (queued offers are counted until the task wrote
-/// them), and offers are made one at a time (under the watchers' lock).
+/// runtime worker first. A small offer goes whole; a larger one up to 4 MiB, to a watcher
+/// that proved read-write access, as its header and the memfd to copy from, and is then
+/// queued to the task marked sent, for the task to wait for its receipt. Offers stay in
+/// order: one is written here only while no offer queued for the watcher is unwritten or
+/// waits for its receipt (such offers are counted until the task is done with them), and
+/// offers are made one at a time (under the watchers' lock).
 #[derive(Debug)]
 pub(crate) struct Direct {
     /// A duplicate of the watch connection's socket.
     fd: std::os::fd::OwnedFd,
-    /// Offers queued for the watch's task and not yet written by it.
+    /// Offers queued for the watch's task that it is not done with yet.
     unwritten: AtomicU64,
+    /// The watcher proved read-write access: it may be offered memfds to copy from.
+    copies: bool,
 }
 
 impl Direct {
     /// A direct way to the watcher on `socket` (its duplicate); `None` if it cannot be made.
-    pub(crate) fn new(socket: std::os::fd::BorrowedFd<'_>) -> Option<std::sync::Arc<Direct>> {
+    pub(crate) fn new(
+        socket: std::os::fd::BorrowedFd<'_>,
+        copies: bool,
+    ) -> Option<std::sync::Arc<Direct>> {
         let fd = socket.try_clone_to_owned().ok()?;
         Some(std::sync::Arc::new(Direct {
             fd,
             unwritten: AtomicU64::new(0),
+            copies,
         }))
     }
 
@@ -118,8 +130,23 @@ impl Direct {
     /// hears of its versions from the broker and watches again after a backoff) rather than
     /// carry a torn frame.
     fn write(&self, frame: &[u8]) -> bool {
-        use rustix::net::{SendFlags, Shutdown};
-        match rustix::net::send(&self.fd, frame, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+        self.write_passing(frame, None)
+    }
+
+    /// [`write`](Self::write), passing `fd` with the frame's first byte when given (a memfd
+    /// to copy from, after its header).
+    fn write_passing(&self, frame: &[u8], fd: Option<std::os::fd::BorrowedFd<'_>>) -> bool {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, Shutdown};
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds;
+        if let Some(fd) = fd {
+            fds = [fd];
+            control.push(SendAncillaryMessage::ScmRights(&fds));
+        }
+        let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+        let iov = [std::io::IoSlice::new(frame)];
+        match rustix::net::sendmsg(&self.fd, &iov, &mut control, flags) {
             Ok(n) if n == frame.len() => true,
             Ok(0) | Err(_) => false,
             Ok(_) => {
@@ -256,10 +283,13 @@ impl Watchers {
         let offer = Offer {
             version,
             tensor: tensor.clone(),
+            sent: false,
         };
         let inline = offer.inline();
         // Encoded once, for the first watcher it is written to.
         let mut frame: Option<Option<Vec<u8>>> = None;
+        #[cfg(target_os = "linux")]
+        let mut to_copy: Option<Option<(Vec<u8>, std::os::fd::OwnedFd)>> = None;
         let mut offered = 0;
         for w in list {
             // A small version goes to each; a large one to same-host watchers with none
@@ -267,6 +297,35 @@ impl Watchers {
             let wanted = inline || (w.same_host && w.tx.capacity() == QUEUE);
             if !wanted {
                 continue;
+            }
+            // A large one to copy, written here to a watcher that may copy it; the task is
+            // handed it (its slot reserved first) to wait for the receipt.
+            #[cfg(target_os = "linux")]
+            if let Some(direct) = w
+                .direct
+                .as_ref()
+                .filter(|d| !inline && d.copies && d.unwritten.load(Ordering::Acquire) == 0)
+                && let Ok(permit) = w.tx.try_reserve()
+            {
+                let copy = to_copy
+                    .get_or_insert_with(|| crate::channel::shm_copy_offer(&offer))
+                    .as_ref();
+                if let Some((frames, fd)) = copy {
+                    use std::os::fd::AsFd;
+                    direct.unwritten.fetch_add(1, Ordering::AcqRel);
+                    if direct.write_passing(frames, Some(fd.as_fd())) {
+                        permit.send(Offer {
+                            sent: true,
+                            ..offer.clone()
+                        });
+                        if let Some(out) = &self.written_out {
+                            out.inc();
+                        }
+                        offered += 1;
+                        continue;
+                    }
+                    direct.written();
+                }
             }
             if let Some(direct) = w
                 .direct
@@ -437,7 +496,7 @@ mod tests {
         let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
         ours.set_nonblocking(true).expect("non-blocking");
         theirs.set_nonblocking(true).expect("non-blocking");
-        let direct = Direct::new(ours.as_fd()).expect("direct");
+        let direct = Direct::new(ours.as_fd(), true).expect("direct");
         let mut watch = watchers
             .register_with(&w, true, Some(direct.clone()))
             .expect("watch");
@@ -475,6 +534,89 @@ mod tests {
         assert_eq!(watchers.offer(&w, 4, &small), 1);
         assert_eq!(version_of(frame_on(&mut theirs)), 4);
         assert_eq!(written.get(), 2);
+    }
+
+    /// A large version in a memfd goes straight to a same-host watcher that may copy: its
+    /// header and the memfd on the socket, then queued marked sent (the task waits for the
+    /// receipt), and nothing more goes until the task is done with it. A watcher that may
+    /// not copy gets it queued for the task, unsent.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn large_offers_to_copy_go_straight_with_their_memfd() {
+        use std::os::fd::AsFd;
+        let written = tb_dashboard::IntCounter::new("w", "w").expect("counter");
+        let watchers = Watchers::new(written.clone());
+        let w = TensorName::new("w").expect("name");
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
+        ours.set_nonblocking(true).expect("non-blocking");
+        theirs.set_nonblocking(true).expect("non-blocking");
+        let direct = Direct::new(ours.as_fd(), true).expect("direct");
+        let mut watch = watchers
+            .register_with(&w, true, Some(direct.clone()))
+            .expect("watch");
+        let big: Vec<u8> = (0..(1usize << 20)).map(|i| (i % 251) as u8).collect();
+        let version = tensor(&big);
+        assert!(version.made_region().is_some(), "1 MiB lies in a memfd");
+
+        assert_eq!(watchers.offer(&w, 1, &version), 1);
+        assert_eq!(written.get(), 1);
+        // The header and the payload's frame, in one message with the memfd.
+        let mut buf = vec![0u8; 4096];
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let got = rustix::net::recvmsg(
+            &theirs,
+            &mut iov,
+            &mut control,
+            rustix::net::RecvFlags::empty(),
+        )
+        .expect("the offer");
+        let mut fds = Vec::new();
+        for message in control.drain() {
+            if let rustix::net::RecvAncillaryMessage::ScmRights(passed) = message {
+                fds.extend(passed);
+            }
+        }
+        assert_eq!(fds.len(), 1, "the memfd came with it");
+        let mut copied = vec![0u8; big.len()];
+        rustix::io::pread(&fds[0], &mut copied, 0).expect("read through the passed fd");
+        assert!(copied == big, "the memfd holds the version's bytes");
+        let mut frames = &buf[..got.bytes];
+        let mut next = || {
+            let len = u32::from_le_bytes(frames[..4].try_into().expect("prefix")) as usize;
+            let body = &frames[4..4 + len];
+            frames = &frames[4 + len..];
+            body.to_vec()
+        };
+        let header: DataResponse = tb_proto::frame::decode_body(&next()).expect("header");
+        assert!(matches!(header, DataResponse::Header { version: 1, .. }));
+        let payload: tb_proto::ShmPayload = tb_proto::frame::decode_body(&next()).expect("kind");
+        assert!(matches!(
+            payload,
+            tb_proto::ShmPayload::MemfdCopy { offset: 0 }
+        ));
+        // Queued for its receipt; meanwhile no other offer jumps ahead or piles up.
+        let queued = watch.next().await.expect("queued");
+        assert!(queued.sent && queued.version == 1);
+        assert_eq!(watchers.offer(&w, 2, &tensor(&[7u8; 100])), 1);
+        assert!(
+            !watch.next().await.expect("queued").sent,
+            "queued behind the receipt"
+        );
+        direct.written();
+        direct.written();
+
+        // A watcher that may not copy: queued for the task to send.
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
+        let reader = Direct::new(ours.as_fd(), false).expect("direct");
+        let x = TensorName::new("x").expect("name");
+        let mut only_reads = watchers
+            .register_with(&x, true, Some(reader))
+            .expect("watch");
+        assert_eq!(watchers.offer(&x, 1, &version), 1);
+        assert!(!only_reads.next().await.expect("queued").sent);
+        assert_eq!(written.get(), 1, "not written straight");
     }
 
     #[test]

@@ -48,9 +48,9 @@ pub(crate) use cuda_ipc::service as cuda_ipc_service;
 #[cfg(target_os = "linux")]
 pub(crate) use shm::{
     CallRecv, CallSend, INLINE_MAX as SHM_PUSH_INLINE_MAX, Region, Shm, ShmCache, ShmRoute,
-    ShmStream, ShmWatch, WatchOffer, ctl::exchange as shm_ctl_exchange,
-    ctl::open_subscription as shm_open_subscription, ctl::read_event as shm_read_event,
-    memfds_work, open_socket_request, reading_sockets,
+    ShmStream, ShmWatch, WatchOffer, copy_offer as shm_copy_offer,
+    ctl::exchange as shm_ctl_exchange, ctl::open_subscription as shm_open_subscription,
+    ctl::read_event as shm_read_event, memfds_work, open_socket_request, reading_sockets,
 };
 #[cfg(target_os = "linux")]
 pub use shm::{ChunksRead, force_map_failures_for_tests, frame_chunks, read_chunks};

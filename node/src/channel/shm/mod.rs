@@ -64,7 +64,7 @@ pub use region::force_map_failures_for_tests;
 pub(crate) use region::{Region, RegionFill, RegionWriter};
 pub(crate) use serve::spawn_listener;
 pub(crate) use socket::ShmStream;
-pub(crate) use watch::{ShmWatch, WatchOffer};
+pub(crate) use watch::{ShmWatch, WatchOffer, copy_offer};
 
 use super::{HostBuf, verify};
 use crate::{

@@ -47,7 +47,8 @@ use crate::{
 /// used again after it.
 pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName, access: Access) {
     let stall = ctx.config.stall_timeout;
-    let direct = crate::watch::Direct::new(conn.socket().as_fd());
+    let copies = access == Access::ReadWrite;
+    let direct = crate::watch::Direct::new(conn.socket().as_fd(), copies);
     let mut watch = match ctx.watchers.register_with(name, true, direct.clone()) {
         Ok(watch) => watch,
         Err(refusal) => {
@@ -63,8 +64,20 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
                 None => return,
             },
         };
-        // A watcher that went shows here: the write fails (its socket is closed).
-        let written = within(stall, "an offer", write_offer(conn, &offer, access)).await;
+        // A watcher that went shows here: the write fails (its socket is closed). An offer
+        // the publisher wrote itself ([`copy_offer`]) waits for its receipt only (counted
+        // out where it was written).
+        let written = match offer.sent {
+            true => {
+                within(
+                    stall,
+                    "an offer's receipt",
+                    read_receipt(conn, offer.version),
+                )
+                .await
+            }
+            false => within(stall, "an offer", write_offer(conn, &offer, access)).await,
+        };
         if let Some(direct) = &direct {
             direct.written();
         }
@@ -72,8 +85,42 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
             debug!(%e, %name, "a same-host watch ended");
             return;
         }
-        ctx.metrics.watch_offers_out.inc();
+        if !offer.sent {
+            ctx.metrics.watch_offers_out.inc();
+        }
     }
+}
+
+/// The frames of an offer of `offer` to copy from its memfd (a `Header` and
+/// `ShmPayload::MemfdCopy`) and that memfd reopened read-only: what `Watchers::offer` writes
+/// straight to the socket of a watcher that proved read-write access, on the publishing
+/// thread, instead of waking the watch's task to write them (a runtime thread's wake-up less
+/// on the way of every version from 16 KiB to 4 MiB). `None` for a version that does not go
+/// that way (not in a memfd of this node's pool, or beyond [`INLINE_MAX`]); the task's
+/// [`write_offer`] then decides as before.
+pub(crate) fn copy_offer(offer: &Offer) -> Option<(Vec<u8>, std::os::fd::OwnedFd)> {
+    offer.tensor.host_data().filter(|d| d.len() <= INLINE_MAX)?;
+    let fd = offer.tensor.made_region()?.read_only_fd().ok()?;
+    let header = DataResponse::Header {
+        meta: offer.tensor.meta().clone(),
+        version: offer.version,
+    };
+    let mut frames = tb_proto::frame::encode(&header).ok()?;
+    frames.extend(tb_proto::frame::encode(&ShmPayload::MemfdCopy { offset: 0 }).ok()?);
+    Some((frames, fd))
+}
+
+/// Waits for the watcher's `ShmCopied` for an offer of `version` to copy: until then the
+/// publisher holds the version (its memfd may not go back to the pool).
+async fn read_receipt(conn: &mut ShmStream, version: u64) -> Result<()> {
+    let copied: ShmCopied = conn.read_frame(MAX_CONTROL_FRAME).await?;
+    if copied.version != version {
+        return Err(Error::Io(format!(
+            "a watcher copied v{} of an offer of v{version}",
+            copied.version
+        )));
+    }
+    Ok(())
 }
 
 /// Writes one offer: small ones in an `Offer` frame; up to [`INLINE_MAX`] as a `Header`
@@ -105,14 +152,7 @@ async fn write_offer(conn: &mut ShmStream, offer: &Offer, access: Access) -> Res
             .await?;
         drop(fd);
         // The offer (and so the memfd's bytes) is held until the watcher copied them.
-        let copied: ShmCopied = conn.read_frame(MAX_CONTROL_FRAME).await?;
-        if copied.version != offer.version {
-            return Err(Error::Io(format!(
-                "a watcher copied v{} of an offer of v{}",
-                copied.version, offer.version
-            )));
-        }
-        return Ok(());
+        return read_receipt(conn, offer.version).await;
     }
     let region = offer.tensor.shm_region()?;
     let memfd = ShmPayload::Memfd { offset: 0 };
