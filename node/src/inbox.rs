@@ -8,7 +8,7 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, atomic::Ordering},
     time::Duration,
 };
 
@@ -31,6 +31,9 @@ pub struct Received {
     pub name: TensorName,
     /// The verified tensor.
     pub tensor: Tensor,
+    /// Its place in the order of arrival (set when it is queued): what puts a tensor given
+    /// back ([`Inbox::give_back`]) where it was.
+    pub(crate) seq: u64,
 }
 
 /// A queued tensor and the bytes it holds against a budget (host or device).
@@ -44,6 +47,8 @@ struct Inner {
     capacity: usize,
     /// Host bytes of pushes being received or queued here.
     bytes: ByteBudget,
+    /// The next arrival's [`Received::seq`].
+    next_seq: std::sync::atomic::AtomicU64,
 }
 
 /// The queue of pushed tensors. Cloning is cheap.
@@ -60,6 +65,7 @@ impl Inbox {
             taken: Notify::new(),
             capacity: capacity.max(1),
             bytes: ByteBudget::new(max_bytes),
+            next_seq: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -86,13 +92,15 @@ impl Inbox {
         held: Reservation,
         timeout: Duration,
     ) -> Result<()> {
-        let item = (item, held);
+        let mut item = (item, held);
         let wait = async {
             loop {
                 let notified = self.0.taken.notified();
                 {
                     let mut queue = self.lock();
                     if queue.len() < self.0.capacity {
+                        // Numbered under the lock: the queue stays in `seq` order.
+                        item.0.seq = self.0.next_seq.fetch_add(1, Ordering::Relaxed);
                         queue.push_back(item);
                         self.0.arrived.notify_waiters();
                         return;
@@ -126,15 +134,24 @@ impl Inbox {
             .map_err(|_| Error::timeout(what, timeout))
     }
 
-    /// Puts `item`, just taken by [`take`](Self::take), back at the head of the queue: its
-    /// taker could not hand it on (an asyncio `recv` cancelled after the runtime took the
-    /// tensor but before the event loop delivered it). Never waits and never refuses: the
-    /// tensor is in memory already, so it is queued even past the count and byte limits
-    /// (its bytes are counted again until it is taken).
-    pub fn give_back(&self, item: Received) {
-        let held = self.0.bytes.reserve_over(item.tensor.byte_len());
-        self.lock().push_front((item, held));
+    /// Puts `item`, taken by [`take`](Self::take), back where it was in the queue (before
+    /// every tensor that arrived after it): its taker could not hand it on (an asyncio
+    /// `recv` cancelled after the runtime took the tensor but before the event loop
+    /// delivered it). Never waits and never refuses: the tensor is in memory already, so it
+    /// is queued even past the count limit, its bytes counted again by `held` (from
+    /// [`reserve_again`](Self::reserve_again) or the device pushes' budget).
+    pub(crate) fn give_back(&self, item: Received, held: Reservation) {
+        let mut queue = self.lock();
+        let at = queue.partition_point(|(queued, _)| queued.seq < item.seq);
+        queue.insert(at, (item, held));
+        drop(queue);
         self.0.arrived.notify_waiters();
+    }
+
+    /// Holds `bytes` of host memory against the inbox's budget again, even past its limit:
+    /// for a pushed tensor given back ([`give_back`](Self::give_back)).
+    pub(crate) fn reserve_again(&self, bytes: u64) -> Reservation {
+        self.0.bytes.reserve_over(bytes)
     }
 
     fn try_take(&self, name: Option<&TensorName>) -> Option<Received> {
@@ -164,6 +181,7 @@ mod tests {
             from: iroh::SecretKey::generate().public(),
             name: TensorName::new(name).expect("name"),
             tensor: Tensor::from_bytes(name.as_bytes().to_vec()),
+            seq: 0,
         }
     }
 
@@ -192,25 +210,26 @@ mod tests {
 
     /// Regression: an asyncio `recv` cancelled after the runtime took its tensor lost it.
     #[tokio::test]
-    async fn a_tensor_given_back_is_taken_first_and_counted_again() {
+    async fn tensors_given_back_go_where_they_were_and_count_again() {
         let inbox = Inbox::new(1, 8);
         let t = Duration::from_secs(1);
         deliver(&inbox, "first", t).await.expect("first");
-        let taken = inbox.take(None, t).await.expect("first");
+        let first = inbox.take(None, t).await.expect("first");
+        deliver(&inbox, "second", t).await.expect("second");
+        let second = inbox.take(None, t).await.expect("second");
         deliver(&inbox, "later", t).await.expect("later");
         assert_eq!(inbox.bytes(), 5);
-        // Back at the head even though the inbox is full (capacity 1) and its bytes count
-        // past the budget's 8.
-        inbox.give_back(taken);
-        assert_eq!((inbox.len(), inbox.bytes()), (2, 10));
-        assert_eq!(
-            inbox.take(None, t).await.expect("again").name.as_str(),
-            "first"
-        );
-        assert_eq!(
-            inbox.take(None, t).await.expect("then").name.as_str(),
-            "later"
-        );
+        // Back where they were, given back in either order, even though the inbox is full
+        // (capacity 1) and their bytes count past the budget's 8.
+        for item in [second, first] {
+            let held = inbox.reserve_again(item.tensor.byte_len());
+            inbox.give_back(item, held);
+        }
+        assert_eq!((inbox.len(), inbox.bytes()), (3, 16));
+        for name in ["first", "second", "later"] {
+            let got = inbox.take(None, t).await.expect("taken");
+            assert_eq!(got.name.as_str(), name);
+        }
         assert_eq!(inbox.bytes(), 0);
     }
 

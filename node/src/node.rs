@@ -580,7 +580,14 @@ impl Node {
     /// the head of the inbox, for a taker that could not hand it on (an asyncio `recv`
     /// cancelled after the tensor was taken): the next `recv` returns it. Never refused.
     pub fn give_back(&self, item: Received) {
-        self.inner.ctx.inbox.give_back(item);
+        let ctx = &self.inner.ctx;
+        let bytes = item.tensor.byte_len();
+        // Counted again against the budget it was received under.
+        let held = match item.tensor.device() {
+            Device::Host => ctx.inbox.reserve_again(bytes),
+            Device::Cuda(_) => ctx.device_pushes.reserve_over(bytes),
+        };
+        ctx.inbox.give_back(item, held);
     }
 
     /// Serves `kind` requests on this node's `tb/data/1` links with `service` (see

@@ -178,6 +178,11 @@ impl Watch<'_> {
     pub(crate) async fn next(&mut self) -> Option<Offer> {
         self.offers.recv().await
     }
+
+    /// The next offer queued already, if any (never waits).
+    pub(crate) fn try_next(&mut self) -> Option<Offer> {
+        self.offers.try_recv().ok()
+    }
 }
 
 /// A watcher's place in [`Watchers`]: dropping it takes the watcher out.
@@ -464,6 +469,23 @@ mod tests {
         assert_eq!(watchers.offer(&w, 3, &tensor(&big)), 1);
     }
 
+    /// A non-blocking socket pair and a [`Direct`] to its first end (`copies`: the watcher
+    /// proved read-write access).
+    fn direct_pair(
+        copies: bool,
+    ) -> (
+        std::os::unix::net::UnixStream,
+        std::os::unix::net::UnixStream,
+        std::sync::Arc<Direct>,
+    ) {
+        use std::os::fd::AsFd;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
+        ours.set_nonblocking(true).expect("non-blocking");
+        theirs.set_nonblocking(true).expect("non-blocking");
+        let direct = Direct::new(ours.as_fd(), copies).expect("direct");
+        (ours, theirs, direct)
+    }
+
     /// The next frame on `sock` (non-blocking), decoded; `None` when nothing is there.
     fn frame_on(sock: &mut std::os::unix::net::UnixStream) -> Option<DataResponse> {
         use std::io::Read;
@@ -489,14 +511,11 @@ mod tests {
 
     #[tokio::test]
     async fn small_offers_go_straight_to_a_same_host_socket_in_order() {
-        use std::{io::Read, os::fd::AsFd};
+        use std::io::Read;
         let written = tb_dashboard::IntCounter::new("w", "w").expect("counter");
         let watchers = Watchers::new(written.clone());
         let w = TensorName::new("w").expect("name");
-        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
-        ours.set_nonblocking(true).expect("non-blocking");
-        theirs.set_nonblocking(true).expect("non-blocking");
-        let direct = Direct::new(ours.as_fd(), true).expect("direct");
+        let (ours, mut theirs, direct) = direct_pair(true);
         let mut watch = watchers
             .register_with(&w, true, Some(direct.clone()))
             .expect("watch");
@@ -543,14 +562,10 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn large_offers_to_copy_go_straight_with_their_memfd() {
-        use std::os::fd::AsFd;
         let written = tb_dashboard::IntCounter::new("w", "w").expect("counter");
         let watchers = Watchers::new(written.clone());
         let w = TensorName::new("w").expect("name");
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
-        ours.set_nonblocking(true).expect("non-blocking");
-        theirs.set_nonblocking(true).expect("non-blocking");
-        let direct = Direct::new(ours.as_fd(), true).expect("direct");
+        let (_ours, theirs, direct) = direct_pair(true);
         let mut watch = watchers
             .register_with(&w, true, Some(direct.clone()))
             .expect("watch");
@@ -608,8 +623,7 @@ mod tests {
         direct.written();
 
         // A watcher that may not copy: queued for the task to send.
-        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("pair");
-        let reader = Direct::new(ours.as_fd(), false).expect("direct");
+        let (_ours, _theirs, reader) = direct_pair(false);
         let x = TensorName::new("x").expect("name");
         let mut only_reads = watchers
             .register_with(&x, true, Some(reader))

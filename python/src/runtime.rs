@@ -486,7 +486,8 @@ where
             // Cancelled already: the result goes back. (One cancelled between here and the
             // loop's `settle` is a window this fallback, for loops that cannot watch a
             // file descriptor, leaves open.)
-            if settled.bind(py).borrow().done() {
+            // Busy (borrowed on another thread): settled as usual, where a cancel wins.
+            if settled.bind(py).try_borrow().is_ok_and(|f| f.done()) {
                 if let Ok(value) = out {
                     give_back(value);
                 }
@@ -596,7 +597,7 @@ type Convert =
 /// to wake the loop for it. One per loop, made on its first call.
 #[pyclass(frozen, module = "tensor_broker._native")]
 pub(crate) struct LoopWaker {
-    queue: Mutex<Vec<(Py<CallFuture>, Convert)>>,
+    queue: Mutex<std::collections::VecDeque<(Py<CallFuture>, Convert)>>,
     wake: std::os::unix::net::UnixStream,
     woken: std::os::unix::net::UnixStream,
 }
@@ -632,7 +633,7 @@ impl LoopWaker {
         let waker = Bound::new(
             py,
             LoopWaker {
-                queue: Mutex::new(Vec::new()),
+                queue: Mutex::default(),
                 wake,
                 woken,
             },
@@ -653,12 +654,14 @@ impl LoopWaker {
     /// Gives back the result of `future` (cancelled) if it is queued here: the loop would
     /// give it back when it drains the queue, after whatever a next call takes meanwhile.
     fn give_back(&self, py: Python<'_>, future: &Bound<'_, CallFuture>) {
-        let mine: Vec<_> = self
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extract_if(.., |(queued, _)| queued.is(future))
-            .collect();
+        let mine: std::collections::VecDeque<_> = {
+            let mut queue = self.lock();
+            let (mine, rest) = std::mem::take(&mut *queue)
+                .into_iter()
+                .partition(|(queued, _)| queued.is(future));
+            *queue = rest;
+            mine
+        };
         for (_, convert) in mine {
             convert(py, false);
         }
@@ -667,14 +670,46 @@ impl LoopWaker {
     /// Queues `future`'s result (any runtime thread; no GIL needed) and wakes the loop if
     /// the queue was empty.
     fn complete(&self, future: Py<CallFuture>, convert: Convert) {
-        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = self.lock();
         let first = queue.is_empty();
-        queue.push((future, convert));
+        queue.push_back((future, convert));
         drop(queue);
         if first {
-            // A full socket already holds a byte the loop has yet to read.
-            let _ = std::io::Write::write(&mut &self.wake, &[1]);
+            self.wake();
         }
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(Py<CallFuture>, Convert)>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the byte that makes the loop call [`drain`](Self::drain).
+    fn wake(&self) {
+        // A full socket already holds a byte the loop has yet to read.
+        let _ = std::io::Write::write(&mut &self.wake, &[1]);
+    }
+
+    /// The oldest completion queued.
+    fn pop(&self) -> Option<(Py<CallFuture>, Convert)> {
+        self.lock().pop_front()
+    }
+}
+
+/// Results still queued when the waker goes (its loop closed and was dropped before it
+/// drained them) are given back to where their calls took them from, not dropped.
+impl Drop for LoopWaker {
+    fn drop(&mut self) {
+        let left = std::mem::take(&mut *self.lock());
+        if left.is_empty() {
+            return;
+        }
+        let _ = Python::try_attach(|py| {
+            for (_, convert) in left {
+                convert(py, false);
+            }
+        });
     }
 }
 
@@ -687,23 +722,33 @@ impl LoopWaker {
         let mut bytes = [0u8; 64];
         // One byte per wake-up: a short read means the socket is empty.
         while let Ok(64) = std::io::Read::read(&mut &self.woken, &mut bytes) {}
-        let done = std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()));
-        let mut done = done.into_iter();
-        while let Some((future, convert)) = done.next() {
+        // Taken one at a time, so that a step run here which cancels another call finds that
+        // call's result still queued and gives it back at once (`give_back`). At most what
+        // was queued when it began: more is left for another call, woken for here.
+        let count = self.lock().len();
+        for _ in 0..count {
+            let Some((future, convert)) = self.pop() else {
+                return Ok(());
+            };
             let future = future.bind(py);
-            let Some((ok, value)) = convert(py, !future.borrow().done()) else {
+            let wanted = !future.borrow().done();
+            let Some((ok, value)) = convert(py, wanted) else {
                 continue;
             };
             if let Err(e) = CallFuture::settle(future, ok, value, true) {
                 // Ctrl-C or an exit in a step: what is left is settled before it propagates.
-                for (future, convert) in done {
+                while let Some((future, convert)) = self.pop() {
                     let future = future.bind(py);
-                    if let Some((ok, value)) = convert(py, !future.borrow().done()) {
+                    let wanted = !future.borrow().done();
+                    if let Some((ok, value)) = convert(py, wanted) {
                         let _ = CallFuture::settle(future, ok, value, false);
                     }
                 }
                 return Err(e);
             }
+        }
+        if !self.lock().is_empty() {
+            self.wake();
         }
         Ok(())
     }

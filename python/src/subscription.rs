@@ -34,6 +34,9 @@ pub struct Event {
     skipped_from: Option<u64>,
     deleted: bool,
     tensor: Option<Tensor>,
+    /// Its place in the order the subscription read events: what puts an event given back
+    /// (an awaited read cancelled after it took it) where it was.
+    seq: u64,
 }
 
 #[pymethods]
@@ -123,8 +126,8 @@ pub struct Subscription {
     /// Fired by `close`; outside the lock, which a waiting `next` holds.
     closed: CancellationToken,
     /// Events an awaited `next` took but could not deliver (cancelled in the moment before
-    /// its loop settled it), oldest first: the next `next` returns them before reading on.
-    given_back: Arc<std::sync::Mutex<VecDeque<Event>>>,
+    /// its loop settled it): the next `next` returns them before reading on.
+    given_back: Arc<GivenBack>,
     pattern: String,
 }
 
@@ -132,6 +135,31 @@ pub struct Subscription {
 struct Reader {
     sub: Option<tb_node::Subscription>,
     skipped: HashMap<String, (u64, u64)>,
+    /// The next event's [`Event::seq`].
+    next_seq: u64,
+}
+
+/// Events given back ([`Subscription::next_async`]), in the order they were read, and the
+/// signal that wakes a `next` waiting meanwhile to return them first.
+#[derive(Default)]
+struct GivenBack {
+    events: std::sync::Mutex<VecDeque<Event>>,
+    added: tokio::sync::Notify,
+}
+
+impl GivenBack {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Event>> {
+        self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Puts `event` back before every event read after it.
+    fn put(&self, event: Event) {
+        let mut events = self.lock();
+        let at = events.partition_point(|e| e.seq < event.seq);
+        events.insert(at, event);
+        drop(events);
+        self.added.notify_one();
+    }
 }
 
 impl Subscription {
@@ -141,6 +169,7 @@ impl Subscription {
             inner: Arc::new(tokio::sync::Mutex::new(Reader {
                 sub: Some(sub),
                 skipped: HashMap::new(),
+                next_seq: 0,
             })),
             closed: CancellationToken::new(),
             given_back: Arc::default(),
@@ -149,6 +178,11 @@ impl Subscription {
 }
 
 impl Reader {
+    fn take_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
     /// The next version or delete (`None`: the subscription ended).
     async fn next(&mut self) -> Option<tb_node::Result<Event>> {
         // Bounded by what the node sends: every event is either returned or a skip folded
@@ -188,6 +222,7 @@ impl Reader {
                         skipped_from: from,
                         deleted: false,
                         tensor,
+                        seq: self.take_seq(),
                     }));
                 }
                 SubEvent::Deleted { name } => {
@@ -203,16 +238,12 @@ impl Reader {
                         skipped_from: None,
                         deleted: true,
                         tensor: None,
+                        seq: self.take_seq(),
                     }));
                 }
             }
         }
     }
-}
-
-/// The given-back events, whatever a panic elsewhere left.
-fn lock(events: &std::sync::Mutex<VecDeque<Event>>) -> std::sync::MutexGuard<'_, VecDeque<Event>> {
-    events.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Subscription {
@@ -227,19 +258,26 @@ impl Subscription {
         let pattern = self.pattern.clone();
         let what = move || format!("an update for {pattern:?}");
         limited(timeout, what, async move {
-            if closed.is_cancelled() {
-                return Ok(None);
+            // Bounded by the events given back while it waits: each makes one more round.
+            loop {
+                if closed.is_cancelled() {
+                    return Ok(None);
+                }
+                let added = given_back.added.notified();
+                if let Some(event) = given_back.lock().pop_front() {
+                    return Ok(Some(event));
+                }
+                // Biased: once closed, no event is read, even one that is ready; an event
+                // given back meanwhile comes before the next one read (reading is
+                // cancel-safe: what it folded in stays in the reader).
+                let got = tokio::select! {
+                    biased;
+                    () = closed.cancelled() => None,
+                    () = added => continue,
+                    got = async { inner.lock().await.next().await } => got,
+                };
+                return got.transpose().map_err(to_py);
             }
-            if let Some(event) = lock(&given_back).pop_front() {
-                return Ok(Some(event));
-            }
-            // Biased: once closed, no event is read, even one that is ready.
-            let got = tokio::select! {
-                biased;
-                () = closed.cancelled() => None,
-                got = async { inner.lock().await.next().await } => got,
-            };
-            got.transpose().map_err(to_py)
         })
     }
 }
@@ -272,7 +310,7 @@ impl Subscription {
         let given_back = self.given_back.clone();
         start_returning(py, self.next_work(timeout)?, move |event| {
             if let Some(event) = event {
-                lock(&given_back).push_front(event);
+                given_back.put(event);
             }
         })
     }

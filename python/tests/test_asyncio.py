@@ -244,11 +244,17 @@ def test_a_read_cancelled_after_it_took_its_tensor_gives_it_back(cluster: tb.Loc
                     fut = b._node.recv_async(None)
                     assert not fut.done()  # the inbox is empty: the read waits
                     pusher.push(b.addr, f"back/{i}", np.full(8, i, dtype=np.int16))
-                    time.sleep(0.2)  # the read completes on the runtime meanwhile
+                    # The read takes it on the runtime meanwhile (the queue empties; the
+                    # sync status call does not let the loop run).
+                    deadline = time.monotonic() + LIMIT_S
+                    while b._node.status()["pushes_queued"]:
+                        assert time.monotonic() < deadline, "the waiting read took nothing"
+                        time.sleep(0.01)
                     assert fut.cancel() and fut.cancelled()
                     got = await b.recv(timeout=LIMIT_S)
                     assert (got.name, got.array().tolist()) == (f"back/{i}", [i] * 8)
-                # Back in order, ahead of what came after it.
+                # Back in order, ahead of what came after it; two given back in either
+                # order go back in the order they came.
                 fut = b._node.recv_async(None)
                 pusher.push(b.addr, "back/first", np.zeros(2, dtype=np.int8))
                 time.sleep(0.2)
@@ -256,6 +262,13 @@ def test_a_read_cancelled_after_it_took_its_tensor_gives_it_back(cluster: tb.Loc
                 assert fut.cancel()
                 names = [(await b.recv(timeout=LIMIT_S)).name for _ in range(2)]
                 assert names == ["back/first", "back/second"]
+                futs = [b._node.recv_async(None) for _ in range(2)]
+                for name in ("back/x", "back/y", "back/z"):
+                    pusher.push(b.addr, name, np.ones(2, dtype=np.int8))
+                time.sleep(0.2)
+                assert futs[1].cancel() and futs[0].cancel()
+                names = [(await b.recv(timeout=LIMIT_S)).name for _ in range(3)]
+                assert names == ["back/x", "back/y", "back/z"]
                 assert (await b.status())["pushes_queued"] == 0
                 async with b.subscribe("back/v") as sub:
                     for i in range(1, 4):

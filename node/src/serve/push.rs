@@ -77,6 +77,7 @@ pub(super) async fn serve_push(
         from: peer,
         name,
         tensor,
+        seq: 0,
     };
     let queued = ctx.inbox.deliver(item, held, ctx.config.request_timeout);
     let (reply, delivered) = match queued.await {

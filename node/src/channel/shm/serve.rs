@@ -432,6 +432,7 @@ async fn serve_push(
         from: peer,
         name,
         tensor,
+        seq: 0,
     };
     let reply = match ctx
         .inbox

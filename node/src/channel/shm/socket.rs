@@ -56,10 +56,10 @@ impl ReadBuf {
     }
 }
 
-/// One same-host socket, with what was read from it but not yet consumed.
 /// Most parts one [`ShmStream::write_parts`] takes.
 pub(crate) const MAX_PARTS: usize = 4;
 
+/// One same-host socket, with what was read from it but not yet consumed.
 #[derive(Debug)]
 pub(crate) struct ShmStream {
     stream: UnixStream,
@@ -111,7 +111,7 @@ impl ShmStream {
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<()> {
         let head = frame::encode(msg).map_err(|e| Error::io("encoding a frame", e))?;
-        self.send(&head, payload, fd).await
+        self.write_parts(&[&head, payload], fd).await
     }
 
     /// Writes two frames, then `payload` right behind them (one `sendmsg` when they fit),
@@ -126,7 +126,7 @@ impl ShmStream {
     ) -> Result<()> {
         let first = frame::encode(first).map_err(|e| Error::io("encoding a frame", e))?;
         let second = frame::encode(second).map_err(|e| Error::io("encoding a frame", e))?;
-        self.send_parts(&[&first, &second, payload], fd).await
+        self.write_parts(&[&first, &second, payload], fd).await
     }
 
     /// Writes `parts` one after another, in one `sendmsg` when they fit: frames encoded
@@ -139,23 +139,6 @@ impl ShmStream {
         parts: &[&[u8]],
         fd: Option<BorrowedFd<'_>>,
     ) -> Result<()> {
-        self.send_parts(parts, fd).await
-    }
-
-    /// Writes `head` then `payload` (one `sendmsg` when they fit), with `fd` attached to the
-    /// first byte when given.
-    async fn send(
-        &mut self,
-        head: &[u8],
-        payload: &[u8],
-        fd: Option<BorrowedFd<'_>>,
-    ) -> Result<()> {
-        self.send_parts(&[head, payload], fd).await
-    }
-
-    /// Writes `parts` in order (one `sendmsg` when they fit), with `fd` attached to the first
-    /// byte when given.
-    async fn send_parts(&mut self, parts: &[&[u8]], fd: Option<BorrowedFd<'_>>) -> Result<()> {
         if parts.len() > MAX_PARTS {
             return Err(Error::Io(format!(
                 "a same-host write of {} parts (at most {MAX_PARTS})",

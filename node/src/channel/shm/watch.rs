@@ -58,7 +58,18 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
     };
     loop {
         let offer = tokio::select! {
-            _ = ctx.cancel.cancelled() => return,
+            _ = ctx.cancel.cancelled() => {
+                // An offer written straight to the watcher holds its memfd until the watcher
+                // copied it: its receipt is waited for before the offer goes (at most QUEUE
+                // offers, each within `stall`).
+                while let Some(offer) = watch.try_next() {
+                    let receipt = read_receipt(conn, offer.version);
+                    if offer.sent && within(stall, "an offer's receipt", receipt).await.is_err() {
+                        break;
+                    }
+                }
+                return;
+            }
             offer = watch.next() => match offer {
                 Some(offer) => offer,
                 None => return,
