@@ -8,7 +8,10 @@
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex, MutexGuard, atomic::Ordering},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -48,7 +51,7 @@ struct Inner {
     /// Host bytes of pushes being received or queued here.
     bytes: ByteBudget,
     /// The next arrival's [`Received::seq`].
-    next_seq: std::sync::atomic::AtomicU64,
+    next_seq: AtomicU64,
 }
 
 /// The queue of pushed tensors. Cloning is cheap.
@@ -65,7 +68,7 @@ impl Inbox {
             taken: Notify::new(),
             capacity: capacity.max(1),
             bytes: ByteBudget::new(max_bytes),
-            next_seq: std::sync::atomic::AtomicU64::new(0),
+            next_seq: AtomicU64::new(0),
         }))
     }
 

@@ -576,9 +576,10 @@ impl Node {
             .await
     }
 
-    /// Puts `item`, taken by [`recv`](Self::recv) or [`wait_for`](Self::wait_for), back at
-    /// the head of the inbox, for a taker that could not hand it on (an asyncio `recv`
-    /// cancelled after the tensor was taken): the next `recv` returns it. Never refused.
+    /// Puts `item`, taken by [`recv`](Self::recv) or [`wait_for`](Self::wait_for), back
+    /// where it was in the inbox (ahead of every push that arrived after it), for a taker
+    /// that could not hand it on (an asyncio `recv` cancelled after the tensor was taken).
+    /// Never refused.
     pub fn give_back(&self, item: Received) {
         let ctx = &self.inner.ctx;
         let bytes = item.tensor.byte_len();

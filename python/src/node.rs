@@ -851,7 +851,7 @@ impl NodeHandle {
     }
 
     /// [`recv`](Self::recv) as an awaitable. Cancelling it takes nothing from the queue:
-    /// a tensor taken in the moment before the cancel goes back to the head of the queue.
+    /// a tensor taken in the moment before the cancel goes back where it was.
     #[pyo3(signature = (timeout=None))]
     fn recv_async<'py>(
         &self,

@@ -421,7 +421,7 @@ where
 /// [`start`] for work that takes something from a queue (a pushed tensor, a subscription's
 /// event): a result the future can no longer deliver, because it was cancelled after the
 /// work completed but before the loop settled it, goes to `give_back` (which puts it back
-/// at the head of its queue) instead of being dropped. A cancel that comes before the work
+/// where it was in its queue) instead of being dropped. A cancel that comes before the work
 /// completes drops the work, which has taken nothing then.
 pub(crate) fn start_returning<'py, F, T, G>(
     py: Python<'py>,
@@ -483,10 +483,10 @@ where
         }
         // Not at all when the interpreter is shutting down: nobody awaits the result.
         Python::try_attach(|py| {
-            // Cancelled already: the result goes back. (One cancelled between here and the
-            // loop's `settle` is a window this fallback, for loops that cannot watch a
-            // file descriptor, leaves open.)
-            // Busy (borrowed on another thread): settled as usual, where a cancel wins.
+            // Cancelled already: the result goes back (a future borrowed elsewhere right now
+            // is settled as usual). One cancelled between here and the loop's `settle` is a
+            // window this fallback, for loops that cannot watch a file descriptor, leaves
+            // open.
             if settled.bind(py).try_borrow().is_ok_and(|f| f.done()) {
                 if let Ok(value) = out {
                     give_back(value);
@@ -654,15 +654,13 @@ impl LoopWaker {
     /// Gives back the result of `future` (cancelled) if it is queued here: the loop would
     /// give it back when it drains the queue, after whatever a next call takes meanwhile.
     fn give_back(&self, py: Python<'_>, future: &Bound<'_, CallFuture>) {
-        let mine: std::collections::VecDeque<_> = {
+        // A call completes once: at most one entry is its.
+        let mine = {
             let mut queue = self.lock();
-            let (mine, rest) = std::mem::take(&mut *queue)
-                .into_iter()
-                .partition(|(queued, _)| queued.is(future));
-            *queue = rest;
-            mine
+            let at = queue.iter().position(|(queued, _)| queued.is(future));
+            at.and_then(|at| queue.remove(at))
         };
-        for (_, convert) in mine {
+        if let Some((_, convert)) = mine {
             convert(py, false);
         }
     }
@@ -689,6 +687,14 @@ impl LoopWaker {
     fn wake(&self) {
         // A full socket already holds a byte the loop has yet to read.
         let _ = std::io::Write::write(&mut &self.wake, &[1]);
+    }
+
+    /// Wakes the loop again for completions queued while it drained (they found the queue
+    /// not empty, so wrote no byte).
+    fn wake_if_left(&self) {
+        if !self.lock().is_empty() {
+            self.wake();
+        }
     }
 
     /// The oldest completion queued.
@@ -725,8 +731,10 @@ impl LoopWaker {
         // Taken one at a time, so that a step run here which cancels another call finds that
         // call's result still queued and gives it back at once (`give_back`). At most what
         // was queued when it began: more is left for another call, woken for here.
-        let count = self.lock().len();
-        for _ in 0..count {
+        let mut count = self.lock().len();
+        // Bounded by `count`.
+        while count > 0 {
+            count -= 1;
             let Some((future, convert)) = self.pop() else {
                 return Ok(());
             };
@@ -736,20 +744,21 @@ impl LoopWaker {
                 continue;
             };
             if let Err(e) = CallFuture::settle(future, ok, value, true) {
-                // Ctrl-C or an exit in a step: what is left is settled before it propagates.
-                while let Some((future, convert)) = self.pop() {
+                // Ctrl-C or an exit in a step: what is left of the batch is settled before
+                // it propagates (bounded by `count`).
+                while let Some((future, convert)) = (count > 0).then(|| self.pop()).flatten() {
+                    count -= 1;
                     let future = future.bind(py);
                     let wanted = !future.borrow().done();
                     if let Some((ok, value)) = convert(py, wanted) {
                         let _ = CallFuture::settle(future, ok, value, false);
                     }
                 }
+                self.wake_if_left();
                 return Err(e);
             }
         }
-        if !self.lock().is_empty() {
-            self.wake();
-        }
+        self.wake_if_left();
         Ok(())
     }
 }

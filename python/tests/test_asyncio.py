@@ -270,6 +270,9 @@ def test_a_read_cancelled_after_it_took_its_tensor_gives_it_back(cluster: tb.Loc
                 names = [(await b.recv(timeout=LIMIT_S)).name for _ in range(3)]
                 assert names == ["back/x", "back/y", "back/z"]
                 assert (await b.status())["pushes_queued"] == 0
+                # Subscription reads the same way. Nothing here shows whether the read took
+                # the version before the cancel (0.3 s is ample on this VM); either way the
+                # next read must return it, in order.
                 async with b.subscribe("back/v") as sub:
                     for i in range(1, 4):
                         fut = sub._sub.next_async(None)

@@ -49,12 +49,10 @@ pub(crate) enum VerifyError {
 }
 
 /// Payloads at least this large are hashed on several threads (below it the hand-off costs
-/// more than a second core wins). Measured on the 2-core development VM, copying and hashing
-/// with a pause between payloads as between puts (p50, one thread against shared): with
-/// 0.3 ms pauses, 512 KiB 55 against 72-74 µs, 1 MiB 114-119 against 131-137, 2 MiB 239
-/// against 141; with 1 ms pauses 1 MiB 117 against 130-137 and 2 MiB 233 against 249-252
-/// (a pool thread asleep that long wakes too late to take a share). It was 512 KiB.
-const RAYON_MIN: usize = 2 << 20;
+/// more than a second core wins). 2 MiB was tried: one thread alone copied and hashed 1 MiB
+/// faster in a loop with idle pauses (114-119 against 130-137 µs p50), but between processes
+/// 1 MiB by name from Rust fell from 4,422-5,422 to 3,530-4,350 MB/s (alternating runs).
+const RAYON_MIN: usize = 512 << 10;
 
 /// The BLAKE3 hash of `bytes`, on every core for large payloads ([`leaves_shared`]). It
 /// blocks for as long as hashing takes: call it off the async threads, or on payloads whose

@@ -63,8 +63,11 @@ pub(crate) async fn serve(ctx: &NodeCtx, conn: &mut ShmStream, name: &TensorName
                 // copied it: its receipt is waited for before the offer goes (at most QUEUE
                 // offers, each within `stall`).
                 while let Some(offer) = watch.try_next() {
+                    if !offer.sent {
+                        continue;
+                    }
                     let receipt = read_receipt(conn, offer.version);
-                    if offer.sent && within(stall, "an offer's receipt", receipt).await.is_err() {
+                    if within(stall, "an offer's receipt", receipt).await.is_err() {
                         break;
                     }
                 }
@@ -149,21 +152,18 @@ async fn write_offer(conn: &mut ShmStream, offer: &Offer, access: Access) -> Res
         meta: offer.tensor.meta().clone(),
         version: offer.version,
     };
-    if let Some(data) = (offer.tensor.host_data()).filter(|d| d.len() <= INLINE_MAX) {
-        // The header and what follows it go in one write.
-        let copyable = (offer.tensor.made_region())
-            .filter(|_| access == Access::ReadWrite)
-            .and_then(|region| region.read_only_fd().ok());
-        let Some(fd) = copyable else {
-            let inline = ShmPayload::Inline;
-            return conn.write_frames_and(&header, &inline, data, None).await;
-        };
-        let memfd = ShmPayload::MemfdCopy { offset: 0 };
-        conn.write_frames_and(&header, &memfd, &[], Some(fd.as_fd()))
-            .await?;
+    // The header and what follows it go in one write.
+    if access == Access::ReadWrite
+        && let Some((frames, fd)) = copy_offer(offer)
+    {
+        conn.write_parts(&[&frames], Some(fd.as_fd())).await?;
         drop(fd);
         // The offer (and so the memfd's bytes) is held until the watcher copied them.
         return read_receipt(conn, offer.version).await;
+    }
+    if let Some(data) = (offer.tensor.host_data()).filter(|d| d.len() <= INLINE_MAX) {
+        let inline = ShmPayload::Inline;
+        return conn.write_frames_and(&header, &inline, data, None).await;
     }
     let region = offer.tensor.shm_region()?;
     let memfd = ShmPayload::Memfd { offset: 0 };
